@@ -1,0 +1,241 @@
+"""The rendezvous store: a small authenticated key-value server and its client.
+
+The launcher (``hora run``, ``hora.run()``, the test harness) serves it; workers use it to publish
+their data-port addresses, find each other, and leave a note saying why a job aborted. Every
+connection is authenticated with the job secret (:mod:`hora.transport.auth`); one that fails is
+dropped with a log line and the store keeps serving the others.
+
+Wire format, both directions: ``op:u8 | len:u32 | key | len:u32 | value`` (requests) and
+``status:u8 | len:u32 | payload`` (replies). ``GET`` waits (server side) until the key exists or
+its timeout, carried in the value as a float64, runs out.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+
+from hora.common.errors import HoraError
+from hora.transport import auth, net
+
+log = logging.getLogger("hora.store")
+
+SET, GET, ADD, DELETE, CHECK = range(1, 6)
+OK, MISSING, TIMEOUT, BAD = range(4)
+_U32 = struct.Struct("!I")
+_MAX_VALUE = 64 << 20
+
+
+class StoreTimeout(HoraError):
+    """A key did not appear in the store within the timeout."""
+
+
+def _send_frame(sock: socket.socket, tag: int, key: bytes, value: bytes) -> None:
+    sock.sendall(bytes([tag]) + _U32.pack(len(key)) + key + _U32.pack(len(value)) + value)
+
+
+def _recv_frame(sock: socket.socket) -> tuple[int, bytes, bytes]:
+    tag = auth.recv_exact(sock, 1)[0]
+    (n,) = _U32.unpack(auth.recv_exact(sock, 4))
+    if n > _MAX_VALUE:
+        raise ValueError(f"frame of {n} bytes is too long")
+    key = auth.recv_exact(sock, n) if n else b""
+    (m,) = _U32.unpack(auth.recv_exact(sock, 4))
+    if m > _MAX_VALUE:
+        raise ValueError(f"frame of {m} bytes is too long")
+    return tag, key, auth.recv_exact(sock, m) if m else b""
+
+
+class StoreServer:
+    """Serve the store on ``host:port`` (port 0 picks a free one) until :meth:`close`.
+
+    >>> with StoreServer(secret) as server:
+    ...     addr = server.address   # "127.0.0.1:41234", for HORA_STORE_ADDR
+    """
+
+    def __init__(self, secret: str | bytes, host: str = "127.0.0.1", port: int = 0):
+        self._secret = secret.encode() if isinstance(secret, str) else secret
+        self._data: dict[bytes, bytes] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+        self._listener = socket.create_server((host, port), backlog=128)
+        self._conns: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
+        self._acceptor = threading.Thread(target=self._accept_loop, name="hora-store", daemon=True)
+        self._acceptor.start()
+
+    @property
+    def address(self) -> str:
+        host, port = self._listener.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def __enter__(self) -> "StoreServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+            conns = list(self._conns)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._acceptor.join(5)
+        for t in list(self._threads):
+            t.join(5)
+
+    # direct access for the process that owns the server (launcher, tests)
+    def set(self, key: str, value: bytes) -> None:
+        with self._cond:
+            self._data[key.encode()] = value
+            self._cond.notify_all()
+
+    def get(self, key: str) -> bytes | None:
+        with self._cond:
+            return self._data.get(key.encode())
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                return
+            with self._cond:
+                if self._closed:
+                    sock.close()
+                    return
+                self._threads = [t for t in self._threads if t.is_alive()]
+                t = threading.Thread(target=self._serve, args=(sock, peer), name="hora-store-conn",
+                                     daemon=True)
+                self._threads.append(t)
+                self._conns.add(sock)
+            t.start()
+
+    def _serve(self, sock: socket.socket, peer) -> None:
+        try:
+            net.tune(sock)
+            try:
+                auth.accept_handshake(sock, self._secret)
+            except Exception as e:  # noqa: BLE001 - any failure means: drop this client
+                log.warning("hora store: dropped connection from %s:%s: %s", peer[0], peer[1], e)
+                return
+            while True:
+                try:
+                    op, key, value = _recv_frame(sock)
+                except (OSError, ConnectionError, ValueError):
+                    return
+                status, payload = self._handle(op, key, value)
+                sock.sendall(bytes([status]) + _U32.pack(len(payload)) + payload)
+        except OSError:
+            pass
+        finally:
+            with self._cond:
+                self._conns.discard(sock)
+            sock.close()
+
+    def _handle(self, op: int, key: bytes, value: bytes) -> tuple[int, bytes]:
+        with self._cond:
+            if op == SET:
+                self._data[key] = value
+                self._cond.notify_all()
+                return OK, b""
+            if op == GET:
+                (timeout,) = struct.unpack("!d", value)
+                deadline = time.monotonic() + timeout
+                while key not in self._data and not self._closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return TIMEOUT, b""
+                    self._cond.wait(left)
+                return (OK, self._data[key]) if key in self._data else (MISSING, b"")
+            if op == ADD:
+                (delta,) = struct.unpack("!q", value)
+                n = int(self._data.get(key, b"0")) + delta
+                self._data[key] = str(n).encode()
+                self._cond.notify_all()
+                return OK, struct.pack("!q", n)
+            if op == DELETE:
+                return (OK if self._data.pop(key, None) is not None else MISSING), b""
+            if op == CHECK:
+                return (OK if key in self._data else MISSING), b""
+        return BAD, b"unknown op"
+
+
+class StoreClient:
+    """Thread-safe client of a :class:`StoreServer`.
+
+    >>> store = StoreClient("127.0.0.1:41234", secret)
+    >>> store.set("job/addr/0", b"127.0.0.1:5000"); store.get("job/addr/1", timeout=30)
+    """
+
+    def __init__(self, addr: str, secret: str | bytes, timeout: float = 30.0):
+        self.addr = addr
+        secret_b = secret.encode() if isinstance(secret, str) else secret
+        host, port = net.parse_addr(addr)
+        deadline = time.monotonic() + timeout
+        while True:  # the launcher may still be starting the store
+            try:
+                self._sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except OSError as e:
+                if time.monotonic() >= deadline:
+                    raise HoraError(f"cannot reach the hora store at {addr}: {e}; is the launcher "
+                                    "running and HORA_STORE_ADDR right?") from e
+                time.sleep(0.05)
+        net.tune(self._sock)
+        auth.connect_handshake(self._sock, secret_b)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def _call(self, op: int, key: str, value: bytes, timeout: float | None = None) -> tuple[int, bytes]:
+        with self._lock:
+            try:
+                self._sock.settimeout(None if timeout is None else timeout + 10)
+                _send_frame(self._sock, op, key.encode(), value)
+                status = auth.recv_exact(self._sock, 1)[0]
+                (n,) = _U32.unpack(auth.recv_exact(self._sock, 4))
+                return status, auth.recv_exact(self._sock, n) if n else b""
+            except (OSError, ConnectionError) as e:
+                raise HoraError(f"lost the connection to the hora store at {self.addr}: {e}") from e
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call(SET, key, value, 10)
+
+    def get(self, key: str, timeout: float = 30.0) -> bytes:
+        status, payload = self._call(GET, key, struct.pack("!d", timeout), timeout)
+        if status != OK:
+            raise StoreTimeout(f"store key {key!r} did not appear within {timeout:g} s")
+        return payload
+
+    def try_get(self, key: str) -> bytes | None:
+        status, payload = self._call(GET, key, struct.pack("!d", 0.0), 0.0)
+        return payload if status == OK else None
+
+    def add(self, key: str, delta: int = 1) -> int:
+        return struct.unpack("!q", self._call(ADD, key, struct.pack("!q", delta), 10)[1])[0]
+
+    def delete(self, key: str) -> bool:
+        return self._call(DELETE, key, b"", 10)[0] == OK
+
+    def check(self, key: str) -> bool:
+        return self._call(CHECK, key, b"", 10)[0] == OK
