@@ -1,0 +1,66 @@
+# hora's build: a virtualenv in .venv, set up once and reused.
+#   make setup   create .venv and install hora (editable) with its pytorch and test extras
+#   make test    run the test suite (PYTEST_ARGS='-k ring' to pass arguments to pytest)
+#   make demo    train on scikit-learn's digits with 2 ranks through `hora run`
+#   make lint    ruff
+#   make sz      code lines per module under hora/
+#   make deps-system   (root, Debian) the system packages later features need: ssh, ip, Open MPI
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Written once setup succeeded; setup reruns only when pyproject.toml (or this file) is newer.
+STAMP := $(VENV)/.hora-setup-stamp
+# torch==2.13.0 is pinned first because that CPU build lies on this kind of machine's disk;
+# letting pip resolve plain `torch` instead would download a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+PYTEST_ARGS ?=
+SYSTEM_PACKAGES := iproute2 openssh-server openssh-client openmpi-bin libopenmpi-dev
+
+.PHONY: setup test demo lint sz deps-system clean
+
+# The stamp alone is not enough: an editable install records the package layout it saw (hora was once a
+# namespace without __init__.py) and the checkout's path (a .venv copied along with a moved tree). So setup
+# also checks that the venv imports hora from this checkout (-I: not via the current directory), and
+# reinstalls when it does not. Costs one interpreter start (no import) when all is well.
+setup:
+	@$(PY) -I -c 'import importlib.util as u, sys; sys.exit(u.find_spec("hora").origin != sys.argv[1])' \
+		'$(CURDIR)/hora/__init__.py' >/dev/null 2>&1 || rm -f $(STAMP)
+	@$(MAKE) --no-print-directory -q $(STAMP) || $(MAKE) --no-print-directory $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml Makefile | $(PY)
+	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q -e '.[pytorch,test]'
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q --durations=15 $(if $(PYTEST_ARGS),$(PYTEST_ARGS),tests)
+
+demo: setup
+	$(VENV)/bin/hora run -np 2 $(PY) examples/numpy/train_digits.py
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+sz:
+	$(PYTHON) tools/sz.py
+
+# Idempotent: installs only what is missing, so it costs a dpkg query when all is there.
+# Open MPI refuses to run as root unless OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 are set;
+# mpi4py (pip) goes into the venv when the MPI transport lands.
+deps-system:
+	@if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+		echo "deps-system: not root or no apt-get; skipping ($(SYSTEM_PACKAGES))"; exit 0; fi; \
+	missing=""; for p in $(SYSTEM_PACKAGES); do \
+		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || missing="$$missing $$p"; \
+	done; \
+	if [ -z "$$missing" ]; then echo "deps-system: all installed"; exit 0; fi; \
+	echo "deps-system: installing$$missing"; \
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing
+
+clean:
+	rm -rf $(VENV) build *.egg-info
