@@ -1,0 +1,207 @@
+"""``hora run``: horovodrun's command line, starting workers on this machine.
+
+Reads the flags (and ``--config-file``), plans ranks over the hosts, serves the rendezvous store, and
+hands each worker its place through environment variables only::
+
+    HORA_RANK HORA_SIZE HORA_LOCAL_RANK HORA_LOCAL_SIZE HORA_CROSS_RANK HORA_CROSS_SIZE
+    HORA_HOSTNAME (the -H name)  HORA_STORE_ADDR (host:port)  HORA_STORE_SCOPE (job id)
+    HORA_SECRET (never on a command line, never printed)  PYTHONUNBUFFERED=1
+    + the HORA_* tuning variables of the flags that were given
+
+Exit status: 0 when every rank exits 0; else that of the first rank to fail (128+N for signal N);
+2 for a bad command line; 130/143 when the launcher itself is interrupted by SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import sys
+import uuid
+from typing import Any
+
+from hora.runner import hosts as hostlib
+from hora.runner.cli_args import UsageError, format_help, parse, suggest
+from hora.runner.config_file import load as load_config
+from hora.runner.flags import env_for
+from hora.runner.spawn import LocalJob
+
+# the launcher's half of the worker contract; HOROVOD_ aliases of these are dropped from the workers'
+# environment so a stale one (hora run started from inside another job) cannot disagree
+CONTRACT = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")
+SUBCOMMANDS = ("run",)
+
+
+def _say(msg: str) -> None:
+    print(f"hora run: {msg}", file=sys.stderr, flush=True)
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("hora")
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(sys.modules.get("hora"), "__version__", "unknown (not installed)")
+
+
+# --- check build: what this installation can do (extended as transports and features land)
+FRAMEWORKS = (("PyTorch", "torch"), ("TensorFlow", "tensorflow"), ("Keras", "keras"), ("MXNet", "mxnet"),
+              ("JAX", "jax"))
+TRANSPORTS = (("TCP", "yes"), ("shared memory", "not yet"), ("MPI", "not yet"), ("NCCL", "not yet"))
+FEATURES = (("local launch", "yes"), ("SSH launch", "not yet"), ("elastic", "not yet"))
+
+
+def check_build() -> str:
+    """The ``-cb`` table. Frameworks are found without importing them (importing TensorFlow takes
+    seconds and may grab GPUs)."""
+    lines = [f"hora v{version()}:", "", "Available Frameworks:"]
+    lines += [f"    [{'X' if importlib.util.find_spec(mod) else ' '}] {name}" for name, mod in FRAMEWORKS]
+    for title, rows in (("Transports", TRANSPORTS), ("Features", FEATURES)):
+        lines += ["", f"Available {title}:"]
+        lines += [f"    [X] {name}" if s == "yes" else f"    [ ] {name} ({s})" for name, s in rows]
+    return "\n".join(lines) + "\n"
+
+
+# --- planning
+def _hosts(values: dict[str, Any]) -> list[hostlib.Host] | None:
+    if values.get("hosts") and values.get("hostfile"):
+        raise UsageError("-H/--hosts and -hostfile/--hostfile cannot be used together; pick one")
+    if values.get("hosts"):
+        return hostlib.parse_hosts(values["hosts"])
+    if values.get("hostfile"):
+        return hostlib.parse_hostfile(values["hostfile"])
+    return None
+
+
+def make_plan(values: dict[str, Any]) -> list[hostlib.Slot]:
+    """Hosts from -H/-hostfile (or localhost), -np defaulting to all their slots, then the slot plan."""
+    hosts = _hosts(values)
+    np = values.get("num_proc")
+    if hosts is None:
+        if np is None:
+            raise UsageError("-np is required when neither -H nor -hostfile is given "
+                             "(e.g. hora run -np 4 python train.py)")
+        hosts = [hostlib.Host("localhost", max(np, 1))]
+    slots = hostlib.plan(hosts, np if np is not None else sum(h.slots for h in hosts))
+    remote = [h for h in hostlib.used_hosts(slots) if not hostlib.is_local(h)]
+    if remote:
+        raise UsageError(f"remote hosts ({', '.join(remote)}) need SSH launch, which is not supported yet; "
+                         "use localhost, 127.0.0.1 or this machine's name")
+    return slots
+
+
+def worker_envs(slots: list[hostlib.Slot], knobs: dict[str, str], store_addr: str, secret: str,
+                scope: str, base: dict[str, str] | None = None) -> list[dict[str, str]]:
+    """One environment per rank: ours, minus stale aliases, plus the knobs and the contract."""
+    common = dict(os.environ if base is None else base)
+    for name in CONTRACT:
+        common.pop("HOROVOD_" + name, None)
+    for name in knobs:  # a flag beats an inherited HOROVOD_ alias, without a both-are-set warning
+        if name.startswith("HORA_"):
+            common.pop("HOROVOD_" + name[5:], None)
+    common.update(knobs)
+    common.update(HORA_SIZE=str(len(slots)), HORA_STORE_ADDR=store_addr, HORA_STORE_SCOPE=scope,
+                  HORA_SECRET=secret, PYTHONUNBUFFERED="1")
+    envs = []
+    for s in slots:
+        env = dict(common)
+        env.update(HORA_RANK=str(s.rank), HORA_LOCAL_RANK=str(s.local_rank),
+                   HORA_LOCAL_SIZE=str(s.local_size), HORA_CROSS_RANK=str(s.cross_rank),
+                   HORA_CROSS_SIZE=str(s.cross_size), HORA_HOSTNAME=s.host)
+        envs.append(env)
+    return envs
+
+
+def _verbose(slots: list[hostlib.Slot], knobs: dict[str, str], store: str, scope: str, noops: list[str],
+             command: list[str]) -> None:
+    _say(f"store {store}, scope {scope}, {len(slots)} ranks: {' '.join(command)}")
+    for s in slots:
+        _say(f"  rank {s.rank}: host {s.host} local {s.local_rank}/{s.local_size} "
+             f"cross {s.cross_rank}/{s.cross_size}")
+    for k, v in sorted(knobs.items()):  # never HORA_SECRET: it is not a knob
+        _say(f"  {k}={v}")
+    for n in noops:
+        _say(f"  ignored {n}")
+
+
+def run_cli(args: list[str]) -> int:
+    """``hora run ARGS`` (horovodrun's argument list, without the ``run``); returns the exit status."""
+    try:
+        parsed = parse(args)
+        if parsed.help:
+            sys.stdout.write(format_help())
+            return 0
+        for w in parsed.warnings:
+            _say(w)
+        if parsed.values.get("version"):
+            print(version())
+            return 0
+        if parsed.values.get("check_build"):
+            sys.stdout.write(check_build())
+            return 0
+        values = dict(parsed.values)
+        if values.get("config_file"):
+            from_file, warnings = load_config(values["config_file"])
+            for w in warnings:
+                _say(w)
+            values = {**from_file, **parsed.values}  # the command line wins
+        if values.get("start_timeout") is None:
+            start = os.environ.get("HORA_START_TIMEOUT") or os.environ.get("HOROVOD_START_TIMEOUT")
+            if start:
+                values["start_timeout"] = start  # passed on as it is; the workers check it
+        if not parsed.command:
+            raise UsageError("no command given; e.g. hora run -np 2 python train.py")
+        slots = make_plan(values)
+    except (UsageError, hostlib.HostError) as e:
+        _say(str(e))
+        return 2
+    return _launch(slots, values, parsed.command, parsed.noops)
+
+
+def _launch(slots: list[hostlib.Slot], values: dict[str, Any], command: list[str], noops: list[str]) -> int:
+    from hora.transport.auth import new_secret  # here, not at the top: --help and -cb stay light
+    from hora.transport.store import StoreServer
+
+    knobs = env_for(values)
+    secret = new_secret()
+    scope = f"job-{uuid.uuid4().hex[:16]}"
+    store = StoreServer(secret, host="127.0.0.1", port=0)  # local jobs only, so loopback is enough
+    try:
+        if values.get("verbose"):
+            _verbose(slots, knobs, store.address, scope, noops, command)
+        envs = worker_envs(slots, knobs, store.address, secret, scope)
+        result = LocalJob(command, slots, envs, values.get("output_filename"),
+                          bool(values.get("prefix_timestamp"))).run()
+    finally:
+        store.close()
+    if result.report:
+        _say(result.report)
+    return result.code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hora SUBCOMMAND ...``; today the one subcommand is ``run``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: hora run [flags] command [args...]\n\nhora run --help lists the flags.")
+        return 0 if argv else 2
+    if argv[0] in ("-v", "--version"):
+        print(version())
+        return 0
+    if argv[0] != "run":
+        hint = suggest(argv[0], list(SUBCOMMANDS))
+        if argv[0].startswith("-"):
+            hint = hint or f" (flags go after the subcommand: hora run {argv[0]} ...)"
+        print(f"hora: unknown command {argv[0]!r}{hint}; usage: hora run [flags] command", file=sys.stderr)
+        return 2
+    return run_cli(argv[1:])
+
+
+def cli() -> None:
+    """Console-script entry point ``hora``."""
+    sys.exit(main())
+
+
+def run_commandline() -> None:
+    """horovodrun's entry point: ``sys.argv`` holds run flags directly (no ``run`` subcommand)."""
+    sys.exit(run_cli(sys.argv[1:]))
