@@ -13,7 +13,7 @@ import dataclasses
 import os
 import threading
 
-from hora.common import env
+from hora.common import config, env
 from hora.common.errors import HoraError, HoraValueError, NotInitializedError
 from hora.transport.base import LocalCommunicator
 
@@ -48,8 +48,28 @@ class _State:
 
     def __init__(self, topo: Topology, comm, store, prefix: str):
         self.topo, self.comm, self.store, self.prefix = topo, comm, store, prefix
-        self.lock = threading.RLock()  # one collective at a time on the communicator
         self.forked = False
+        self.cfg = config.current()
+        self.dynamic = self.cfg["dynamic_process_sets"]
+        self.timeline = None
+        if self.cfg["timeline"] and self.cfg["timeline"] != "DYNAMIC" and topo.rank == 0:
+            from hora.common.timeline import Timeline
+
+            self.timeline = Timeline(self.cfg["timeline"], self.cfg["timeline_mark_cycles"])
+        from hora.common.engine import Engine
+
+        self.engine = Engine(comm, topo, self.cfg, self.timeline)
+        self.groups: dict[int, list[int]] = {}  # grouped handles
+        self.barriers: dict[int, int] = {}  # barrier count per process set (names them)
+        self.ps_calls = 0  # add/remove_process_set calls (names them)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.comm.close()
+        if self.store is not None:
+            self.store.close()
+        if self.timeline is not None:
+            self.timeline.close()
 
 
 _state: _State | None = None
@@ -71,8 +91,11 @@ def init(comm=None, process_sets=None) -> None:
         if comm is not None:
             raise HoraValueError("init(comm=...) needs the MPI transport, which is not supported yet; "
                                  "start the job with `hora run` instead")
-        if process_sets not in (None, [], "dynamic"):
-            raise HoraValueError("process sets are not supported yet")
+        if process_sets == "dynamic":
+            os.environ["HORA_DYNAMIC_PROCESS_SETS"] = "1"
+        elif process_sets is not None and not isinstance(process_sets, (list, tuple)):
+            raise HoraValueError(f"init(process_sets=...) takes a list of ProcessSet or 'dynamic', "
+                                 f"not {process_sets!r}")
         topo = Topology.from_env()
         if topo.size == 1:
             _state = _State(topo, LocalCommunicator(), None, "")
@@ -82,6 +105,15 @@ def init(comm=None, process_sets=None) -> None:
             atexit.register(shutdown)
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _atexit_registered = True
+    if isinstance(process_sets, (list, tuple)):
+        from hora.common.process_sets import register
+
+        try:
+            for ps in process_sets:
+                register(ps, at_init=True)
+        except BaseException:
+            shutdown()
+            raise
 
 
 def _connect(topo: Topology) -> _State:
@@ -110,11 +142,9 @@ def shutdown() -> None:
     global _state
     with _init_lock:
         st, _state = _state, None
-    if st is None:
+    if st is None or st.forked:
         return
-    st.comm.close()
-    if st.store is not None:
-        st.store.close()
+    st.close()
 
 
 def _after_fork_in_child() -> None:
@@ -180,3 +210,31 @@ def is_homogeneous() -> bool:
     """True when every host runs the same number of ranks."""
     t = state().topo
     return t.size == t.local_size * t.cross_size
+
+
+def statistics() -> dict[str, int]:
+    """Engine counters since init: cycles, coordination messages sent/received, collectives run,
+    tensors, tensors fused, bytes fused, cache hits. Useful to see fusion and the cache at work."""
+    return state().engine.stats.as_dict()
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a Chrome-trace timeline to ``file_path`` (rank 0 writes; no env var needed)."""
+    st = state()
+    if st.topo.rank != 0:
+        return
+    from hora.common.timeline import Timeline
+
+    stop_timeline()
+    st.cfg["timeline_mark_cycles"] = mark_cycles
+    st.timeline = Timeline(file_path, mark_cycles)
+    st.engine.timeline = st.engine.executor.timeline = st.timeline
+
+
+def stop_timeline() -> None:
+    """Stop the timeline and close its file."""
+    st = state()
+    tl, st.timeline = st.timeline, None
+    st.engine.timeline = st.engine.executor.timeline = None
+    if tl is not None:
+        tl.close()

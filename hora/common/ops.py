@@ -1,27 +1,44 @@
 """The collectives on NumPy arrays: the core API every framework binding calls.
 
-Shaped like Horovod's torch API. Out-of-place forms return a new array owned by the caller and
-never touch their input; in-place forms (``allreduce_``, ``broadcast_``) write into the array they
-are given, which is undefined if the collective fails (the error says so).
+Shaped like Horovod's torch API. Every collective has an asynchronous form that returns a handle
+(an int) at once; the synchronous form is ``synchronize(<op>_async(...))``. Out-of-place forms
+return a new array owned by the caller and never touch their input; in-place forms (``allreduce_``,
+``broadcast_``) write into the array they are given, which is undefined if the collective fails.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
+
 import numpy as np
 
-from hora.collectives import exchange, ring
-from hora.collectives.reduce import (OP_NAMES, Adasum, Average, Max, Min, Product, Sum, check_dtype,
-                                     reducer, scale, MOVABLE)
+from hora.collectives.reduce import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, check_dtype
+from hora.common import messages as m
 from hora.common.basics import state
-from hora.common.errors import HoraError, HoraValueError, InternalError, PeerLostError
+from hora.common.errors import HoraValueError
+from hora.common.execute import Pending
+from hora.common.process_sets import ProcessSet, global_process_set
 
-__all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "allreduce_", "allgather",
-           "broadcast", "broadcast_", "alltoall", "reducescatter", "barrier", "broadcast_object",
+__all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "allreduce_", "allreduce_async",
+           "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+           "grouped_allreduce_async_", "allgather", "allgather_async", "grouped_allgather",
+           "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+           "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
+           "grouped_reducescatter_async", "barrier", "join", "poll", "synchronize", "broadcast_object",
            "allgather_object"]
 
-_MAX_DIMS = 14
-_DTYPE_INDEX = {name: i for i, name in enumerate(MOVABLE)}
-_scratch = ring.Scratch()
+_names = itertools.count()
+_groups = itertools.count()
+_name_lock = threading.Lock()
+
+
+def _auto_name(name: str | None) -> str:
+    """Unnamed ops are numbered in submission order, so ranks match them by that order."""
+    if name is not None:
+        return str(name)
+    with _name_lock:
+        return f"noname.{next(_names)}"
 
 
 def _check_op(op: int, what: str) -> int:
@@ -33,236 +50,304 @@ def _check_op(op: int, what: str) -> int:
     return op
 
 
-def _array(x, what: str) -> np.ndarray:
-    a = np.asarray(x)
-    check_dtype(a.dtype, what)
-    return a
+def _ps_id(process_set: ProcessSet, st, what: str) -> int:
+    pid = process_set.process_set_id
+    ranks = st.engine.process_sets.get(pid) if pid is not None else None
+    if ranks is None:
+        raise HoraValueError(f"{what}: {process_set} is not registered on this rank; add it with "
+                             "hora.add_process_set() or hora.init(process_sets=[...])")
+    if st.topo.rank not in ranks:
+        raise HoraValueError(f"{what}: rank {st.topo.rank} is not in process set {pid} (ranks {list(ranks)}); "
+                             "only its members may run collectives on it")
+    return pid
 
 
-class _Collective:
-    """Runs one collective on the communicator, holding the lock, and turns a failure into the
-    error every rank sees: the note in the store tells peers which rank failed first."""
-
-    def __init__(self, what: str, inplace: bool = False):
-        self.what, self.inplace = what, inplace
-
-    def __enter__(self):
-        self.st = state()
-        self.st.lock.acquire()
-        broken = getattr(self.st.comm, "broken", None)
-        if broken is not None:
-            self.st.lock.release()
-            raise broken
-        return self.st.comm
-
-    def __exit__(self, typ, exc, tb):
-        self.st.lock.release()
-        if exc is None or not isinstance(exc, (InternalError, OSError)):
-            return False
-        if isinstance(exc, PeerLostError) and self.st.store is not None:
-            self._leave_note(exc)
-        abort = getattr(self.st.comm, "abort", None)
-        if abort is not None:
-            abort(exc)
-        if self.inplace:
-            exc.args = (f"{exc.args[0] if exc.args else exc}; the in-place buffer of {self.what} is undefined",)
-        return False
-
-    def _leave_note(self, exc: PeerLostError) -> None:
-        key = f"{self.st.prefix}/abort"
-        try:
-            if not self.st.store.check(key):
-                self.st.store.set(key, f"{exc.rank}|rank {exc.rank} was lost (first noticed by rank "
-                                       f"{self.st.topo.rank})".encode())
-        except HoraError:
-            pass
+def _submit(kind: str, array, name, process_set, inplace=False, flush=False, finish=None, **fields) -> int:
+    st = state()
+    ps = _ps_id(process_set, st, kind)
+    a = None
+    if array is not None:
+        a = np.asarray(array)
+        check_dtype(a.dtype, kind)
+        if kind in (m.ALLGATHER, m.ALLTOALL, m.REDUCESCATTER) and a.ndim == 0:
+            raise HoraValueError(f"{kind}: a scalar has no first dimension; reshape it to (1,)")
+        if inplace and not a.flags.writeable:
+            raise HoraValueError(f"{kind}_: the array is read-only; use the out-of-place {kind}()")
+        if not a.flags.c_contiguous:
+            user = a
+            a = np.ascontiguousarray(a)
+            if inplace:
+                finish = _copy_back(user, finish)
+        fields.setdefault("dtype", a.dtype.name)
+        fields.setdefault("shape", tuple(a.shape))
+    full = _auto_name(name)
+    req = m.Request(full, kind, ps=ps, **fields)
+    handle = st.engine.handles.new(f"{kind}.{full}", finish)
+    st.engine.submit(Pending(req, handle, a, inplace, flush))
+    return handle.id
 
 
-def _allreduce_flat(comm, flat: np.ndarray, op: int, prescale: float, postscale: float) -> None:
-    if op == Average:
-        postscale = postscale * (1.0 / comm.size)  # Horovod folds the average into the postscale
-    scale(flat, prescale)
-    ring.allreduce(comm, flat, reducer(op), finish=lambda seg: scale(seg, postscale), scratch=_scratch)
+def _copy_back(user: np.ndarray, finish):
+    def done(result):
+        user[...] = result
+        return finish(user) if finish else user
+    return done
+
+
+def _root(root_rank, process_set, what) -> int:
+    st = state()
+    ranks = st.engine.process_sets.get(process_set.process_set_id, ())
+    if not isinstance(root_rank, (int, np.integer)) or int(root_rank) not in ranks:
+        raise HoraValueError(f"{what}: root_rank {root_rank!r} is not a rank of the process set (ranks "
+                             f"{list(ranks)}); root_rank is a global rank")
+    return int(root_rank)
+
+
+# -- handles -------------------------------------------------------------------------------------
+def poll(handle: int) -> bool:
+    """True once the collective behind ``handle`` has finished (never blocks)."""
+    return state().engine.handles.poll(handle)
+
+
+def synchronize(handle: int):
+    """Wait for ``handle`` and return what the synchronous form returns; the handle is then spent."""
+    st = state()
+    if handle in st.groups:
+        members = st.groups.pop(handle)
+        return [st.engine.handles.synchronize(h) for h in members]
+    return st.engine.handles.synchronize(handle)
+
+
+def _group(handles: list[int]) -> int:
+    st = state()
+    gid = -1 - next(_groups)  # negative: never collides with a single handle
+    st.groups[gid] = handles
+    return gid
+
+
+def _group_name(name, i, n):
+    return None if name is None else f"{name}.{i}" if n > 1 else str(name)
+
+
+# -- allreduce -----------------------------------------------------------------------------------
+def allreduce_async(array, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    name: str | None = None, process_set: ProcessSet = global_process_set, *,
+                    _flush: bool = False, _group_id: tuple | None = None) -> int:
+    """Start an allreduce of ``array``; ``synchronize`` returns a new array."""
+    _check_op(op, "allreduce")
+    return _submit(m.ALLREDUCE, array, name, process_set, flush=_flush, op=op, pre=float(prescale_factor),
+                   post=float(postscale_factor), group=_group_id)
+
+
+def allreduce_async_(array: np.ndarray, op: int = Average, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set, *, _flush: bool = False,
+                     _group_id: tuple | None = None) -> int:
+    """Start an in-place allreduce; ``synchronize`` returns ``array``, reduced."""
+    _check_op(op, "allreduce_")
+    return _submit(m.ALLREDUCE, array, name, process_set, inplace=True, flush=_flush, op=op,
+                   pre=float(prescale_factor), post=float(postscale_factor), group=_group_id)
 
 
 def allreduce(array, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              name: str | None = None) -> np.ndarray:
+              name: str | None = None, process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduce ``array`` over all ranks; returns a new array, the same bits on every rank.
 
     >>> hora.allreduce(np.full(4, hora.rank(), np.float32), op=hora.Sum)   # at np=3
     array([3., 3., 3., 3.], dtype=float32)
     """
-    a = _array(array, "allreduce")
-    _check_op(op, "allreduce")
-    out = np.array(a, order="C", copy=True)
-    with _Collective("allreduce") as comm:
-        _allreduce_flat(comm, out.reshape(-1), op, prescale_factor, postscale_factor)
-    return out
+    return synchronize(allreduce_async(array, op, prescale_factor, postscale_factor, name, process_set,
+                                       _flush=True))
 
 
 def allreduce_(array: np.ndarray, op: int = Average, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0, name: str | None = None) -> np.ndarray:
+               postscale_factor: float = 1.0, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """In-place :func:`allreduce`; returns ``array``."""
-    a = _array(array, "allreduce_")
-    _check_op(op, "allreduce_")
-    if not a.flags.writeable:
-        raise HoraValueError("allreduce_: the array is read-only; use allreduce()")
-    work = a if a.flags.c_contiguous else np.ascontiguousarray(a)
-    with _Collective("allreduce_", inplace=True) as comm:
-        _allreduce_flat(comm, work.reshape(-1), op, prescale_factor, postscale_factor)
-    if work is not a:
-        a[...] = work
-    return a
+    return synchronize(allreduce_async_(array, op, prescale_factor, postscale_factor, name, process_set,
+                                        _flush=True))
 
 
-def _headers(comm, a: np.ndarray, what: str) -> np.ndarray:
-    """Allgather ``[ndim, dtype, shape...]`` of every rank (a ``size x 16`` int64 table)."""
-    if a.ndim > _MAX_DIMS:
-        raise HoraValueError(f"{what}: at most {_MAX_DIMS} dimensions are supported, got {a.ndim}")
-    mine = np.full(_MAX_DIMS + 2, -1, np.int64)
-    mine[0], mine[1], mine[2:2 + a.ndim] = a.ndim, _DTYPE_INDEX[a.dtype.name], a.shape
-    table = np.empty((comm.size, mine.size), np.int64)
-    exchange.allgather_blocks(comm, mine, table.reshape(-1), [i * mine.size for i in range(comm.size + 1)])
-    return table
+def _grouped(fn, arrays, name, flush, **kw) -> int:
+    arrays = list(arrays)
+    gid = (f"{name or 'group'}.{next(_groups)}", len(arrays))
+    return _group([fn(a, name=_group_name(name, i, len(arrays)), _flush=flush, _group_id=gid, **kw)
+                   for i, a in enumerate(arrays)])
 
 
-def _describe(row: np.ndarray) -> tuple[tuple[int, ...], str]:
-    return tuple(int(d) for d in row[2:2 + int(row[0])]), str(MOVABLE[int(row[1])])
+def grouped_allreduce_async(arrays, op: int = Average, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0, name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """Allreduce several arrays as one unit (negotiated together, fused together)."""
+    return _grouped(allreduce_async, arrays, name, False, op=op, prescale_factor=prescale_factor,
+                    postscale_factor=postscale_factor, process_set=process_set)
 
 
-def _check_trailing(table: np.ndarray, rank: int, what: str) -> None:
-    """Every rank's dtype and all dims but the first must equal ours; name the first rank that differs."""
-    mine = table[rank]
-    for p, row in enumerate(table):
-        if row[0] != mine[0] or row[1] != mine[1] or (row[3:] != mine[3:]).any():
-            (s1, d1), (s0, d0) = _describe(row), _describe(mine)
-            raise HoraValueError(f"{what}: rank {p} sent shape {s1} {d1}, rank {rank} sent {s0} {d0}; "
-                                 "all dimensions but the first and the dtype must match on every rank")
+def grouped_allreduce_async_(arrays, op: int = Average, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0, name: str | None = None,
+                             process_set: ProcessSet = global_process_set) -> int:
+    return _grouped(allreduce_async_, arrays, name, False, op=op, prescale_factor=prescale_factor,
+                    postscale_factor=postscale_factor, process_set=process_set)
 
 
-def allgather(array, name: str | None = None) -> np.ndarray:
+def grouped_allreduce(arrays, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
+    return synchronize(_grouped(allreduce_async, arrays, name, True, op=op, prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set))
+
+
+def grouped_allreduce_(arrays, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
+    return synchronize(_grouped(allreduce_async_, arrays, name, True, op=op, prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set))
+
+
+# -- allgather -----------------------------------------------------------------------------------
+def allgather_async(array, name: str | None = None, process_set: ProcessSet = global_process_set, *,
+                    _flush: bool = False, _group_id: tuple | None = None) -> int:
+    """Start an allgather; ``synchronize`` returns every rank's rows concatenated in rank order."""
+    return _submit(m.ALLGATHER, array, name, process_set, flush=_flush, group=_group_id)
+
+
+def allgather(array, name: str | None = None, process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Concatenate every rank's ``array`` along the first dimension (which may differ per rank)."""
-    a = _array(array, "allgather")
-    if a.ndim == 0:
-        raise HoraValueError("allgather: a scalar has no first dimension to concatenate; reshape it to (1,)")
-    a = np.ascontiguousarray(a)
-    with _Collective("allgather") as comm:
-        table = _headers(comm, a, "allgather")
-        _check_trailing(table, comm.rank, "allgather")
-        rows = table[:, 2]
-        row = int(np.prod(a.shape[1:], dtype=np.int64))
-        out = np.empty((int(rows.sum()),) + a.shape[1:], a.dtype)
-        bounds = [0] + list(np.cumsum(rows * row))
-        exchange.allgather_blocks(comm, a.reshape(-1), out.reshape(-1), [int(b) for b in bounds])
-    return out
+    return synchronize(allgather_async(array, name, process_set, _flush=True))
 
 
-def _check_root(root_rank: int, size: int, what: str) -> int:
-    if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < size:
-        raise HoraValueError(f"{what}: root_rank {root_rank!r} is not a rank of this job (size {size})")
-    return int(root_rank)
+def grouped_allgather_async(arrays, name: str | None = None, process_set: ProcessSet = global_process_set) -> int:
+    return _grouped(allgather_async, arrays, name, False, process_set=process_set)
 
 
-def broadcast(array, root_rank: int, name: str | None = None) -> np.ndarray:
+def grouped_allgather(arrays, name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
+    return synchronize(_grouped(allgather_async, arrays, name, True, process_set=process_set))
+
+
+# -- broadcast -----------------------------------------------------------------------------------
+def broadcast_async(array, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
+    return _submit(m.BROADCAST, array, name, process_set, flush=_flush,
+                   root=_root(root_rank, process_set, "broadcast"))
+
+
+def broadcast_async_(array: np.ndarray, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
+    return _submit(m.BROADCAST, array, name, process_set, inplace=True, flush=_flush,
+                   root=_root(root_rank, process_set, "broadcast_"))
+
+
+def broadcast(array, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Return a new array holding ``root_rank``'s ``array`` on every rank."""
-    a = _array(array, "broadcast")
-    out = np.array(a, order="C", copy=True)
-    with _Collective("broadcast") as comm:
-        exchange.broadcast(comm, out.reshape(-1), _check_root(root_rank, comm.size, "broadcast"))
-    return out
+    return synchronize(broadcast_async(array, root_rank, name, process_set, _flush=True))
 
 
-def broadcast_(array: np.ndarray, root_rank: int, name: str | None = None) -> np.ndarray:
+def broadcast_(array: np.ndarray, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """In-place :func:`broadcast`; returns ``array``."""
-    a = _array(array, "broadcast_")
-    if not a.flags.writeable:
-        raise HoraValueError("broadcast_: the array is read-only; use broadcast()")
-    work = a if a.flags.c_contiguous else np.ascontiguousarray(a)
-    with _Collective("broadcast_", inplace=True) as comm:
-        exchange.broadcast(comm, work.reshape(-1), _check_root(root_rank, comm.size, "broadcast_"))
-    if work is not a:
-        a[...] = work
-    return a
+    return synchronize(broadcast_async_(array, root_rank, name, process_set, _flush=True))
 
 
-def alltoall(array, splits=None, name: str | None = None):
-    """Send ``splits[p]`` rows of ``array`` to rank ``p`` (equal parts without ``splits``); returns the
-    rows received, concatenated in rank order, plus the received splits when ``splits`` is given."""
-    a = _array(array, "alltoall")
+# -- alltoall ------------------------------------------------------------------------------------
+def alltoall_async(array, splits=None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
+    a = np.asarray(array)
+    n = len(state().engine.process_sets.get(process_set.process_set_id, ())) or 1
     if a.ndim == 0:
         raise HoraValueError("alltoall: a scalar cannot be split; give an array with a first dimension")
-    a = np.ascontiguousarray(a)
-    st = state()
-    n = st.topo.size
     if splits is None:
         if a.shape[0] % n:
-            raise HoraValueError(f"alltoall: the first dimension {a.shape[0]} does not divide evenly "
-                                 f"among {n} ranks; pass splits=")
-        send_rows = np.full(n, a.shape[0] // n, np.int64)
+            raise HoraValueError(f"alltoall: the first dimension {a.shape[0]} does not divide evenly among {n} "
+                                 "ranks; pass splits=")
+        rows = (a.shape[0] // n,) * n
+        finish = _first
     else:
-        send_rows = np.asarray(splits, dtype=np.int64).reshape(-1)
-        if send_rows.size != n or (send_rows < 0).any() or send_rows.sum() != a.shape[0]:
-            raise HoraValueError(f"alltoall: splits {send_rows.tolist()} must have one non-negative entry per "
-                                 f"rank ({n}) summing to the first dimension {a.shape[0]}")
-    row = int(np.prod(a.shape[1:], dtype=np.int64))
-    with _Collective("alltoall") as comm:
-        table = _headers(comm, a, "alltoall")
-        _check_trailing(table, comm.rank, "alltoall")
-        recv_rows = np.empty(n, np.int64)
-        exchange.alltoall_blocks(comm, send_rows, list(range(n + 1)), recv_rows, list(range(n + 1)))
-        out = np.empty((int(recv_rows.sum()),) + a.shape[1:], a.dtype)
-        sb = [0] + [int(x) for x in np.cumsum(send_rows * row)]
-        rb = [0] + [int(x) for x in np.cumsum(recv_rows * row)]
-        exchange.alltoall_blocks(comm, a.reshape(-1), sb, out.reshape(-1), rb)
-    return out if splits is None else (out, recv_rows.astype(np.int32))
+        rows = tuple(int(x) for x in np.asarray(splits).reshape(-1))
+        if len(rows) != n or min(rows, default=0) < 0 or sum(rows) != a.shape[0]:
+            raise HoraValueError(f"alltoall: splits {list(rows)} must have one non-negative entry per rank ({n}) "
+                                 f"summing to the first dimension {a.shape[0]}")
+        finish = None
+    return _submit(m.ALLTOALL, a, name, process_set, flush=_flush, finish=finish, splits=rows)
 
 
-def reducescatter(array, op: int = Average, name: str | None = None, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> np.ndarray:
+def _first(result):
+    return result[0]
+
+
+def alltoall(array, splits=None, name: str | None = None, process_set: ProcessSet = global_process_set):
+    """Send ``splits[p]`` rows of ``array`` to rank ``p`` (equal parts without ``splits``); returns the rows
+    received, concatenated in rank order, plus the received splits when ``splits`` is given."""
+    return synchronize(alltoall_async(array, splits, name, process_set, _flush=True))
+
+
+# -- reducescatter -------------------------------------------------------------------------------
+def reducescatter_async(array, op: int = Average, name: str | None = None,
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0, *, _flush: bool = False,
+                        _group_id: tuple | None = None) -> int:
+    _check_op(op, "reducescatter")
+    return _submit(m.REDUCESCATTER, array, name, process_set, flush=_flush, op=op, pre=float(prescale_factor),
+                   post=float(postscale_factor), group=_group_id)
+
+
+def reducescatter(array, op: int = Average, name: str | None = None, process_set: ProcessSet = global_process_set,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
     """Reduce ``array`` over all ranks and return this rank's rows of the result (the first dimension
     is split so that the lowest ranks get one extra row when it does not divide evenly)."""
-    a = _array(array, "reducescatter")
-    _check_op(op, "reducescatter")
-    if a.ndim == 0:
-        raise HoraValueError("reducescatter: a scalar cannot be scattered; give an array with a first dimension")
-    buf = np.array(a, order="C", copy=True).reshape(-1)
-    with _Collective("reducescatter") as comm:
-        n, r = comm.size, comm.rank
-        rows = ring.even_bounds(a.shape[0], n)
-        row = int(np.prod(a.shape[1:], dtype=np.int64))
-        bounds = [b * row for b in rows]
-        scale(buf, prescale_factor)
-        ring.reduce_scatter(comm, buf, bounds, reducer(op), _scratch)
-    mine = buf[bounds[r]:bounds[r + 1]].copy()
-    scale(mine, postscale_factor * (1.0 / n if op == Average else 1.0))
-    return mine.reshape((rows[r + 1] - rows[r],) + a.shape[1:])
+    return synchronize(reducescatter_async(array, op, name, process_set, prescale_factor, postscale_factor,
+                                           _flush=True))
 
 
-def barrier() -> None:
-    """Return once every rank has called barrier()."""
-    with _Collective("barrier") as comm:
-        exchange.barrier(comm)
+def grouped_reducescatter_async(arrays, op: int = Average, name: str | None = None,
+                                process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> int:
+    return _grouped(reducescatter_async, arrays, name, False, op=op, process_set=process_set,
+                    prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
-def broadcast_object(obj=None, root_rank: int = 0, name: str | None = None):
-    """Return ``root_rank``'s ``obj`` (any cloudpickle-able object) on every rank."""
+def grouped_reducescatter(arrays, op: int = Average, name: str | None = None,
+                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list:
+    return synchronize(_grouped(reducescatter_async, arrays, name, True, op=op, process_set=process_set,
+                                prescale_factor=prescale_factor, postscale_factor=postscale_factor))
+
+
+# -- barrier, join ---------------------------------------------------------------------------------
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank of the process set has called barrier()."""
+    st = state()
+    n = st.barriers[process_set.process_set_id] = st.barriers.get(process_set.process_set_id, 0) + 1
+    synchronize(_submit(m.BARRIER, None, f"barrier.{n}", process_set, flush=True))
+
+
+def join(device: int = -1) -> int:
+    """Declare that this rank has no more data: until every rank has joined, it takes part in other
+    ranks' allreduces with zeros. Returns the last rank to join, the same on every rank."""
+    return synchronize(_submit(m.JOIN, None, "join", global_process_set, flush=True))
+
+
+# -- objects -------------------------------------------------------------------------------------
+def broadcast_object(obj=None, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set):
+    """Return ``root_rank``'s ``obj`` (anything cloudpickle can serialise) on every rank."""
     import cloudpickle
 
     st = state()
-    root = _check_root(root_rank, st.topo.size, "broadcast_object")
-    payload = np.frombuffer(cloudpickle.dumps(obj), np.uint8) if st.topo.rank == root else None
-    length = broadcast(np.array([0 if payload is None else payload.size], np.int64), root)
-    data = payload if payload is not None else np.empty(int(length[0]), np.uint8)
-    data = broadcast(data, root)
-    return obj if st.topo.rank == root else cloudpickle.loads(data.tobytes())
+    is_root = st.topo.rank == root_rank
+    base = name or "broadcast_object"
+    payload = np.frombuffer(cloudpickle.dumps(obj), np.uint8) if is_root else None
+    length = broadcast(np.array([0 if payload is None else payload.size], np.int64), root_rank,
+                       _auto_name(None) if name is None else f"{base}.len", process_set)
+    data = payload if is_root else np.empty(int(length[0]), np.uint8)
+    data = broadcast(data, root_rank, _auto_name(None) if name is None else f"{base}.data", process_set)
+    return obj if is_root else cloudpickle.loads(data.tobytes())
 
 
-def allgather_object(obj, name: str | None = None) -> list:
+def allgather_object(obj, name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
     """Return the list of every rank's ``obj``, in rank order."""
     import cloudpickle
 
     payload = np.frombuffer(cloudpickle.dumps(obj), np.uint8)
-    lengths = allgather(np.array([payload.size], np.int64))
-    data = allgather(payload)
+    data = allgather(payload, name and f"{name}.data", process_set)
+    lengths = allgather(np.array([payload.size], np.int64), name and f"{name}.len", process_set)
     offsets = [0] + [int(x) for x in np.cumsum(lengths)]
     return [cloudpickle.loads(data[offsets[i]:offsets[i + 1]].tobytes()) for i in range(len(lengths))]

@@ -18,6 +18,7 @@ import errno
 import logging
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Callable
@@ -32,6 +33,7 @@ from hora.transport.store import StoreClient
 log = logging.getLogger("hora.transport")
 
 _POLL_IN = select.POLLIN | select.POLLPRI
+_LEN = struct.Struct("!I")
 _POLL_ERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
@@ -62,12 +64,18 @@ class TcpCommunicator:
 
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket],
                  explain: Callable[[int], tuple[int, str] | None] | None = None,
-                 closer: Callable[[], None] | None = None):
+                 closer: Callable[[], None] | None = None,
+                 ctrl: dict[int, socket.socket] | None = None):
         self.rank, self.size = rank, size
         self._socks = socks
         for s in socks.values():
             s.setblocking(False)
         self._fd_peer = {s.fileno(): p for p, s in socks.items()}
+        # control plane: rank 0 <-> every other rank, separate from data so that a request sent
+        # at any moment can never interleave with a collective's bytes
+        self._ctrl = ctrl or {}
+        self._ctrl_fd = {s.fileno(): p for p, s in self._ctrl.items()}
+        self.on_ctrl: Callable[[int, bytes], None] | None = None
         self._sendq: dict[int, collections.deque[TcpRequest]] = {p: collections.deque() for p in socks}
         self._recvq: dict[int, collections.deque[TcpRequest]] = {p: collections.deque() for p in socks}
         self._explain = explain
@@ -78,6 +86,8 @@ class TcpCommunicator:
     # -- public point-to-point -------------------------------------------------------------
     def isend(self, peer: int, buf: np.ndarray) -> TcpRequest:
         req = self._make(peer, buf)
+        if req.done:  # zero bytes: nothing to move (and recv_into would read as EOF)
+            return req
         q = self._sendq[peer]
         q.append(req)
         if len(q) == 1:
@@ -86,6 +96,8 @@ class TcpCommunicator:
 
     def irecv_into(self, peer: int, buf: np.ndarray) -> TcpRequest:
         req = self._make(peer, buf)
+        if req.done:
+            return req
         q = self._recvq[peer]
         q.append(req)
         if len(q) == 1:
@@ -96,11 +108,55 @@ class TcpCommunicator:
         for r in reqs:
             r.wait(timeout)
 
+    # -- control plane -----------------------------------------------------------------------
+    @property
+    def ctrl_peers(self) -> list[int]:
+        return list(self._ctrl)
+
+    def send_ctrl(self, peer: int, payload: bytes) -> None:
+        """Send one framed control message (blocking; they are small)."""
+        if self._closed:
+            raise CommunicatorClosedError("this communicator was closed (hora.shutdown()); call hora.init()")
+        try:
+            self._ctrl[peer].sendall(_LEN.pack(len(payload)) + payload)
+        except OSError as e:
+            self._lost(peer, e)
+            raise self._broken from e
+
+    def recv_ctrl(self, timeout: float | None, wake_fd: int | None = None) -> list[tuple[int, bytes]]:
+        """Wait until a control message arrives (or ``wake_fd`` is readable, or the timeout runs
+        out) and return every complete message that is ready, as ``(peer, payload)``."""
+        if self._closed:
+            raise CommunicatorClosedError("this communicator was closed")
+        poller = select.poll()
+        for s in self._ctrl.values():
+            poller.register(s.fileno(), _POLL_IN)
+        if wake_fd is not None:
+            poller.register(wake_fd, _POLL_IN)
+        out = []
+        ms = -1 if timeout is None else max(0, int(timeout * 1000))
+        for fd, _ev in poller.poll(ms):
+            if fd in self._ctrl_fd:
+                msg = self._read_ctrl(self._ctrl_fd[fd])
+                if msg is not None:
+                    out.append((self._ctrl_fd[fd], msg))
+        return out
+
+    def _read_ctrl(self, peer: int) -> bytes | None:
+        sock = self._ctrl[peer]
+        try:
+            head = auth.recv_exact(sock, _LEN.size)
+            return auth.recv_exact(sock, _LEN.unpack(head)[0])
+        except (OSError, ConnectionError) as e:
+            self._lost(peer, e if isinstance(e, OSError) and not isinstance(e, ConnectionError)
+                       else "connection closed")
+            raise self._broken from e
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for s in self._socks.values():
+        for s in (*self._socks.values(), *self._ctrl.values()):
             try:
                 s.close()
             except OSError:
@@ -189,7 +245,16 @@ class TcpCommunicator:
                 any_fd = True
         if not any_fd:
             return
+        if self.on_ctrl is not None:  # control messages interrupt a data wait (abort, stall report)
+            for s in self._ctrl.values():
+                poller.register(s.fileno(), _POLL_IN)
         for fd, ev in poller.poll(timeout_ms):
+            if fd in self._ctrl_fd:
+                peer = self._ctrl_fd[fd]
+                msg = self._read_ctrl(peer)
+                if msg is not None and self.on_ctrl is not None:
+                    self.on_ctrl(peer, msg)
+                continue
             p = self._fd_peer[fd]
             if ev & (select.POLLOUT | select.POLLERR | select.POLLHUP) and self._sendq[p]:
                 self._pump_send(p)
@@ -223,8 +288,10 @@ class _Acceptor:
 
     def __init__(self, listener: socket.socket, secret: bytes, rank: int, size: int, gen: str):
         self.listener, self.secret, self.rank, self.size, self.gen = listener, secret, rank, size, gen
-        self.expected = set(range(rank + 1, size))
-        self.socks: dict[int, socket.socket] = {}
+        self.expected = {(p, "d") for p in range(rank + 1, size)}
+        if rank == 0:
+            self.expected |= {(p, "c") for p in range(1, size)}
+        self.socks: dict[tuple[int, str], socket.socket] = {}
         self.cond = threading.Condition()
         self.closed = False
         self.workers: list[threading.Thread] = []
@@ -250,27 +317,27 @@ class _Acceptor:
     def _handshake(self, sock: socket.socket, peer) -> None:
         try:
             ident = auth.accept_handshake(sock, self.secret).decode("ascii", "replace")
-            src, gen, dst = ident.split("|")
-            src_rank = int(src)
+            src, gen, dst, chan = ident.split("|")
+            key = (int(src), chan)
             if gen != self.gen or int(dst) != self.rank:
                 raise HoraError(f"connection for generation {gen} rank {dst}, expected {self.gen} rank {self.rank}")
             with self.cond:
-                if self.closed or src_rank not in self.expected or src_rank in self.socks:
-                    raise HoraError(f"unexpected connection claiming rank {src_rank}")
-                self.socks[src_rank] = sock
+                if self.closed or key not in self.expected or key in self.socks:
+                    raise HoraError(f"unexpected connection claiming rank {src} ({chan})")
+                self.socks[key] = sock
                 self.cond.notify_all()
         except Exception as e:  # noqa: BLE001 - any failure means: drop this connection
             log.warning("hora rank %d: dropped connection on data port from %s:%s: %s",
                         self.rank, peer[0], peer[1], e)
             sock.close()
 
-    def wait_all(self, timeout: float) -> dict[int, socket.socket]:
+    def wait_all(self, timeout: float) -> dict[tuple[int, str], socket.socket]:
         deadline = time.monotonic() + timeout
         with self.cond:
             while set(self.socks) != self.expected:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    missing = sorted(self.expected - set(self.socks))
+                    missing = sorted({p for p, _ in self.expected - set(self.socks)})
                     raise HoraError(f"rank {self.rank}: ranks {missing} did not connect within {timeout:g} s; "
                                     "did they start? (raise --start-timeout if they are slow)")
                 self.cond.wait(left)
@@ -304,15 +371,21 @@ def connect_mesh(rank: int, size: int, store: StoreClient, prefix: str, secret: 
     try:
         store.set(f"{prefix}/addr/{rank}", f"{advertise_host or bind_host}:{port}".encode())
         socks: dict[int, socket.socket] = {}
+        ctrl: dict[int, socket.socket] = {}
         for peer in range(rank):
             addr = store.get(f"{prefix}/addr/{peer}", timeout=timeout).decode()
-            socks[peer] = _connect(addr, peer, rank, prefix, secret, timeout)
-        socks.update(acceptor.wait_all(timeout))
+            socks[peer] = _connect(addr, peer, rank, prefix, secret, timeout, "d")
+            if peer == 0:
+                ctrl[0] = _connect(addr, peer, rank, prefix, secret, timeout, "c")
+        for (peer, chan), sock in acceptor.wait_all(timeout).items():
+            (socks if chan == "d" else ctrl)[peer] = sock
     except BaseException:
         acceptor.close()
         raise
     for s in socks.values():
         net.tune(s, buffers=True)
+    for s in ctrl.values():
+        net.tune(s)
 
     def explain(peer: int) -> tuple[int, str] | None:
         """Why ``peer`` closed on us: the note a rank that saw the first failure left in the store."""
@@ -325,16 +398,17 @@ def connect_mesh(rank: int, size: int, store: StoreClient, prefix: str, secret: 
         dead, _, msg = note.decode().partition("|")
         return int(dead), msg
 
-    return TcpCommunicator(rank, size, socks, explain=explain, closer=acceptor.close)
+    return TcpCommunicator(rank, size, socks, explain=explain, closer=acceptor.close, ctrl=ctrl)
 
 
-def _connect(addr: str, peer: int, rank: int, prefix: str, secret: bytes, timeout: float) -> socket.socket:
+def _connect(addr: str, peer: int, rank: int, prefix: str, secret: bytes, timeout: float,
+             chan: str) -> socket.socket:
     host, port = net.parse_addr(addr)
     deadline = time.monotonic() + timeout
     while True:
         try:
             sock = socket.create_connection((host, port), timeout=5)
-            auth.connect_handshake(sock, secret, f"{rank}|{prefix}|{peer}".encode())
+            auth.connect_handshake(sock, secret, f"{rank}|{prefix}|{peer}|{chan}".encode())
             return sock
         except (OSError, HoraError) as e:
             retry = isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ETIMEDOUT)

@@ -1,0 +1,210 @@
+"""Rank 0's negotiation: which submitted tensors are ready everywhere, in what order, fused how.
+
+Pure logic, no I/O (the engine feeds it messages and sends what it returns), so its rules can be
+read in one place: a tensor is ready when every rank of its process set has submitted it (joined
+ranks excepted, they contribute zeros to allreduces); the submissions must agree on everything but
+the data (else every rank gets the same error naming the ranks and both values); grouped tensors
+wait for their whole group; ready allreduces with the same dtype, op, scaling and process set are
+fused up to the threshold; and signatures seen before get a bit in the response cache so that in
+steady state ranks send small integers instead of descriptions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from hora.common.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
+                                  REDUCESCATTER, REMOVE_PS, Request, Response)
+
+_COMPARED = {  # fields that must agree across ranks, by op kind
+    ALLREDUCE: ("op", "dtype", "shape", "pre", "post"),
+    REDUCESCATTER: ("op", "dtype", "shape", "pre", "post"),
+    BROADCAST: ("dtype", "shape", "root"),
+    ALLGATHER: ("dtype", "trailing"),
+    ALLTOALL: ("dtype", "trailing"),
+    BARRIER: (),
+    JOIN: (),
+    ADD_PS: ("shape",),
+    REMOVE_PS: ("root",),
+}
+
+
+def _field(req: Request, field: str):
+    if field == "trailing":
+        return ("ndim", len(req.shape), "dims after the first", tuple(req.shape[1:]))
+    return getattr(req, field)
+
+
+def _show(field: str, value) -> str:
+    if field == "trailing":
+        return f"{value[1]}-d with dimensions after the first {value[3]}"
+    if field == "shape":
+        return str(tuple(value))
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+@dataclasses.dataclass
+class Entry:
+    requests: dict[int, Request]
+    since: float
+    warned: bool = False
+
+
+class ResponseCache:
+    """Signature <-> bit, kept identical on the coordinator and on every rank of the signature's
+    process set (the coordinator assigns bits and sends the additions with its responses).
+    Entries are never evicted: past ``capacity`` new signatures simply negotiate in full."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.bit_of: dict[Request, int] = {}
+        self.req_of: dict[int, Request] = {}
+
+    def add(self, bit: int, req: Request) -> None:
+        self.bit_of[req], self.req_of[bit] = bit, req
+
+
+class Coordinator:
+    def __init__(self, size: int, fusion_threshold: int, cache_capacity: int):
+        self.size = size
+        self.fusion_threshold = fusion_threshold
+        self.cache = ResponseCache(cache_capacity)
+        self._next_bit = 0
+        self.process_sets: dict[int, tuple[int, ...]] = {0: tuple(range(size))}
+        self._next_ps = 1
+        self.table: dict[tuple[int, str], Entry] = {}
+        self.ready: list[Response] = []
+        self.additions: list[tuple[int, Request]] = []  # cache bits assigned since last take()
+        self._groups: dict[tuple, list[Response]] = {}
+        self.joined: list[int] = []
+
+    # -- input ---------------------------------------------------------------------------------
+    def submit(self, rank: int, req: Request) -> None:
+        if req.kind == JOIN:
+            if rank not in self.joined:
+                self.joined.append(rank)
+            self._recheck()
+            return
+        key = (req.ps, req.name)
+        entry = self.table.get(key)
+        if entry is None:
+            entry = self.table[key] = Entry({}, time.monotonic())
+        entry.requests[rank] = req
+        self._check(key, entry)
+
+    def submit_bit(self, rank: int, bit: int) -> None:
+        self.submit(rank, self.cache.req_of[bit])
+
+    def _required(self, ps: int) -> set[int]:
+        ranks = set(self.process_sets.get(ps, ()))
+        return ranks - set(self.joined) if ps == 0 else ranks
+
+    def _recheck(self) -> None:
+        for key, entry in list(self.table.items()):
+            self._check(key, entry)
+        if len(self.joined) == self.size:
+            self.ready.append(Response(JOIN, 0, ("join",), value=self.joined[-1]))
+            self.joined = []
+
+    def _check(self, key: tuple[int, str], entry: Entry) -> None:
+        required = self._required(key[0])
+        if not required or not required <= set(entry.requests):
+            return
+        del self.table[key]
+        resp = self._respond(key, entry)
+        group = next(iter(entry.requests.values())).group
+        if group is None or resp.error:
+            self.ready.append(resp)
+            return
+        members = self._groups.setdefault((key[0],) + tuple(group), [])
+        members.append(resp)
+        if len(members) == group[1]:
+            del self._groups[(key[0],) + tuple(group)]
+            self.ready.extend(members)
+
+    # -- validation ----------------------------------------------------------------------------
+    def _respond(self, key: tuple[int, str], entry: Entry) -> Response:
+        ps, name = key
+        reqs = dict(sorted(entry.requests.items()))
+        ranks = list(reqs)
+        first_rank, first = ranks[0], reqs[ranks[0]]
+        for r in ranks[1:]:
+            req = reqs[r]
+            if req.kind != first.kind:
+                return self._error(ps, name, f"'{name}': rank {r} did {req.kind}, rank {first_rank} did "
+                                             f"{first.kind}; every rank must run the same op on a name")
+            for f in _COMPARED[first.kind]:
+                a, b = _field(req, f), _field(first, f)
+                if a != b:
+                    label = "dimensions" if f == "trailing" else {"pre": "prescale factor", "post":
+                                                                  "postscale factor"}.get(f, f)
+                    return self._error(ps, name, f"{first.kind} '{name}': rank {r} sent {label} "
+                                                 f"{_show(f, a)}, rank {first_rank} sent {_show(f, b)}")
+        if self.joined and ps == 0 and first.kind not in (ALLREDUCE, BARRIER):
+            return self._error(ps, name, f"{first.kind} '{name}' is not supported while ranks "
+                                         f"{sorted(self.joined)} have joined (hora.join()); only allreduce is")
+        if first.cacheable and first not in self.cache.bit_of and len(self.cache.bit_of) < self.cache.capacity:
+            self.cache.add(self._next_bit, first)
+            self.additions.append((self._next_bit, first))
+            self._next_bit += 1
+        kind = first.kind
+        if kind == ALLGATHER:
+            rows = tuple(reqs[r].shape[0] if r in reqs else 0 for r in self.process_sets[ps])
+            return Response(kind, ps, (name,), dtype=first.dtype, shapes=(first.shape,), rows=(rows,))
+        if kind == ALLTOALL:
+            matrix = tuple(reqs[r].splits for r in self.process_sets[ps])
+            return Response(kind, ps, (name,), dtype=first.dtype, shapes=(first.shape,), rows=matrix)
+        if kind == ADD_PS:
+            ranks_ = tuple(first.shape)
+            for pid, existing in self.process_sets.items():
+                if existing == ranks_:
+                    return self._error(ps, name, f"process set {list(ranks_)} already exists (id {pid})")
+            pid = self._next_ps
+            self._next_ps += 1
+            self.process_sets[pid] = ranks_
+            return Response(kind, ps, (name,), value=pid)
+        if kind == REMOVE_PS:
+            if first.root not in self.process_sets or first.root == 0:
+                return self._error(ps, name, f"process set id {first.root} is not registered (or is the global set)")
+            del self.process_sets[first.root]
+            return Response(kind, ps, (name,), value=first.root)
+        return Response(kind, ps, (name,), op=first.op, dtype=first.dtype, shapes=(first.shape,),
+                        root=first.root, pre=first.pre, post=first.post,
+                        joined=tuple(sorted(self.joined)) if ps == 0 and kind == ALLREDUCE else ())
+
+    @staticmethod
+    def _error(ps: int, name: str, msg: str) -> Response:
+        return Response("error", ps, (name,), error=msg)
+
+    # -- output --------------------------------------------------------------------------------
+    def take(self, nbytes_of) -> tuple[list[Response], list[tuple[int, Request]]]:
+        """The ready responses, fused, and the cache bits assigned with them."""
+        out: list[Response] = []
+        sizes: list[int] = []
+        open_: dict[tuple, int] = {}
+        for resp in self.ready:
+            if resp.kind == ALLREDUCE and self.fusion_threshold > 0:
+                key = (resp.ps, resp.op, resp.dtype, resp.pre, resp.post, resp.joined)
+                n = nbytes_of(resp.dtype, resp.shapes[0])
+                i = open_.get(key)
+                if i is not None and sizes[i] + n <= self.fusion_threshold:
+                    prev = out[i]
+                    out[i] = dataclasses.replace(prev, names=prev.names + resp.names, shapes=prev.shapes + resp.shapes)
+                    sizes[i] += n
+                    continue
+                open_[key] = len(out)
+            out.append(resp)
+            sizes.append(0 if resp.kind != ALLREDUCE else nbytes_of(resp.dtype, resp.shapes[0]))
+        self.ready = []
+        adds, self.additions = self.additions, []
+        return out, adds
+
+    def stalled(self, older_than: float) -> list[tuple[int, str, list[int]]]:
+        """(process set, name, missing ranks) for tensors waiting longer than ``older_than`` s."""
+        now = time.monotonic()
+        return [(ps, name, sorted(self._required(ps) - set(e.requests)))
+                for (ps, name), e in self.table.items() if now - e.since > older_than]
+
+    def oldest(self) -> float | None:
+        return min((e.since for e in self.table.values()), default=None)

@@ -1,0 +1,372 @@
+"""The background engine: one thread per rank that negotiates and runs every collective.
+
+The caller's thread only enqueues a request and returns a handle; the engine thread, blocked
+until there is work (a local submission or a control message), sends new requests to the
+coordinator (rank 0), receives the agreed responses and runs them in that order, so that every
+rank runs the same collectives in the same order whatever order it submitted them in. Rank 0's
+engine is also the coordinator (:mod:`hora.common.coordinator`); its timeline and stall inspector
+live here too.
+
+Failure: a lost peer, found on a data or control socket, fails every pending handle on this rank
+and is reported to rank 0, which tells every rank, so ranks blocked on healthy peers learn which
+rank died within milliseconds. Sockets stay open until ``shutdown`` so that no healthy rank
+mistakes a failing one for a dead one.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import select
+import sys
+import threading
+import time
+import traceback
+
+from hora.common import messages as m
+from hora.common.coordinator import Coordinator, ResponseCache
+from hora.common.errors import (HoraError, HoraValueError, InternalError, MismatchError, PeerLostError,
+                                ShutdownError, StallError)
+from hora.common.execute import Executor, Pending, nbytes_of
+from hora.common.handles import HandleTable
+
+log = logging.getLogger("hora")
+
+_REPORT_WAIT = 2.0  # s rank 0 waits for stack replies before warning without them
+
+
+class _Stop(Exception):
+    pass
+
+
+class Stats:
+    """Counters for ``hora.statistics()``: users and tests see fusion and the cache at work."""
+
+    __slots__ = ("cycles", "coordination_messages_sent", "coordination_messages_received",
+                 "collectives", "tensors", "tensors_fused", "bytes_fused", "cache_hits")
+
+    def __init__(self) -> None:
+        for f in self.__slots__:
+            setattr(self, f, 0)
+
+    def as_dict(self) -> dict[str, int]:
+        return {f: getattr(self, f) for f in self.__slots__}
+
+
+class Engine:
+    def __init__(self, comm, topo, cfg: dict, timeline=None):
+        self.comm, self.rank, self.size = comm, topo.rank, topo.size
+        self.cfg = cfg
+        self.timeline = timeline
+        self.handles = HandleTable()
+        self.stats = Stats()
+        self.cache = ResponseCache(cfg["cache_capacity"])
+        self.coord = Coordinator(self.size, cfg["fusion_threshold"], cfg["cache_capacity"]) if self.rank == 0 else None
+        self.executor = Executor(comm, self.rank, self.size, self.stats, timeline)
+        self.process_sets: dict[int, tuple[int, ...]] = {0: tuple(range(self.size))}
+        self._queue: collections.deque[Pending] = collections.deque()
+        self._local: dict[tuple[int, str], Pending] = {}  # submitted here, not yet run
+        self._unsent: list[Pending] = []
+        self._batch_start = 0.0
+        self._inbox: collections.deque[tuple[int, object]] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._lock = threading.Lock()
+        self._broken: BaseException | None = None
+        self._stopping = False
+        self._reports: dict[tuple, dict] = {}  # stall reports being assembled (rank 0)
+        self._stall_fatal_sent = False
+        if hasattr(comm, "on_ctrl"):
+            comm.on_ctrl = self._on_ctrl_during_data
+        self.thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
+        self.thread.start()
+
+    # -- caller side ---------------------------------------------------------------------------
+    def submit(self, pend: Pending) -> None:
+        with self._lock:
+            if self._broken is not None:
+                raise self._broken
+            if self._stopping:
+                raise ShutdownError("hora is shutting down; call hora.init() again")
+            key = (pend.req.ps, pend.req.name)
+            if key in self._local or any((p.req.ps, p.req.name) == key for p in self._queue):
+                raise HoraValueError(f"{pend.req.kind} '{pend.req.name}': a collective with this name is already "
+                                     "in flight on this rank; synchronize it first or use another name")
+            self._queue.append(pend)
+        os.write(self._wake_w, b"x")
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        if self.thread is not threading.current_thread():
+            self.thread.join(10)
+        err = ShutdownError("hora was shut down before this collective ran; call hora.init() again")
+        self.handles.fail_all(self._broken or err)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    @property
+    def broken(self) -> BaseException | None:
+        return self._broken
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                self._cycle()
+        except _Stop:
+            pass
+        except BaseException as e:  # noqa: BLE001 - every failure ends in failed handles, never a hang
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        if not isinstance(e, HoraError):
+            err = InternalError(f"hora's engine on rank {self.rank} failed: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            e = err
+        with self._lock:
+            if self._broken is None:
+                self._broken = e
+        if isinstance(e, PeerLostError) and not self._stopping:
+            self._spread_abort(e)
+        self.handles.fail_all(self._broken)
+
+    def _spread_abort(self, e: PeerLostError) -> None:
+        """Tell rank 0 (or, on rank 0, everyone) which rank was lost, so that ranks blocked on a
+        healthy peer learn the root cause instead of waiting."""
+        targets = [p for p in getattr(self.comm, "ctrl_peers", []) if p != e.rank]
+        msg = m.dumps((m.ABORT, e.rank, str(e)))
+        for p in targets:
+            try:
+                self.comm.send_ctrl(p, msg)
+            except HoraError:
+                pass
+
+    def _timeout(self) -> float | None:
+        waits = []
+        if self._unsent:
+            waits.append(self._batch_start + self.cfg["cycle_time"] / 1000 - time.monotonic())
+        if self.coord is not None and not self.cfg["stall_check_disable"]:
+            oldest = self.coord.oldest()
+            if oldest is not None or self._reports:
+                waits.append(0.5)
+        return None if not waits else max(0.0, min(waits))
+
+    def _cycle(self) -> None:
+        timeout = self._timeout()
+        if not self._inbox and not self._queue:
+            if self.size > 1:
+                for peer, data in self.comm.recv_ctrl(timeout, self._wake_r):
+                    self._inbox.append((peer, m.loads(data)))
+            else:
+                select.select([self._wake_r], [], [], timeout)
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+        if self._stopping:
+            raise _Stop
+        self.stats.cycles += 1
+        if self.timeline is not None and self.cfg["timeline_mark_cycles"]:
+            self.timeline.cycle()
+        self._take_submissions()
+        responses = []
+        while self._inbox:
+            responses += self._handle(*self._inbox.popleft())
+        if self._unsent:
+            self._send_requests()
+        if self.coord is not None:
+            if not self.cfg["stall_check_disable"]:
+                self._check_stalls()
+            responses = self._coordinate()
+        for resp in responses:
+            self._execute(resp)
+
+    def _take_submissions(self) -> None:
+        with self._lock:
+            new = list(self._queue)
+            self._queue.clear()
+        for p in new:
+            self._local[(p.req.ps, p.req.name)] = p
+        if new and not self._unsent:
+            self._batch_start = time.monotonic()
+        self._unsent += new
+
+    def _send_requests(self) -> None:
+        flush = any(p.flush for p in self._unsent)
+        if not flush and time.monotonic() < self._batch_start + self.cfg["cycle_time"] / 1000:
+            return
+        batch, self._unsent = self._unsent, []
+        if self.coord is not None:
+            for p in batch:
+                self._tl_negotiate(p.req, self.rank)
+                self.coord.submit(self.rank, p.req)
+            return
+        full, bits = [], []
+        for p in batch:
+            bit = self.cache.bit_of.get(p.req) if p.req.cacheable else None
+            if bit is None:
+                full.append(p.req)
+            else:
+                bits.append(bit)
+                self.stats.cache_hits += 1
+        self.comm.send_ctrl(0, m.dumps((m.REQUESTS, self.rank, full, bits)))
+        self.stats.coordination_messages_sent += 1
+
+    # -- control messages ----------------------------------------------------------------------
+    def _handle(self, peer: int, msg) -> list[m.Response]:
+        tag = msg[0]
+        if tag == m.REQUESTS:
+            self.stats.coordination_messages_received += 1
+            _, rank, full, bits = msg
+            for req in full:
+                self._tl_negotiate(req, rank)
+                self.coord.submit(rank, req)
+            for bit in bits:
+                self._tl_negotiate(self.coord.cache.req_of[bit], rank)
+                self.coord.submit_bit(rank, bit)
+            return []
+        if tag == m.RESPONSES:
+            self.stats.coordination_messages_received += 1
+            _, responses, additions = msg
+            for bit, req in additions:
+                self.cache.add(bit, req)
+            return responses
+        if tag == m.ABORT:
+            self._raise_abort(msg)
+        if tag == m.STACK_QUERY:
+            self.comm.send_ctrl(0, m.dumps((m.STACK_REPLY, self.rank, _main_stack())))
+            return []
+        if tag == m.STACK_REPLY:
+            for rep in self._reports.values():
+                if msg[1] in rep["missing"]:
+                    rep["stacks"][msg[1]] = msg[2]
+            return []
+        if tag == m.STALL_FATAL:
+            raise StallError(msg[1])
+        raise InternalError(f"rank {self.rank}: unknown control message {tag!r} from rank {peer}")
+
+    def _raise_abort(self, msg) -> None:
+        _, dead, text = msg
+        if self.coord is not None:  # rank 0 passes the news on to everyone else
+            self._spread_abort(PeerLostError(text, rank=dead))
+        raise PeerLostError(f"rank {self.rank}: {text.split(': ', 1)[-1]}", rank=dead)
+
+    def _on_ctrl_during_data(self, peer: int, data: bytes) -> None:
+        msg = m.loads(data)
+        if msg[0] == m.ABORT:
+            self._raise_abort(msg)
+        elif msg[0] == m.STALL_FATAL:
+            raise StallError(msg[1])
+        elif msg[0] == m.STACK_QUERY:
+            self.comm.send_ctrl(0, m.dumps((m.STACK_REPLY, self.rank, _main_stack())))
+        else:
+            self._inbox.append((peer, msg))
+
+    # -- coordinator ---------------------------------------------------------------------------
+    def _coordinate(self) -> list[m.Response]:
+        responses, additions = self.coord.take(nbytes_of)
+        if not responses:
+            return []
+        for bit, req in additions:
+            self.cache.add(bit, req)
+        for resp in responses:
+            if self.timeline is not None:
+                for name in resp.names:
+                    self.timeline.negotiate_end(name)
+        for peer in range(1, self.size):
+            mine = [r for r in responses if peer in self.coord.process_sets.get(r.ps, ())
+                    or r.kind in (m.ADD_PS, m.REMOVE_PS) or (r.kind == "error" and r.ps == 0)]
+            adds = [(b, q) for b, q in additions if peer in self.coord.process_sets.get(q.ps, ())]
+            if mine or adds:
+                self.comm.send_ctrl(peer, m.dumps((m.RESPONSES, mine, adds)))
+                self.stats.coordination_messages_sent += 1
+        return [r for r in responses if self.rank in self.coord.process_sets.get(r.ps, ())
+                or r.kind in (m.ADD_PS, m.REMOVE_PS) or r.kind == "error"]
+
+    def _tl_negotiate(self, req: m.Request, rank: int) -> None:
+        if self.timeline is not None:
+            self.timeline.negotiate(req.name, req.kind, rank)
+
+    def _check_stalls(self) -> None:
+        warn_after, kill_after = self.cfg["stall_check_time"], self.cfg["stall_shutdown_time"]
+        for ps, name, missing in self.coord.stalled(warn_after):
+            entry = self.coord.table.get((ps, name))
+            if entry is None or entry.warned:
+                continue
+            entry.warned = True
+            key = tuple(missing)
+            rep = self._reports.setdefault(key, {"names": [], "missing": missing, "stacks": {},
+                                                 "asked": time.monotonic()})
+            rep["names"].append(name)
+            for r in missing:
+                if r == self.rank:
+                    rep["stacks"][r] = _main_stack()
+                else:
+                    self.comm.send_ctrl(r, m.dumps((m.STACK_QUERY,)))
+        for key, rep in list(self._reports.items()):
+            if len(rep["stacks"]) == len(rep["missing"]) or time.monotonic() - rep["asked"] > _REPORT_WAIT:
+                del self._reports[key]
+                rep["text"] = _stall_text(rep, warn_after)
+                log.warning("%s", rep["text"])
+                self._last_report = rep["text"]
+        if kill_after > 0 and not self._stall_fatal_sent and self.coord.stalled(kill_after):
+            stalled = self.coord.stalled(kill_after)
+            text = getattr(self, "_last_report", None) or _stall_text(
+                {"names": [n for _, n, _ in stalled], "missing": stalled[0][2], "stacks": {}}, kill_after)
+            text = f"stall shutdown after {kill_after:g} s: {text}"
+            self._stall_fatal_sent = True
+            for p in range(1, self.size):
+                try:
+                    self.comm.send_ctrl(p, m.dumps((m.STALL_FATAL, text)))
+                except HoraError:
+                    pass
+            raise StallError(text)
+
+    # -- running responses ---------------------------------------------------------------------
+    def _execute(self, resp: m.Response) -> None:
+        pends = [self._local.pop((resp.ps, n), None) for n in resp.names]
+        if resp.kind == "error":
+            if pends[0] is not None:
+                cls = HoraValueError if resp.names[0].startswith("process_set.") else MismatchError
+                pends[0].handle.complete(error=cls(resp.error))
+            return
+        if resp.kind == m.ADD_PS:
+            self.process_sets[resp.value] = tuple(pends[0].req.shape) if pends[0] else ()
+        elif resp.kind == m.REMOVE_PS:
+            self.process_sets.pop(resp.value, None)
+            self.executor.forget(resp.value)
+        ranks = self.process_sets.get(resp.ps, ())
+        if resp.kind not in (m.ADD_PS, m.REMOVE_PS, m.JOIN) and self.rank not in ranks:
+            return
+        try:
+            self.executor.run(resp, pends, ranks)
+        except PeerLostError:
+            raise
+        except (HoraError, ValueError) as e:  # a local problem with this tensor only
+            for p in pends:
+                if p is not None:
+                    p.handle.complete(error=e)
+
+
+def _main_stack() -> str:
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "(main thread has exited)"
+    return "".join(traceback.format_stack(frame))
+
+
+def _stall_text(rep: dict, after: float) -> str:
+    lines = [f"stalled {after:g} s: ranks {rep['missing']} have not submitted "
+             + ", ".join(f"'{n}'" for n in rep["names"][:10]) + (" ..." if len(rep["names"]) > 10 else "")
+             + "; every rank must submit the same collectives. What the missing ranks are doing now:"]
+    for r in rep["missing"]:
+        stack = rep["stacks"].get(r, "(no answer)\n")
+        lines.append(f"--- rank {r} main thread:\n{stack.rstrip()}")
+    return "\n".join(lines)
+

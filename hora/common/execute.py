@@ -1,0 +1,208 @@
+"""Running one agreed response on this rank: fusion buffer in and out, the collective, results.
+
+Out-of-place inputs are only read (copied into the output or the fusion buffer first), so a failed
+collective leaves them as they were; in-place buffers are written by the collective itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from hora.collectives import exchange, ring
+from hora.collectives.reduce import Average, reducer, scale
+from hora.common import messages as m
+from hora.common.handles import Handle
+
+
+@dataclasses.dataclass(slots=True)
+class Pending:
+    req: m.Request
+    handle: Handle
+    array: np.ndarray | None  # C-contiguous input (None for barrier, join, process sets)
+    inplace: bool = False
+    flush: bool = False  # a synchronous caller waits: negotiate now, don't gather more
+
+
+def dtype_of(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def nbytes_of(dtype: str, shape: tuple) -> int:
+    return math.prod(shape) * dtype_of(dtype).itemsize
+
+
+class SubComm:
+    """A process set's view of the global communicator: set-local ranks mapped to global peers."""
+
+    def __init__(self, comm, ranks: tuple[int, ...]):
+        self.comm, self.ranks = comm, ranks
+        self.rank, self.size = ranks.index(comm.rank), len(ranks)
+
+    def isend(self, peer, buf):
+        return self.comm.isend(self.ranks[peer], buf)
+
+    def irecv_into(self, peer, buf):
+        return self.comm.irecv_into(self.ranks[peer], buf)
+
+
+def allreduce_flat(comm, flat: np.ndarray, op: int, prescale: float, postscale: float,
+                   scratch: ring.Scratch) -> None:
+    """Horovod's allreduce numerics on a 1-D buffer, in place."""
+    if op == Average:
+        postscale = postscale * (1.0 / comm.size)  # Horovod folds the average into the postscale
+    scale(flat, prescale)
+    ring.allreduce(comm, flat, reducer(op), finish=lambda seg: scale(seg, postscale), scratch=scratch)
+
+
+class Executor:
+    def __init__(self, comm, rank: int, size: int, stats, timeline=None):
+        self.comm, self.rank, self.size, self.stats, self.timeline = comm, rank, size, stats, timeline
+        self.scratch = ring.Scratch()
+        self.fusion = np.empty(0, np.uint8)
+        self._subs: dict[int, SubComm] = {}
+        self.transport = "TCP" if size > 1 else "LOCAL"
+
+    def forget(self, ps: int) -> None:
+        self._subs.pop(ps, None)
+
+    def _comm(self, ps: int, ranks: tuple[int, ...]):
+        if ps == 0:
+            return self.comm
+        sub = self._subs.get(ps)
+        if sub is None:
+            sub = self._subs[ps] = SubComm(self.comm, ranks)
+        return sub
+
+    def _tl(self, names, activity: str, start: bool) -> None:
+        if self.timeline is not None and self.rank == 0:
+            for n in names:
+                (self.timeline.start if start else self.timeline.end)(n, activity)
+
+    def run(self, resp: m.Response, pends: list, ranks: tuple[int, ...]) -> None:
+        kind = resp.kind
+        if kind in (m.BARRIER, m.JOIN, m.ADD_PS, m.REMOVE_PS):
+            for p in pends:
+                if p is not None:
+                    p.handle.complete(resp.value)
+            return
+        comm = self._comm(resp.ps, ranks)
+        self.stats.collectives += 1
+        self.stats.tensors += len(resp.names)
+        op_name = f"{self.transport}_{kind.upper()}"
+        getattr(self, "_" + kind)(resp, pends, comm, op_name)
+
+    # -- per kind ------------------------------------------------------------------------------
+    def _allreduce(self, resp, pends, comm, op_name) -> None:
+        dtype = dtype_of(resp.dtype)
+        counts = [math.prod(s) for s in resp.shapes]
+        names = resp.names
+        if len(names) == 1:
+            p = pends[0]
+            if p is None:  # joined rank: contribute zeros
+                buf = np.zeros(counts[0], dtype)
+            elif p.inplace:
+                buf = p.array.reshape(-1)
+            else:
+                buf = p.array.reshape(-1).copy()
+            self._tl(names, op_name, True)
+            allreduce_flat(comm, buf, resp.op, resp.pre, resp.post, self.scratch)
+            self._tl(names, op_name, False)
+            if p is not None:
+                p.handle.complete(p.array if p.inplace else buf.reshape(p.array.shape))
+            return
+        total = sum(counts)
+        if self.fusion.nbytes < total * dtype.itemsize:
+            self.fusion = np.empty(total * dtype.itemsize, np.uint8)
+        fb = self.fusion[:total * dtype.itemsize].view(dtype)
+        self._tl(names, "MEMCPY_IN_FUSION_BUFFER", True)
+        off = 0
+        for p, c in zip(pends, counts):
+            if p is None:
+                fb[off:off + c] = 0
+            else:
+                fb[off:off + c] = p.array.reshape(-1)
+            off += c
+        self._tl(names, "MEMCPY_IN_FUSION_BUFFER", False)
+        self._tl(names, op_name, True)
+        allreduce_flat(comm, fb, resp.op, resp.pre, resp.post, self.scratch)
+        self._tl(names, op_name, False)
+        self.stats.tensors_fused += len(names)
+        self.stats.bytes_fused += total * dtype.itemsize
+        self._tl(names, "MEMCPY_OUT_FUSION_BUFFER", True)
+        off = 0
+        for p, c in zip(pends, counts):
+            if p is not None:
+                if p.inplace:
+                    p.array.reshape(-1)[:] = fb[off:off + c]
+                    p.handle.complete(p.array)
+                else:
+                    p.handle.complete(fb[off:off + c].copy().reshape(p.array.shape))
+            off += c
+        self._tl(names, "MEMCPY_OUT_FUSION_BUFFER", False)
+
+    def _allgather(self, resp, pends, comm, op_name) -> None:
+        p = pends[0]
+        a = p.array
+        rows = resp.rows[0]
+        row = math.prod(a.shape[1:])
+        out = np.empty((sum(rows),) + a.shape[1:], a.dtype)
+        bounds = [0]
+        for r in rows:
+            bounds.append(bounds[-1] + r * row)
+        self._tl(resp.names, op_name, True)
+        exchange.allgather_blocks(comm, a.reshape(-1), out.reshape(-1), bounds)
+        self._tl(resp.names, op_name, False)
+        p.handle.complete(out)
+
+    def _broadcast(self, resp, pends, comm, op_name) -> None:
+        p = pends[0]
+        buf = p.array if p.inplace else p.array.copy()
+        root = self.comm_rank_of(resp.root, comm)
+        self._tl(resp.names, op_name, True)
+        exchange.broadcast(comm, buf.reshape(-1), root)
+        self._tl(resp.names, op_name, False)
+        p.handle.complete(buf)
+
+    @staticmethod
+    def comm_rank_of(global_rank: int, comm) -> int:
+        return comm.ranks.index(global_rank) if isinstance(comm, SubComm) else global_rank
+
+    def _alltoall(self, resp, pends, comm, op_name) -> None:
+        p = pends[0]
+        a = p.array
+        me = comm.rank
+        send_rows = resp.rows[me]
+        recv_rows = [resp.rows[q][me] for q in range(comm.size)]
+        row = math.prod(a.shape[1:])
+        out = np.empty((sum(recv_rows),) + a.shape[1:], a.dtype)
+        sb, rb = [0], [0]
+        for s, r in zip(send_rows, recv_rows):
+            sb.append(sb[-1] + s * row)
+            rb.append(rb[-1] + r * row)
+        self._tl(resp.names, op_name, True)
+        exchange.alltoall_blocks(comm, a.reshape(-1), sb, out.reshape(-1), rb)
+        self._tl(resp.names, op_name, False)
+        p.handle.complete((out, np.asarray(recv_rows, np.int32)))
+
+    def _reducescatter(self, resp, pends, comm, op_name) -> None:
+        p = pends[0]
+        a = p.array
+        n, r = comm.size, comm.rank
+        rows = ring.even_bounds(a.shape[0], n)
+        row = math.prod(a.shape[1:])
+        bounds = [b * row for b in rows]
+        buf = a.reshape(-1).copy()
+        self._tl(resp.names, op_name, True)
+        scale(buf, resp.pre)
+        ring.reduce_scatter(comm, buf, bounds, reducer(resp.op), self.scratch)
+        self._tl(resp.names, op_name, False)
+        mine = buf[bounds[r]:bounds[r + 1]].copy()
+        scale(mine, resp.post * (1.0 / n if resp.op == Average else 1.0))
+        p.handle.complete(mine.reshape((rows[r + 1] - rows[r],) + a.shape[1:]))

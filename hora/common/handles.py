@@ -1,0 +1,72 @@
+"""Handles: what an asynchronous collective returns, and the table that owns them.
+
+A handle is a plain int, as in Horovod. ``poll`` never blocks; ``synchronize`` waits, returns what
+the synchronous form returns, and forgets the handle (a second ``synchronize`` says so).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Callable
+
+from hora.common.errors import HoraValueError
+
+
+class Handle:
+    __slots__ = ("id", "name", "event", "result", "error", "finish", "waiter")
+
+    def __init__(self, hid: int, name: str, finish: Callable[[Any], Any] | None = None):
+        self.id, self.name, self.finish = hid, name, finish
+        self.event = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.waiter: int | None = None
+
+    def complete(self, result: Any = None, error: BaseException | None = None) -> None:
+        if self.event.is_set():
+            return
+        self.result, self.error = result, error
+        self.event.set()
+
+
+class HandleTable:
+    def __init__(self) -> None:
+        self._handles: dict[int, Handle] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def new(self, name: str, finish: Callable[[Any], Any] | None = None) -> Handle:
+        with self._lock:
+            h = Handle(next(self._ids), name, finish)
+            self._handles[h.id] = h
+            return h
+
+    def get(self, hid: int) -> Handle:
+        h = self._handles.get(hid)
+        if h is None:
+            raise HoraValueError(f"handle {hid} is unknown: it was already synchronized, or never returned "
+                                 "by an *_async call of this initialisation")
+        return h
+
+    def poll(self, hid: int) -> bool:
+        return self.get(hid).event.is_set()
+
+    def synchronize(self, hid: int) -> Any:
+        h = self.get(hid)
+        with self._lock:
+            if h.waiter is not None and h.waiter != threading.get_ident():
+                raise HoraValueError(f"handle {hid} ('{h.name}') is already being waited on by another thread")
+            h.waiter = threading.get_ident()
+        h.event.wait()
+        with self._lock:
+            self._handles.pop(hid, None)
+        if h.error is not None:
+            raise h.error
+        return h.finish(h.result) if h.finish is not None else h.result
+
+    def fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            handles = list(self._handles.values())
+        for h in handles:
+            h.complete(error=error)

@@ -1,0 +1,76 @@
+"""What ranks tell the coordinator and what it answers: requests, responses, control messages.
+
+Messages are tuples pickled over the authenticated control sockets (rank 0 <-> every rank).
+A request describes one submitted tensor; the coordinator matches requests by process set and
+name (without the op prefix), checks that every rank sent the same thing, and answers with
+responses in one order that every rank executes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+# op kinds, as Horovod names them in timelines and messages
+ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, ADD_PS, REMOVE_PS = (
+    "allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join",
+    "add_process_set", "remove_process_set")
+UNCACHED = {ALLTOALL, BARRIER, JOIN, ADD_PS, REMOVE_PS}  # their requests vary call to call
+
+# control message tags
+REQUESTS = "Q"  # rank -> coordinator: (tag, rank, [Request...], [cache bits...])
+RESPONSES = "P"  # coordinator -> rank: (tag, [Response...], [(bit, signature)...])
+ABORT = "A"  # either way: (tag, dead_rank or None, message)
+STACK_QUERY = "T"  # coordinator -> rank: (tag,)
+STACK_REPLY = "S"  # rank -> coordinator: (tag, rank, text)
+STALL_FATAL = "E"  # coordinator -> rank: (tag, report)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Request:
+    name: str
+    kind: str
+    op: int = 0
+    dtype: str = ""
+    shape: tuple = ()
+    root: int = -1
+    pre: float = 1.0
+    post: float = 1.0
+    ps: int = 0
+    splits: tuple | None = None
+    group: tuple | None = None  # (group id, number of tensors) for grouped ops
+
+    @property
+    def cacheable(self) -> bool:
+        return self.kind not in UNCACHED
+
+    def describe(self, field: str) -> str:
+        v = getattr(self, field)
+        return str(tuple(v)) if field == "shape" else ("op " + str(v) if field == "op" else str(v))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Response:
+    """One collective to run on every rank of process set ``ps``: several names when fused."""
+
+    kind: str
+    ps: int
+    names: tuple[str, ...]
+    error: str | None = None
+    op: int = 0
+    dtype: str = ""
+    shapes: tuple = ()  # per name (allreduce: for joined ranks' zeros)
+    root: int = -1
+    pre: float = 1.0
+    post: float = 1.0
+    rows: tuple = ()  # allgather: per name, dim 0 of every rank; alltoall: the splits matrix
+    joined: tuple = ()  # ranks contributing zeros (allreduce under join)
+    value: object = None  # join: last rank to join; add_process_set: the new id
+
+
+def dumps(msg) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data: bytes):
+    return pickle.loads(data)
