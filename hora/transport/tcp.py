@@ -34,6 +34,7 @@ log = logging.getLogger("hora.transport")
 
 _POLL_IN = select.POLLIN | select.POLLPRI
 _LEN = struct.Struct("!I")
+CTRL_GRACE = 3.0  # s a data wait goes on after a peer's control connection closed
 _POLL_ERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
@@ -75,6 +76,7 @@ class TcpCommunicator:
         # at any moment can never interleave with a collective's bytes
         self._ctrl = ctrl or {}
         self._ctrl_fd = {s.fileno(): p for p, s in self._ctrl.items()}
+        self._ctrl_gone: dict[int, float] = {}  # peer -> deadline, control closed during a data wait
         self.on_ctrl: Callable[[int, bytes], None] | None = None
         self._sendq: dict[int, collections.deque[TcpRequest]] = {p: collections.deque() for p in socks}
         self._recvq: dict[int, collections.deque[TcpRequest]] = {p: collections.deque() for p in socks}
@@ -128,6 +130,10 @@ class TcpCommunicator:
         out) and return every complete message that is ready, as ``(peer, payload)``."""
         if self._closed:
             raise CommunicatorClosedError("this communicator was closed")
+        if self._ctrl_gone:
+            peer = next(iter(self._ctrl_gone))
+            self._lost(peer, "control connection closed")
+            raise self._broken
         poller = select.poll()
         for s in self._ctrl.values():
             poller.register(s.fileno(), _POLL_IN)
@@ -142,14 +148,18 @@ class TcpCommunicator:
                     out.append((self._ctrl_fd[fd], msg))
         return out
 
-    def _read_ctrl(self, peer: int) -> bytes | None:
+    def _read_ctrl(self, peer: int, during_data: bool = False) -> bytes | None:
         sock = self._ctrl[peer]
         try:
             head = auth.recv_exact(sock, _LEN.size)
             return auth.recv_exact(sock, _LEN.unpack(head)[0])
         except (OSError, ConnectionError) as e:
-            self._lost(peer, e if isinstance(e, OSError) and not isinstance(e, ConnectionError)
-                       else "connection closed")
+            if during_data:
+                # A peer that finished its part and shut down closes control before we have read
+                # its last data: give the data a grace period before calling the peer lost.
+                self._ctrl_gone.setdefault(peer, time.monotonic() + CTRL_GRACE)
+                return None
+            self._lost(peer, "connection closed" if isinstance(e, ConnectionError) else e)
             raise self._broken from e
 
     def close(self) -> None:
@@ -246,14 +256,12 @@ class TcpCommunicator:
         if not any_fd:
             return
         if self.on_ctrl is not None:  # control messages interrupt a data wait (abort, stall report)
-            for s in self._ctrl.values():
-                poller.register(s.fileno(), _POLL_IN)
-        for fd, ev in poller.poll(timeout_ms):
+            for p, s in self._ctrl.items():
+                if p not in self._ctrl_gone:
+                    poller.register(s.fileno(), _POLL_IN)
+        events = poller.poll(timeout_ms)
+        for fd, ev in events:  # data first: a peer's last bytes count before its goodbye
             if fd in self._ctrl_fd:
-                peer = self._ctrl_fd[fd]
-                msg = self._read_ctrl(peer)
-                if msg is not None and self.on_ctrl is not None:
-                    self.on_ctrl(peer, msg)
                 continue
             p = self._fd_peer[fd]
             if ev & (select.POLLOUT | select.POLLERR | select.POLLHUP) and self._sendq[p]:
@@ -262,6 +270,15 @@ class TcpCommunicator:
                 self._pump_recv(p)
             if ev & select.POLLNVAL:
                 self._lost(p, "socket closed")
+        for fd, _ev in events:
+            if fd in self._ctrl_fd and self._broken is None:
+                peer = self._ctrl_fd[fd]
+                msg = self._read_ctrl(peer, during_data=True)
+                if msg is not None and self.on_ctrl is not None:
+                    self.on_ctrl(peer, msg)
+        for peer, deadline in self._ctrl_gone.items():
+            if time.monotonic() > deadline and self._broken is None:
+                self._lost(peer, f"control connection closed {CTRL_GRACE:g} s ago")
 
     def _wait_for(self, req: TcpRequest, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
