@@ -12,7 +12,7 @@ KEEPALIVE_IDLE = 2  # s of silence before the first probe
 KEEPALIVE_INTERVAL = 1  # s between probes
 KEEPALIVE_COUNT = 5  # unanswered probes before the connection is declared dead
 USER_TIMEOUT_MS = 10_000  # unacknowledged data older than this kills the connection
-BUFFER_BYTES = 1 << 20  # socket buffers; larger measured slower on loopback (cache misses)
+BUFFER_BYTES = 4 << 20  # socket buffers: room for a few chunks in flight; see benchmarks (noisy on 2 cores)
 
 
 def tune(sock: socket.socket, buffers: bool = False) -> None:
