@@ -9,38 +9,13 @@ hundreds of cycles in one process neither collide nor leak threads or sockets.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import os
 import threading
 
-from hora.common import config, env
+from hora.common import config, env, launchers
 from hora.common.errors import HoraError, HoraValueError, NotInitializedError
+from hora.common.launchers import Topology
 from hora.transport.base import LocalCommunicator
-
-
-@dataclasses.dataclass(frozen=True)
-class Topology:
-    rank: int = 0
-    size: int = 1
-    local_rank: int = 0
-    local_size: int = 1
-    cross_rank: int = 0
-    cross_size: int = 1
-    hostname: str = "localhost"
-
-    @classmethod
-    def from_env(cls) -> "Topology":
-        if env.get("RANK") is None:
-            return cls()
-        try:
-            t = cls(**{f: int(env.get(f.upper(), "0")) for f in
-                       ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")},
-                    hostname=env.get("HOSTNAME", "localhost"))
-        except ValueError as e:
-            raise HoraValueError(f"bad HORA_* topology variable: {e}") from e
-        if not (0 <= t.rank < t.size and 0 <= t.local_rank < t.local_size and 0 <= t.cross_rank < t.cross_size):
-            raise HoraValueError(f"inconsistent topology from the environment: {t}")
-        return t
 
 
 class _State:
@@ -96,11 +71,11 @@ def init(comm=None, process_sets=None) -> None:
         elif process_sets is not None and not isinstance(process_sets, (list, tuple)):
             raise HoraValueError(f"init(process_sets=...) takes a list of ProcessSet or 'dynamic', "
                                  f"not {process_sets!r}")
-        topo = Topology.from_env()
-        if topo.size == 1:
-            _state = _State(topo, LocalCommunicator(), None, "")
+        job = launchers.detect()
+        if job.topo.size == 1:
+            _state = _State(job.topo, LocalCommunicator(), None, "")
         else:
-            _state = _connect(topo)
+            _state = _connect(job)
         if not _atexit_registered:
             atexit.register(shutdown)
             os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -116,25 +91,23 @@ def init(comm=None, process_sets=None) -> None:
             raise
 
 
-def _connect(topo: Topology) -> _State:
+def _connect(job: launchers.Job) -> _State:
+    from hora.transport import addresses, net
     from hora.transport.store import StoreClient
     from hora.transport.tcp import connect_mesh
 
-    addr, secret = env.get("STORE_ADDR"), env.get("SECRET")
-    if not addr or secret is None:
-        raise HoraError(f"HORA_RANK is set (rank {topo.rank} of {topo.size}) but HORA_STORE_ADDR or "
-                        "HORA_SECRET is not; start workers with `hora run`")
-    timeout = float(env.get("START_TIMEOUT", "30"))
-    scope = env.get("STORE_SCOPE", "job")
-    gen = _generations[scope] = _generations.get(scope, 0) + 1
-    prefix = f"{scope}/{gen}"
-    store = StoreClient(addr, secret, timeout=timeout)
+    timeout = config.value("start_timeout")
+    gen = _generations[job.scope] = _generations.get(job.scope, 0) + 1
+    prefix = f"{job.scope}/{gen}"
+    bind, advertise = addresses.pick(net.parse_addr(job.store_addr)[0], env.get("NETWORK_INTERFACES"))
+    store = StoreClient(job.store_addr, job.secret, timeout=timeout)
     try:
-        comm = connect_mesh(topo.rank, topo.size, store, prefix, secret.encode(), timeout=timeout)
+        comm = connect_mesh(job.topo.rank, job.topo.size, store, prefix, job.secret.encode(),
+                            bind_host=bind, advertise_host=advertise, timeout=timeout)
     except BaseException:
         store.close()
         raise
-    return _State(topo, comm, store, prefix)
+    return _State(job.topo, comm, store, prefix)
 
 
 def shutdown() -> None:
