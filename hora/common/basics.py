@@ -107,6 +107,14 @@ def _connect(job: launchers.Job) -> _State:
     except BaseException:
         store.close()
         raise
+    from hora.transport import registry
+
+    try:
+        comm = registry.wrap(config.value("transport"), comm, {"job": job, "store": store, "prefix": prefix})
+    except BaseException:
+        comm.close()
+        store.close()
+        raise
     return _State(job.topo, comm, store, prefix)
 
 

@@ -59,6 +59,9 @@ KNOBS = [
          allowed="TRACE, DEBUG, INFO, WARNING, ERROR or FATAL"),
     Knob("dynamic_process_sets", bool, False, "DYNAMIC_PROCESS_SETS", None,
          "allow add_process_set/remove_process_set after init"),
+    Knob("transport", str, "auto", "TRANSPORT", "--transport",
+         "data path between ranks: auto, tcp, shm (ranks on one host), mpi",
+         check=lambda v: v.lower() in ("auto", "tcp", "shm", "mpi"), allowed="auto, tcp, shm or mpi"),
     Knob("start_timeout", float, 30.0, "START_TIMEOUT", "--start-timeout",
          "seconds ranks wait for each other at init", 1, lambda v: v > 0, "> 0"),
 ]

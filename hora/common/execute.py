@@ -58,6 +58,11 @@ def allreduce_flat(comm, flat: np.ndarray, op: int, prescale: float, postscale: 
     if op == Average:
         postscale = postscale * (1.0 / comm.size)  # Horovod folds the average into the postscale
     scale(flat, prescale)
+    native = getattr(comm, "native_allreduce", None)  # a transport's own (shared memory, MPI)
+    if native is not None:
+        native(flat, op)
+        scale(flat, postscale)
+        return
     ring.allreduce(comm, flat, reducer(op), finish=lambda seg: scale(seg, postscale), scratch=scratch)
 
 

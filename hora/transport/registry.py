@@ -1,0 +1,41 @@
+"""The transports, by name, and how one is chosen.
+
+Every job first builds the TCP mesh: it carries the control plane (negotiation, aborts, stall
+reports) and is the data path of last resort. A faster transport wraps it and overrides the data
+path: point-to-point (``isend``/``irecv_into``) and, where it has them, native collectives that the
+engine prefers (``native_allreduce(buf, op)`` ...). ``HORA_TRANSPORT`` / ``hora run --transport``
+picks one; ``auto`` takes the fastest that applies.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+
+from hora.common.errors import HoraValueError
+
+# name -> "module:factory"; factory(tcp_comm, job_info) -> communicator, or None if it does not apply
+TRANSPORTS: dict[str, str] = {
+    "tcp": "",
+}
+AUTO_ORDER: list[str] = []  # tried in order by "auto" before falling back to tcp
+
+
+def wrap(name: str, tcp_comm, info: dict):
+    """The communicator for transport ``name`` over the established TCP mesh."""
+    name = (name or "auto").lower()
+    if name not in TRANSPORTS and name != "auto":
+        close = difflib.get_close_matches(name, list(TRANSPORTS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise HoraValueError(f"unknown transport {name!r}; choose {', '.join(['auto', *TRANSPORTS])}{hint}")
+    for candidate in (AUTO_ORDER if name == "auto" else [name]):
+        target = TRANSPORTS[candidate]
+        if not target:
+            return tcp_comm
+        module, factory = target.split(":")
+        comm = getattr(importlib.import_module(module), factory)(tcp_comm, info)
+        if comm is not None:
+            return comm
+        if name != "auto":
+            raise HoraValueError(f"transport {name!r} does not apply to this job")
+    return tcp_comm
