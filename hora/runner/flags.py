@@ -107,6 +107,8 @@ FLAGS: tuple[Flag, ...] = (
        kind=float, env="HORA_CYCLE_TIME", config=("params", "cycle_time_ms")),
     _f("--cache-capacity", "cache_capacity", "tuning", "response cache entries, 0 turns it off (1024)",
        kind=int, env="HORA_CACHE_CAPACITY", config=("params", "cache_capacity")),
+    _f("--transport", "transport", "tuning", "data path: auto, tcp, shm (one host), mpi (auto)", kind=str,
+       choices=("auto", "tcp", "shm", "mpi"), env="HORA_TRANSPORT", to_env=str, config=("params", "transport")),
     _f("--hierarchical-allreduce", "hierarchical_allreduce", "tuning",
        "allreduce inside each host first, then across hosts", env="HORA_HIERARCHICAL_ALLREDUCE",
        config=("params", "hierarchical_allreduce")),
