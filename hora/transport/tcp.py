@@ -64,7 +64,7 @@ class TcpCommunicator:
     """Point-to-point between ranks over established, authenticated sockets."""
 
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket],
-                 explain: Callable[[int], tuple[int, str] | None] | None = None,
+                 explain: Callable[[int, str], tuple[int, str]] | None = None,
                  closer: Callable[[], None] | None = None,
                  ctrl: dict[int, socket.socket] | None = None):
         self.rank, self.size = rank, size
@@ -195,8 +195,10 @@ class TcpCommunicator:
 
     def _lost(self, peer: int, cause: BaseException | str) -> None:
         what = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
-        note = self._explain(peer) if self._explain else None
-        dead, msg = note or (peer, f"lost the connection to rank {peer} ({what}); that rank died or aborted")
+        if self._explain is not None:
+            dead, msg = self._explain(peer, what)
+        else:
+            dead, msg = peer, f"lost the connection to rank {peer} ({what}); that rank died or aborted"
         err = PeerLostError(f"rank {self.rank}: {msg}", rank=dead)
         if not isinstance(cause, str):
             err.__cause__ = cause
@@ -334,7 +336,10 @@ class _Acceptor:
     def _handshake(self, sock: socket.socket, peer) -> None:
         try:
             ident = auth.accept_handshake(sock, self.secret).decode("ascii", "replace")
-            src, gen, dst, chan = ident.split("|")
+            parts = ident.split("|")
+            if len(parts) != 4 or not parts[0].isdigit() or not parts[2].isdigit() or parts[3] not in "dc":
+                raise HoraError(f"malformed identity {ident[:80]!r} (expected rank|generation|rank|channel)")
+            src, gen, dst, chan = parts
             key = (int(src), chan)
             if gen != self.gen or int(dst) != self.rank:
                 raise HoraError(f"connection for generation {gen} rank {dst}, expected {self.gen} rank {self.rank}")
@@ -404,16 +409,21 @@ def connect_mesh(rank: int, size: int, store: StoreClient, prefix: str, secret: 
     for s in ctrl.values():
         net.tune(s)
 
-    def explain(peer: int) -> tuple[int, str] | None:
-        """Why ``peer`` closed on us: the note a rank that saw the first failure left in the store."""
+    key = f"{prefix}/abort"
+
+    def explain(peer: int, what: str) -> tuple[int, str]:
+        """Who is to blame for losing ``peer``: the rank named by the first rank that saw a failure
+        (its note in the store), else ``peer`` itself, and then this rank leaves that note."""
         try:
-            note = store.try_get(f"{prefix}/abort")
+            note = store.try_get(key)
+            if note:
+                dead, _, msg = note.decode().partition("|")
+                return int(dead), msg
+            msg = f"lost the connection to rank {peer} ({what}); that rank died or aborted"
+            store.set(key, f"{peer}|{msg} (first noticed by rank {rank})".encode())
+            return peer, msg
         except HoraError:
-            return None
-        if not note:
-            return None
-        dead, _, msg = note.decode().partition("|")
-        return int(dead), msg
+            return peer, f"lost the connection to rank {peer} ({what}); that rank died or aborted"
 
     return TcpCommunicator(rank, size, socks, explain=explain, closer=acceptor.close, ctrl=ctrl)
 
