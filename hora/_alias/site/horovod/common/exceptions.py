@@ -1,0 +1,1 @@
+from hora.common.errors import HorovodInternalError, HorovodVersionMismatchError, HostsUpdatedInterrupt  # noqa: F401

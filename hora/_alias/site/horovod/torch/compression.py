@@ -1,0 +1,1 @@
+from hora.torch.compression import *  # noqa: F401,F403

@@ -1,0 +1,1 @@
+from hora.torch.functions import *  # noqa: F401,F403

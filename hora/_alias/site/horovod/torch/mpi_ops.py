@@ -1,0 +1,1 @@
+from hora.torch.mpi_ops import *  # noqa: F401,F403

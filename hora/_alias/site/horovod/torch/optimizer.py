@@ -1,0 +1,1 @@
+from hora.torch.optimizer import *  # noqa: F401,F403

@@ -1,0 +1,1 @@
+from hora.torch.sync_batch_norm import *  # noqa: F401,F403

@@ -1,0 +1,484 @@
+"""The collectives on torch tensors: ``horovod.torch``'s op functions over hora's NumPy core.
+
+Each function converts its tensors and makes one core call. A contiguous CPU tensor becomes a NumPy
+view of the same memory (no copy); bfloat16 is viewed as int16 and then as ``ml_dtypes.bfloat16``. The
+core copies a non-contiguous input (and, for in-place ops, copies the result back). Tensors on another
+device (CUDA) are staged through host memory and copied back at ``synchronize``; that path has not yet
+run on a GPU machine.
+
+``*_async`` functions return the core's int handle; ``synchronize`` returns what the synchronous form
+returns, as tensors (``_post`` maps a handle to the conversion). As with Horovod, an input must not be
+modified until its handle is synchronized: the engine reads it when the collective runs.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+import hora.common.basics as _basics
+import hora.common.ops as _core
+from hora.common.errors import HoraValueError
+from hora.common.ops import Adasum, Average, Max, Min, Product, Sum
+from hora.common.process_sets import ProcessSet, global_process_set
+from hora.torch.compression import Compression
+
+__all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "init", "shutdown", "allreduce", "allreduce_async",
+           "allreduce_", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_",
+           "grouped_allreduce_async_", "sparse_allreduce_async", "allgather", "allgather_async",
+           "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_async", "broadcast_",
+           "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+           "grouped_reducescatter", "grouped_reducescatter_async", "poll", "synchronize", "join", "barrier"]
+
+_post: dict = {}  # handle -> function turning the core's result into what synchronize returns
+
+
+def init(comm=None, process_sets=None) -> None:
+    """:func:`hora.init`; also forgets handles of an earlier initialisation (handle ids restart)."""
+    _post.clear()
+    _basics.init(comm, process_sets)
+
+
+def shutdown() -> None:
+    """:func:`hora.shutdown`; pending handles of this binding are forgotten."""
+    _post.clear()
+    _basics.shutdown()
+
+
+# -- tensors <-> arrays --------------------------------------------------------------------------
+def _array(tensor: torch.Tensor, what: str) -> tuple[np.ndarray, torch.Tensor | None]:
+    """A NumPy view of ``tensor``'s memory, and the host copy when the tensor lives on another device."""
+    if not isinstance(tensor, torch.Tensor):
+        raise HoraValueError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise HoraValueError(f"{what}: {tensor.layout} tensors are not supported; use sparse_allreduce_async "
+                             "for sparse tensors, or .to_dense()")
+    t = tensor.detach()
+    host = None
+    if t.device.type != "cpu":
+        host = t = t.cpu()  # staged: a GPU transport would reduce on the device instead
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16), host
+    try:
+        return t.numpy(), host
+    except TypeError:
+        raise HoraValueError(f"{what}: tensor type {tensor.dtype} is not supported; use uint8, int8, int16, "
+                             "int32, int64, float16, bfloat16, float32, float64 or bool") from None
+
+
+def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    if a.dtype.name == "bfloat16":
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.to(device)
+
+
+def _new(like: torch.Tensor):
+    """Post-processing for an out-of-place result: a new tensor on ``like``'s device."""
+    return lambda a: _tensor(a, like.device)
+
+
+def _filled(tensor: torch.Tensor, host: torch.Tensor | None):
+    """Post-processing for an in-place result: ``tensor`` itself (copied back from host staging)."""
+    def done(_):
+        if host is not None:
+            with torch.no_grad():
+                tensor.copy_(host)
+        return tensor
+    return done
+
+
+def _keep(handle: int, post) -> int:
+    _post[handle] = post
+    return handle
+
+
+def then(handle: int, fn) -> int:
+    """Run ``fn`` on what ``synchronize(handle)`` would return, and return ``fn``'s result instead
+    (gradient hooks use it to decompress)."""
+    prev = _post.get(handle)
+    _post[handle] = (lambda r: fn(prev(r))) if prev is not None else fn
+    return handle
+
+
+def _each(posts):
+    return lambda results: [p(r) for p, r in zip(posts, results)]
+
+
+def _op(op, average, what: str) -> int:
+    """Horovod's deprecated ``average=``: True/False mean Average/Sum; giving it with ``op`` is an error."""
+    if average is not None:
+        if op is not None:
+            raise HoraValueError(f"The op parameter supersedes average; {what}() was given both, pass only op=")
+        warnings.warn(f"{what}(average=...) is deprecated; use op=hvd.Average or op=hvd.Sum", DeprecationWarning,
+                      stacklevel=3)
+        return Average if average else Sum
+    return Average if op is None else op
+
+
+# -- handles -------------------------------------------------------------------------------------
+def poll(handle: int) -> bool:
+    """True once the collective behind ``handle`` has finished; never blocks."""
+    members = _basics.state().groups.get(handle)  # the core's poll() does not know grouped handles yet
+    if members is not None:
+        return all(_core.poll(h) for h in members)
+    return _core.poll(handle)
+
+
+def synchronize(handle: int):
+    """Wait for ``handle``; returns a tensor (a list for grouped ops, ``(out, received_splits)`` for
+    alltoall), the very tensor given for in-place ops. Failures raise ``HorovodInternalError``."""
+    post = _post.pop(handle, None)
+    result = _core.synchronize(handle)
+    return post(result) if post is not None else result
+
+
+def join(device: int = -1) -> int:
+    """This rank has no more data; returns the last rank to join. ``device`` is accepted for Horovod."""
+    return _core.join(device)
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank of the process set has called barrier()."""
+    _core.barrier(process_set)
+
+
+# -- allreduce -----------------------------------------------------------------------------------
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=global_process_set) -> int:
+    """Start an allreduce; ``synchronize`` returns a new tensor. The input must stay unmodified until then."""
+    a, _ = _array(tensor, "allreduce")
+    h = _core.allreduce_async(a, _op(op, average, "allreduce_async"), prescale_factor, postscale_factor, name,
+                              process_set)
+    return _keep(h, _new(tensor))
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=global_process_set) -> int:
+    """Start an in-place allreduce; ``synchronize`` returns ``tensor``, reduced."""
+    a, host = _array(tensor, "allreduce_")
+    h = _core.allreduce_async_(a, _op(op, average, "allreduce_async_"), prescale_factor, postscale_factor, name,
+                               process_set)
+    return _keep(h, _filled(tensor, host))
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=global_process_set) -> torch.Tensor:
+    """In-place allreduce (not autograd-aware); returns ``tensor``."""
+    a, host = _array(tensor, "allreduce_")
+    _core.allreduce_(a, _op(op, average, "allreduce_"), prescale_factor, postscale_factor, name, process_set)
+    return _filled(tensor, host)(None)
+
+
+class _Allreduce(torch.autograd.Function):
+    """The gradient of an allreduce is the same allreduce of the gradient (Horovod's rule)."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, name, prescale_factor, postscale_factor, process_set):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        a, _ = _array(tensor, "allreduce")
+        return _tensor(_core.allreduce(a, op, prescale_factor, postscale_factor, name, process_set), tensor.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, pre, post, ps = ctx.args
+        return allreduce(grad, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps), *[None] * 5
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks (Average unless ``op`` says otherwise); returns a new tensor.
+    Autograd-aware.
+
+    >>> hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum)   # at np=3
+    tensor([3.])
+    """
+    op = _op(op, average, "allreduce")
+    c, ctx = compression.compress(tensor)
+    return compression.decompress(_Allreduce.apply(c, op, name, prescale_factor, postscale_factor, process_set),
+                                  ctx)
+
+
+def _grouped_arrays(tensors, what):
+    tensors = list(tensors)
+    pairs = [_array(t, what) for t in tensors]
+    return tensors, [a for a, _ in pairs], [h for _, h in pairs]
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                            process_set=global_process_set) -> int:
+    """Allreduce several tensors as one unit; ``synchronize`` returns a list of new tensors."""
+    tensors, arrays, _ = _grouped_arrays(tensors, "grouped_allreduce")
+    h = _core.grouped_allreduce_async(arrays, _op(op, average, "grouped_allreduce_async"), prescale_factor,
+                                      postscale_factor, name, process_set)
+    return _keep(h, _each([_new(t) for t in tensors]))
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set) -> int:
+    """In-place grouped allreduce; ``synchronize`` returns the list of given tensors, reduced."""
+    tensors, arrays, hosts = _grouped_arrays(tensors, "grouped_allreduce_")
+    h = _core.grouped_allreduce_async_(arrays, _op(op, average, "grouped_allreduce_async_"), prescale_factor,
+                                       postscale_factor, name, process_set)
+    return _keep(h, _each([_filled(t, host) for t, host in zip(tensors, hosts)]))
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=global_process_set) -> list:
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, name, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        _, arrays, _ = _grouped_arrays(tensors, "grouped_allreduce")
+        out = _core.grouped_allreduce(arrays, op, prescale_factor, postscale_factor, name, process_set)
+        return tuple(_tensor(a, t.device) for a, t in zip(out, tensors))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, pre, post, ps = ctx.args
+        return (None,) * 5 + tuple(grouped_allreduce(list(grads), op=op, prescale_factor=pre,
+                                                     postscale_factor=post, process_set=ps))
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set) -> list:
+    """Allreduce a list of tensors as one unit (negotiated and fused together); autograd-aware."""
+    op = _op(op, average, "grouped_allreduce")
+    pairs = [compression.compress(t) for t in tensors]
+    out = _GroupedAllreduce.apply(op, name, prescale_factor, postscale_factor, process_set, *[c for c, _ in pairs])
+    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(out, pairs)]
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Reduce a sparse COO tensor by allgathering its indices and values; returns a function that waits
+    and returns the combined sparse tensor (values divided by the set size for Average)."""
+    if op not in (Average, Sum):
+        raise HoraValueError(f"sparse_allreduce_async: op {op!r} is not supported; use hvd.Average or hvd.Sum")
+    indices = allgather_async(tensor._indices().t().contiguous(), f"{name}.indices", process_set)
+    values = allgather_async(tensor._values(), f"{name}.values", process_set)
+
+    def wait():
+        v, i = synchronize(values), synchronize(indices)
+        if op == Average:
+            v = v / process_set.size()
+        return torch.sparse_coo_tensor(i.t(), v, tensor.size())
+    return wait
+
+
+# -- allgather -----------------------------------------------------------------------------------
+def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
+    a, _ = _array(tensor, "allgather")
+    return _keep(_core.allgather_async(a, name, process_set), _new(tensor))
+
+
+def _offset(rows: torch.Tensor, process_set) -> torch.Tensor:
+    """Where this rank's rows start in an allgather whose per-rank row counts are ``rows`` (one per row)."""
+    counts = allgather(rows.view(1, -1), process_set=process_set)
+    return counts[:process_set.rank()].sum(0)
+
+
+class _Allgather(torch.autograd.Function):
+    """Gradient: the averaged gradient's rows that came from this rank (Horovod's rule)."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.rows, ctx.process_set = tensor.shape[0], process_set
+        a, _ = _array(tensor, "allgather")
+        return _tensor(_core.allgather(a, name, process_set), tensor.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
+        start = int(_offset(torch.tensor([ctx.rows]), ctx.process_set)[0])
+        return reduced.narrow(0, start, ctx.rows), None, None
+
+
+def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0 (which may differ per rank); autograd-aware."""
+    return _Allgather.apply(tensor, name, process_set)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
+    tensors, arrays, _ = _grouped_arrays(tensors, "grouped_allgather")
+    return _keep(_core.grouped_allgather_async(arrays, name, process_set), _each([_new(t) for t in tensors]))
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.rows, ctx.process_set = [t.shape[0] for t in tensors], process_set
+        _, arrays, _ = _grouped_arrays(tensors, "grouped_allgather")
+        return tuple(_tensor(a, t.device) for a, t in zip(_core.grouped_allgather(arrays, name, process_set),
+                                                           tensors))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reduced = grouped_allreduce(list(grads), op=Average, process_set=ctx.process_set)
+        starts = _offset(torch.tensor(ctx.rows), ctx.process_set).tolist()
+        return (None, None) + tuple(g.narrow(0, s, n) for g, s, n in zip(reduced, starts, ctx.rows))
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
+
+
+# -- broadcast -----------------------------------------------------------------------------------
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
+    a, _ = _array(tensor, "broadcast")
+    return _keep(_core.broadcast_async(a, root_rank, name, process_set), _new(tensor))
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
+    a, host = _array(tensor, "broadcast_")
+    return _keep(_core.broadcast_async_(a, root_rank, name, process_set), _filled(tensor, host))
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
+    """In-place broadcast from global rank ``root_rank`` (not autograd-aware); returns ``tensor``."""
+    a, host = _array(tensor, "broadcast_")
+    _core.broadcast_(a, root_rank, name, process_set)
+    return _filled(tensor, host)(None)
+
+
+class _Broadcast(torch.autograd.Function):
+    """Gradient: the averaged gradient on the root, zeros elsewhere (Horovod's rule)."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        a, _ = _array(tensor, "broadcast")
+        return _tensor(_core.broadcast(a, root_rank, name, process_set), tensor.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
+        if _basics.rank() != ctx.root_rank:
+            reduced = torch.zeros_like(reduced)
+        return reduced, None, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
+    """Return global rank ``root_rank``'s ``tensor`` on every rank; autograd-aware."""
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
+
+
+# -- alltoall ------------------------------------------------------------------------------------
+def _splits(tensor, splits, process_set):
+    """Explicit splits, so the core always returns ``(out, received_splits)`` (Horovod's synchronize does)."""
+    if isinstance(splits, torch.Tensor):
+        return splits.detach().cpu().numpy()
+    if splits is None and tensor.dim() > 0:
+        n = process_set.size()
+        if tensor.shape[0] % n == 0:
+            return [tensor.shape[0] // n] * n
+    return splits  # the core explains what is wrong with it
+
+
+def _pair(like):
+    return lambda r: (_tensor(r[0], like.device), torch.from_numpy(r[1]))
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
+    """Start an alltoall; ``synchronize`` returns ``(out, received_splits)``."""
+    a, _ = _array(tensor, "alltoall")
+    return _keep(_core.alltoall_async(a, _splits(tensor, splits, process_set), name, process_set), _pair(tensor))
+
+
+class _Alltoall(torch.autograd.Function):
+    """Gradient: the gradient sent back along the received splits."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        a, _ = _array(tensor, "alltoall")
+        out, received = _pair(tensor)(_core.alltoall(a, _splits(tensor, splits, process_set), name, process_set))
+        ctx.received, ctx.process_set = received, process_set
+        if splits is None:
+            return out
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        return alltoall(grad, splits=ctx.received, process_set=ctx.process_set)[0], None, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Send ``splits[i]`` rows of ``tensor`` to rank i (equal parts without ``splits``). Returns the rows
+    received, in rank order, and with ``splits`` also the received splits (int32). Autograd-aware."""
+    return _Alltoall.apply(tensor, splits, name, process_set)
+
+
+# -- reducescatter -------------------------------------------------------------------------------
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                        postscale_factor=1.0) -> int:
+    a, _ = _array(tensor, "reducescatter")
+    return _keep(_core.reducescatter_async(a, op, name, process_set, prescale_factor, postscale_factor),
+                 _new(tensor))
+
+
+def _scatter_grad(grads, args):
+    """The gradient of a reducescatter: the gathered gradients, scaled as the forward pass scaled."""
+    op, pre, post, ps = args
+    if op not in (Average, Sum):
+        raise NotImplementedError(f"reducescatter: no gradient for op {op!r}; only Average and Sum have one")
+    scale = pre * post / (ps.size() if op == Average else 1)
+    return [g * scale if scale != 1.0 else g for g in grouped_allgather(list(grads), process_set=ps)]
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        a, _ = _array(tensor, "reducescatter")
+        return _tensor(_core.reducescatter(a, op, name, process_set, prescale_factor, postscale_factor),
+                       tensor.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scatter_grad([grad], ctx.args)[0], *[None] * 5
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks and return this rank's rows of the result (the lowest ranks get
+    one extra row when dim 0 does not divide evenly). Autograd-aware."""
+    c, ctx = compression.compress(tensor)
+    return compression.decompress(_Reducescatter.apply(c, name, op, process_set, prescale_factor,
+                                                       postscale_factor), ctx)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0) -> int:
+    tensors, arrays, _ = _grouped_arrays(tensors, "grouped_reducescatter")
+    h = _core.grouped_reducescatter_async(arrays, op, name, process_set, prescale_factor, postscale_factor)
+    return _keep(h, _each([_new(t) for t in tensors]))
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        _, arrays, _ = _grouped_arrays(tensors, "grouped_reducescatter")
+        out = _core.grouped_reducescatter(arrays, op, name, process_set, prescale_factor, postscale_factor)
+        return tuple(_tensor(a, t.device) for a, t in zip(out, tensors))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) * 5 + tuple(_scatter_grad(grads, ctx.args))
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0) -> list:
+    pairs = [compression.compress(t) for t in tensors]
+    out = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
+                                      *[c for c, _ in pairs])
+    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(out, pairs)]

@@ -1,0 +1,248 @@
+"""``DistributedOptimizer``: averages gradients over ranks while backward is still running.
+
+Each parameter gets a post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``, which also
+fires under ``torch.compile``). After ``backward_passes_per_step`` backward passes the hook hands the
+gradient to the communication hook (:mod:`hora.torch.hooks`), which starts an in-place allreduce at once,
+so communication overlaps the rest of backward. ``step()`` waits for every handle, then lets the wrapped
+optimizer update. As in Horovod the result is an instance of a dynamic subclass of the wrapped optimizer's
+class, so ``isinstance(opt, torch.optim.SGD)`` still holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+
+from hora.common.errors import HoraValueError
+from hora.common.ops import Adasum, Average
+from hora.common.process_sets import global_process_set
+from hora.torch import hooks, mpi_ops
+from hora.torch.compression import Compression
+
+__all__ = ["DistributedOptimizer"]
+
+# The leading words of these two messages are Horovod's: user code and searches depend on them.
+ZERO_GRAD_MSG = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                 "optimizer.synchronize(). Gradients of that backward pass are still being reduced; clearing them "
+                 "now would race with the reduction. Call step() (or synchronize()) first.")
+STEP_MSG = ("optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). "
+            "The gradients are reduced a second time, which costs a full round of communication; wrap step() in "
+            "`with optimizer.skip_synchronize():` after calling synchronize() yourself.")
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods copied into the dynamic subclass; ``_hora_base`` is the wrapped optimizer's class."""
+
+    _hora_base = torch.optim.Optimizer
+    _hora_base_step = torch.optim.Optimizer.step
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, _source=None):
+        self._hora_base.__init__(self, params)
+        if _source is not None:  # keep what the wrapped optimizer already had (a loaded checkpoint, its defaults)
+            self.state, self.defaults = _source.state, _source.defaults
+        self._parameter_names = _names(named_parameters, self.param_groups)
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op, self.process_set, self.sparse_as_dense = op, process_set, sparse_as_dense
+        self._compression = compression
+        pre, post = (1.0 / gradient_predivide_factor, gradient_predivide_factor) if op == Average else (1.0, 1.0)
+        self._comm_state = hooks.AllreduceState(op, pre, post, process_set)
+        self._comm_hook = hooks.compressed(hooks.allreduce_hook, compression)
+        self._requires_update = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self._groups = _make_groups(groups, self._requires_update)
+        self._p_to_group = {p: g for g in self._groups for p in g}
+        self._ready: dict[tuple, set] = {}
+        self._handles: dict = {}  # parameter or group -> handle (None: accumulating, not yet submitted)
+        self._delay = {p: backward_passes_per_step for p in self._requires_update}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hook_handles = []
+        active = process_set.included() and (process_set.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"
+                                             or os.environ.get("HORA_ELASTIC") == "1")
+        if active:
+            for p in self._requires_update:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._hora_hook))
+        self._active = active
+
+    # -- hooks and submission ------------------------------------------------------------------
+    def _hora_hook(self, p: torch.Tensor) -> None:
+        if self._delay[p] <= 0:
+            raise AssertionError(
+                f"parameter '{self._parameter_names[p]}' got more than backward_passes_per_step="
+                f"{self.backward_passes_per_step} gradients before step(): raise backward_passes_per_step to "
+                "accumulate more passes locally, or call step() or synchronize() after each backward")
+        self._delay[p] -= 1
+        group = self._p_to_group.get(p)
+        key = p if group is None else group
+        self._handles.setdefault(key, None)
+        if self._delay[p] > 0:
+            return
+        if group is None:
+            self._handles[p] = self._submit([p])
+            return
+        ready = self._ready.setdefault(group, set())
+        ready.add(p)
+        if len(ready) == len(group):
+            self._handles[group] = self._submit(group)
+
+    def _submit(self, params):
+        """Start the reduction of ``params``' gradients; a parameter without one contributes zeros."""
+        dense, sparse = [], []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if p.grad.is_sparse and self.sparse_as_dense:
+                p.grad = p.grad.to_dense()
+            (sparse if p.grad.is_sparse else dense).append(p)
+        parts = [("sparse", p, mpi_ops.sparse_allreduce_async(p.grad, self._parameter_names[p], self.op,
+                                                              self.process_set)) for p in sparse]
+        if dense:
+            bucket = [(self._parameter_names[p], p.grad) for p in dense]
+            parts.append(("dense", None, self._comm_hook(self._comm_state, bucket)))
+        return parts
+
+    # -- public methods --------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait until every gradient is reduced (submitting those whose hooks have not fired)."""
+        if not self._active:
+            self._synchronized = True
+            return
+        for key in list(self._groups) + [p for p in self._requires_update if p not in self._p_to_group]:
+            if self._handles.get(key) is None:
+                self._handles[key] = self._submit(key if isinstance(key, tuple) else [key])
+        error = None
+        for parts in self._handles.values():
+            for kind, p, handle in parts:
+                try:  # wait for every handle even after a failure, so none is left in flight
+                    if kind == "sparse":
+                        p.grad = handle()
+                    else:
+                        mpi_ops.synchronize(handle)
+                except Exception as e:  # noqa: BLE001 - re-raised below, after the others are drained
+                    error = error or e
+        self._reset()
+        if error is not None:
+            raise error
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside this block ``step()`` does not synchronize (you called ``synchronize()`` yourself)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(STEP_MSG, stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return type(self)._hora_base_step(self, closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._handles:
+            raise AssertionError(ZERO_GRAD_MSG)
+        return self._hora_base.zero_grad(self, set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+        self._reset()
+
+    def load_state_dict(self, state_dict) -> None:
+        self._reset()
+        self._synchronized = False
+        self._should_synchronize = True
+        return self._hora_base.load_state_dict(self, state_dict)
+
+    def register_comm_hook(self, state, hook) -> None:
+        """Replace how gradients are reduced: ``hook(state, bucket) -> handle`` (see :mod:`hora.torch.hooks`)."""
+        hooks.check_hook(hook, "register_comm_hook")
+        self._comm_state, self._comm_hook = state, hook
+
+    def _reset(self) -> None:
+        self._handles.clear()
+        self._ready.clear()
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+
+
+def _names(named_parameters, param_groups) -> dict:
+    """``{param: name}``: from ``named_parameters``, else ``allreduce.noname.<group>.<index>``."""
+    if named_parameters is None:
+        return {p: f"allreduce.noname.{i}.{j}" for i, g in enumerate(param_groups) for j, p in enumerate(g["params"])}
+    named = list(named_parameters)
+    if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+        raise HoraValueError("named_parameters must be a sequence of (name, parameter) pairs, "
+                             "e.g. model.named_parameters()")
+    seen, dups = set(), []
+    for name, _ in named:
+        (dups.append(name) if name in seen else seen.add(name))
+    if dups:
+        raise HoraValueError(f"named_parameters has duplicate names {sorted(set(dups))}; each parameter needs "
+                             "its own name, since ranks match gradients by name")
+    names = {p: name for name, p in named}
+    unnamed = [(i, j) for i, g in enumerate(param_groups) for j, p in enumerate(g["params"]) if p not in names]
+    if unnamed:
+        raise HoraValueError(f"named_parameters was given but does not name {len(unnamed)} parameter(s) of the "
+                             f"optimizer (param_groups[group][index]: {unnamed[:5]}); pass every optimized "
+                             "parameter, e.g. model.named_parameters() of the whole model")
+    return names
+
+
+def _make_groups(groups, params) -> list[tuple]:
+    """``groups``: an int (split the parameters into that many groups) or lists of parameters."""
+    if groups is None or groups == 0:
+        return []
+    if isinstance(groups, int):
+        if groups < 0:
+            raise HoraValueError(f"groups={groups}: give a non-negative number of groups or lists of parameters")
+        n, k = len(params), min(groups, len(params)) or 1
+        bounds = [i * n // k for i in range(k + 1)]
+        return [tuple(params[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+    seen: set = set()
+    out = []
+    for group in groups:
+        for p in group:
+            if not isinstance(p, torch.Tensor):
+                raise HoraValueError(f"groups must hold torch.Tensor parameters, got {type(p).__name__}")
+            if p in seen:
+                raise HoraValueError("a parameter can only appear once in groups")
+            seen.add(p)
+        out.append(tuple(p for p in group if p.requires_grad))
+    return [g for g in out if g]
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
+                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                         sparse_as_dense=False, process_set=global_process_set):
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged (``op``) over the ranks.
+
+    >>> opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+    ...                                named_parameters=model.named_parameters())
+    """
+    if op == Adasum:
+        raise NotImplementedError("DistributedOptimizer(op=Adasum) is not implemented in hora yet; "
+                                  "use op=hvd.Average (the default) or hvd.Sum")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise HoraValueError(f"gradient_predivide_factor={gradient_predivide_factor} only works with "
+                             "op=hvd.Average (it splits the averaging before and after the sum)")
+    if backward_passes_per_step < 1:
+        raise HoraValueError(f"backward_passes_per_step={backward_passes_per_step} must be at least 1")
+    if num_groups:
+        warnings.warn("DistributedOptimizer(num_groups=...) is deprecated; use groups=", DeprecationWarning,
+                      stacklevel=2)
+        groups = num_groups if groups is None else groups
+    base = type(optimizer)
+    namespace = {k: v for k, v in vars(_DistributedOptimizer).items() if k not in ("__dict__", "__weakref__")}
+    # torch wraps each optimizer class's step() once to run step hooks; ours is wrapped in turn, so call the
+    # base's unwrapped step() or every hook would run twice
+    base_step = base.step.__wrapped__ if getattr(base.step, "hooked", False) else base.step
+    cls = type(base.__name__, (base,), {**namespace, "_hora_base": base, "_hora_base_step": base_step})
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, groups, sparse_as_dense, process_set, _source=optimizer)
