@@ -41,7 +41,7 @@ test: setup
 	$(PY) -m pytest -q --durations=15 $(if $(PYTEST_ARGS),$(PYTEST_ARGS),tests)
 
 demo: setup
-	$(VENV)/bin/hora run -np 2 $(PY) examples/numpy/train_digits.py
+	$(VENV)/bin/hora run -np 2 $(PY) examples/pytorch/train_digits.py
 
 lint: setup
 	$(VENV)/bin/ruff check .
