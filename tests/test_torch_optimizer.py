@@ -208,9 +208,12 @@ def test_messages_names_and_the_dynamic_subclass():
         opt.synchronize()
         opt.set_backward_passes_per_step(2)
         opt.zero_grad()
+        calls = []
+        opt.register_step_pre_hook(lambda *args: calls.append(1))
         for _ in range(2):
             model(torch.ones(1, 2)).sum().backward()
         opt.step()
+        assert calls == [1], "step hooks must run once per step"
         # names: duplicates, missing ones, not pairs; the default names
         other = torch.nn.Linear(2, 1)
         for bad, match in (([("w", model.weight), ("w", model.bias)], "duplicate"),
