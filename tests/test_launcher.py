@@ -365,8 +365,6 @@ def test_horovod_env_vars_reach_workers():
     (["python"], "-np is required when neither -H nor -hostfile is given"),
     (["-H", "localhost", "python"], "'localhost' has no slot count"),
     (["-H", "localhost:2", "-np", "3", "python"], "-np 3 is larger than the 2 slots"),
-    (["-H", "localhost:1,b:1,c:2", "python"],
-     "remote hosts (b, c) need SSH launch, which is not supported yet"),
     (["-H", "localhost:1", "-hostfile", "h", "python"], "cannot be used together"),
 ])
 def test_command_line_errors(args, message):

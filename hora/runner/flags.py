@@ -69,7 +69,6 @@ def _f(names: str, dest: str, group: str, help: str, **kw: Any) -> Flag:
     return Flag(tuple(names.split()), dest, group, help, **kw)
 
 
-_SSH = "only SSH launch to remote hosts uses it, and that comes in a later release"
 _ELASTIC = "elastic training (--min-np, --max-np, --host-discovery-script, ...) comes in a later release"
 _MPI = "hora starts its workers itself, as with --gloo; launching through mpirun or jsrun comes later"
 
@@ -96,9 +95,10 @@ FLAGS: tuple[Flag, ...] = (
        "YAML file with sections params, autotune, timeline, stall_check, library_options, logging; "
        "flags on the command line win", kind=str, metavar="FILE"),
     # ssh
-    _f("-p --ssh-port", "ssh_port", "ssh", "SSH port on remote hosts", kind=int, status="no-op", why=_SSH),
+    _f("-p --ssh-port", "ssh_port", "ssh",
+       "SSH port on remote hosts (more ssh options: env HORA_SSH_ARGS, or ~/.ssh/config)", kind=int),
     _f("-i --ssh-identity-file", "ssh_identity_file", "ssh", "SSH identity (private key) file",
-       kind=str, metavar="FILE", status="no-op", why=_SSH),
+       kind=str, metavar="FILE"),
     # tuning
     _f("--fusion-threshold-mb", "fusion_threshold_mb", "tuning",
        "tensor fusion buffer size in MiB, 0 turns fusion off (128)", kind=float,

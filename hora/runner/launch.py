@@ -1,4 +1,4 @@
-"""``hora run``: horovodrun's command line, starting workers on this machine.
+"""``hora run``: horovodrun's command line, starting workers on this machine and, over ssh, on others.
 
 Reads the flags (and ``--config-file``), plans ranks over the hosts, serves the rendezvous store, and
 hands each worker its place through environment variables only::
@@ -9,7 +9,8 @@ hands each worker its place through environment variables only::
     + the HORA_* tuning variables of the flags that were given
 
 Exit status: 0 when every rank exits 0; else that of the first rank to fail (128+N for signal N);
-2 for a bad command line; 130/143 when the launcher itself is interrupted by SIGINT/SIGTERM.
+2 for a bad command line; 130/143 when the launcher itself is interrupted by SIGINT/SIGTERM; 255 when
+a remote host cannot be reached, or is lost during the job (see docs/multihost.md).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import uuid
 from typing import Any
 
 from hora.runner import hosts as hostlib
+from hora.runner import ssh
 from hora.runner.cli_args import UsageError, format_help, parse, suggest
 from hora.runner.config_file import load as load_config
 from hora.runner.flags import env_for
-from hora.runner.spawn import LocalJob
+from hora.runner.spawn import HOST_LOST_CODE, LocalJob
 
 # the launcher's half of the worker contract; HOROVOD_ aliases of these are dropped from the workers'
 # environment so a stale one (hora run started from inside another job) cannot disagree
@@ -82,12 +84,7 @@ def make_plan(values: dict[str, Any]) -> list[hostlib.Slot]:
             raise UsageError("-np is required when neither -H nor -hostfile is given "
                              "(e.g. hora run -np 4 python train.py)")
         hosts = [hostlib.Host("localhost", max(np, 1))]
-    slots = hostlib.plan(hosts, np if np is not None else sum(h.slots for h in hosts))
-    remote = [h for h in hostlib.used_hosts(slots) if not hostlib.is_local(h)]
-    if remote:
-        raise UsageError(f"remote hosts ({', '.join(remote)}) need SSH launch, which is not supported yet; "
-                         "use localhost, 127.0.0.1 or this machine's name")
-    return slots
+    return hostlib.plan(hosts, np if np is not None else sum(h.slots for h in hosts))
 
 
 def worker_envs(slots: list[hostlib.Slot], knobs: dict[str, str], store_addr: str, secret: str,
@@ -163,20 +160,50 @@ def _launch(slots: list[hostlib.Slot], values: dict[str, Any], command: list[str
     from hora.transport.store import StoreServer
 
     knobs = env_for(values)
+    remote_hosts = [h for h in hostlib.used_hosts(slots) if not hostlib.is_local(h)]
+    remote, bind, per_host = None, "127.0.0.1", {}  # one-host jobs: the store stays on loopback
+    if remote_hosts:
+        try:
+            remote, bind, per_host = _remote(remote_hosts, slots, values)
+        except ssh.SshError as e:
+            _say(str(e))
+            return HOST_LOST_CODE
     secret = new_secret()
     scope = f"job-{uuid.uuid4().hex[:16]}"
-    store = StoreServer(secret, host="127.0.0.1", port=0)  # local jobs only, so loopback is enough
+    store = StoreServer(secret, host=bind, port=0)
     try:
+        port = store.address.rpartition(":")[2]
+        default = f"{per_host[remote_hosts[0]] if remote_hosts else bind}:{port}"
         if values.get("verbose"):
-            _verbose(slots, knobs, store.address, scope, noops, command)
-        envs = worker_envs(slots, knobs, store.address, secret, scope)
+            _verbose(slots, knobs, default, scope, noops, command)
+            if remote is not None:
+                _say(f"  ssh: {' '.join(remote.ssh)} HOST {remote.command()}")
+                for h in remote_hosts:
+                    _say(f"  host {h} reaches the store at {per_host[h]}:{port}")
+        envs = worker_envs(slots, knobs, default, secret, scope)
+        for s, env in zip(slots, envs):
+            if s.host in per_host:
+                env["HORA_STORE_ADDR"] = f"{per_host[s.host]}:{port}"
         result = LocalJob(command, slots, envs, values.get("output_filename"),
-                          bool(values.get("prefix_timestamp"))).run()
+                          bool(values.get("prefix_timestamp")), remote=remote).run()
     finally:
         store.close()
     if result.report:
         _say(result.report)
     return result.code
+
+
+def _remote(hosts: list[str], slots: list[hostlib.Slot], values: dict[str, Any]
+            ) -> tuple[ssh.Remote, str, dict[str, str]]:
+    """Check that every remote host answers over ssh, then pick the store's address(es) for them."""
+    argv = ssh.ssh_command(values.get("ssh_port"), values.get("ssh_identity_file"))
+    errors = ssh.check_hosts(hosts, argv, sys.executable)
+    if errors:
+        raise ssh.SshError("; ".join(errors) + "; nothing was started")
+    bind, per_host = ssh.store_addresses(hosts, argv)
+    # local ranks of a multi-host job must advertise an address the remote ranks can reach, not loopback
+    per_host.update({s.host: per_host[hosts[0]] for s in slots if hostlib.is_local(s.host)})
+    return ssh.Remote(argv, set(hosts)), bind, per_host
 
 
 def main(argv: list[str] | None = None) -> int:

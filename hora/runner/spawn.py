@@ -1,10 +1,13 @@
-"""Run workers on this machine: start them, relay their output, and stop them all on failure.
+"""Run workers: start them (here, or on other hosts through :mod:`hora.runner.ssh`), relay their output,
+and stop them all on failure.
 
 Each worker is a session (and process group) leader, so stopping a rank reaches whatever it started
 too (data loaders, shell pipelines). The first worker to fail is the root cause we report; the others
 usually fail *because* of it (lost peer), so they are stopped, not blamed. Nothing outlives the job:
 every group is signalled until it is empty, including groups of ranks that finished cleanly but left
-children behind.
+children behind. Remote workers are the same to the supervisor: their host's bootstrap
+(:mod:`hora.runner.remote`) reports their pids, output and exits, and does the signalling there. A
+remote host that goes silent (link down, host dead) is itself a root cause, reported by name.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Any, Callable
 
 from hora.runner.hosts import Slot
 
@@ -28,20 +31,31 @@ TERM_GRACE = 3.0  # s a worker gets to exit after SIGTERM before SIGKILL
 INT_GRACE = 2.0  # s after a forwarded Ctrl-C before SIGTERM (time for a KeyboardInterrupt traceback)
 TAIL_LINES = 10  # output lines of the failed rank quoted in the report
 READER_JOIN = 2.0  # s to wait for a worker's output pipes to drain after it is gone
+HOST_LOST_CODE = 255  # exit status when a remote host is the root cause (as ssh's own)
+SUSPECT_SILENCE = 3.0  # s: a host this quiet when a rank fails is taken as the cause of that failure
 _POLL = 0.05
 
 
 @dataclass
 class Worker:
     slot: Slot
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None = None  # a local worker's process
+    session: Any = None  # a remote worker's ssh session (hora.runner.ssh.Session)
+    pid: int | None = None  # on its host
+    returncode: int | None = None  # Popen-style (negative: killed by that signal); None while running or lost
+    lost: str | None = None  # a remote worker whose host went away: why
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     done: threading.Event = field(default_factory=threading.Event)
     threads: list[threading.Thread] = field(default_factory=list)
+    files: dict[str, IO[bytes] | None] = field(default_factory=dict)  # --output-filename, per stream
 
     @property
     def rank(self) -> int:
         return self.slot.rank
+
+    @property
+    def failed(self) -> bool:
+        return self.lost is not None or self.returncode != 0
 
 
 @dataclass
@@ -134,32 +148,46 @@ class Output:
         self._files.append(f)
         return f
 
-    def pump(self, worker: Worker, stream: str, pipe: IO[bytes], file: IO[bytes] | None) -> None:
-        sink = sys.stdout if stream == "stdout" else sys.stderr
-        prefix = f"[{worker.rank}]<{stream}>:".encode()
+    def pump(self, worker: Worker, stream: str, pipe: IO[bytes]) -> None:
         try:
             for line in iter(pipe.readline, b""):
-                if file is not None:
-                    file.write(line)
-                    file.flush()
-                if not line.endswith(b"\n"):  # a last line without newline still gets out whole
-                    line += b"\n"
-                worker.tail.append((prefix + line).decode(errors="replace").rstrip("\n"))
-                stamp = time.strftime("%a %b %d %H:%M:%S %Y").encode() if self._timestamps else b""
-                with self._lock:
-                    try:
-                        out = getattr(sink, "buffer", None)
-                        if out is not None:
-                            out.write(stamp + prefix + line)
-                        else:  # a replaced sys.stdout without a binary buffer (e.g. under a test runner)
-                            sink.write((stamp + prefix + line).decode(errors="replace"))
-                        sink.flush()
-                    except (OSError, ValueError):
-                        pass  # our own stdout is gone (e.g. piped to head); keep draining the worker
+                self.emit(worker, stream, line)
         except (OSError, ValueError):
             pass
         finally:
             pipe.close()
+
+    def emit(self, worker: Worker, stream: str, line: bytes) -> None:
+        """One line of ``worker``'s ``stream`` (from its pipe, or relayed from its host)."""
+        sink = sys.stdout if stream == "stdout" else sys.stderr
+        prefix = f"[{worker.rank}]<{stream}>:".encode()
+        file = worker.files.get(stream)
+        if file is not None:
+            file.write(line)
+            file.flush()
+        if not line.endswith(b"\n"):  # a last line without newline still gets out whole
+            line += b"\n"
+        worker.tail.append((prefix + line).decode(errors="replace").rstrip("\n"))
+        stamp = time.strftime("%a %b %d %H:%M:%S %Y").encode() if self._timestamps else b""
+        with self._lock:
+            try:
+                out = getattr(sink, "buffer", None)
+                if out is not None:
+                    out.write(stamp + prefix + line)
+                else:  # a replaced sys.stdout without a binary buffer (e.g. under a test runner)
+                    sink.write((stamp + prefix + line).decode(errors="replace"))
+                sink.flush()
+            except (OSError, ValueError):
+                pass  # our own stdout is gone (e.g. piped to head); keep draining the worker
+
+    def note(self, text: str) -> None:
+        """A launcher line (e.g. what ssh said about a host) on our stderr, between worker lines."""
+        with self._lock:
+            try:
+                sys.stderr.write(f"hora run: {text}\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
 
     def close(self) -> None:
         for f in self._files:
@@ -167,20 +195,24 @@ class Output:
 
 
 class LocalJob:
-    """One run of ``command`` per slot on this machine, each with its own environment.
+    """One run of ``command`` per slot, each with its own environment: on this machine, or, for the
+    hosts in ``remote.hosts`` (a :class:`hora.runner.ssh.Remote`), over ssh.
 
     >>> LocalJob(["python", "train.py"], slots, envs).run()   # -> Result(code=0)
     """
 
     def __init__(self, command: list[str], slots: list[Slot], envs: list[dict[str, str]],
-                 output_dir: str | None = None, timestamps: bool = False):
+                 output_dir: str | None = None, timestamps: bool = False, remote: Any = None):
         self.command = command
         self.slots = slots
         self.envs = envs
         self.output = Output(output_dir, timestamps)
+        self.remote = remote
         self.workers: list[Worker] = []
+        self.sessions: list[Any] = []
         self._exits: queue.Queue[Worker] = queue.Queue()
         self._signal: int | None = None
+        self._finish_lock = threading.Lock()
 
     # --- signals: the handler only records; the main loop acts (no locks taken in a handler)
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -199,6 +231,9 @@ class LocalJob:
             try:
                 self._start_all()
             except OSError as e:
+                for w in self.workers:
+                    if w.proc is None and (w.session is None or not w.session.started):
+                        w.done.set()  # never started: nothing to wait for
                 self._stop(signal.SIGTERM)
                 return Result(127 if isinstance(e, FileNotFoundError) else 126,
                               f"cannot start {self.command[0]!r}: {e.strerror or e}")
@@ -210,78 +245,146 @@ class LocalJob:
 
     def _start_all(self) -> None:
         preexec = _die_with_parent()
-        # start every process before any reader thread: preexec_fn runs between fork and exec, which is
-        # only safe while no other thread of ours can be holding a lock
+        remote_hosts = self.remote.hosts if self.remote is not None else set()
+        by_host: dict[str, list[tuple[Worker, dict[str, str]]]] = {}
+        # start every process (workers here, ssh for the other hosts) before any thread of ours:
+        # preexec_fn runs between fork and exec, which is only safe while no other thread can hold a lock
         for slot, env in zip(self.slots, self.envs):
-            proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, start_new_session=True, preexec_fn=preexec)
-            self.workers.append(Worker(slot, proc))
+            w = Worker(slot)
+            self.workers.append(w)
+            if slot.host in remote_hosts:
+                by_host.setdefault(slot.host, []).append((w, env))
+                continue
+            w.proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, start_new_session=True, preexec_fn=preexec)
+            w.pid = w.proc.pid
+        for host, members in by_host.items():
+            session = self.remote.session(host, self.command, members, self)
+            self.sessions.append(session)
+            session.start(preexec)
         for w in self.workers:
+            w.files = {stream: self.output.open_file(w.rank, stream) for stream in ("stdout", "stderr")}
+            if w.proc is None:
+                continue
             for stream, pipe in (("stdout", w.proc.stdout), ("stderr", w.proc.stderr)):
                 t = threading.Thread(target=self.output.pump, name=f"hora-out-{w.rank}-{stream}", daemon=True,
-                                     args=(w, stream, pipe, self.output.open_file(w.rank, stream)))
+                                     args=(w, stream, pipe))
                 t.start()
                 w.threads.append(t)
             threading.Thread(target=self._wait, args=(w,), name=f"hora-wait-{w.rank}", daemon=True).start()
+        for session in self.sessions:
+            session.start_threads()
 
     def _wait(self, w: Worker) -> None:
-        w.proc.wait()
-        w.done.set()
+        self.finished(w, w.proc.wait())
+
+    def finished(self, w: Worker, returncode: int | None, lost: str | None = None) -> None:
+        """Record a worker's end, once (a remote rank can be reported both exited and lost)."""
+        with self._finish_lock:
+            if w.done.is_set():
+                return
+            w.returncode, w.lost = returncode, lost
+            w.done.set()
         self._exits.put(w)
 
     def _supervise(self) -> Result:
         finished = 0
+        last = time.monotonic()
         while finished < len(self.workers):
             if self._signal is not None:
                 sig = self._signal
                 stopped = self._stop(sig)
                 name = signal.Signals(sig).name
                 return Result(128 + sig, f"interrupted by {name}; stopped ranks {_ranks(stopped)}")
+            now = time.monotonic()
+            for s in self.sessions:
+                if now - last > 2.0:  # we were not running (e.g. a stopped terminal job): the silence was ours
+                    s.touch()
+                s.check_alive()
+            last = now
             try:
                 w = self._exits.get(timeout=_POLL)
             except queue.Empty:
                 continue
             finished += 1
-            code = w.proc.returncode
-            if code != 0:
+            if w.failed:
+                suspect = None if w.lost else self._silent_host(exclude=w)
+                if suspect is not None:
+                    suspect.give_up(suspect.describe_loss())  # no waiting on a host that is gone
                 stopped = self._stop(signal.SIGTERM)
-                return Result(exit_code(code), self._report(w, stopped))
+                if w.lost is not None or suspect is not None:
+                    return Result(HOST_LOST_CODE, self._host_report(w, suspect, stopped))
+                return Result(exit_code(w.returncode), self._report(w, stopped))
         self._stop(signal.SIGTERM)  # only reaches children that outlived their finished worker
         return Result(0)
+
+    def _silent_host(self, exclude: Worker) -> Any:
+        """The remote session that has been quiet longest, if quiet enough to be why ``exclude`` failed."""
+        quiet = [(s.silent_for(), i) for i, s in enumerate(self.sessions) if s is not exclude.session]
+        quiet = [(t, i) for t, i in quiet if t >= SUSPECT_SILENCE]
+        return self.sessions[max(quiet)[1]] if quiet else None
 
     def _stop(self, first: int) -> list[int]:
         """Signal every group that still has a live process, escalating to SIGKILL; return the ranks
         that were still running when we began."""
         stopped = [w.rank for w in self.workers if not w.done.is_set()]
+        for s in self.sessions:
+            if s.silent_for() >= SUSPECT_SILENCE:
+                s.give_up(s.describe_loss())
         steps = [(first, INT_GRACE if first == signal.SIGINT else TERM_GRACE)]
         if first not in (signal.SIGTERM, signal.SIGKILL):
             steps.append((signal.SIGTERM, TERM_GRACE))
         steps.append((signal.SIGKILL, TERM_GRACE))
 
         def live() -> list[Worker]:
-            return [w for w in self.workers if not w.done.is_set() or _group_alive(w.proc.pid)]
+            # remote groups (and children left behind there) are their bootstrap's job once we close it
+            return [w for w in self.workers if not w.done.is_set()
+                    or (w.proc is not None and _group_alive(w.proc.pid))]
 
         for sig, grace in steps:
             targets = live()
             if not targets:
                 break
             for w in targets:
-                _signal_group(w.proc.pid, sig)
+                if w.proc is not None:
+                    _signal_group(w.proc.pid, sig)
+            for s in {id(w.session): w.session for w in targets if w.session is not None}.values():
+                s.signal(sig)
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline and live():
                 time.sleep(_POLL)
+        for s in self.sessions:
+            s.close()  # end of input: the bootstrap stops whatever is left there and exits
         for w in self.workers:
             w.done.wait(TERM_GRACE)
             for t in w.threads:
                 t.join(READER_JOIN)
+        for s in self.sessions:
+            s.wait_closed(2 * TERM_GRACE + 3)
         return stopped
 
     def _report(self, w: Worker, stopped: list[int]) -> str:
-        head = (f"rank {w.rank} (host {w.slot.host}, pid {w.proc.pid}) {describe_exit(w.proc.returncode)} "
+        pid = f", pid {w.pid}" if w.pid is not None else ""
+        head = (f"rank {w.rank} (host {w.slot.host}{pid}) {describe_exit(w.returncode)} "
                 f"first; stopped ranks {_ranks(stopped)}")
-        if not w.tail:
-            return head + "; it printed nothing"
-        return head + f"; last lines of rank {w.rank}:\n" + "\n".join("    " + line for line in w.tail)
+        return head + _tail(w)
+
+    def _host_report(self, w: Worker, suspect: Any, stopped: list[int]) -> str:
+        """A remote host is the root cause: ``w`` was lost with it, or failed while ``suspect`` was silent."""
+        session = suspect if suspect is not None else w.session
+        why = session.describe_loss() if suspect is not None else w.lost
+        head = f"host {session.host} (ranks {_ranks(session.ranks)}) {why}; stopped ranks {_ranks(stopped)}"
+        if suspect is None:
+            return head
+        pid = f", pid {w.pid}" if w.pid is not None else ""
+        return (head + f"; rank {w.rank} (host {w.slot.host}{pid}) {describe_exit(w.returncode)} because of it"
+                + _tail(w))
+
+
+def _tail(w: Worker) -> str:
+    if not w.tail:
+        return "; it printed nothing"
+    return f"; last lines of rank {w.rank}:\n" + "\n".join("    " + line for line in w.tail)
 
 
 def _ranks(ranks: list[int]) -> str:
