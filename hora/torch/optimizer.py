@@ -11,11 +11,11 @@ class, so ``isinstance(opt, torch.optim.SGD)`` still holds.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 import torch
 
+from hora.common import env
 from hora.common.errors import HoraValueError
 from hora.common.ops import Adasum, Average
 from hora.common.process_sets import global_process_set
@@ -60,8 +60,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._hook_handles = []
-        active = process_set.included() and (process_set.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"
-                                             or os.environ.get("HORA_ELASTIC") == "1")
+        # as in Horovod: no hooks for a world of one, unless elastic training may grow it
+        active = process_set.included() and (process_set.size() > 1 or env.get("ELASTIC") == "1")
         if active:
             for p in self._requires_update:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(self._hora_hook))
