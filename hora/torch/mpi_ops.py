@@ -36,8 +36,9 @@ _post: dict = {}  # handle -> function turning the core's result into what synch
 
 
 def init(comm=None, process_sets=None) -> None:
-    """:func:`hora.init`; also forgets handles of an earlier initialisation (handle ids restart)."""
-    _post.clear()
+    """:func:`hora.init`; a new initialisation also forgets the handles of the last one (ids restart)."""
+    if not _basics.is_initialized():
+        _post.clear()
     _basics.init(comm, process_sets)
 
 
