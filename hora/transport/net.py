@@ -11,7 +11,7 @@ import socket
 KEEPALIVE_IDLE = 2  # s of silence before the first probe
 KEEPALIVE_INTERVAL = 1  # s between probes
 KEEPALIVE_COUNT = 5  # unanswered probes before the connection is declared dead
-USER_TIMEOUT_MS = 10_000  # unacknowledged data older than this kills the connection
+USER_TIMEOUT_MS = 8_000  # unacknowledged data (or unanswered keepalives) older than this kills the connection
 BUFFER_BYTES = 4 << 20  # socket buffers: room for a few chunks in flight; see benchmarks (noisy on 2 cores)
 
 
