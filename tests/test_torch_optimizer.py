@@ -224,6 +224,11 @@ def test_messages_names_and_the_dynamic_subclass():
         assert sorted(unnamed._parameter_names.values()) == ["allreduce.noname.0.0", "allreduce.noname.0.1"]
         with pytest.raises(TypeError, match="hook\\(state, bucket\\)"):
             unnamed.register_comm_hook(None, lambda bucket: None)
+        # a registered hook decides the reduction: Sum, sent as bfloat16
+        unnamed.register_comm_hook(hvd.hooks.AllreduceState(op=hvd.Sum), hvd.hooks.bf16(hvd.hooks.allreduce_hook))
+        other(torch.ones(1, 2)).sum().backward()
+        unnamed.synchronize()
+        assert other.weight.grad.tolist() == [[2.0, 2.0]] and other.weight.grad.dtype == torch.float32
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             hvd.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1), num_groups=1)
