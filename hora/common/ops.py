@@ -106,7 +106,10 @@ def _root(root_rank, process_set, what) -> int:
 # -- handles -------------------------------------------------------------------------------------
 def poll(handle: int) -> bool:
     """True once the collective behind ``handle`` has finished (never blocks)."""
-    return state().engine.handles.poll(handle)
+    st = state()
+    if handle in st.groups:
+        return all(st.engine.handles.poll(h) for h in st.groups[handle])
+    return st.engine.handles.poll(handle)
 
 
 def synchronize(handle: int):
