@@ -4,6 +4,8 @@
 #   make demo    train on scikit-learn's digits with 2 ranks through `hora run`
 #   make lint    ruff
 #   make sz      code lines per module under hora/
+#   make bench   benchmarks/allreduce.py (and train.py): tables and plots in benchmarks/results/
+#                (BENCH_ARGS=--quick for a short run)
 #   make deps-system   (root, Debian) the system packages later features need: ssh, ip, Open MPI
 
 PYTHON ?= python3
@@ -16,9 +18,10 @@ STAMP := $(VENV)/.hora-setup-stamp
 # letting pip resolve plain `torch` instead would download a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 SYSTEM_PACKAGES := iproute2 openssh-server openssh-client openmpi-bin libopenmpi-dev
 
-.PHONY: setup test demo lint sz deps-system clean
+.PHONY: setup test demo lint sz deps-system clean bench
 
 # The stamp alone is not enough: an editable install records the package layout it saw (hora was once a
 # namespace without __init__.py) and the checkout's path (a .venv copied along with a moved tree). So setup
@@ -48,6 +51,12 @@ lint: setup
 
 sz:
 	$(PYTHON) tools/sz.py
+
+# matplotlib only draws the plots, so it is installed here rather than in an extra
+bench: setup
+	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PIP) install -q matplotlib
+	$(PY) benchmarks/allreduce.py $(BENCH_ARGS)
+	@if [ -f benchmarks/train.py ]; then $(PY) benchmarks/train.py $(BENCH_ARGS); fi
 
 # Idempotent: installs only what is missing, so it costs a dpkg query when all is there.
 # Open MPI refuses to run as root unless OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 are set;

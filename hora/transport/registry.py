@@ -17,8 +17,9 @@ from hora.common.errors import HoraValueError
 # name -> "module:factory"; factory(tcp_comm, job_info) -> communicator, or None if it does not apply
 TRANSPORTS: dict[str, str] = {
     "tcp": "",
+    "shm": "hora.transport.shm:factory",  # every rank on one host: collectives through shared memory
 }
-AUTO_ORDER: list[str] = []  # tried in order by "auto" before falling back to tcp
+AUTO_ORDER: list[str] = ["shm"]  # tried in order by "auto" before falling back to tcp
 
 
 def wrap(name: str, tcp_comm, info: dict):

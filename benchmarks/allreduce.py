@@ -1,0 +1,307 @@
+"""Allreduce, hora against what users would pick instead, all in one run.
+
+    python benchmarks/allreduce.py            # np 2 and 4, 4 KiB .. 256 MiB; writes benchmarks/results/
+    python benchmarks/allreduce.py --quick    # np 2, five sizes, short timings (about a minute)
+
+Measured, each as its own job of fresh processes with one thread each, float32 Sum, in place:
+
+* hora over shared memory and over TCP, each through the engine (``hora.allreduce_``: negotiation,
+  fusion buffer, background thread) and direct (``allreduce_flat`` on the job's communicator);
+* torch.distributed with gloo; mpi4py's ``Allreduce`` under Open MPI's ``mpirun`` (if both are
+  installed); Horovod if it is installed, otherwise an estimate from the table in issue 5 scaled by
+  our gloo figure (Horovod's time = our gloo time x Horovod/gloo from that table), labelled as such;
+* the physical reference: a 64 MiB NumPy copy.
+
+Per size: the median over repetitions of back-to-back calls; bus bandwidth as nccl-tests define it,
+``busbw = bytes / time x 2(n-1)/n``. Output: a markdown table (printed and written), the raw JSON,
+and a PNG of busbw against size. Compare ratios within one run, not absolute figures across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_port, machine, memcpy_gbs, run_job, size_label, time_collective  # noqa: E402
+
+FULL_SIZES = [4 << 10 << (2 * i) for i in range(9)]  # 4 KiB, 16 KiB ... 256 MiB
+QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+# issue 5's table (np=2, this kind of machine): size -> (torch gloo, Horovod gloo, Horovod MPI) as
+# seconds per call; the GB/s rows are turned into times (busbw = bytes / time at np=2)
+ISSUE_TABLE = {4 << 10: (461e-6, 1277e-6, 1074e-6), 64 << 10: (438e-6, 1204e-6, 1079e-6)}
+ISSUE_TABLE.update({s: tuple(s / (bw * 1e9) for bw in bws) for s, bws in
+                    {1 << 20: (1.40, 0.41, 0.97), 16 << 20: (1.30, 0.82, 2.33), 64 << 20: (1.44, 0.43, 0.90)}.items()})
+
+
+# --- rank side ---------------------------------------------------------------------------------------
+
+def _hora_worker(sizes, budget, reps):
+    import numpy as np
+
+    import hora
+    from hora.collectives.ring import Scratch
+    from hora.common import basics
+    from hora.common.execute import allreduce_flat
+
+    hora.init()
+    comm, scratch = basics.state().comm, Scratch()
+
+    def agree_max(x):
+        return int(hora.allreduce(np.array([x], np.int64), op=hora.Max, name="bench.agree")[0])
+
+    def barrier():
+        hora.allreduce(np.zeros(1, np.float32), op=hora.Sum, name="bench.barrier")
+
+    out = {"engine": {}, "direct": {}, "transport": type(comm).__name__}
+    for nbytes in sizes:
+        a = np.zeros(nbytes // 4, np.float32)
+        out["engine"][nbytes] = time_collective(lambda a=a: hora.allreduce_(a, op=hora.Sum, name="bench"),
+                                                agree_max, barrier, budget, reps)
+        out["direct"][nbytes] = time_collective(lambda a=a: allreduce_flat(comm, a, hora.Sum, 1.0, 1.0, scratch),
+                                                agree_max, barrier, budget, reps)
+    if hora.rank() == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    hora.shutdown()
+
+
+def _gloo_worker(sizes, budget, reps):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, n = int(os.environ["HORA_RANK"]), int(os.environ["HORA_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}", rank=rank,
+                            world_size=n)
+
+    def agree_max(x):
+        t = torch.tensor([x], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t[0])
+
+    one = torch.zeros(1)
+    out = {"gloo": {}}
+    for nbytes in sizes:
+        t = torch.zeros(nbytes // 4)
+        out["gloo"][nbytes] = time_collective(lambda t=t: dist.all_reduce(t), agree_max, lambda: dist.all_reduce(one),
+                                              budget, reps)
+    if rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+def _mpi_worker(sizes, budget, reps):
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    out = {"mpi": {}}
+    for nbytes in sizes:
+        a = np.zeros(nbytes // 4, np.float32)
+        out["mpi"][nbytes] = time_collective(lambda a=a: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
+                                             lambda x: comm.allreduce(x, op=MPI.MAX), comm.Barrier, budget, reps)
+    if comm.Get_rank() == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+def _horovod_worker(sizes, budget, reps):
+    import horovod.torch as hvd
+    import torch
+
+    torch.set_num_threads(1)
+    hvd.init()
+    out = {"horovod": {}}
+    for nbytes in sizes:
+        t = torch.zeros(nbytes // 4)
+        out["horovod"][nbytes] = time_collective(
+            lambda t=t: hvd.allreduce_(t, op=hvd.Sum, name="bench"),
+            lambda x: int(hvd.allreduce(torch.tensor([x]), op=hvd.Max, name="agree")[0]),
+            lambda: hvd.allreduce(torch.zeros(1), name="barrier"), budget, reps)
+    if hvd.rank() == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+WORKERS = {"hora": _hora_worker, "gloo": _gloo_worker, "mpi": _mpi_worker, "horovod": _horovod_worker}
+
+
+# --- the run -------------------------------------------------------------------------------------------
+
+def busbw(nbytes: int, seconds: float, n: int) -> float:
+    return nbytes / seconds * 2 * (n - 1) / n / 1e9
+
+
+def cell(nbytes: int, seconds: float | None, n: int) -> str:
+    if seconds is None:
+        return "–"
+    t = f"{seconds * 1e6:.0f} µs" if seconds < 1e-3 else f"{seconds * 1e3:.1f} ms"
+    return f"{t} · {busbw(nbytes, seconds, n):.2f}"
+
+
+def measure(nps, sizes, budget, reps, log, only=None, rounds=1) -> dict:
+    """Every library at every np: {np: {column: {size: seconds}}} plus notes.
+
+    With ``rounds`` > 1 every job runs that many times, the libraries taking turns, and each cell is
+    the median over rounds: on a shared machine, load that comes and goes then hits all of them.
+    """
+    want = set(only or ["hora", "gloo", "mpi", "horovod"])
+    have_mpi = "mpi" in want and shutil.which("mpirun") is not None and importlib.util.find_spec("mpi4py") is not None
+    have_torch = "gloo" in want and importlib.util.find_spec("torch") is not None
+    have_horovod = "horovod" in want and importlib.util.find_spec("horovod") is not None
+    args = ["--sizes", ",".join(map(str, sizes)), "--budget", str(budget), "--reps", str(reps)]
+    me = str(Path(__file__).resolve())
+    results: dict = {"nps": {}, "notes": [], "memcpy_runs": []}
+    if not have_mpi:
+        results["notes"].append("Open MPI / mpi4py not installed: no MPI column (make deps-system; pip install mpi4py)")
+    if not have_horovod:
+        results["notes"].append("Horovod is not installed: its columns are estimates from issue 5's table "
+                                "scaled by this run's gloo figures")
+    jobs = []  # (label, np, run() -> {column: {size: seconds}})
+    for n in nps:
+        for transport in ("shm", "tcp") if "hora" in want else ():
+            jobs.append((f"hora over {transport}", n, lambda n=n, t=transport: {
+                f"hora {t} {path}": res for path, res in
+                run_job(n, [me, "--worker", "hora", *args], {"HORA_TRANSPORT": t}).items() if path != "transport"}))
+        if have_torch:
+            jobs.append(("torch.distributed gloo", n, lambda n=n: run_job(
+                n, [me, "--worker", "gloo", *args], {"BENCH_PORT": str(free_port())})))
+        if have_mpi:
+            jobs.append(("mpi4py under mpirun", n, lambda n=n: {
+                "Open MPI": run_job(n, [me, "--worker", "mpi", *args], mpi=True)["mpi"]}))
+        if have_horovod:
+            jobs.append(("Horovod", n, lambda n=n: {
+                "Horovod": run_job(n, [me, "--worker", "horovod", *args], mpi=have_mpi)["horovod"]}))
+    samples: dict = {}  # np -> column -> size -> [seconds per round]
+    for i in range(rounds):
+        results["memcpy_runs"].append(memcpy_gbs())
+        for label, n, job in jobs:
+            log(f"round {i + 1}/{rounds}, np={n}: {label}")
+            for col, times in job().items():
+                for size, t in times.items():
+                    samples.setdefault(n, {}).setdefault(col, {}).setdefault(int(size), []).append(t)
+    for n, cols in samples.items():
+        cols = {c: {s: statistics.median(ts) for s, ts in v.items()} for c, v in cols.items()}
+        if not have_horovod and n == 2 and "gloo" in cols:
+            for i, name in ((1, "Horovod gloo (estimate)"), (2, "Horovod MPI (estimate)")):
+                cols[name] = {s: cols["gloo"][s] * row[i] / row[0] for s, row in ISSUE_TABLE.items()
+                              if s in cols["gloo"]}
+        results["nps"][n] = cols
+    results["memcpy_gbs"] = statistics.median(results["memcpy_runs"])
+    return results
+
+
+def markdown(results: dict) -> str:
+    load = "/".join(f"{x:.1f}" for x in results["load"])
+    lines = [f"{results['date']}, {results['machine']}; load average at the end {load}; "
+             f"{results['rounds']} round(s), cells are medians. Memcpy reference (64 MiB NumPy copy): "
+             f"**{results['memcpy_gbs']:.1f} GB/s**.", ""]
+    lines += [f"- {note}" for note in results["notes"]]
+    for n, cols in results["nps"].items():
+        n = int(n)
+        sizes = sorted({s for v in cols.values() for s in v})
+        names = list(cols)
+        lines += ["", f"**np={n}**{' (oversubscribed: more ranks than cores)' if n > results['cpus'] else ''} — "
+                  "time per allreduce · busbw GB/s (float32 Sum, in place, median)", "",
+                  "| size | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for s in sizes:
+            lines.append(f"| {size_label(s)} | " + " | ".join(cell(s, cols[c].get(s), n) for c in names) + " |")
+        if 64 << 20 in cols.get("hora shm direct", {}):
+            t = cols["hora shm direct"][64 << 20]
+            lines += ["", f"64 MiB over shared memory: busbw {busbw(64 << 20, t, n):.2f} GB/s = "
+                      f"{busbw(64 << 20, t, n) / results['memcpy_gbs']:.0%} of the memcpy figure."]
+        peers = [c for c in ("gloo", "Open MPI", "Horovod", "Horovod gloo (estimate)", "Horovod MPI (estimate)")
+                 if c in cols]
+        ours = [c for c in ("hora shm engine", "hora shm direct") if c in cols]
+        if not peers or not ours:
+            continue
+        lines += ["", f"Ratios at np={n}: peer time / hora time (> 1: hora faster)", "",
+                  "| size | " + " | ".join(f"{o.split()[-1]} / {p}" for o in ours for p in peers) + " |",
+                  "|---" * (len(ours) * len(peers) + 1) + "|"]
+        for s in sizes:
+            row = []
+            for o in ours:
+                for p in peers:
+                    a, b = cols[o].get(s), cols[p].get(s)
+                    row.append(f"{b / a:.2f}" if a and b else "–")
+            lines.append(f"| {size_label(s)} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    nps = list(results["nps"])
+    fig, axes = plt.subplots(1, len(nps), figsize=(7 * len(nps), 4.8), squeeze=False)
+    for ax, n in zip(axes[0], nps):
+        for name, col in results["nps"][n].items():
+            sizes = sorted(col)
+            style = "--" if "estimate" in name else ("-" if name.startswith("hora") else ":")
+            ax.plot(sizes, [busbw(s, col[s], int(n)) for s in sizes], style, marker="o", ms=3, label=name)
+        ax.axhline(results["memcpy_gbs"], color="grey", lw=0.8)
+        ax.text(4 << 10, results["memcpy_gbs"], " memcpy 64 MiB", va="bottom", fontsize=8, color="grey")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({s for col in results["nps"][n].values() for s in col})
+        ax.set_xticks(ticks, [size_label(s) for s in ticks], fontsize=7)
+        ax.set_yscale("log")
+        ax.set_xlabel("bytes per rank")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"allreduce float32, np={n}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="np 2, five sizes, short timings")
+    ap.add_argument("--np", default=None, help="comma-separated world sizes (default 2,4; quick: 2)")
+    ap.add_argument("--max-mib", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=None, help="times each job runs, libraries taking turns "
+                    "(default 3; quick: 1); cells are medians over rounds")
+    ap.add_argument("--only", help="comma-separated subset of hora,gloo,mpi,horovod")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=float, default=0.2, help=argparse.SUPPRESS)
+    ap.add_argument("--reps", type=int, default=5, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        WORKERS[args.worker]([int(s) for s in args.sizes.split(",")], args.budget, args.reps)
+        return
+    sizes = [s for s in (QUICK_SIZES if args.quick else FULL_SIZES) if s <= args.max_mib << 20]
+    nps = [int(x) for x in (args.np or ("2" if args.quick else "2,4")).split(",")]
+    budget, reps = (0.05, 3) if args.quick else (args.budget, args.reps)
+    start = time.monotonic()
+
+    def log(msg):
+        print(f"[{time.monotonic() - start:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    rounds = args.rounds or (1 if args.quick else 3)
+    results = measure(nps, sizes, budget, reps, log, args.only and args.only.split(","), rounds)
+    results.update(machine=machine(), cpus=len(os.sched_getaffinity(0)), quick=args.quick, rounds=rounds,
+                   date=time.strftime("%Y-%m-%d %H:%M"), load=os.getloadavg())
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = markdown(results)
+    (args.out / "allreduce.md").write_text(text)
+    (args.out / "allreduce.json").write_text(json.dumps(results, indent=1))
+    png = args.out / "allreduce.png"
+    note = f"plot: {png}" if plot(results, png) else "plot skipped: matplotlib is not installed"
+    print(text)
+    log(f"wrote {args.out / 'allreduce.md'}, allreduce.json; {note}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""What the benchmarks share: starting a job of rank processes, timing a collective, reporting.
+
+A job is ``n`` fresh processes of ``python <script> --worker ...`` with hora's launcher-to-worker
+environment and a store served here (no ``hora run``, so a launcher change cannot skew a figure),
+or the same under ``mpirun`` for MPI. Rank 0 prints one ``RESULT {json}`` line; :func:`run_job`
+returns it. Every process is limited to one thread (``OMP_NUM_THREADS=1`` ...), as training is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ONE_THREAD = {k: "1" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+
+
+def worker_env(extra: dict | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(ONE_THREAD)
+    env.update(extra or {})
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(n: int, argv: list[str], env: dict | None = None, timeout: float = 900, mpi: bool = False) -> dict:
+    """Run ``python argv`` as ``n`` ranks (hora's environment, or under mpirun) and return rank 0's
+    RESULT. Raises RuntimeError with the ranks' output when the job fails."""
+    env = worker_env(env)
+    if mpi:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        cmd = [shutil.which("mpirun"), "-np", str(n), "--oversubscribe", "--bind-to", "none",
+               "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", sys.executable, *argv]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        outs, codes = [done.stdout + done.stderr], [done.returncode]
+    else:
+        from hora.transport.auth import new_secret
+        from hora.transport.store import StoreServer
+
+        secret = new_secret()
+        with StoreServer(secret) as store:
+            procs = []
+            for r in range(n):
+                e = dict(env, HORA_RANK=str(r), HORA_SIZE=str(n), HORA_LOCAL_RANK=str(r), HORA_LOCAL_SIZE=str(n),
+                         HORA_CROSS_RANK="0", HORA_CROSS_SIZE="1", HORA_HOSTNAME="localhost",
+                         HORA_STORE_ADDR=store.address, HORA_SECRET=secret, BENCH_PORT=env.get("BENCH_PORT", ""))
+                procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True))
+            outs, codes = [], []
+            deadline = time.monotonic() + timeout
+            for p in procs:
+                try:
+                    out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    for q in procs:
+                        q.kill()
+                    out, _ = p.communicate()
+                outs.append(out)
+                codes.append(p.returncode)
+    line = next((ln for out in outs for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+    if any(codes) or line is None:
+        raise RuntimeError(f"{' '.join(argv)} (np={n}) failed, exit codes {codes}:\n" + "\n".join(outs)[-4000:])
+    return json.loads(line[len("RESULT "):])
+
+
+def time_collective(run, agree_max, barrier, budget: float = 0.2, reps: int = 5) -> float:
+    """Median over ``reps`` repetitions of the time per call of ``run()`` called back to back.
+
+    Every rank must call the same number of times: each repetition's count comes from the warm-up
+    time, agreed with ``agree_max(x) -> max over ranks``. ``budget`` seconds per repetition.
+    """
+    run()
+    t0 = time.perf_counter()
+    run()
+    one = time.perf_counter() - t0
+    k = int(agree_max(max(1, min(2000, int(budget / max(one, 1e-7))))))
+    times = []
+    for _ in range(reps):
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            run()
+        times.append((time.perf_counter() - t0) / k)
+    return statistics.median(times)
+
+
+def memcpy_gbs(nbytes: int = 64 << 20, reps: int = 7) -> float:
+    """The physical reference: GB/s of one NumPy copy of ``nbytes`` (median)."""
+    import numpy as np
+
+    a = np.ones(nbytes, np.uint8)
+    b = np.ones(nbytes, np.uint8)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def machine() -> str:
+    cpus = len(os.sched_getaffinity(0))
+    model = ""
+    try:
+        model = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{cpus} CPUs ({model or platform.processor()}), {mem:.0f} GiB, Linux {platform.release()}, " \
+           f"Python {platform.python_version()}"
+
+
+def size_label(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"

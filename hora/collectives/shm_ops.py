@@ -1,0 +1,197 @@
+"""Collectives through a shared segment, for the ranks of one host.
+
+They run on a group ``g`` (:class:`hora.transport.shm.ShmGroup`): ``g.rank``, ``g.size``,
+``g.chunk`` bytes per rank and slot, ``g.area(slot, p)`` (``p == g.size``: the slot's result area),
+``g.acquire()``/``g.release(slot)`` around each use of a slot, ``g.signal()`` to publish a step and
+``g.wait(step)`` for the others to reach it. Every rank takes the same steps in the same order.
+
+Allreduce, per chunk of ``g.chunk`` bytes: each rank copies its input into its area (all but its
+own slice), then reduces its slice of the chunk over every rank's input into the result area, then
+everyone copies the whole result out. Each element is reduced in rank order 0, 1, ..., n-1, by one
+rank, so every rank gets the same bits (and at np=2 the same as the ring: a+b == b+a). A chunk that
+stays in cache makes the memory traffic per rank that of one copy: read the input once, write the
+output once. Small buffers skip the split: every rank reduces the whole buffer (one wait, not two).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hora.collectives.reduce import Average, Max, Min, Product, Sum
+from hora.common.errors import HoraValueError
+
+UFUNCS = {Average: np.add, Sum: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
+SMALL_BYTES = 64 << 10  # up to this, every rank reduces everything itself; measured with benchmarks/allreduce.py
+
+
+def _ufunc(op: int):
+    try:
+        return UFUNCS[op]
+    except KeyError:
+        raise HoraValueError(f"shared-memory allreduce: op {op} is not supported (Average, Sum, Min, Max, "
+                             "Product are)") from None
+
+
+def _fold(ufunc, srcs: list, out: np.ndarray) -> None:
+    """``out = srcs[0] op srcs[1] op ...``, left to right; ``out`` may be none of the srcs past the first two."""
+    ufunc(srcs[0], srcs[1], out=out)
+    for s in srcs[2:]:
+        ufunc(out, s, out=out)
+
+
+def _split(m: int, n: int, r: int) -> tuple[int, int]:
+    """Rank ``r``'s part of ``m`` items split ``n`` ways (the lowest parts get one more)."""
+    base, extra = divmod(m, n)
+    lo = r * base + min(r, extra)
+    return lo, lo + base + (r < extra)
+
+
+def allreduce(g, flat: np.ndarray, op: int) -> None:
+    """Reduce the 1-D contiguous ``flat`` in place over the group."""
+    n, r = g.size, g.rank
+    ufunc = _ufunc(op)
+    if n == 1 or flat.size == 0:
+        return
+    dt, isz = flat.dtype, flat.itemsize
+    raw = flat.view(np.uint8)
+    if flat.nbytes <= min(SMALL_BYTES, g.chunk):
+        nb = flat.nbytes
+        slot = g.acquire()
+        g.area(slot, r)[:nb] = raw
+        g.wait(g.signal())
+        _fold(ufunc, [g.area(slot, p)[:nb].view(dt) for p in range(n)], flat)
+        g.release(slot)
+        return
+    # Pipelined: one wait per chunk. Between two waits a rank copies out chunk j-1, reduces its
+    # slice of chunk j and copies in chunk j+1, so the one signal after them says all three.
+    # (Needs three slots: chunk j+1's slot held chunk j-2, which every rank copied out before
+    # the signal we just waited for.)
+    per = g.chunk // isz
+    starts = range(0, flat.size, per)
+    slots = [g.acquire()]
+    _copy_in(g, raw, isz, flat.size, per, starts[0], slots[0])
+    s = g.signal()
+    for j, a in enumerate(starts):
+        g.wait(s)
+        if j:
+            _copy_out(g, raw, isz, flat.size, per, starts[j - 1], slots[j - 1])
+        m = min(per, flat.size - a)
+        lo, hi = _split(m, n, r)
+        srcs = [flat[a + lo:a + hi] if p == r else g.area(slots[j], p)[lo * isz:hi * isz].view(dt) for p in range(n)]
+        _fold(ufunc, srcs, g.area(slots[j], n)[lo * isz:hi * isz].view(dt))
+        if j + 1 < len(starts):
+            slots.append(g.acquire())
+            _copy_in(g, raw, isz, flat.size, per, starts[j + 1], slots[j + 1])
+        s = g.signal()
+        if j:
+            g.mark_free(slots[j - 1], s)
+    g.wait(s)
+    _copy_out(g, raw, isz, flat.size, per, starts[-1], slots[-1])
+    g.release(slots[-1])
+
+
+def _copy_in(g, raw, isz, count, per, a, slot) -> None:
+    """Our input for the chunk at element ``a`` into our area, all but the slice we reduce ourselves."""
+    m = min(per, count - a)
+    lo, hi = _split(m, g.size, g.rank)
+    mine = g.area(slot, g.rank)
+    mine[:lo * isz] = raw[a * isz:(a + lo) * isz]
+    mine[hi * isz:m * isz] = raw[(a + hi) * isz:(a + m) * isz]
+
+
+def _copy_out(g, raw, isz, count, per, a, slot) -> None:
+    m = min(per, count - a)
+    raw[a * isz:(a + m) * isz] = g.area(slot, g.size)[:m * isz]
+
+
+def reducescatter(g, buf: np.ndarray, bounds: list[int], op: int) -> None:
+    """Afterwards ``buf[bounds[r]:bounds[r+1]]`` holds the reduction of that block over the group.
+    Every rank's block advances by ``chunk / n`` per round, so all ranks reduce at once."""
+    n, r = g.size, g.rank
+    ufunc = _ufunc(op)
+    if n == 1:
+        return
+    dt, isz = buf.dtype, buf.itemsize
+    c = max(1, g.chunk // n // isz)  # elements of each block per round
+    longest = max(bounds[q + 1] - bounds[q] for q in range(n))
+    for j in range(0, longest, c):
+        pieces = [(bounds[q] + min(j, bounds[q + 1] - bounds[q]), bounds[q] + min(j + c, bounds[q + 1] - bounds[q]))
+                  for q in range(n)]
+        slot = g.acquire()
+        mine = g.area(slot, r).view(dt)
+        for q, (a, b) in enumerate(pieces):
+            if q != r:
+                mine[q * c:q * c + b - a] = buf[a:b]
+        g.wait(g.signal())
+        a, b = pieces[r]
+        if b > a:
+            acc = g.area(slot, n).view(dt)[r * c:r * c + b - a]
+            srcs = [buf[a:b] if p == r else g.area(slot, p).view(dt)[r * c:r * c + b - a] for p in range(n)]
+            _fold(ufunc, srcs, acc)
+            buf[a:b] = acc
+        g.release(slot)
+
+
+def _rounds(g, nbytes: int) -> range:
+    return range(0, nbytes, g.chunk)
+
+
+def allgather(g, mine: np.ndarray, out: np.ndarray, bounds: list[int]) -> None:
+    """``out[bounds[p]:bounds[p+1]]`` gets rank ``p``'s ``mine`` (1-D views of one dtype)."""
+    n, r = g.size, g.rank
+    out[bounds[r]:bounds[r + 1]] = mine
+    src, dst, isz = mine.view(np.uint8), out.view(np.uint8), out.itemsize
+    lens = [(bounds[p + 1] - bounds[p]) * isz for p in range(n)]
+    for j in _rounds(g, max(lens)):
+        slot = g.acquire()
+        k = max(0, min(g.chunk, lens[r] - j))
+        g.area(slot, r)[:k] = src[j:j + k]
+        g.wait(g.signal())
+        for p in g.others:
+            k = max(0, min(g.chunk, lens[p] - j))
+            if k:
+                dst[bounds[p] * isz + j:bounds[p] * isz + j + k] = g.area(slot, p)[:k]
+        g.release(slot)
+
+
+def broadcast(g, buf: np.ndarray, root: int) -> None:
+    """Copy ``root``'s ``buf`` (1-D) into everyone's ``buf``."""
+    raw = buf.view(np.uint8)
+    for j in _rounds(g, raw.nbytes):
+        k = min(g.chunk, raw.nbytes - j)
+        slot = g.acquire()
+        if g.rank == root:
+            g.area(slot, root)[:k] = raw[j:j + k]
+            g.signal()
+        else:
+            g.wait(g.signal(), [root])
+            raw[j:j + k] = g.area(slot, root)[:k]
+        g.release(slot)
+
+
+def alltoall(g, send: np.ndarray, send_bounds: list[int], out: np.ndarray, recv_bounds: list[int]) -> None:
+    """Rank ``p`` gets ``send[send_bounds[p]:send_bounds[p+1]]``; ``out[recv_bounds[p]:...]`` gets
+    rank ``p``'s block for us. The ranks first publish their send bounds (one step)."""
+    n, r = g.size, g.rank
+    parity = g.meta_turn  # metadata is double buffered: a fast rank may start the next alltoall early
+    g.meta_turn ^= 1
+    g.meta(r, parity)[:n + 1] = send_bounds
+    g.wait(g.signal())
+    sb = [g.meta(p, parity)[:n + 1].tolist() for p in range(n)]
+    for p in range(n):
+        if sb[p][r + 1] - sb[p][r] != recv_bounds[p + 1] - recv_bounds[p]:
+            raise HoraValueError(f"alltoall: rank {p} sends {sb[p][r + 1] - sb[p][r]} elements to rank {r}, "
+                                 f"which expects {recv_bounds[p + 1] - recv_bounds[p]}")
+    out[recv_bounds[r]:recv_bounds[r + 1]] = send[send_bounds[r]:send_bounds[r + 1]]
+    src, dst, isz = send.view(np.uint8), out.view(np.uint8), out.itemsize
+    for j in _rounds(g, max(s[n] for s in sb) * isz):
+        slot = g.acquire()
+        k = max(0, min(g.chunk, sb[r][n] * isz - j))
+        g.area(slot, r)[:k] = src[j:j + k]
+        g.wait(g.signal())
+        for p in g.others:  # our block in p's send buffer, clipped to this round's bytes
+            a, b = max(sb[p][r] * isz, j), min(sb[p][r + 1] * isz, j + g.chunk)
+            if b > a:
+                o = recv_bounds[p] * isz + a - sb[p][r] * isz
+                dst[o:o + b - a] = g.area(slot, p)[a - j:b - j]
+        g.release(slot)

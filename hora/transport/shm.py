@@ -1,0 +1,506 @@
+"""Shared memory between the ranks of one host: one segment per job, sequence counters, futexes.
+
+Setup (collective over the group's ranks, through the store): the lowest rank creates an anonymous
+``memfd`` and publishes ``pid:fd``; the others open it through ``/proc/<pid>/fd/<fd>``, check a random
+nonce in its header and report; the creator closes its descriptor once all have mapped it and
+announces the verdict, which every rank follows (shared memory for all, or TCP for all). The
+segment never has a name — nothing appears in /dev/shm — so no exit path, SIGKILL included, can
+leave one behind: the kernel frees it when the last rank unmaps it.
+
+Layout: a header with one cache line per rank (progress counter, state, pid), a small metadata
+block per rank, then ``SLOTS`` slots of ``size + 1`` areas of ``chunk`` bytes (one area per rank,
+plus a result area). The algorithms live in :mod:`hora.collectives.shm_ops`.
+
+Synchronisation: each rank's *progress* is a 32-bit counter that it alone writes, bumped once per
+step; every rank takes the same steps, so "rank p has done step s" is ``progress[p] >= s``. A
+waiter spins briefly (skipped when ranks outnumber cores), then sleeps in ``FUTEX_WAIT`` on the
+counter it needs; a rank wakes its counter's sleepers (``FUTEX_WAKE``) after every bump. Sleeps
+time out every ``CHECK_S`` to look for a rank that died (pidfd), shut down (its state word) or sent
+an abort on the control plane, so a dead peer is named within milliseconds. Memory order: the
+stores of a step's data precede the counter store (x86's TSO keeps them in order; the futex system
+calls are full barriers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import mmap
+import os
+import secrets
+import select
+import struct
+import time
+import traceback
+
+import numpy as np
+
+from hora.common.errors import CommunicatorClosedError, HoraError, HoraValueError, PeerLostError
+
+log = logging.getLogger("hora.transport")
+
+CHUNK_BYTES = 1 << 20  # per rank and slot: 3 MiB per slot at np=2 stays in L2/L3; see benchmarks/allreduce.py
+SLOTS = 3  # a rank fills the next slot while slower ones still read the last (shm_ops.allreduce needs 3)
+SPIN_S = 50e-6  # busy-wait before sleeping (a futex wake-up costs ~10-50 us); 0 when oversubscribed
+CHECK_S = 0.05  # a sleeping waiter looks for dead or departed peers this often
+
+_MAGIC = b"HORASHM1"
+_LINE = 128  # bytes per rank in the header (two cache lines: no false sharing, even with prefetch)
+_PROGRESS, _STATE, _PID = 0, 1, 2  # u32 words within a rank's line
+_ACTIVE, _CLOSED, _ABORTED = 0, 1, 2
+_MASK, _HALF = 0xFFFFFFFF, 0x80000000
+_PAGE = 4096
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221, "s390x": 238, "riscv64": 98}.get(os.uname().machine)
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_WAKE_ALL = 0x7FFFFFFF
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_call():
+    """``futex(addr, op, val, timeout)``: ``syscall(SYS_futex, ...)``; ctypes releases the GIL while it sleeps."""
+    if _SYS_FUTEX is None:
+        return None
+    fn = ctypes.CDLL(None, use_errno=True).syscall
+    fn.restype = ctypes.c_long
+    fn.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    return functools.partial(fn, _SYS_FUTEX)
+
+
+_futex = _futex_call()
+_TIMEOUT = _Timespec(int(CHECK_S), int(CHECK_S % 1 * 1e9))
+_TIMEOUT_P = ctypes.addressof(_TIMEOUT)
+
+
+def _layout(n: int, chunk: int) -> tuple[int, int, int]:
+    """(meta offset, meta bytes per rank, data offset) of a segment for ``n`` ranks."""
+    meta_off = _round(64 + n * _LINE, 64)
+    meta_per = _round(2 * (n + 1) * 8, 64)  # alltoall's bounds, double buffered
+    return meta_off, meta_per, _round(meta_off + n * meta_per, _PAGE)
+
+
+def _round(x: int, to: int) -> int:
+    return (x + to - 1) // to * to
+
+
+class ShmGroup:
+    """The segment shared by ``members`` (global ranks, ascending; this rank is ``members[index]``)
+    and the steps they take through it. What :mod:`hora.collectives.shm_ops` runs on."""
+
+    def __init__(self, mm: mmap.mmap, members: list[int], index: int, chunk: int, tcp=None):
+        self.members, self.rank, self.size = list(members), index, len(members)
+        self.chunk, self.slots = chunk, SLOTS
+        self.tcp = tcp
+        self._mm = mm
+        n = self.size
+        meta_off, meta_per, data_off = _layout(n, chunk)
+        self._hdr = np.frombuffer(mm, np.uint32, count=(64 + n * _LINE) // 4)
+        base = self._hdr.ctypes.data
+        self._word = [(64 + p * _LINE) // 4 for p in range(n)]  # progress word of each rank
+        self._addr = [base + 4 * w for w in self._word]
+        self._meta = [np.frombuffer(mm, np.int64, count=meta_per // 8, offset=meta_off + p * meta_per)
+                      for p in range(n)]
+        self._areas = [[np.frombuffer(mm, np.uint8, count=chunk, offset=data_off + (s * (n + 1) + a) * chunk)
+                        for a in range(n + 1)] for s in range(SLOTS)]
+        self.step = 0  # this rank's progress (what it last published)
+        self._free = [0] * SLOTS  # the step after which every rank is done with each slot
+        self._next = 0
+        self.meta_turn = 0  # which half of the metadata the next alltoall uses
+        self.others = [p for p in range(n) if p != index]
+        self.spin = SPIN_S if n <= len(os.sched_getaffinity(0)) else 0.0
+        self._closed = False
+        self._busy = 0
+        self._pidfds: dict[int, int] = {}
+        self._poll = select.poll()
+        self._watch: dict[int, int] = {}  # fd -> group rank whose end it shows
+
+    # -- what the algorithms use ---------------------------------------------------------------
+    def area(self, slot: int, p: int) -> np.ndarray:
+        """Rank ``p``'s bytes in ``slot`` (``p == size``: the slot's result area)."""
+        return self._areas[slot][p]
+
+    def meta(self, p: int, parity: int) -> np.ndarray:
+        m = self._meta[p]
+        half = len(m) // 2
+        return m[parity * half:(parity + 1) * half]
+
+    def acquire(self) -> int:
+        """The next slot, once every rank is done with its previous use."""
+        slot = self._next
+        self._next = (slot + 1) % SLOTS
+        self.wait(self._free[slot])
+        return slot
+
+    def release(self, slot: int) -> None:
+        """This rank is done with ``slot`` (it will not read or write it again this time)."""
+        self._free[slot] = self.signal()
+
+    def mark_free(self, slot: int, step: int) -> None:
+        """Every rank is done with ``slot`` once it has published ``step``."""
+        self._free[slot] = step
+
+    def signal(self) -> int:
+        """Publish the next step (after this rank's writes for it) and wake ranks waiting for it."""
+        s = self.step = (self.step + 1) & _MASK
+        w = self._word[self.rank]
+        self._hdr[w] = s
+        _futex(self._addr[self.rank], _FUTEX_WAKE, _WAKE_ALL, None)
+        return s
+
+    def wait(self, step: int, ranks=None) -> None:
+        """Return once every rank in ``ranks`` (default: all others) has published ``step``."""
+        hdr, word = self._hdr, self._word
+        for p in self.others if ranks is None else ranks:
+            if (int(hdr[word[p]]) - step) & _MASK >= _HALF:
+                self._wait_slow(p, step)
+
+    # -- waiting, and noticing peers that are gone ---------------------------------------------
+    def _wait_slow(self, p: int, step: int) -> None:
+        hdr, w = self._hdr, self._word[p]
+        if self._closed:
+            raise CommunicatorClosedError("this communicator was closed while a shared-memory collective ran")
+        end = time.perf_counter() + self.spin
+        while time.perf_counter() < end:
+            if (int(hdr[w]) - step) & _MASK < _HALF:
+                return
+        addr = self._addr[p]
+        while True:
+            seen = int(hdr[w])
+            if (seen - step) & _MASK < _HALF:
+                return
+            self._check(step)
+            _futex(addr, _FUTEX_WAIT, seen - (1 << 32) if seen >= _HALF else seen, _TIMEOUT_P)
+
+    def _check(self, step: int) -> None:
+        """Raise if this wait can no longer finish: we closed, TCP saw a failure, a rank that has
+        not reached ``step`` shut down or died, or the control plane brought an abort."""
+        if self._closed:
+            raise CommunicatorClosedError("this communicator was closed while a shared-memory collective ran")
+        tcp = self.tcp
+        if tcp is not None and tcp.broken is not None:
+            raise tcp.broken
+        hdr = self._hdr
+        for p in self.others:
+            state = int(hdr[self._word[p] + _STATE])
+            if state != _ACTIVE and (int(hdr[self._word[p]]) - step) & _MASK >= _HALF:
+                self._lost(p, "it shut down" if state == _CLOSED else "it aborted")
+        for fd, _ev in self._poll.poll(0) if self._watch else ():
+            p = self._watch[fd]
+            if (int(hdr[self._word[p]]) - step) & _MASK >= _HALF:
+                self._lost(p, f"its process (pid {int(hdr[self._word[p] + _PID])}) exited")
+        if tcp is not None:
+            _service_ctrl(tcp)
+
+    def _lost(self, p: int, why: str) -> None:
+        g = self.members[p]
+        msg = f"{why} during a shared-memory collective"
+        if self.tcp is not None:
+            self.tcp._lost(g, msg)  # the TCP mesh's error (it also reads the store's note on who failed first)
+            raise self.tcp.broken
+        raise PeerLostError(f"rank {self.members[self.rank]}: lost rank {g}: {msg}", rank=g)
+
+    def watch_peers(self) -> None:
+        """Open a pidfd per peer (from the pids in the header): readable once that process exits."""
+        for p in self.others:
+            pid = int(self._hdr[self._word[p] + _PID])
+            try:
+                fd = os.pidfd_open(pid)
+            except (OSError, AttributeError) as e:  # old kernel, seccomp: the state words and TCP remain
+                log.debug("hora: no pidfd for rank %d (pid %d): %s", self.members[p], pid, e)
+                continue
+            self._pidfds[p] = fd
+            self._watch[fd] = p
+            self._poll.register(fd, select.POLLIN)
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def begin(self) -> None:
+        if self._closed:
+            raise CommunicatorClosedError("this communicator was closed (hora.shutdown()); call hora.init()")
+        self._busy += 1
+
+    def end(self) -> None:
+        self._busy -= 1
+        if self._closed and not self._busy:
+            self._release()
+
+    def close(self, state: int = _CLOSED) -> None:
+        """Tell the peers we left (a rank waiting for us raises at once) and unmap when idle."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._hdr[self._word[self.rank] + _STATE] = state
+            for a in self._addr:  # wake every sleeper: ours notice the close, the peers' our departure
+                _futex(a, _FUTEX_WAKE, _WAKE_ALL, None)
+        except (ValueError, TypeError):
+            pass
+        if not self._busy:
+            self._release()
+
+    def _release(self) -> None:
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
+        self._watch.clear()
+        self._hdr = self._meta = self._areas = None
+        try:
+            self._mm.close()
+        except BufferError:  # a view still lives (e.g. in a traceback); the GC unmaps it later
+            pass
+
+
+def _service_ctrl(tcp) -> None:
+    """Control messages that arrive during a shared-memory wait (abort, stall report, stack query)
+    go to ``on_ctrl``, as during a TCP data wait; a closed control connection is left for the TCP
+    transport's grace period."""
+    if tcp.on_ctrl is None:
+        return
+    fds = {s.fileno(): p for p, s in tcp._ctrl.items() if p not in tcp._ctrl_gone}
+    if not fds:
+        return
+    ready, _, _ = select.select(list(fds), [], [], 0)
+    for fd in ready:
+        msg = tcp._read_ctrl(fds[fd], during_data=True)
+        if msg is not None and tcp.on_ctrl is not None:
+            tcp.on_ctrl(fds[fd], msg)  # may raise (abort, stall): the wait ends with that error
+
+
+# --- setup ------------------------------------------------------------------------------------------
+
+def open_group(store, key: str, members: list[int], me: int, tcp=None, chunk: int | None = None,
+               timeout: float = 30.0) -> tuple[ShmGroup | None, str]:
+    """Collective over ``members`` (global ranks on one host): map one segment among them.
+
+    Returns ``(group, "")``, or ``(None, reason)`` on every member when any member could not map it.
+    """
+    chunk = chunk or CHUNK_BYTES
+    members = sorted(members)
+    index = members.index(me)
+    n = len(members)
+    size = _layout(n, chunk)[2] + SLOTS * (n + 1) * chunk
+    if _futex is None:
+        return None, f"no futex system call number known for {os.uname().machine}"
+    if index == 0:
+        return _create(store, key, members, size, chunk, tcp, timeout)
+    return _attach(store, key, members, index, size, chunk, tcp, timeout)
+
+
+def _init_line(mm: mmap.mmap, index: int) -> None:
+    struct.pack_into("<III", mm, 64 + index * _LINE, 0, _ACTIVE, os.getpid())
+
+
+def _create(store, key, members, size, chunk, tcp, timeout):
+    nonce = secrets.token_bytes(16)
+    try:
+        fd = os.memfd_create("hora-shm", os.MFD_CLOEXEC)
+    except (OSError, AttributeError) as e:
+        store.set(f"{key}/seg", b"fail")
+        return None, f"memfd_create failed: {e}"
+    mm = None
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+        mm[0:24] = _MAGIC + nonce
+        struct.pack_into("<II", mm, 24, len(members), chunk)
+        _init_line(mm, 0)
+        store.set(f"{key}/seg", f"{os.getpid()}:{fd}:{nonce.hex()}".encode())
+        bad = []
+        for r in members[1:]:
+            got = store.get(f"{key}/ok/{r}", timeout=timeout)
+            if got != b"ok":
+                bad.append(f"rank {r}: {got.decode(errors='replace')}")
+    except BaseException:
+        os.close(fd)
+        if mm is not None:
+            mm.close()
+        raise
+    os.close(fd)  # every rank has it mapped (or gave up): from now on the mappings keep it alive
+    store.set(f"{key}/verdict", "; ".join(bad).encode() or b"ok")
+    if bad:
+        mm.close()
+        return None, "; ".join(bad)
+    return _finish(mm, members, 0, chunk, tcp), ""
+
+
+def _attach(store, key, members, index, size, chunk, tcp, timeout):
+    me = members[index]
+    seg = store.get(f"{key}/seg", timeout=timeout)
+    if seg == b"fail":
+        return None, f"rank {members[0]} could not create the segment"
+    pid, fd, nonce = seg.decode().split(":")
+    mm, why = None, ""
+    try:
+        mm = _map_peer(int(pid), int(fd), size)
+        if mm[0:24] != _MAGIC + bytes.fromhex(nonce):
+            raise OSError("the segment's nonce does not match: not the same host?")
+        _init_line(mm, index)
+    except OSError as e:
+        why = f"cannot map rank {members[0]}'s segment (pid {pid}): {e}"
+        if mm is not None:
+            mm.close()
+            mm = None
+    store.set(f"{key}/ok/{me}", b"ok" if mm is not None else why.encode())
+    verdict = store.get(f"{key}/verdict", timeout=timeout)
+    if verdict != b"ok":
+        if mm is not None:
+            mm.close()
+        return None, verdict.decode(errors="replace")
+    return _finish(mm, members, index, chunk, tcp), ""
+
+
+def _map_peer(pid: int, fd: int, size: int) -> mmap.mmap:
+    """Map the segment that process ``pid`` holds open as ``fd`` (it must be on this host)."""
+    f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    try:
+        if os.fstat(f).st_size != size:
+            raise OSError(f"segment of {os.fstat(f).st_size} bytes, expected {size}")
+        return mmap.mmap(f, size)
+    finally:
+        os.close(f)
+
+
+def _finish(mm, members, index, chunk, tcp) -> ShmGroup:
+    g = ShmGroup(mm, members, index, chunk, tcp)
+    g.watch_peers()
+    return g
+
+
+# --- the communicator --------------------------------------------------------------------------------
+
+class ShmCollectives:
+    """The native collectives of one group (the whole job, or a process set's ranks); ranks and
+    roots are the group's. Each method has the contract of the TCP algorithm it replaces."""
+
+    def __init__(self, tcp, group: ShmGroup):
+        self._tcp, self._group = tcp, group
+
+    def _run(self, name: str, *args) -> None:
+        # The algorithms live a layer up, in hora.collectives.shm_ops, written against the group's
+        # small interface (areas, signal, wait); these shims are the engine's way to them.
+        from hora.collectives import shm_ops
+
+        if self._tcp is not None and self._tcp.broken is not None:
+            raise self._tcp.broken
+        fn = getattr(shm_ops, name)
+        g = self._group
+        g.begin()
+        try:
+            fn(g, *args)
+        except BaseException as e:
+            # the traceback's frames hold views of the segment: clear them, or the user's
+            # `except` block (where elastic code shuts down and re-inits) keeps it mapped
+            traceback.clear_frames(e.__traceback__)
+            raise
+        finally:
+            g.end()
+
+    def native_allreduce(self, flat: np.ndarray, op: int) -> None:
+        """Reduce the 1-D ``flat`` in place (Average is Sum here: the engine scales)."""
+        self._run("allreduce", flat, op)
+
+    def native_reducescatter(self, buf: np.ndarray, bounds: list[int], op: int) -> None:
+        """``ring.reduce_scatter``'s contract: afterwards ``buf[bounds[r]:bounds[r+1]]`` is reduced
+        (Average is Sum here)."""
+        self._run("reducescatter", buf, bounds, op)
+
+    def native_allgather(self, mine: np.ndarray, out: np.ndarray, bounds: list[int]) -> None:
+        """``exchange.allgather_blocks``'s contract."""
+        self._run("allgather", mine, out, bounds)
+
+    def native_broadcast(self, buf: np.ndarray, root: int) -> None:
+        """``exchange.broadcast``'s contract."""
+        self._run("broadcast", buf, root)
+
+    def native_alltoall(self, send: np.ndarray, send_bounds: list[int], out: np.ndarray,
+                        recv_bounds: list[int]) -> None:
+        """``exchange.alltoall_blocks``'s contract."""
+        self._run("alltoall", send, send_bounds, out, recv_bounds)
+
+    def close(self) -> None:
+        self._group.close()
+
+
+class ShmCommunicator(ShmCollectives):
+    """The TCP mesh's communicator with the data path through shared memory.
+
+    Point-to-point, the control plane, ``broken`` and everything else are the TCP communicator's
+    (attribute access falls through to it); the collectives that the engine prefers are ``native_*``.
+    """
+
+    name = "SHM"
+
+    def __init__(self, tcp, group: ShmGroup, store=None, key: str = "", timeout: float = 30.0):
+        super().__init__(tcp, group)
+        self.rank, self.size = tcp.rank, tcp.size
+        self._store, self._key, self._timeout = store, key, timeout
+        self._sets: dict[tuple[int, ...], int] = {}  # process-set groups made per rank list
+        self._subgroups: list[ShmGroup] = []
+
+    def __getattr__(self, name):  # isend, irecv_into, send_ctrl, recv_ctrl, ctrl_peers, _socks ...
+        return getattr(self._tcp, name)
+
+    @property
+    def on_ctrl(self):
+        return self._tcp.on_ctrl
+
+    @on_ctrl.setter
+    def on_ctrl(self, fn) -> None:
+        self._tcp.on_ctrl = fn
+
+    @property
+    def broken(self):
+        return self._tcp.broken
+
+    def native_group(self, ranks) -> ShmCollectives | None:
+        """Native collectives among ``ranks`` (ascending global ranks, this one included) — a process
+        set. Collective: every rank of ``ranks`` calls it at the same point (e.g. the set's first
+        collective). None where shared memory does not apply; close the result when the set goes."""
+        ranks = tuple(int(r) for r in ranks)
+        if len(ranks) < 2 or self.rank not in ranks or list(ranks) != sorted(set(ranks)) or self._store is None:
+            return None
+        nth = self._sets[ranks] = self._sets.get(ranks, 0) + 1
+        key = f"{self._key}/set/{'.'.join(map(str, ranks))}/{nth}"
+        group, why = open_group(self._store, key, list(ranks), self.rank, self._tcp, timeout=self._timeout)
+        if group is None:
+            log.warning("hora rank %d: process set %s stays on TCP: %s", self.rank, list(ranks), why)
+            return None
+        self._subgroups = [g for g in self._subgroups if not g._closed] + [group]
+        return ShmCollectives(self._tcp, group)
+
+    def close(self) -> None:
+        for g in (*self._subgroups, self._group):
+            g.close()
+        self._tcp.close()
+
+    def abort(self, error: BaseException) -> None:
+        for g in (*self._subgroups, self._group):
+            g.close(_ABORTED)
+        self._tcp.abort(error)
+
+
+def factory(tcp_comm, info: dict):
+    """Shared memory when every rank of the job is on this host (by the launcher's host names);
+    None otherwise, or when any rank cannot map the segment (then every rank stays on TCP)."""
+    job, store = info.get("job"), info.get("store")
+    explicit = info.get("requested") == "shm"
+    topo = getattr(job, "topo", None)
+    if topo is None or store is None or topo.local_size != topo.size or topo.size < 2:
+        if explicit:
+            raise HoraValueError(
+                "transport 'shm' needs every rank on one host; this job has "
+                + (f"{topo.local_size} of its {topo.size} ranks on {topo.hostname}" if topo else "no topology")
+                + "; use --transport tcp (or auto)")
+        return None
+    key = f"{info.get('prefix', 'job')}/shm/{topo.hostname}"
+    group, why = open_group(store, key, list(range(topo.size)), topo.rank, tcp_comm,
+                            timeout=info.get("timeout", 30.0))
+    if group is None:
+        if explicit:
+            raise HoraError(f"transport 'shm': {why}")
+        log.warning("hora rank %d: shared memory is not available (%s); using TCP", topo.rank, why)
+        return None
+    return ShmCommunicator(tcp_comm, group, store, key, info.get("timeout", 30.0))
