@@ -1,0 +1,144 @@
+"""Steady-state engine overhead: a training-like step of 200 small tensors (1 KiB each) at np=2.
+
+Run it as ``python benchmarks/engine_overhead.py`` (it starts itself under ``python -m hora run -np 2``)
+and it prints a markdown table. Each row is one way of reducing the same 200 tensors per step:
+
+* async, fused + cached: ``allreduce_async_`` all 200, then ``synchronize`` all (the DistributedOptimizer
+  pattern): negotiation through the response cache, one fused collective per cycle;
+* the same with the response cache off, with fusion off, and with the timeline on;
+* a loop of 200 synchronous ``allreduce_`` calls (each negotiates and runs alone);
+
+plus the latency of one synchronous 4 KiB allreduce. Times are medians over the measured steps on rank 0
+(ranks line up at a barrier before each row); ``statistics()`` deltas show collectives and coordination
+messages per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+TENSORS = 200
+ELEMS = 256  # float32: 1 KiB
+
+
+def _step_async(hora, grads):
+    hs = [hora.allreduce_async_(g, name=f"layer{i}.grad") for i, g in enumerate(grads)]
+    for h in hs:
+        hora.synchronize(h)
+
+
+def _step_sync(hora, grads):
+    for i, g in enumerate(grads):
+        hora.allreduce_(g, name=f"layer{i}.grad")
+
+
+def _measure(hora, step, steps, warmup):
+    grads = [np.full(ELEMS, hora.rank(), np.float32) for _ in range(TENSORS)]
+    for _ in range(warmup):
+        step(hora, grads)
+    hora.barrier()
+    s0 = hora.statistics()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step(hora, grads)
+        times.append(time.perf_counter() - t0)
+    s1 = hora.statistics()
+    per_step = {k: (s1[k] - s0[k]) / steps for k in s0}
+    return {"median_ms": 1e3 * statistics.median(times), "mean_ms": 1e3 * statistics.fmean(times),
+            "collectives": per_step["collectives"],
+            "msgs": per_step["coordination_messages_sent"] + per_step["coordination_messages_received"],
+            "cache_hits": per_step["cache_hits"]}
+
+
+def _latency(hora, reps):
+    a = np.ones(1024, np.float32)  # 4 KiB
+    for _ in range(50):
+        hora.allreduce(a, name="lat")
+    hora.barrier()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        hora.allreduce(a, name="lat")
+        times.append(time.perf_counter() - t0)
+    return {"median_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * sorted(times)[int(0.9 * reps)]}
+
+
+def worker(out: str, steps: int, reps: int) -> None:
+    import hora
+    from hora.common import config
+
+    rows = {}
+
+    def phase(label, step, timeline=None, **knobs):
+        hora.shutdown()
+        with config.override(**knobs):
+            hora.init()
+        if timeline:
+            hora.start_timeline(timeline)
+            hora.barrier()
+        rows[label] = _measure(hora, step, steps, warmup=10)
+        if timeline:
+            hora.stop_timeline()
+
+    hora.init()
+    phase("async, fused + cached (defaults)", _step_async)
+    phase("async, cache off (cache_capacity=0)", _step_async, cache_capacity=0)
+    phase("async, fusion off (fusion_threshold=0)", _step_async, fusion_threshold=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        phase("async, fused + cached, timeline on", _step_async, timeline=os.path.join(tmp, "timeline.json"))
+    phase(f"loop of {TENSORS} synchronous allreduce_", _step_sync)
+    latency = _latency(hora, reps)
+    hora.barrier()
+    if hora.rank() == 0:
+        Path(out).write_text(json.dumps({"rows": rows, "latency": latency, "size": hora.size()}))
+    hora.shutdown()
+
+
+def table(res: dict) -> str:
+    lines = [f"| {TENSORS} x 1 KiB float32 per step, np={res['size']} | ms/step (median) | mean | "
+             "µs per tensor | collectives/step | coord. msgs/step (rank 0) |",
+             "|---|---|---|---|---|---|"]
+    for label, r in res["rows"].items():
+        lines.append(f"| {label} | {r['median_ms']:.2f} | {r['mean_ms']:.2f} | {1e3 * r['median_ms'] / TENSORS:.1f} "
+                     f"| {r['collectives']:.1f} | {r['msgs']:.1f} |")
+    lat = res["latency"]
+    lines.append(f"| one synchronous 4 KiB allreduce (latency) | {lat['median_ms']:.3f} | p90 {lat['p90_ms']:.3f} "
+                 "| | 1 | |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=100, help="measured steps per row (default 100)")
+    p.add_argument("--reps", type=int, default=1000, help="4 KiB allreduces timed for the latency row")
+    p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args.worker, args.steps, args.reps)
+        return
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable, str(Path(__file__).resolve()),
+               "--worker", out, "--steps", str(args.steps), "--reps", str(args.reps)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+        load = os.getloadavg()[0]
+        subprocess.run(cmd, check=True, cwd=root, env=env)
+        load = max(load, os.getloadavg()[0])
+        print(table(json.loads(Path(out).read_text())))
+        print(f"\n{os.cpu_count()} CPUs, 1-minute load average up to {load:.1f} during the run")
+
+
+if __name__ == "__main__":
+    main()
