@@ -85,8 +85,6 @@ def test_bad_value_fails_init(monkeypatch):
     assert not hora.is_initialized()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a bad HOROVOD_X value is reported as HORA_X, a variable the user "
-                   "never set")
 def test_bad_alias_value_names_the_variable_that_was_set(monkeypatch):
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "fast")
     with pytest.raises(ValueError, match="HOROVOD_CYCLE_TIME"):
@@ -129,8 +127,6 @@ def test_override_wins_and_is_restored(monkeypatch):
             config.current()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the log_level knob (HORA_LOG_LEVEL, hora run --log-level) is in the "
-                   "table but nothing applies it to the 'hora' logger")
 def test_log_level_is_applied(monkeypatch):
     import hora
 
@@ -177,8 +173,6 @@ def _failed_inits_leak_nothing():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="bug: init() checks the knobs only after connecting the mesh, and a bad "
-                   "knob then leaks the mesh (an accept thread and sockets per attempt)")
 def test_a_bad_knob_fails_init_without_leaking_the_mesh():
     for before, after in run(2, _failed_inits_leak_nothing):
         assert after == before

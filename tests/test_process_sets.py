@@ -241,8 +241,6 @@ def _unnamed_on_a_subset():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="bug: unnamed ops are numbered by one per-process counter, so an unnamed op "
-                   "on a subset gives the next unnamed global op different names on different ranks (a stall)")
 def test_unnamed_ops_on_a_subset_do_not_desynchronise_global_names():
     env = {"HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "2"}
     assert run(3, _unnamed_on_a_subset, env=env, timeout=30) == [[3.0]] * 3

@@ -101,17 +101,12 @@ def _no_collective(hvd):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="bug: barrier, join and mismatch errors open a QUEUE span that never ends "
-                   "(negotiate_end begins QUEUE; only a collective's start ends it)")
 def test_every_span_ends(tmp_path):
     path = str(tmp_path / "spans.json")
     assert run_hora(2, _no_collective, env={"HORA_TIMELINE": path}) == [0, 1]
     assert _unbalanced(_events(path)) == {}
 
 
-@pytest.mark.xfail(strict=True, reason="bug: each flush extends the file in place (pwrite), and Linux makes a "
-                   "write that extends a file visible page by page, so a concurrent reader can load a torn record "
-                   "(seen end to end: JSONDecodeError at a file size of exactly 524288 bytes)")
 def test_a_reader_never_sees_a_torn_file(tmp_path, monkeypatch):
     """Whatever a reader catches between any two of the writer's system calls must load. To make the race
     deterministic, every write to the file is done in two halves and the file is loaded in between."""

@@ -21,10 +21,10 @@ from hora.transport.base import LocalCommunicator
 class _State:
     """Everything one initialisation owns; replaced wholesale by the next ``init()``."""
 
-    def __init__(self, topo: Topology, comm, store, prefix: str):
+    def __init__(self, topo: Topology, comm, store, prefix: str, cfg: dict):
         self.topo, self.comm, self.store, self.prefix = topo, comm, store, prefix
         self.forked = False
-        self.cfg = config.current()
+        self.cfg = cfg
         self.dynamic = self.cfg["dynamic_process_sets"]
         self.timeline = None
         if self.cfg["timeline"] and self.cfg["timeline"] != "DYNAMIC" and topo.rank == 0:
@@ -71,11 +71,13 @@ def init(comm=None, process_sets=None) -> None:
         elif process_sets is not None and not isinstance(process_sets, (list, tuple)):
             raise HoraValueError(f"init(process_sets=...) takes a list of ProcessSet or 'dynamic', "
                                  f"not {process_sets!r}")
+        cfg = config.current()  # a bad knob fails here, before any connection is made
+        config.apply_log_level()
         job = launchers.detect()
         if job.topo.size == 1:
-            _state = _State(job.topo, LocalCommunicator(), None, "")
+            _state = _State(job.topo, LocalCommunicator(), None, "", cfg)
         else:
-            _state = _connect(job)
+            _state = _connect(job, cfg)
         if not _atexit_registered:
             atexit.register(shutdown)
             os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -91,12 +93,12 @@ def init(comm=None, process_sets=None) -> None:
             raise
 
 
-def _connect(job: launchers.Job) -> _State:
+def _connect(job: launchers.Job, cfg: dict) -> _State:
     from hora.transport import addresses, net
     from hora.transport.store import StoreClient
     from hora.transport.tcp import connect_mesh
 
-    timeout = config.value("start_timeout")
+    timeout = cfg["start_timeout"]
     gen = _generations[job.scope] = _generations.get(job.scope, 0) + 1
     prefix = f"{job.scope}/{gen}"
     bind, advertise = addresses.pick(net.parse_addr(job.store_addr)[0], env.get("NETWORK_INTERFACES"))
@@ -110,12 +112,12 @@ def _connect(job: launchers.Job) -> _State:
     from hora.transport import registry
 
     try:
-        comm = registry.wrap(config.value("transport"), comm, {"job": job, "store": store, "prefix": prefix})
+        comm = registry.wrap(cfg["transport"], comm, {"job": job, "store": store, "prefix": prefix})
     except BaseException:
         comm.close()
         store.close()
         raise
-    return _State(job.topo, comm, store, prefix)
+    return _State(job.topo, comm, store, prefix, cfg)
 
 
 def shutdown() -> None:

@@ -11,9 +11,11 @@ steady state ranks send small integers instead of descriptions.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
+from hora.collectives.reduce import OP_NAMES
 from hora.common.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                                   REDUCESCATTER, REMOVE_PS, Request, Response)
 
@@ -37,6 +39,8 @@ def _field(req: Request, field: str):
 
 
 def _show(field: str, value) -> str:
+    if field == "op":
+        return OP_NAMES.get(value, str(value))
     if field == "trailing":
         return f"{value[1]}-d with dimensions after the first {value[3]}"
     if field == "shape":
@@ -53,16 +57,31 @@ class Entry:
 
 class ResponseCache:
     """Signature <-> bit, kept identical on the coordinator and on every rank of the signature's
-    process set (the coordinator assigns bits and sends the additions with its responses).
-    Entries are never evicted: past ``capacity`` new signatures simply negotiate in full."""
+    process set: the coordinator assigns bits (never reusing one) and evicts the least recently used
+    entry when full, and sends both with its responses. A rank may still send a bit it has not yet
+    heard was evicted, so the coordinator remembers evicted bits for a while (``tombstones``)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.bit_of: dict[Request, int] = {}
+        self.bit_of: collections.OrderedDict[Request, int] = collections.OrderedDict()
         self.req_of: dict[int, Request] = {}
+        self.tombstones: collections.OrderedDict[int, Request] = collections.OrderedDict()
 
     def add(self, bit: int, req: Request) -> None:
         self.bit_of[req], self.req_of[bit] = bit, req
+
+    def evict(self, bit: int) -> None:
+        req = self.req_of.pop(bit, None)
+        if req is not None and self.bit_of.get(req) == bit:  # it may have been re-added under a new bit
+            del self.bit_of[req]
+
+    def touch(self, req: Request) -> None:
+        if req in self.bit_of:
+            self.bit_of.move_to_end(req)
+
+    def lookup(self, bit: int) -> Request:
+        req = self.req_of.get(bit)
+        return req if req is not None else self.tombstones[bit]
 
 
 class Coordinator:
@@ -76,6 +95,7 @@ class Coordinator:
         self.table: dict[tuple[int, str], Entry] = {}
         self.ready: list[Response] = []
         self.additions: list[tuple[int, Request]] = []  # cache bits assigned since last take()
+        self.evictions: list[tuple[int, int]] = []  # (bit, process set) evicted since last take()
         self._groups: dict[tuple, list[Response]] = {}
         self.joined: list[int] = []
 
@@ -94,7 +114,7 @@ class Coordinator:
         self._check(key, entry)
 
     def submit_bit(self, rank: int, bit: int) -> None:
-        self.submit(rank, self.cache.req_of[bit])
+        self.submit(rank, self.cache.lookup(bit))
 
     def _required(self, ps: int) -> set[int]:
         ranks = set(self.process_sets.get(ps, ()))
@@ -114,9 +134,10 @@ class Coordinator:
         del self.table[key]
         resp = self._respond(key, entry)
         group = next(iter(entry.requests.values())).group
-        if group is None or resp.error:
+        if group is None:
             self.ready.append(resp)
             return
+        # a group is released whole, errors included, once every member has been negotiated
         members = self._groups.setdefault((key[0],) + tuple(group), [])
         members.append(resp)
         if len(members) == group[1]:
@@ -144,10 +165,7 @@ class Coordinator:
         if self.joined and ps == 0 and first.kind not in (ALLREDUCE, BARRIER):
             return self._error(ps, name, f"{first.kind} '{name}' is not supported while ranks "
                                          f"{sorted(self.joined)} have joined (hora.join()); only allreduce is")
-        if first.cacheable and first not in self.cache.bit_of and len(self.cache.bit_of) < self.cache.capacity:
-            self.cache.add(self._next_bit, first)
-            self.additions.append((self._next_bit, first))
-            self._next_bit += 1
+        self._cache(first)
         kind = first.kind
         if kind == ALLGATHER:
             rows = tuple(reqs[r].shape[0] if r in reqs else 0 for r in self.process_sets[ps])
@@ -173,14 +191,34 @@ class Coordinator:
                         root=first.root, pre=first.pre, post=first.post,
                         joined=tuple(sorted(self.joined)) if ps == 0 and kind == ALLREDUCE else ())
 
+    def _cache(self, req: Request) -> None:
+        """Give ``req`` a bit (evicting the least recently used entry when full). Auto-named ops
+        (``noname.N``) are never seen twice, so they are not cached at all."""
+        cache = self.cache
+        if not req.cacheable or cache.capacity == 0 or req.name.startswith("noname."):
+            return
+        if req in cache.bit_of:
+            cache.touch(req)
+            return
+        if len(cache.bit_of) >= cache.capacity:
+            old_req, old_bit = next(iter(cache.bit_of.items()))
+            cache.evict(old_bit)
+            cache.tombstones[old_bit] = old_req
+            while len(cache.tombstones) > 4 * cache.capacity:
+                cache.tombstones.popitem(last=False)
+            self.evictions.append((old_bit, old_req.ps))
+        cache.add(self._next_bit, req)
+        self.additions.append((self._next_bit, req))
+        self._next_bit += 1
+
     @staticmethod
     def _error(ps: int, name: str, msg: str) -> Response:
         return Response("error", ps, (name,), error=msg)
 
     # -- output --------------------------------------------------------------------------------
-    def take(self, nbytes_of) -> tuple[list[Response], list[tuple[int, Request]]]:
-        """The ready responses, fused, and the cache bits assigned with them."""
-        out: list[Response] = []
+    def take(self, nbytes_of) -> tuple[list[Response], list[tuple[int, Request]], list[tuple[int, int]]]:
+        """The ready responses, fused, and the cache bits assigned and evicted with them."""
+        out: list[list[Response]] = []  # each item: the responses fused into one
         sizes: list[int] = []
         open_: dict[tuple, int] = {}
         for resp in self.ready:
@@ -189,16 +227,23 @@ class Coordinator:
                 n = nbytes_of(resp.dtype, resp.shapes[0])
                 i = open_.get(key)
                 if i is not None and sizes[i] + n <= self.fusion_threshold:
-                    prev = out[i]
-                    out[i] = dataclasses.replace(prev, names=prev.names + resp.names, shapes=prev.shapes + resp.shapes)
+                    out[i].append(resp)
                     sizes[i] += n
                     continue
-                open_[key] = len(out)
-            out.append(resp)
-            sizes.append(0 if resp.kind != ALLREDUCE else nbytes_of(resp.dtype, resp.shapes[0]))
+                if n < self.fusion_threshold:  # a tensor that fills the buffer alone keeps the bucket open
+                    open_[key] = len(out)
+                out.append([resp])
+                sizes.append(n)
+                continue
+            out.append([resp])
+            sizes.append(0)
         self.ready = []
         adds, self.additions = self.additions, []
-        return out, adds
+        evicts, self.evictions = self.evictions, []
+        fused = [group[0] if len(group) == 1 else dataclasses.replace(
+            group[0], names=tuple(n for r in group for n in r.names),
+            shapes=tuple(sh for r in group for sh in r.shapes)) for group in out]
+        return fused, adds, evicts
 
     def stalled(self, older_than: float) -> list[tuple[int, str, list[int]]]:
         """(process set, name, missing ranks) for tensors waiting longer than ``older_than`` s."""

@@ -76,6 +76,7 @@ class Engine:
         self._broken: BaseException | None = None
         self._stopping = False
         self._reports: dict[tuple, dict] = {}  # stall reports being assembled (rank 0)
+        self._departed: set[int] = set()  # ranks that said goodbye (shut down on purpose)
         self._stall_fatal_sent = False
         if hasattr(comm, "on_ctrl"):
             comm.on_ctrl = self._on_ctrl_during_data
@@ -83,18 +84,23 @@ class Engine:
         self.thread.start()
 
     # -- caller side ---------------------------------------------------------------------------
-    def submit(self, pend: Pending) -> None:
+    def submit(self, *pends: Pending) -> None:
+        """Queue requests for the engine thread; several at once are negotiated together."""
         with self._lock:
             if self._broken is not None:
                 raise self._broken
             if self._stopping:
                 raise ShutdownError("hora is shutting down; call hora.init() again")
-            key = (pend.req.ps, pend.req.name)
-            if key in self._local or any((p.req.ps, p.req.name) == key for p in self._queue):
-                raise HoraValueError(f"{pend.req.kind} '{pend.req.name}': a collective with this name is already "
-                                     "in flight on this rank; synchronize it first or use another name")
-            self._queue.append(pend)
-        os.write(self._wake_w, b"x")
+            keys = [(p.req.ps, p.req.name) for p in pends]
+            queued = {(p.req.ps, p.req.name) for p in self._queue}
+            for key, pend in zip(keys, pends):
+                if key in self._local or key in queued or keys.count(key) > 1:
+                    raise HoraValueError(f"{pend.req.kind} '{pend.req.name}': a collective with this name is "
+                                         "already in flight on this rank; synchronize it first or use another name")
+            wake = not self._queue  # the engine drains the whole queue once woken: one byte per batch
+            self._queue.extend(pends)
+        if wake:
+            os.write(self._wake_w, b"x")
 
     def shutdown(self) -> None:
         with self._lock:
@@ -105,6 +111,8 @@ class Engine:
             pass
         if self.thread is not threading.current_thread():
             self.thread.join(10)
+        if self._broken is None and not self.thread.is_alive():
+            self._say_goodbye()
         err = ShutdownError("hora was shut down before this collective ran; call hora.init() again")
         self.handles.fail_all(self._broken or err)
         os.close(self._wake_r)
@@ -113,6 +121,17 @@ class Engine:
     @property
     def broken(self) -> BaseException | None:
         return self._broken
+
+    def _say_goodbye(self) -> None:
+        """Tell rank 0 (or, on rank 0, everyone) that this rank leaves on purpose, so that the
+        connection closing next is not taken for a crash while peers finish their last collective."""
+        msg = m.dumps((m.BYE, self.rank))
+        for p in getattr(self.comm, "ctrl_peers", []):
+            if p not in self._departed:
+                try:
+                    self.comm.send_ctrl(p, msg)
+                except HoraError:
+                    pass
 
     # -- the loop ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -228,14 +247,16 @@ class Engine:
                 self._tl_negotiate(req, rank)
                 self.coord.submit(rank, req)
             for bit in bits:
-                self._tl_negotiate(self.coord.cache.req_of[bit], rank)
+                self._tl_negotiate(self.coord.cache.lookup(bit), rank)
                 self.coord.submit_bit(rank, bit)
             return []
         if tag == m.RESPONSES:
             self.stats.coordination_messages_received += 1
-            _, responses, additions = msg
-            for bit, req in additions:
+            _, responses, additions, evictions = msg
+            for bit, req in additions:  # additions first: a bit may be added and evicted in one batch
                 self.cache.add(bit, req)
+            for bit in evictions:
+                self.cache.evict(bit)
             return responses
         if tag == m.ABORT:
             self._raise_abort(msg)
@@ -249,6 +270,9 @@ class Engine:
             return []
         if tag == m.STALL_FATAL:
             raise StallError(msg[1])
+        if tag == m.BYE:
+            self._goodbye(msg[1])
+            return []
         raise InternalError(f"rank {self.rank}: unknown control message {tag!r} from rank {peer}")
 
     def _raise_abort(self, msg) -> None:
@@ -256,6 +280,24 @@ class Engine:
         if self.coord is not None:  # rank 0 passes the news on to everyone else
             self._spread_abort(PeerLostError(text, rank=dead))
         raise PeerLostError(f"rank {self.rank}: {text.split(': ', 1)[-1]}", rank=dead)
+
+    def _goodbye(self, rank: int) -> None:
+        """``rank`` shut down on purpose: its connection closing is expected. Work that still needs it
+        fails with a ShutdownError (on rank 0: the tensors waiting for it; elsewhere: everything,
+        since rank 0 coordinates)."""
+        self._departed.add(rank)
+        self.comm.expect_close(rank)
+        err = ShutdownError(f"rank {rank} has shut down (hora.shutdown() or the end of its script) while this "
+                            f"rank still had collectives for it; every rank must run the same collectives")
+        if self.coord is None:
+            with self._lock:
+                self._broken = err
+            self.handles.fail_all(err)
+            raise _Stop
+        for (ps, name), _entry in list(self.coord.table.items()):
+            if rank in self.coord.process_sets.get(ps, ()):
+                del self.coord.table[(ps, name)]
+                self.coord.ready.append(m.Response("error", ps, (name,), error=f"'{name}': {err}"))
 
     def _on_ctrl_during_data(self, peer: int, data: bytes) -> None:
         msg = m.loads(data)
@@ -265,16 +307,22 @@ class Engine:
             raise StallError(msg[1])
         elif msg[0] == m.STACK_QUERY:
             self.comm.send_ctrl(0, m.dumps((m.STACK_REPLY, self.rank, _main_stack())))
+        elif msg[0] == m.BYE:  # expected close: keep finishing the collective in hand
+            self._departed.add(msg[1])
+            self.comm.expect_close(msg[1])
+            self._inbox.append((peer, msg))
         else:
             self._inbox.append((peer, msg))
 
     # -- coordinator ---------------------------------------------------------------------------
     def _coordinate(self) -> list[m.Response]:
-        responses, additions = self.coord.take(nbytes_of)
-        if not responses:
-            return []
-        for bit, req in additions:
+        responses, additions, evictions = self.coord.take(nbytes_of)
+        for bit, req in additions:  # additions first: a bit may be added and evicted in one batch
             self.cache.add(bit, req)
+        for bit, _ps in evictions:
+            self.cache.evict(bit)
+        if not responses and not evictions:
+            return []
         for resp in responses:
             if self.timeline is not None:
                 for name in resp.names:
@@ -283,8 +331,9 @@ class Engine:
             mine = [r for r in responses if peer in self.coord.process_sets.get(r.ps, ())
                     or r.kind in (m.ADD_PS, m.REMOVE_PS) or (r.kind == "error" and r.ps == 0)]
             adds = [(b, q) for b, q in additions if peer in self.coord.process_sets.get(q.ps, ())]
-            if mine or adds:
-                self.comm.send_ctrl(peer, m.dumps((m.RESPONSES, mine, adds)))
+            evicts = [b for b, ps in evictions if peer in self.coord.process_sets.get(ps, ())]
+            if mine or adds or evicts:
+                self.comm.send_ctrl(peer, m.dumps((m.RESPONSES, mine, adds, evicts)))
                 self.stats.coordination_messages_sent += 1
         return [r for r in responses if self.rank in self.coord.process_sets.get(r.ps, ())
                 or r.kind in (m.ADD_PS, m.REMOVE_PS) or r.kind == "error"]
@@ -331,6 +380,9 @@ class Engine:
     # -- running responses ---------------------------------------------------------------------
     def _execute(self, resp: m.Response) -> None:
         pends = [self._local.pop((resp.ps, n), None) for n in resp.names]
+        if self.timeline is not None and resp.kind in ("error", m.BARRIER, m.JOIN, m.ADD_PS, m.REMOVE_PS):
+            for n in resp.names:
+                self.timeline.done(n)
         if resp.kind == "error":
             if pends[0] is not None:
                 cls = HoraValueError if resp.names[0].startswith("process_set.") else MismatchError

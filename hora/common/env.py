@@ -13,6 +13,14 @@ log = logging.getLogger("hora")
 _warned: set[str] = set()
 
 
+def source(name: str) -> str:
+    """The variable a value of ``get(name)`` came from, for error messages."""
+    import os as _os
+
+    return "HORA_" + name if "HORA_" + name in _os.environ or "HOROVOD_" + name not in _os.environ \
+        else "HOROVOD_" + name
+
+
 def get(name: str, default: str | None = None) -> str | None:
     """The value of ``HORA_<name>``, else ``HOROVOD_<name>``, else ``default``."""
     hora, horovod = os.environ.get("HORA_" + name), os.environ.get("HOROVOD_" + name)

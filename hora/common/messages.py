@@ -19,11 +19,12 @@ UNCACHED = {ALLTOALL, BARRIER, JOIN, ADD_PS, REMOVE_PS}  # their requests vary c
 
 # control message tags
 REQUESTS = "Q"  # rank -> coordinator: (tag, rank, [Request...], [cache bits...])
-RESPONSES = "P"  # coordinator -> rank: (tag, [Response...], [(bit, signature)...])
+RESPONSES = "P"  # coordinator -> rank: (tag, [Response...], [(bit, signature)...], [evicted bit...])
 ABORT = "A"  # either way: (tag, dead_rank or None, message)
 STACK_QUERY = "T"  # coordinator -> rank: (tag,)
 STACK_REPLY = "S"  # rank -> coordinator: (tag, rank, text)
 STALL_FATAL = "E"  # coordinator -> rank: (tag, report)
+BYE = "B"  # either way: (tag, rank) this rank shuts down on purpose
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

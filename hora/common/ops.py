@@ -28,17 +28,19 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "al
            "grouped_reducescatter_async", "barrier", "join", "poll", "synchronize", "broadcast_object",
            "allgather_object"]
 
-_names = itertools.count()
+_names: dict[int, itertools.count] = {}  # one counter per process set
 _groups = itertools.count()
 _name_lock = threading.Lock()
 
 
-def _auto_name(name: str | None) -> str:
-    """Unnamed ops are numbered in submission order, so ranks match them by that order."""
+def _auto_name(name: str | None, ps: int = 0) -> str:
+    """Unnamed ops are numbered in submission order within their process set, so the ranks of a
+    set match them by that order (an unnamed op on a subset does not shift the global numbering)."""
     if name is not None:
         return str(name)
     with _name_lock:
-        return f"noname.{next(_names)}"
+        counter = _names.setdefault(ps, itertools.count())
+        return f"noname.{next(counter)}"
 
 
 def _check_op(op: int, what: str) -> int:
@@ -64,6 +66,13 @@ def _ps_id(process_set: ProcessSet, st, what: str) -> int:
 
 def _submit(kind: str, array, name, process_set, inplace=False, flush=False, finish=None, **fields) -> int:
     st = state()
+    pend = _prepare(st, kind, array, name, process_set, inplace, flush, finish, **fields)
+    st.engine.submit(pend)
+    return pend.handle.id
+
+
+def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False, finish=None,
+             **fields) -> Pending:
     ps = _ps_id(process_set, st, kind)
     a = None
     if array is not None:
@@ -80,11 +89,10 @@ def _submit(kind: str, array, name, process_set, inplace=False, flush=False, fin
                 finish = _copy_back(user, finish)
         fields.setdefault("dtype", a.dtype.name)
         fields.setdefault("shape", tuple(a.shape))
-    full = _auto_name(name)
+    full = _auto_name(name, ps)
     req = m.Request(full, kind, ps=ps, **fields)
     handle = st.engine.handles.new(f"{kind}.{full}", finish)
-    st.engine.submit(Pending(req, handle, a, inplace, flush))
-    return handle.id
+    return Pending(req, handle, a, inplace, flush)
 
 
 def _copy_back(user: np.ndarray, finish):
@@ -135,21 +143,20 @@ def _group_name(name, i, n):
 # -- allreduce -----------------------------------------------------------------------------------
 def allreduce_async(array, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     name: str | None = None, process_set: ProcessSet = global_process_set, *,
-                    _flush: bool = False, _group_id: tuple | None = None) -> int:
+                    _flush: bool = False) -> int:
     """Start an allreduce of ``array``; ``synchronize`` returns a new array."""
     _check_op(op, "allreduce")
     return _submit(m.ALLREDUCE, array, name, process_set, flush=_flush, op=op, pre=float(prescale_factor),
-                   post=float(postscale_factor), group=_group_id)
+                   post=float(postscale_factor))
 
 
 def allreduce_async_(array: np.ndarray, op: int = Average, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, name: str | None = None,
-                     process_set: ProcessSet = global_process_set, *, _flush: bool = False,
-                     _group_id: tuple | None = None) -> int:
+                     process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
     """Start an in-place allreduce; ``synchronize`` returns ``array``, reduced."""
     _check_op(op, "allreduce_")
     return _submit(m.ALLREDUCE, array, name, process_set, inplace=True, flush=_flush, op=op,
-                   pre=float(prescale_factor), post=float(postscale_factor), group=_group_id)
+                   pre=float(prescale_factor), post=float(postscale_factor))
 
 
 def allreduce(array, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -171,45 +178,55 @@ def allreduce_(array: np.ndarray, op: int = Average, prescale_factor: float = 1.
                                         _flush=True))
 
 
-def _grouped(fn, arrays, name, flush, **kw) -> int:
+def _grouped(kind: str, arrays, name, flush, process_set, inplace=False, **fields) -> int:
+    """Submit several tensors as one unit: negotiated together (in one message), released together
+    and fused together. A named group keeps the same id every step, so it hits the response cache."""
+    st = state()
     arrays = list(arrays)
-    gid = (f"{name or 'group'}.{next(_groups)}", len(arrays))
-    return _group([fn(a, name=_group_name(name, i, len(arrays)), _flush=flush, _group_id=gid, **kw)
-                   for i, a in enumerate(arrays)])
+    pid = process_set.process_set_id
+    gid = (str(name) if name is not None else f"group.{_auto_name(None, pid)}", len(arrays))
+    pends = [_prepare(st, kind, a, _group_name(name, i, len(arrays)), process_set, inplace, flush, group=gid,
+                      **fields) for i, a in enumerate(arrays)]
+    st.engine.submit(*pends)
+    return _group([p.handle.id for p in pends])
 
 
 def grouped_allreduce_async(arrays, op: int = Average, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     """Allreduce several arrays as one unit (negotiated together, fused together)."""
-    return _grouped(allreduce_async, arrays, name, False, op=op, prescale_factor=prescale_factor,
-                    postscale_factor=postscale_factor, process_set=process_set)
+    return _grouped(m.ALLREDUCE, arrays, name, False, process_set, **_reduce_fields(op, prescale_factor,
+                                                                                   postscale_factor, "allreduce"))
+
+
+def _reduce_fields(op, pre, post, what) -> dict:
+    return {"op": _check_op(op, what), "pre": float(pre), "post": float(post)}
 
 
 def grouped_allreduce_async_(arrays, op: int = Average, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0, name: str | None = None,
                              process_set: ProcessSet = global_process_set) -> int:
-    return _grouped(allreduce_async_, arrays, name, False, op=op, prescale_factor=prescale_factor,
-                    postscale_factor=postscale_factor, process_set=process_set)
+    return _grouped(m.ALLREDUCE, arrays, name, False, process_set, inplace=True,
+                    **_reduce_fields(op, prescale_factor, postscale_factor, "allreduce_"))
 
 
 def grouped_allreduce(arrays, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
-    return synchronize(_grouped(allreduce_async, arrays, name, True, op=op, prescale_factor=prescale_factor,
-                                postscale_factor=postscale_factor, process_set=process_set))
+    return synchronize(_grouped(m.ALLREDUCE, arrays, name, True, process_set,
+                                **_reduce_fields(op, prescale_factor, postscale_factor, "allreduce")))
 
 
 def grouped_allreduce_(arrays, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
-    return synchronize(_grouped(allreduce_async_, arrays, name, True, op=op, prescale_factor=prescale_factor,
-                                postscale_factor=postscale_factor, process_set=process_set))
+    return synchronize(_grouped(m.ALLREDUCE, arrays, name, True, process_set, inplace=True,
+                                **_reduce_fields(op, prescale_factor, postscale_factor, "allreduce_")))
 
 
 # -- allgather -----------------------------------------------------------------------------------
 def allgather_async(array, name: str | None = None, process_set: ProcessSet = global_process_set, *,
-                    _flush: bool = False, _group_id: tuple | None = None) -> int:
+                    _flush: bool = False) -> int:
     """Start an allgather; ``synchronize`` returns every rank's rows concatenated in rank order."""
-    return _submit(m.ALLGATHER, array, name, process_set, flush=_flush, group=_group_id)
+    return _submit(m.ALLGATHER, array, name, process_set, flush=_flush)
 
 
 def allgather(array, name: str | None = None, process_set: ProcessSet = global_process_set) -> np.ndarray:
@@ -218,11 +235,11 @@ def allgather(array, name: str | None = None, process_set: ProcessSet = global_p
 
 
 def grouped_allgather_async(arrays, name: str | None = None, process_set: ProcessSet = global_process_set) -> int:
-    return _grouped(allgather_async, arrays, name, False, process_set=process_set)
+    return _grouped(m.ALLGATHER, arrays, name, False, process_set)
 
 
 def grouped_allgather(arrays, name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
-    return synchronize(_grouped(allgather_async, arrays, name, True, process_set=process_set))
+    return synchronize(_grouped(m.ALLGATHER, arrays, name, True, process_set))
 
 
 # -- broadcast -----------------------------------------------------------------------------------
@@ -285,11 +302,10 @@ def alltoall(array, splits=None, name: str | None = None, process_set: ProcessSe
 # -- reducescatter -------------------------------------------------------------------------------
 def reducescatter_async(array, op: int = Average, name: str | None = None,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0, *, _flush: bool = False,
-                        _group_id: tuple | None = None) -> int:
+                        postscale_factor: float = 1.0, *, _flush: bool = False) -> int:
     _check_op(op, "reducescatter")
     return _submit(m.REDUCESCATTER, array, name, process_set, flush=_flush, op=op, pre=float(prescale_factor),
-                   post=float(postscale_factor), group=_group_id)
+                   post=float(postscale_factor))
 
 
 def reducescatter(array, op: int = Average, name: str | None = None, process_set: ProcessSet = global_process_set,
@@ -303,15 +319,15 @@ def reducescatter(array, op: int = Average, name: str | None = None, process_set
 def grouped_reducescatter_async(arrays, op: int = Average, name: str | None = None,
                                 process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
-    return _grouped(reducescatter_async, arrays, name, False, op=op, process_set=process_set,
-                    prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+    return _grouped(m.REDUCESCATTER, arrays, name, False, process_set,
+                    **_reduce_fields(op, prescale_factor, postscale_factor, "reducescatter"))
 
 
 def grouped_reducescatter(arrays, op: int = Average, name: str | None = None,
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list:
-    return synchronize(_grouped(reducescatter_async, arrays, name, True, op=op, process_set=process_set,
-                                prescale_factor=prescale_factor, postscale_factor=postscale_factor))
+    return synchronize(_grouped(m.REDUCESCATTER, arrays, name, True, process_set,
+                                **_reduce_fields(op, prescale_factor, postscale_factor, "reducescatter")))
 
 
 # -- barrier, join ---------------------------------------------------------------------------------
@@ -339,9 +355,9 @@ def broadcast_object(obj=None, root_rank: int = 0, name: str | None = None,
     base = name or "broadcast_object"
     payload = np.frombuffer(cloudpickle.dumps(obj), np.uint8) if is_root else None
     length = broadcast(np.array([0 if payload is None else payload.size], np.int64), root_rank,
-                       _auto_name(None) if name is None else f"{base}.len", process_set)
+                       None if name is None else f"{base}.len", process_set)
     data = payload if is_root else np.empty(int(length[0]), np.uint8)
-    data = broadcast(data, root_rank, _auto_name(None) if name is None else f"{base}.data", process_set)
+    data = broadcast(data, root_rank, None if name is None else f"{base}.data", process_set)
     return obj if is_root else cloudpickle.loads(data.tobytes())
 
 

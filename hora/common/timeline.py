@@ -1,8 +1,10 @@
 """Chrome-trace timeline written by rank 0: negotiation, queueing and each collective per tensor.
 
-A writer thread flushes at least every second. The file is valid JSON after every flush (the
-closing bracket is rewritten each time, in the same write as the new events), so it loads in
-Perfetto or chrome://tracing while the job runs. Each tensor is a "process" named after it.
+A writer thread flushes at least every second. Each flush writes the whole trace to a temporary
+file and renames it over the timeline, so a reader always sees a complete JSON document (Linux
+makes a write that extends a file visible page by page, so appending in place could be read torn);
+it loads in Perfetto or chrome://tracing while the job runs. The cost is rewriting the file once a
+second, which is what a debugging aid can afford. Each tensor is a "process" named after it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ FLUSH_EVERY = 1.0  # s
 class Timeline:
     def __init__(self, path: str, mark_cycles: bool = False):
         self.path, self.mark_cycles = path, mark_cycles
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._body = bytearray()  # serialised events so far, comma-separated
+        self._replace(b"[]\n")
         self._t0 = time.monotonic()
         self._events: list[dict] = []
         self._pids: dict[str, int] = {}
@@ -26,9 +29,6 @@ class Timeline:
         self._queued: set[str] = set()
         self._cond = threading.Condition()
         self._closed = False
-        self._first = True
-        os.write(self._fd, b"[\n")
-        self._end = 2  # file offset where the closing bracket goes
         self._emit({"name": "process_name", "ph": "M", "pid": 0,
                     "args": {"name": "hora", "start_time_since_epoch_in_micros": int(time.time() * 1e6)}})
         self._thread = threading.Thread(target=self._writer, name="hora-timeline", daemon=True)
@@ -74,6 +74,12 @@ class Timeline:
     def end(self, name: str, activity: str) -> None:
         self._emit({"ph": "E", "ts": self._ts(), "pid": self._pid(name), "tid": 0})
 
+    def done(self, name: str) -> None:
+        """The response ran nothing (barrier, join, an error): close its QUEUE span."""
+        if name in self._queued:
+            self._queued.discard(name)
+            self._emit({"ph": "E", "ts": self._ts(), "pid": self._pid(name), "tid": 0})
+
     def cycle(self) -> None:
         self._emit({"name": "CYCLE_START", "ph": "i", "ts": self._ts(), "pid": 0, "tid": 0, "s": "g"})
 
@@ -92,11 +98,15 @@ class Timeline:
             events, self._events = self._events, []
         if not events:
             return
-        body = ",\n".join(json.dumps(e, separators=(",", ":")) for e in events)
-        data = (body if self._first else ",\n" + body).encode()
-        self._first = False
-        os.pwrite(self._fd, data + b"\n]\n", self._end)
-        self._end += len(data)
+        body = ",\n".join(json.dumps(e, separators=(",", ":")) for e in events).encode()
+        self._body += (b",\n" if self._body else b"") + body
+        self._replace(b"[\n" + self._body + b"\n]\n")
+
+    def _replace(self, data: bytes) -> None:
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, self.path)
 
     def close(self) -> None:
         with self._cond:
@@ -105,4 +115,4 @@ class Timeline:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(5)
-        os.close(self._fd)
+        self.flush()

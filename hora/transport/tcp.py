@@ -76,6 +76,7 @@ class TcpCommunicator:
         # at any moment can never interleave with a collective's bytes
         self._ctrl = ctrl or {}
         self._ctrl_fd = {s.fileno(): p for p, s in self._ctrl.items()}
+        self._ctrl_lock = threading.Lock()  # the engine and shutdown may both send
         self._ctrl_gone: dict[int, float] = {}  # peer -> deadline, control closed during a data wait
         self.on_ctrl: Callable[[int, bytes], None] | None = None
         self._sendq: dict[int, collections.deque[TcpRequest]] = {p: collections.deque() for p in socks}
@@ -120,10 +121,21 @@ class TcpCommunicator:
         if self._closed:
             raise CommunicatorClosedError("this communicator was closed (hora.shutdown()); call hora.init()")
         try:
-            self._ctrl[peer].sendall(_LEN.pack(len(payload)) + payload)
+            with self._ctrl_lock:
+                self._ctrl[peer].sendall(_LEN.pack(len(payload)) + payload)
+        except KeyError:
+            raise CommunicatorClosedError(f"rank {peer} has left; no control connection to it") from None
         except OSError as e:
             self._lost(peer, e)
             raise self._broken from e
+
+    def expect_close(self, peer: int) -> None:
+        """``peer`` said goodbye: stop watching its control connection (its EOF is not a failure)."""
+        sock = self._ctrl.pop(peer, None)
+        if sock is not None:
+            self._ctrl_fd.pop(sock.fileno(), None)
+            self._ctrl_gone.pop(peer, None)
+            sock.close()
 
     def recv_ctrl(self, timeout: float | None, wake_fd: int | None = None) -> list[tuple[int, bytes]]:
         """Wait until a control message arrives (or ``wake_fd`` is readable, or the timeout runs
