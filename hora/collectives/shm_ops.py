@@ -59,7 +59,7 @@ def allreduce(g, flat: np.ndarray, op: int) -> None:
         slot = g.acquire()
         g.area(slot, r)[:nb] = raw
         g.wait(g.signal())
-        _fold(ufunc, [g.area(slot, p)[:nb].view(dt) for p in range(n)], flat)
+        _fold(ufunc, [g.area(slot, p, dt)[:flat.size] for p in range(n)], flat)
         g.release(slot)
         return
     # Pipelined: one wait per chunk. Between two waits a rank copies out chunk j-1, reduces its
@@ -77,8 +77,8 @@ def allreduce(g, flat: np.ndarray, op: int) -> None:
             _copy_out(g, raw, isz, flat.size, per, starts[j - 1], slots[j - 1])
         m = min(per, flat.size - a)
         lo, hi = _split(m, n, r)
-        srcs = [flat[a + lo:a + hi] if p == r else g.area(slots[j], p)[lo * isz:hi * isz].view(dt) for p in range(n)]
-        _fold(ufunc, srcs, g.area(slots[j], n)[lo * isz:hi * isz].view(dt))
+        srcs = [flat[a + lo:a + hi] if p == r else g.area(slots[j], p, dt)[lo:hi] for p in range(n)]
+        _fold(ufunc, srcs, g.area(slots[j], n, dt)[lo:hi])
         if j + 1 < len(starts):
             slots.append(g.acquire())
             _copy_in(g, raw, isz, flat.size, per, starts[j + 1], slots[j + 1])
@@ -118,15 +118,15 @@ def reducescatter(g, buf: np.ndarray, bounds: list[int], op: int) -> None:
         pieces = [(bounds[q] + min(j, bounds[q + 1] - bounds[q]), bounds[q] + min(j + c, bounds[q + 1] - bounds[q]))
                   for q in range(n)]
         slot = g.acquire()
-        mine = g.area(slot, r).view(dt)
+        mine = g.area(slot, r, dt)
         for q, (a, b) in enumerate(pieces):
             if q != r:
                 mine[q * c:q * c + b - a] = buf[a:b]
         g.wait(g.signal())
         a, b = pieces[r]
         if b > a:
-            acc = g.area(slot, n).view(dt)[r * c:r * c + b - a]
-            srcs = [buf[a:b] if p == r else g.area(slot, p).view(dt)[r * c:r * c + b - a] for p in range(n)]
+            acc = g.area(slot, n, dt)[r * c:r * c + b - a]
+            srcs = [buf[a:b] if p == r else g.area(slot, p, dt)[r * c:r * c + b - a] for p in range(n)]
             _fold(ufunc, srcs, acc)
             buf[a:b] = acc
         g.release(slot)

@@ -17,8 +17,8 @@ waiter spins briefly (skipped when ranks outnumber cores), then sleeps in ``FUTE
 counter it needs; a rank wakes its counter's sleepers (``FUTEX_WAKE``) after every bump. Sleeps
 time out every ``CHECK_S`` to look for a rank that died (pidfd), shut down (its state word) or sent
 an abort on the control plane, so a dead peer is named within milliseconds. Memory order: the
-stores of a step's data precede the counter store (x86's TSO keeps them in order; the futex system
-calls are full barriers).
+stores of a step's data precede the counter store, and x86's TSO keeps them in that order (hence
+x86-64 only; elsewhere every rank stays on TCP).
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ _ACTIVE, _CLOSED, _ABORTED = 0, 1, 2
 _MASK, _HALF = 0xFFFFFFFF, 0x80000000
 _PAGE = 4096
 
-_SYS_FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221, "s390x": 238, "riscv64": 98}.get(os.uname().machine)
+# x86-64 only: a step's data stores must be visible before its counter store, which x86's store
+# order gives for free; weaker memory models (arm64) would need fences that Python cannot issue.
+_SYS_FUTEX = {"x86_64": 202}.get(os.uname().machine)
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _WAKE_ALL = 0x7FFFFFFF
 
@@ -106,6 +108,7 @@ class ShmGroup:
                       for p in range(n)]
         self._areas = [[np.frombuffer(mm, np.uint8, count=chunk, offset=data_off + (s * (n + 1) + a) * chunk)
                         for a in range(n + 1)] for s in range(SLOTS)]
+        self._typed: dict = {}
         self.step = 0  # this rank's progress (what it last published)
         self._free = [0] * SLOTS  # the step after which every rank is done with each slot
         self._next = 0
@@ -119,9 +122,16 @@ class ShmGroup:
         self._watch: dict[int, int] = {}  # fd -> group rank whose end it shows
 
     # -- what the algorithms use ---------------------------------------------------------------
-    def area(self, slot: int, p: int) -> np.ndarray:
-        """Rank ``p``'s bytes in ``slot`` (``p == size``: the slot's result area)."""
-        return self._areas[slot][p]
+    def area(self, slot: int, p: int, dtype: np.dtype | None = None) -> np.ndarray:
+        """Rank ``p``'s bytes in ``slot`` (``p == size``: the slot's result area), or the same
+        memory as ``dtype`` elements (views are cached: making one costs more than a small copy)."""
+        if dtype is None:
+            return self._areas[slot][p]
+        key = (slot, p, dtype)
+        view = self._typed.get(key)
+        if view is None:
+            view = self._typed[key] = self._areas[slot][p].view(dtype)
+        return view
 
     def meta(self, p: int, parity: int) -> np.ndarray:
         m = self._meta[p]
@@ -246,7 +256,7 @@ class ShmGroup:
             os.close(fd)
         self._pidfds.clear()
         self._watch.clear()
-        self._hdr = self._meta = self._areas = None
+        self._hdr = self._meta = self._areas = self._typed = None
         try:
             self._mm.close()
         except BufferError:  # a view still lives (e.g. in a traceback); the GC unmaps it later
@@ -262,8 +272,10 @@ def _service_ctrl(tcp) -> None:
     fds = {s.fileno(): p for p, s in tcp._ctrl.items() if p not in tcp._ctrl_gone}
     if not fds:
         return
-    ready, _, _ = select.select(list(fds), [], [], 0)
-    for fd in ready:
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+    for fd, _ev in poller.poll(0):
         msg = tcp._read_ctrl(fds[fd], during_data=True)
         if msg is not None and tcp.on_ctrl is not None:
             tcp.on_ctrl(fds[fd], msg)  # may raise (abort, stall): the wait ends with that error
@@ -283,10 +295,10 @@ def open_group(store, key: str, members: list[int], me: int, tcp=None, chunk: in
     n = len(members)
     size = _layout(n, chunk)[2] + SLOTS * (n + 1) * chunk
     if _futex is None:
-        return None, f"no futex system call number known for {os.uname().machine}"
+        return None, f"shared memory needs x86-64's store order; this is {os.uname().machine}"
     if index == 0:
         return _create(store, key, members, size, chunk, tcp, timeout)
-    return _attach(store, key, members, index, size, chunk, tcp, timeout)
+    return _attach(store, key, members, index, tcp, timeout)
 
 
 def _init_line(mm: mmap.mmap, index: int) -> None:
@@ -307,7 +319,7 @@ def _create(store, key, members, size, chunk, tcp, timeout):
         mm[0:24] = _MAGIC + nonce
         struct.pack_into("<II", mm, 24, len(members), chunk)
         _init_line(mm, 0)
-        store.set(f"{key}/seg", f"{os.getpid()}:{fd}:{nonce.hex()}".encode())
+        store.set(f"{key}/seg", f"{os.getpid()}:{fd}:{nonce.hex()}:{chunk}".encode())
         bad = []
         for r in members[1:]:
             got = store.get(f"{key}/ok/{r}", timeout=timeout)
@@ -326,12 +338,14 @@ def _create(store, key, members, size, chunk, tcp, timeout):
     return _finish(mm, members, 0, chunk, tcp), ""
 
 
-def _attach(store, key, members, index, size, chunk, tcp, timeout):
+def _attach(store, key, members, index, tcp, timeout):
     me = members[index]
     seg = store.get(f"{key}/seg", timeout=timeout)
     if seg == b"fail":
         return None, f"rank {members[0]} could not create the segment"
-    pid, fd, nonce = seg.decode().split(":")
+    pid, fd, nonce, chunk = seg.decode().split(":")
+    chunk = int(chunk)  # the creator's: every rank must lay the segment out alike
+    size = _layout(len(members), chunk)[2] + SLOTS * (len(members) + 1) * chunk
     mm, why = None, ""
     try:
         mm = _map_peer(int(pid), int(fd), size)
