@@ -1,5 +1,5 @@
 # hora's build: a virtualenv in .venv, set up once and reused.
-#   make setup   create .venv and install hora (editable) with its pytorch and test extras
+#   make setup   create .venv and install hora (editable) with its pytorch, test and mpi extras
 #   make test    run the test suite (PYTEST_ARGS='-k ring' to pass arguments to pytest)
 #   make demo    train on scikit-learn's digits with 2 ranks through `hora run`
 #   make lint    ruff
@@ -37,7 +37,7 @@ $(PY):
 
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e '.[pytorch,test]'
+	$(PIP) install -q -e '.[pytorch,test,mpi]'
 	touch $@
 
 test: setup
@@ -60,7 +60,7 @@ bench: setup
 
 # Idempotent: installs only what is missing, so it costs a dpkg query when all is there.
 # Open MPI refuses to run as root unless OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 are set;
-# mpi4py (pip) goes into the venv when the MPI transport lands.
+# mpi4py (the `mpi` extra, installed by setup) loads this Open MPI; run deps-system before setup.
 deps-system:
 	@if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
 		echo "deps-system: not root or no apt-get; skipping ($(SYSTEM_PACKAGES))"; exit 0; fi; \

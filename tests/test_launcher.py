@@ -359,7 +359,7 @@ def test_horovod_env_vars_reach_workers():
 @pytest.mark.parametrize("args, message", [
     (["--fusion-treshold-mb", "4", "python"],
      "unknown flag --fusion-treshold-mb (did you mean --fusion-threshold-mb?)"),
-    (["--mpi", "python"], "--mpi is not supported yet"),
+    (["--jsrun", "python"], "--jsrun is not supported yet"),
     (["--min-np", "2", "-np", "4", "python"], "--min-np is not supported yet: elastic"),
     (["-np", "2"], "no command given"),
     (["python"], "-np is required when neither -H nor -hostfile is given"),

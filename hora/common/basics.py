@@ -98,6 +98,7 @@ def _connect(job: launchers.Job, cfg: dict) -> _State:
     from hora.transport.store import StoreClient
     from hora.transport.tcp import connect_mesh
 
+    job = launchers.rendezvous(job)  # mpirun/srun/torchrun: rank 0 serves the store, MPI shares the secret
     timeout = cfg["start_timeout"]
     gen = _generations[job.scope] = _generations.get(job.scope, 0) + 1
     prefix = f"{job.scope}/{gen}"

@@ -1,4 +1,4 @@
-"""The launcher side of hora: ``hora run`` (horovodrun's equivalent) and, later, ``hora.run()``.
+"""The launcher side of hora: ``hora run`` (horovodrun's equivalent) and ``hora.run()``.
 
 Kept light on purpose: importing ``hora.runner`` loads nothing until a function is called, and the
 runner never imports ``hora.common`` engine code or a framework; it talks to workers only through
@@ -22,4 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     return _main(argv)
 
 
-__all__ = ["main", "run_commandline"]
+def __getattr__(name: str):
+    if name == "run":  # hora.run / hora.runner.run: loaded on first use
+        from hora.runner.api import run
+
+        return run
+    raise AttributeError(f"module 'hora.runner' has no attribute {name!r}")
+
+
+__all__ = ["main", "run", "run_commandline"]

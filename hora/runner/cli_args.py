@@ -47,11 +47,11 @@ def _lookup(name: str) -> Flag | None:
 
 def convert(flag: Flag, name: str, text: Any) -> Any:
     """Turn one raw value (a string from argv, or anything from YAML) into the flag's type."""
-    if flag.choices:
-        up = str(text).upper()
-        if up not in flag.choices:
+    if flag.choices:  # case-insensitive; the value as the table spells it (DEBUG, tcp)
+        match = next((c for c in flag.choices if c.upper() == str(text).upper()), None)
+        if match is None:
             raise UsageError(f"{name} must be one of {', '.join(flag.choices)}; got {text!r}")
-        return up
+        return match
     if flag.kind is int:
         if isinstance(text, bool) or not str(text).strip().lstrip("-").isdigit():
             raise UsageError(f"{name} expects a whole number, got {text!r}")

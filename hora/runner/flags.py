@@ -70,7 +70,7 @@ def _f(names: str, dest: str, group: str, help: str, **kw: Any) -> Flag:
 
 
 _ELASTIC = "elastic training (--min-np, --max-np, --host-discovery-script, ...) comes in a later release"
-_MPI = "hora starts its workers itself, as with --gloo; launching through mpirun or jsrun comes later"
+_JSRUN = "jsrun (IBM Spectrum MPI under LSF) is not supported; use --mpi (mpirun) or hora's own launcher"
 
 FLAGS: tuple[Flag, ...] = (
     # basic
@@ -171,15 +171,15 @@ FLAGS: tuple[Flag, ...] = (
        "seconds before a stall shuts the job down", kind=float, env="HORA_STALL_SHUTDOWN_TIME_SECONDS",
        config=("stall_check", "shutdown_time_seconds")),
     # library
-    _f("--mpi-threads-disable", "mpi_threads_disable", "library", "ask MPI for MPI_THREAD_SINGLE",
+    _f("--mpi-threads-disable", "mpi_threads_disable", "library",
+       "ask MPI for MPI_THREAD_SERIALIZED, not MULTIPLE (the least hora's engine thread can use)",
        env="HORA_MPI_THREADS_DISABLE", config=("library_options", "mpi_threads_disable")),
-    _f("--mpi-args", "mpi_args", "library", "extra mpirun arguments", kind=str, metavar="ARGS",
-       status="not yet", why=_MPI),
+    _f("--mpi-args", "mpi_args", "library", "extra mpirun arguments (with --mpi), split like a shell",
+       kind=str, metavar="ARGS"),
     _f("--tcp", "tcp", "library", "use TCP only, no InfiniBand (sets NCCL_IB_DISABLE=1)",
        env="NCCL_IB_DISABLE"),
-    _f("--binding-args", "binding_args", "library", "process binding arguments for mpirun/jsrun", kind=str,
-       metavar="ARGS",
-       status="not yet", why=_MPI),
+    _f("--binding-args", "binding_args", "library",
+       "mpirun binding arguments (with --mpi) instead of -bind-to none -map-by slot", kind=str, metavar="ARGS"),
     _f("--num-nccl-streams", "num_nccl_streams", "library", "NCCL streams per device (1)", kind=int,
        env="HORA_NUM_NCCL_STREAMS", config=("library_options", "num_nccl_streams")),
     _f("--thread-affinity", "thread_affinity", "library",
@@ -207,8 +207,9 @@ FLAGS: tuple[Flag, ...] = (
     # controller
     _f("--gloo", "gloo", "controller", "use Gloo", status="no-op",
        why="hora always starts workers itself and connects them over its own TCP mesh, as --gloo does"),
-    _f("--mpi", "mpi", "controller", "launch through mpirun", status="not yet", why=_MPI),
-    _f("--jsrun", "jsrun", "controller", "launch through jsrun (LSF)", status="not yet", why=_MPI),
+    _f("--mpi", "mpi", "controller",
+       "launch through mpirun; workers take their ranks from MPI (they need mpi4py: pip install 'hora[mpi]')"),
+    _f("--jsrun", "jsrun", "controller", "launch through jsrun (LSF)", status="not yet", why=_JSRUN),
 )
 
 BY_NAME: dict[str, Flag] = {name: f for f in FLAGS for name in f.names}

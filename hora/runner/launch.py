@@ -16,7 +16,6 @@ a remote host cannot be reached, or is lost during the job (see docs/multihost.m
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import os
 import sys
 import uuid
@@ -46,22 +45,12 @@ def version() -> str:
         return getattr(sys.modules.get("hora"), "__version__", "unknown (not installed)")
 
 
-# --- check build: what this installation can do (extended as transports and features land)
-FRAMEWORKS = (("PyTorch", "torch"), ("TensorFlow", "tensorflow"), ("Keras", "keras"), ("MXNet", "mxnet"),
-              ("JAX", "jax"))
-TRANSPORTS = (("TCP", "yes"), ("shared memory", "not yet"), ("MPI", "not yet"), ("NCCL", "not yet"))
-FEATURES = (("local launch", "yes"), ("SSH launch", "not yet"), ("elastic", "not yet"))
-
-
+# --- check build: what this installation can do (hora/check.py keeps the table)
 def check_build() -> str:
-    """The ``-cb`` table. Frameworks are found without importing them (importing TensorFlow takes
-    seconds and may grab GPUs)."""
-    lines = [f"hora v{version()}:", "", "Available Frameworks:"]
-    lines += [f"    [{'X' if importlib.util.find_spec(mod) else ' '}] {name}" for name, mod in FRAMEWORKS]
-    for title, rows in (("Transports", TRANSPORTS), ("Features", FEATURES)):
-        lines += ["", f"Available {title}:"]
-        lines += [f"    [X] {name}" if s == "yes" else f"    [ ] {name} ({s})" for name, s in rows]
-    return "\n".join(lines) + "\n"
+    """The ``-cb`` table (the same as ``python -m hora.check``)."""
+    from hora.check import table
+
+    return table()
 
 
 # --- planning
@@ -148,6 +137,13 @@ def run_cli(args: list[str]) -> int:
                 values["start_timeout"] = start  # passed on as it is; the workers check it
         if not parsed.command:
             raise UsageError("no command given; e.g. hora run -np 2 python train.py")
+        if values.get("mpi"):  # mpirun starts the workers: hora.runner.mpi_run
+            from hora.runner.mpi_run import run_mpi
+
+            return run_mpi(values, parsed.command, parsed.noops)
+        for name in ("mpi_args", "binding_args"):
+            if values.get(name):
+                raise UsageError(f"--{name.replace('_', '-')} only works with --mpi")
         slots = make_plan(values)
     except (UsageError, hostlib.HostError) as e:
         _say(str(e))

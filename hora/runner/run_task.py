@@ -1,0 +1,69 @@
+"""A rank of ``hora.run()``: fetch the function from the caller's store, run it, put back the result.
+
+``python -m hora.runner.run_task`` with ``HORA_RUNFUNC_ADDR`` / ``HORA_RUNFUNC_SECRET`` in the environment
+(they are removed from it before the function runs). The result under ``result/<rank>`` is a pickled
+``("ok", pickled value)`` or ``("err", (pickled exception or None, formatted traceback, summary, time,
+secondary))`` (secondary: it failed because another rank did, e.g. a lost peer); the
+exit status is 0 or 1 accordingly, so the launcher stops the other ranks when one raises.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+import traceback
+
+
+def _rank() -> int:
+    for name in ("HORA_RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def main() -> int:
+    from hora.runner.api import ADDR_VAR, SECRET_VAR
+
+    addr, secret = os.environ.pop(ADDR_VAR, None), os.environ.pop(SECRET_VAR, None)
+    if not addr or secret is None:
+        print(f"hora.runner.run_task: {ADDR_VAR} / {SECRET_VAR} are not set; this module is started by "
+              "hora.run()", file=sys.stderr)
+        return 2
+    import cloudpickle
+
+    from hora.transport.store import StoreClient
+
+    rank = _rank()
+    store = StoreClient(addr, secret, timeout=60)
+    try:
+        caller_path = pickle.loads(store.get("sys.path", timeout=60))
+        sys.path.extend(p for p in caller_path if p not in sys.path)  # modules the caller could import
+        func, args, kwargs = cloudpickle.loads(store.get("func", timeout=60))
+        try:
+            value = func(*args, **kwargs)
+            result = ("ok", cloudpickle.dumps(value))
+            code = 0
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
+            tb = traceback.format_exc()
+            try:
+                exc = cloudpickle.dumps(e)
+                pickle.loads(exc)  # must come back in the caller too
+            except Exception:  # noqa: BLE001
+                exc = None
+            # a rank that failed because another one did (lost peer, shutdown) is not the root cause
+            from hora.common.errors import PeerLostError, ShutdownError
+
+            secondary = isinstance(e, (PeerLostError, ShutdownError))
+            result = ("err", (exc, tb, f"{type(e).__name__}: {e}", time.time(), secondary))
+            sys.stderr.write(tb)
+            code = 1
+        store.set(f"result/{rank}", pickle.dumps(result))
+    finally:
+        store.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

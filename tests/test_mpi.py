@@ -1,0 +1,227 @@
+"""MPI: plain ``mpirun -np N python script.py``, ``hora run --mpi``, and the MPI transport (mpi4py).
+
+Every job is real: Open MPI's mpirun starts the ranks, hora takes ranks, the store address and the secret
+from MPI, and the collectives run over the MPI transport (or the TCP one). Without mpirun or mpi4py these
+tests skip, except under CI (CI=true), where .ci/run installs both and a skip would hide a regression.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hora.runner import mpi_run
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+MPIRUN = shutil.which("mpirun")
+HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true")
+
+
+def need_mpi() -> None:
+    missing = [what for what, ok in (("mpirun (apt-get install openmpi-bin libopenmpi-dev)", MPIRUN),
+                                     ("mpi4py (pip install 'hora[mpi]')", HAVE_MPI4PY)) if not ok]
+    if missing:
+        (pytest.fail if IN_CI else pytest.skip)(f"needs {' and '.join(missing)}")
+
+
+def env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HORA_", "HOROVOD_", "OMPI_", "PMI_", "PMIX_", "SLURM_"))}
+    out.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1",  # np may exceed the cores of a CI machine
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out.update(extra or {})
+    return out
+
+
+def mpirun(np: int, args: list[str], extra: dict[str, str] | None = None, timeout: float = 60
+           ) -> subprocess.CompletedProcess:
+    forward = [x for k in (extra or {}) for x in ("-x", k)]
+    return subprocess.run([MPIRUN, "-np", str(np), *forward, *args], env=env(extra), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# every collective, dtypes MPI has no op for (bfloat16, float16), buffers larger than the transport's
+# pieces (and not a multiple of them), a process set, and which communicator carried the data
+SCRIPT = r"""
+import numpy as np, ml_dtypes, hora
+from hora.common import basics
+hora.init(process_sets="dynamic")
+r, n = hora.rank(), hora.size()
+tri = n * (n - 1) // 2
+s = hora.allreduce(np.arange(10, dtype=np.float32) + r, op=hora.Sum)
+assert (s == n * np.arange(10) + tri).all(), s
+a = hora.allreduce(np.full(7, float(r), np.float64))  # Average
+assert np.allclose(a, tri / n), a
+for dt in (np.int64, np.uint8, np.int32):
+    assert (hora.allreduce(np.full(5, r + 1, dt), op=hora.Max) == n).all()
+    assert (hora.allreduce(np.full(5, r + 1, dt), op=hora.Min) == 1).all()
+assert (hora.allreduce(np.full(4, 2, np.int64), op=hora.Product) == 2 ** n).all()
+for dt in (ml_dtypes.bfloat16, np.float16):
+    h = hora.allreduce(np.full(1000, 1.5, dt), op=hora.Sum)
+    assert h.dtype == dt and (h.astype(np.float32) == 1.5 * n).all(), h[:4]
+big = hora.allreduce(np.full(1_300_001, r + 1, np.float32), op=hora.Sum)  # > 1 MiB per segment at np=2,3
+assert (big == n * (n + 1) // 2).all()
+g = hora.allgather(np.full((r + 1, 3), r, np.int32))
+assert g.shape == (n * (n + 1) // 2, 3) and [int(x) for x in g[:, 0]] == [q for q in range(n) for _ in range(q + 1)]
+b = hora.broadcast(np.arange(5, dtype=np.float32) * (r + 1), root_rank=n - 1)
+assert (b == np.arange(5) * n).all()
+o = hora.alltoall(np.arange(n, dtype=np.int64) + 10 * r)
+assert [int(x) for x in o] == [10 * q + r for q in range(n)], o
+rs = hora.reducescatter(np.ones((2 * n, 2), np.float32), op=hora.Sum)
+assert rs.shape == (2, 2) and (rs == n).all()
+hora.barrier()
+members = [0, n - 1] if n > 2 else [1]
+ps = hora.add_process_set(members)
+if r in members:
+    assert (hora.allreduce(np.ones(3, np.float32), op=hora.Sum, process_set=ps) == len(members)).all()
+hora.remove_process_set(ps)
+print(f"OK rank={r} size={n} local={hora.local_rank()}/{hora.local_size()} comm={type(basics.state().comm).__name__}",
+      flush=True)
+hora.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("mpi") / "collectives.py"
+    p.write_text(SCRIPT)
+    return p
+
+
+def oks(out: str) -> dict[int, str]:
+    """rank -> its OK report (plain mpirun may glue two ranks' lines together: find each report)."""
+    found = re.finditer(r"OK rank=(\d+) size=\d+ local=\d+/\d+ comm=[A-Za-z]+?Communicator", out)
+    return {int(m.group(1)): m.group(0) for m in found}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport, comm", [("mpi", "MpiCommunicator"), ("tcp", "TcpCommunicator")])
+def test_mpirun_np2(script, transport, comm):
+    need_mpi()
+    r = mpirun(2, [PY, str(script)], {"HORA_TRANSPORT": transport})
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = oks(r.stdout)
+    assert sorted(got) == [0, 1], r.stdout + r.stderr
+    assert all(f"comm={comm}" in ln and "size=2 local=" in ln for ln in got.values())
+
+
+@pytest.mark.timeout(60)
+def test_mpirun_np3_native_allreduce(script):
+    """np=3 (odd segments, ring pieces not aligned with segment ends) with MPI's own Iallreduce."""
+    need_mpi()
+    r = mpirun(3, [PY, str(script)], {"HORA_TRANSPORT": "mpi", "HORA_MPI_ALLREDUCE": "native"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(oks(r.stdout)) == [0, 1, 2], r.stdout + r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_hora_run_mpi(script, tmp_path):
+    need_mpi()
+    r = subprocess.run([PY, "-m", "hora.runner", "run", "--mpi", "-np", "2", "--verbose", "--transport", "mpi",
+                        "--output-filename", str(tmp_path / "logs"), "--mpi-args", "-x HORA_TEST_MARK",
+                        PY, str(script)], env=env({"HORA_TEST_MARK": "1"}), cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # hora's own output tags, not mpirun's [1,R]
+    assert "[0]<stdout>:OK rank=0" in r.stdout and "[1]<stdout>:OK rank=1" in r.stdout, r.stdout
+    assert "comm=MpiCommunicator" in r.stdout
+    assert "OK rank=1" in (tmp_path / "logs" / "rank.1" / "stdout").read_text()
+    cmdline = next(ln for ln in r.stderr.splitlines() if "through mpirun:" in ln)
+    assert "-bind-to none" in cmdline and "-x HORA_TRANSPORT" in cmdline and "-x HORA_TEST_MARK" in cmdline
+    assert "SECRET" not in cmdline  # rank 0 makes the secret and shares it over MPI
+
+
+@pytest.mark.timeout(60)
+def test_hora_run_mpi_failure_exit_code():
+    need_mpi()
+    code = "import hora, sys; hora.init(); sys.exit(7 if hora.rank() == 1 else 0)"
+    r = subprocess.run([PY, "-m", "hora.runner", "run", "--mpi", "-np", "2", PY, "-c", code], env=env(), cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 7, r.stdout + r.stderr
+    assert "mpirun exited with code 7" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_rank_dying_mid_job_fails_the_others_quickly():
+    need_mpi()
+    code = ("import os, time, numpy as np, hora\nhora.init()\nif hora.rank() == 1:\n    os._exit(9)\n"
+            "t = time.time()\ntry:\n    hora.allreduce(np.ones(1 << 20, np.float32))\nexcept Exception as e:\n"
+            "    print('RAISED', type(e).__name__, round(time.time() - t), flush=True)\n    raise SystemExit(3)\n")
+    r = mpirun(2, [PY, "-c", code], {"HORA_TRANSPORT": "mpi"}, timeout=50)
+    assert r.returncode != 0, r.stdout + r.stderr  # mpirun or hora ends the job; nothing hangs
+
+
+@pytest.mark.timeout(30)
+def test_missing_mpi4py_is_a_clear_error(tmp_path):
+    """Under mpirun (here: its variables on a plain process) hora needs mpi4py and says how to get it."""
+    fake = tmp_path / "mpi4py"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('No module named mpi4py (simulated)')\n")
+    e = env({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0"})
+    e["PYTHONPATH"] = os.pathsep.join([str(tmp_path), e["PYTHONPATH"]])
+    r = subprocess.run([PY, "-c", "import hora; hora.init()"], env=e, cwd=ROOT, capture_output=True, text=True,
+                       timeout=25)
+    assert r.returncode != 0
+    assert "started by mpirun" in r.stderr and "pip install 'hora[mpi]'" in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(10)
+def test_mpirun_command_line(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    values = {"hosts": "a:2,b:2", "binding_args": "--bind-to core", "mpi_args": "-mca btl self,tcp -x FOO",
+              "network_interfaces": "eth1", "cycle_time_ms": 3.0}
+    base = {"PATH": "/bin", "HORA_SECRET": "x", "HORA_RANK": "3", "HOROVOD_RANK": "1", "HORA_FUSION_THRESHOLD": "5",
+            "NCCL_DEBUG": "INFO", "HOME": "/root"}
+    environ, forward = mpi_run.worker_env(values, base)
+    assert "HORA_SECRET" not in environ and "HORA_RANK" not in environ and "HOROVOD_RANK" not in environ
+    assert environ["HORA_CYCLE_TIME"] == "3" and environ["PYTHONUNBUFFERED"] == "1"
+    assert forward == ["HORA_CYCLE_TIME", "HORA_FUSION_THRESHOLD", "HORA_NETWORK_INTERFACES", "NCCL_DEBUG", "PATH",
+                       "PYTHONUNBUFFERED"]
+    cmd = mpi_run.command_line(values, ["python", "train.py"], 4, forward, "mpirun", "openmpi")
+    line = " ".join(cmd)
+    assert cmd[:4] == ["mpirun", "--allow-run-as-root", "-np", "4"]
+    assert "-H a:2,b:2 --bind-to core -mca pml ob1" in line and "-bind-to none" not in line
+    assert "-mca btl_tcp_if_include eth1 --tag-output" in line
+    assert line.endswith("-x PYTHONUNBUFFERED -mca btl self,tcp -x FOO python train.py")
+    mpich = mpi_run.command_line({"hosts": "a:2"}, ["x"], 2, ["PATH"], "mpiexec", "mpich")
+    assert mpich == ["mpiexec", "-np", "2", "-hosts", "a:2", "-genvlist", "PATH", "x"]
+
+
+@pytest.mark.timeout(30)
+def test_mpi_flags_without_mpi_and_jsrun_are_refused():
+    for args, message in ((["--mpi-args", "-x A", "-np", "1", "true"], "--mpi-args only works with --mpi"),
+                          (["--jsrun", "-np", "1", "true"], "--jsrun is not supported yet"),
+                          (["--mpi", "--gloo", "-np", "1", "true"], "--gloo and --mpi cannot be used together")):
+        r = subprocess.run([PY, "-m", "hora.runner", "run", *args], env=env(), cwd=ROOT, capture_output=True,
+                           text=True, timeout=25)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("chunk", [1 << 20, 1000, 3 << 10, 7])
+def test_mpi_pieces_match_the_rings_chunked_receives(monkeypatch, chunk):
+    """MPI matches whole messages, so the transport cuts a send exactly where the ring's receiver cuts."""
+    import ml_dtypes
+    import numpy as np
+
+    from hora.collectives import ring
+    from hora.transport.mpi import pieces
+
+    monkeypatch.setattr(ring, "CHUNK_BYTES", chunk)
+    for dtype in (np.uint8, np.float16, ml_dtypes.bfloat16, np.float32, np.int64):
+        for n in (0, 1, 5, 1000, 30_001):
+            seg = np.zeros(n, dtype)
+            sent = [len(p) for p in pieces(seg)]
+            step = max(1, ring.CHUNK_BYTES // max(1, seg.itemsize))  # as ring.reduce_scatter cuts receives
+            received = [(min(a + step, n) - a) * seg.itemsize for a in range(0, n, step)]
+            assert sent == received, (dtype, n)

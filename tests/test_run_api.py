@@ -1,0 +1,89 @@
+"""``hora.run(func, ...)``: per-rank return values, a rank's exception re-raised with its traceback, and
+Horovod's argument list. Each call is a real job of fresh processes (``hora run`` underneath)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+
+import numpy as np
+import pytest
+
+import hora
+
+
+def _work(base, scale=1):
+    import hora
+
+    hora.init()
+    total = hora.allreduce(np.array([hora.rank() + 1.0]), op=hora.Sum)
+    return {"rank": hora.rank(), "size": hora.size(), "value": (base + hora.rank()) * scale, "sum": float(total[0])}
+
+
+class Boom(Exception):
+    pass
+
+
+def _fails_on_rank_1():
+    import hora
+
+    hora.init()
+    if hora.rank() == 1:
+        raise Boom("rank one gives up")  # line that the re-raised traceback must show
+    hora.barrier()  # rank 0 is left waiting: it fails too, but only because rank 1 did
+
+
+@pytest.mark.timeout(60)
+def test_returns_per_rank_values(capfd):
+    out = hora.run(_work, args=(10,), kwargs={"scale": 2}, num_proc=2)
+    assert out == [{"rank": 0, "size": 2, "value": 20, "sum": 3.0}, {"rank": 1, "size": 2, "value": 22, "sum": 3.0}]
+    assert hora.run is hora.runner.run  # the lazy re-export
+    assert hora.run(lambda: 42) == [42]  # num_proc defaults to 1
+
+
+@pytest.mark.timeout(60)
+def test_exception_on_a_rank_is_raised_with_its_traceback():
+    with pytest.raises(Boom, match="rank one gives up") as info:
+        hora.run(_fails_on_rank_1, num_proc=2)
+    cause = info.value.__cause__
+    assert type(cause).__name__ == "RemoteTraceback"
+    text = str(cause)
+    assert "Traceback on rank 1" in text and "_fails_on_rank_1" in text and 'raise Boom("rank one gives up")' in text
+
+
+@pytest.mark.timeout(60)
+def test_deprecated_and_refused_arguments():
+    with pytest.warns(DeprecationWarning, match=r"np=\.\.\.\) is deprecated; use num_proc"):
+        assert hora.run(_work, args=(0,), np=1, use_gloo=True, disable_cache=True)[0]["size"] == 1
+    with pytest.raises(ValueError, match="min_num_proc.*elastic training is not supported yet"):
+        hora.run(_work, min_num_proc=1, num_proc=2)
+    with pytest.raises(ValueError, match="not both"):
+        hora.run(_work, hosts="localhost:1", hostfile="h")
+    with pytest.raises(RuntimeError, match=r"job failed \(exit status 2\)"):
+        hora.run(_work, num_proc=3, hosts="localhost:2")  # more ranks than slots: the launcher refuses
+
+
+@pytest.mark.timeout(60)
+def test_rank_killed_without_a_result():
+    def die():
+        import os
+
+        import hora
+
+        hora.init()
+        if hora.rank() == 0:
+            os._exit(5)
+        return "never"
+
+    with pytest.raises(RuntimeError, match="ranks .* returned nothing"):
+        hora.run(die, num_proc=2)
+
+
+@pytest.mark.timeout(60)
+def test_use_mpi(monkeypatch):
+    if not (shutil.which("mpirun") and importlib.util.find_spec("mpi4py")):
+        pytest.skip("needs mpirun and mpi4py (test_mpi.py fails under CI when they are missing)")
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    out = hora.run(_work, args=(1,), num_proc=2, use_mpi=True)
+    assert [o["value"] for o in out] == [1, 2] and out[1]["sum"] == 3.0
