@@ -225,3 +225,11 @@ def test_mpi_pieces_match_the_rings_chunked_receives(monkeypatch, chunk):
             step = max(1, ring.CHUNK_BYTES // max(1, seg.itemsize))  # as ring.reduce_scatter cuts receives
             received = [(min(a + step, n) - a) * seg.itemsize for a in range(0, n, step)]
             assert sent == received, (dtype, n)
+
+
+@pytest.mark.timeout(30)
+def test_transport_mpi_outside_mpirun_says_why():
+    r = subprocess.run([PY, "-m", "hora.runner", "run", "-np", "2", "--transport", "mpi", PY, "-c",
+                        "import hora; hora.init()"], env=env(), cwd=ROOT, capture_output=True, text=True, timeout=25)
+    assert r.returncode != 0
+    assert "transport 'mpi' needs a job started by mpirun (or `hora run --mpi`)" in r.stdout + r.stderr
