@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+from pathlib import Path
 import sys
 import uuid
 from typing import Any
@@ -86,6 +87,9 @@ def worker_envs(slots: list[hostlib.Slot], knobs: dict[str, str], store_addr: st
         if name.startswith("HORA_"):
             common.pop("HOROVOD_" + name[5:], None)
     common.update(knobs)
+    if common.get("HORA_HOROVOD_ALIAS") == "1":  # the shim `horovod` package goes first on the path
+        alias = str(Path(__file__).resolve().parents[1] / "_alias" / "site")
+        common["PYTHONPATH"] = os.pathsep.join(p for p in (alias, common.get("PYTHONPATH", "")) if p)
     common.update(HORA_SIZE=str(len(slots)), HORA_STORE_ADDR=store_addr, HORA_STORE_SCOPE=scope,
                   HORA_SECRET=secret, PYTHONUNBUFFERED="1")
     envs = []
