@@ -67,7 +67,10 @@ def free_port(pair: bool = False) -> int:
 def results(out: str) -> dict[int, dict]:
     import json
 
-    rows = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line]
+    # ranks print concurrently without a launcher's line prefixing (torchrun), so two ranks' lines may be
+    # glued together: decode each JSON object right after its marker, wherever it stands
+    decoder = json.JSONDecoder()
+    rows = [decoder.raw_decode(chunk)[0] for chunk in out.split("RESULT ")[1:] if chunk.startswith("{")]
     return {r["rank"]: r for r in rows}
 
 

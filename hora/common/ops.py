@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 
 import numpy as np
 
@@ -116,8 +117,14 @@ def poll(handle: int) -> bool:
     """True once the collective behind ``handle`` has finished (never blocks)."""
     st = state()
     if handle in st.groups:
-        return all(st.engine.handles.poll(h) for h in st.groups[handle])
-    return st.engine.handles.poll(handle)
+        done = all(st.engine.handles.poll(h) for h in st.groups[handle])
+    else:
+        done = st.engine.handles.poll(handle)
+    if not done:
+        # `while not poll(h): pass` is common: hand the GIL to the engine thread, which needs it to
+        # make the progress this loop waits for (otherwise it gets it once per switch interval)
+        time.sleep(0)
+    return done
 
 
 def synchronize(handle: int):
