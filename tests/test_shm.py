@@ -63,13 +63,22 @@ def _comm(hvd):
     return basics.state().comm
 
 
+def _direct(hvd):
+    """The communicator, for calls from this (the main) thread. The engine's hook for control
+    messages is unset for the rest of the call: a data wait would otherwise read the control
+    connections that the idle engine thread polls too (two readers tear messages)."""
+    comm = _comm(hvd)
+    comm.on_ctrl = None
+    return comm
+
+
 # --- allreduce against the ring ----------------------------------------------------------------------
 
 def _allreduce_vs_ring(hvd, dtypes, counts, ops):
     from hora.collectives import ring
     from hora.collectives.reduce import reducer
 
-    comm = _comm(hvd)
+    comm = _direct(hvd)
     assert type(comm).__name__ == "ShmCommunicator", type(comm)
     out = {}
     for dtype in dtypes:
@@ -123,7 +132,7 @@ def _others_vs_tcp(hvd, seed):
     from hora.collectives import exchange, ring
     from hora.collectives.reduce import reducer
 
-    comm = _comm(hvd)
+    comm = _direct(hvd)
     n, r = hvd.size(), hvd.rank()
     rng = np.random.default_rng([seed, r])
     out = {}
@@ -337,7 +346,7 @@ def test_sigkill_mid_allreduce_is_named_and_leaves_nothing(n):
 def _one_rank_leaves(hvd):
     from hora.common.errors import PeerLostError
 
-    comm = _comm(hvd)
+    comm = _direct(hvd)
     x = np.ones(10_000, np.float32)
     comm.native_allreduce(x, Sum)
     if hvd.rank() == 1:
@@ -392,7 +401,7 @@ def test_group_waiter_sees_a_departed_peer_in_its_state_word():
 
 
 def _process_set_group(hvd):
-    comm = _comm(hvd)
+    comm = _direct(hvd)
     r = hvd.rank()
     out = None
     if r in (0, 2):
