@@ -1,0 +1,292 @@
+"""Training throughput: hora's DistributedOptimizer against torch DDP (gloo) and one process.
+
+    python benchmarks/train.py            # cnn, mlp, mlp1k; 2 rounds; writes benchmarks/results/train.{md,json}
+    python benchmarks/train.py --quick    # shorter windows, one round (about 2.5 minutes on 2 busy CPUs)
+    python benchmarks/train.py --models cnn --steps 50
+
+The same model, per-rank batch, synthetic data (``torch.randn``, fixed seeds) and SGD with momentum,
+trained three ways, each as its own job of fresh processes limited to one thread each
+(``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``):
+
+* **hora**: ``python -m hora run -np 2 python train.py --worker hora``, with ``hora.torch.broadcast_parameters``
+  and ``hora.torch.DistributedOptimizer`` (gradients allreduced by hooks during backward, awaited in ``step``);
+* **DDP**: two processes started here, ``torch.distributed`` with gloo over 127.0.0.1 and
+  ``DistributedDataParallel`` (bucketed allreduce overlapped with backward);
+* **single**: one process, the same loop without any communication.
+
+Each job warms up, then times a few windows of ``--steps`` steps; rank 0 reports the median window as
+samples/s over all ranks (training is synchronous, so rank 0's clock is the job's). Scaling efficiency is
+``rate(np=2) / (2 x rate(single))``. Horovod is used if importable; otherwise its figure is an estimate
+from issue 5's table (MLP 784-1024-1024-10): Horovod = our DDP rate x (Horovod/DDP in the issue), labelled
+as such. Compare ratios within one run, not absolute figures across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_port, machine, worker_env  # noqa: E402
+
+SCRIPT = str(Path(__file__).resolve())
+# model -> (description, per-rank batch)
+MODELS = {
+    "cnn": ("CNN conv32-conv64-fc128 on 1x28x28, compute-heavy", 32),
+    "mlp": ("MLP 784-2048-2048-10, communication-heavy", 64),
+    "mlp1k": ("MLP 784-1024-1024-10 (issue 5's training figure)", 64),
+}
+# issue 5, MLP 784-1024-1024-10, batch 64, images/s at np=2 on this kind of machine
+ISSUE = {"single": 6345, "ddp": 6749, "horovod_gloo": 5282, "horovod_mpi": 7183}
+
+
+# --- rank side ---------------------------------------------------------------------------------------
+
+def build(name: str):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if name == "cnn":  # PyTorch's MNIST example net, without dropout
+        return nn.Sequential(nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Flatten(), nn.Linear(9216, 128), nn.ReLU(), nn.Linear(128, 10))
+    width = 2048 if name == "mlp" else 1024
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, 10))
+
+
+def train(model_name: str, rank: int, size: int, steps: int, windows: int, warmup: int, wrap) -> dict:
+    """Train ``model_name`` (wrapped by ``wrap(model, opt) -> (model, opt)``) and time it on this rank."""
+    import torch
+    from torch import nn
+
+    torch.set_num_threads(1)
+    batch = MODELS[model_name][1]
+    model = build(model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model, opt = wrap(model, opt)
+    g = torch.Generator().manual_seed(1 + rank)
+    data = [(torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g))
+            for _ in range(4)]
+    loss_fn = nn.CrossEntropyLoss()
+    t_fwd = t_bwd = t_step = 0.0
+
+    def step(i):
+        nonlocal t_fwd, t_bwd, t_step
+        x, y = data[i % len(data)]
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        t_fwd, t_bwd, t_step = t_fwd + t1 - t0, t_bwd + t2 - t1, t_step + t3 - t2
+        return loss
+
+    for i in range(warmup):
+        step(i)
+    t_fwd = t_bwd = t_step = 0.0
+    times = []
+    for _ in range(windows):
+        t0 = time.perf_counter()
+        for i in range(steps):
+            loss = step(i)
+        times.append(time.perf_counter() - t0)
+    n = steps * windows
+    nparams = sum(p.numel() for p in model.parameters())
+    return {"rate": size * batch * steps / statistics.median(times), "windows": times, "batch": batch,
+            "params": nparams, "grad_mib": nparams * 4 / 2**20, "loss": float(loss),
+            "ms_fwd": 1e3 * t_fwd / n, "ms_bwd": 1e3 * t_bwd / n, "ms_step": 1e3 * t_step / n}
+
+
+def _report(res: dict) -> None:
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def worker(kind: str, model: str, steps: int, windows: int, warmup: int) -> None:
+    if kind == "single":
+        _report(train(model, 0, 1, steps, windows, warmup, lambda m, o: (m, o)))
+    elif kind == "hora":
+        import hora.torch as hvd
+
+        hvd.init()
+
+        def wrap(m, o):
+            hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+            hvd.broadcast_optimizer_state(o, root_rank=0)
+            return m, hvd.DistributedOptimizer(o, named_parameters=m.named_parameters())
+
+        res = train(model, hvd.rank(), hvd.size(), steps, windows, warmup, wrap)
+        if hvd.rank() == 0:
+            _report(res)
+        hvd.shutdown()
+    elif kind == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+
+        def wrap(m, o):
+            hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+            return m, hvd.DistributedOptimizer(o, named_parameters=m.named_parameters())
+
+        res = train(model, hvd.rank(), hvd.size(), steps, windows, warmup, wrap)
+        if hvd.rank() == 0:
+            _report(res)
+    elif kind == "ddp":
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
+        res = train(model, rank, size, steps, windows, warmup,
+                    lambda m, o: (DistributedDataParallel(m), o))
+        if rank == 0:
+            _report(res)
+        dist.destroy_process_group()
+
+
+# --- driver side -------------------------------------------------------------------------------------
+
+def _result(outs: list[str], codes: list[int], what: str) -> dict:
+    line = next((ln[ln.index("RESULT ") + 7:] for out in outs for ln in out.splitlines() if "RESULT " in ln), None)
+    if any(codes) or line is None:
+        raise RuntimeError(f"{what} failed, exit codes {codes}:\n" + "\n".join(outs)[-4000:])
+    return json.loads(line)
+
+
+def run(kind: str, n: int, wargs: list[str], timeout: float = 600) -> dict:
+    argv = [SCRIPT, "--worker", kind, *wargs]
+    env = worker_env()
+    if kind == "hora":
+        cmd = [sys.executable, "-m", "hora", "run", "-np", str(n), sys.executable, *argv]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        return _result([done.stdout + done.stderr], [done.returncode], " ".join(cmd))
+    if kind == "horovod":
+        cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(n), sys.executable, *argv]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        return _result([done.stdout + done.stderr], [done.returncode], " ".join(cmd))
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n))
+    procs = [subprocess.Popen([sys.executable, *argv], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(n)]
+    outs, codes = [], []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+        outs.append(out)
+        codes.append(p.returncode)
+    return _result(outs, codes, f"{kind} {' '.join(argv)}")
+
+
+def markdown(res: dict) -> str:
+    est = "" if res["have_horovod"] else " (estimate)"
+    lines = [f"Training throughput, samples/s over all ranks (median window; per cell the "
+             f"median of {res['rounds']} round(s), the faster when two), np=2, one thread per process. "
+             f"Machine: {res['machine']}; load average before the run "
+             f"{res['load'][0]:.2f}, {res['load'][1]:.2f}, {res['load'][2]:.2f}.", "",
+             f"| model | grads | batch/rank | single | DDP np=2 | hora np=2 | Horovod np=2{est} | hora/DDP | "
+             f"hora/Horovod{est} | scaling hora | scaling DDP |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m, r in res["models"].items():
+        s, d, h = r["single"]["rate"], r["ddp"]["rate"], r["hora"]["rate"]
+        hv = r["horovod"]
+        hv_txt = f"{hv:.0f}" if hv else "–"
+        ratio_hv = f"{h / hv:.2f}" if hv else "–"
+        lines.append(f"| {m} | {r['hora']['grad_mib']:.1f} MiB | {r['hora']['batch']} | {s:.0f} | {d:.0f} | {h:.0f} | "
+                     f"{hv_txt} | **{h / d:.2f}** | {ratio_hv} | {h / (2 * s):.0%} | {d / (2 * s):.0%} |")
+    lines += ["", "Per step on rank 0, ms (forward / backward / optimizer step; hora's hooks start the allreduce in "
+              "backward and `step` waits for it; DDP allreduces inside backward):", "",
+              "| model | single | DDP | hora |", "|---|---|---|---|"]
+    for m, r in res["models"].items():
+        cells = [f"{r[k]['ms_fwd']:.1f} / {r[k]['ms_bwd']:.1f} / {r[k]['ms_step']:.1f}"
+                 for k in ("single", "ddp", "hora")]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines.append("")
+    if res["have_horovod"]:
+        lines.append("Horovod: measured (horovod.torch, its default controller).")
+    else:
+        lines.append("Horovod is not installed here. Its column is an estimate: our DDP rate x Horovod/DDP from "
+                     f"issue 5's table (MLP 784-1024-1024-10, batch 64: single {ISSUE['single']}, DDP "
+                     f"{ISSUE['ddp']}, Horovod gloo {ISSUE['horovod_gloo']}, Horovod MPI {ISSUE['horovod_mpi']} "
+                     "images/s), using the faster Horovod (MPI, ratio "
+                     f"{ISSUE['horovod_mpi'] / ISSUE['ddp']:.3f}); it applies to mlp1k, the issue's model.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short windows, one round")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
+    ap.add_argument("--steps", type=int, default=None, help="steps per timed window (default 20; quick: 10)")
+    ap.add_argument("--windows", type=int, default=None, help="timed windows per job (default 4; quick: 3)")
+    ap.add_argument("--rounds", type=int, default=None, help="times each job runs, kinds taking turns "
+                    "(default 2; quick: 1); cells are medians over rounds")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--worker", choices=["single", "hora", "ddp", "horovod"], help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--warmup", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    steps = args.steps or (10 if args.quick else 20)
+    windows = args.windows or (3 if args.quick else 4)
+    warmup = args.warmup or (3 if args.quick else 5)
+    if args.worker:
+        worker(args.worker, args.model, steps, windows, warmup)
+        return
+    models = [m for m in args.models.split(",") if m]
+    unknown = set(models) - set(MODELS)
+    if unknown:
+        ap.error(f"unknown models {sorted(unknown)}; choose from {','.join(MODELS)}")
+    rounds = args.rounds or (1 if args.quick else 2)
+    have_horovod = importlib.util.find_spec("horovod") is not None
+    kinds = ["single", "ddp", "hora"] + (["horovod"] if have_horovod else [])
+    start = time.monotonic()
+    load = os.getloadavg()
+
+    def log(msg):
+        print(f"[{time.monotonic() - start:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    if not have_horovod:
+        log("Horovod is not installed: its figures will be estimates from issue 5's table")
+    res = {"models": {}, "rounds": rounds, "steps": steps, "windows": windows, "quick": args.quick,
+           "have_horovod": have_horovod, "machine": machine(), "load": load, "date": time.strftime("%Y-%m-%d %H:%M")}
+    for m in models:
+        wargs = ["--model", m, "--steps", str(steps), "--windows", str(windows), "--warmup", str(warmup)]
+        runs = {k: [] for k in kinds}
+        for rnd in range(rounds):
+            for k in kinds:
+                r = run(k, 1 if k == "single" else 2, wargs)
+                runs[k].append(r)
+                log(f"{m} round {rnd + 1}/{rounds} {k}: {r['rate']:.0f} samples/s")
+        entry = {}
+        for k, rs in runs.items():
+            best = sorted(rs, key=lambda r: r["rate"])[len(rs) // 2]  # the median round, with its breakdown
+            entry[k] = dict(best, rates=[r["rate"] for r in rs])
+        entry["horovod"] = entry["horovod"]["rate"] if have_horovod else (
+            entry["ddp"]["rate"] * ISSUE["horovod_mpi"] / ISSUE["ddp"] if m == "mlp1k" else None)
+        res["models"][m] = entry
+    res["load_after"] = os.getloadavg()
+    text = markdown(res)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "train.md").write_text(text)
+    (args.out / "train.json").write_text(json.dumps(res, indent=1))
+    print(text)
+    log(f"wrote {args.out / 'train.md'}, train.json")
+
+
+if __name__ == "__main__":
+    main()
