@@ -37,6 +37,7 @@ class _State:
         self.groups: dict[int, list[int]] = {}  # grouped handles
         self.barriers: dict[int, int] = {}  # barrier count per process set (names them)
         self.ps_calls = 0  # add/remove_process_set calls (names them)
+        self.names: dict = {}  # process set id -> counter naming unnamed ops (noname.N)
 
     def close(self) -> None:
         self.engine.shutdown()

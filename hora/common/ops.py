@@ -29,7 +29,6 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "al
            "grouped_reducescatter_async", "barrier", "join", "poll", "synchronize", "broadcast_object",
            "allgather_object"]
 
-_names: dict[int, itertools.count] = {}  # one counter per process set
 _groups = itertools.count()
 _name_lock = threading.Lock()
 
@@ -39,8 +38,8 @@ def _auto_name(name: str | None, ps: int = 0) -> str:
     set match them by that order (an unnamed op on a subset does not shift the global numbering)."""
     if name is not None:
         return str(name)
-    with _name_lock:
-        counter = _names.setdefault(ps, itertools.count())
+    with _name_lock:  # the counters live in the initialisation: every rank starts from 0 at init()
+        counter = state().names.setdefault(ps, itertools.count())
         return f"noname.{next(counter)}"
 
 
