@@ -44,6 +44,17 @@ class SubComm:
     def __init__(self, comm, ranks: tuple[int, ...]):
         self.comm, self.ranks = comm, ranks
         self.rank, self.size = ranks.index(comm.rank), len(ranks)
+        make = getattr(comm, "native_group", None)  # collective over ranks: all create the SubComm together
+        self.native = make(ranks) if make is not None else None
+
+    def __getattr__(self, name):
+        if name.startswith("native_") and self.__dict__.get("native") is not None:
+            return getattr(self.native, name)
+        raise AttributeError(name)
+
+    def close(self) -> None:
+        if self.native is not None:
+            self.native.close()
 
     def isend(self, peer, buf):
         return self.comm.isend(self.ranks[peer], buf)
@@ -72,10 +83,12 @@ class Executor:
         self.scratch = ring.Scratch()
         self.fusion = np.empty(0, np.uint8)
         self._subs: dict[int, SubComm] = {}
-        self.transport = "TCP" if size > 1 else "LOCAL"
+        self.transport = getattr(comm, "name", "TCP") if size > 1 else "LOCAL"
 
     def forget(self, ps: int) -> None:
-        self._subs.pop(ps, None)
+        sub = self._subs.pop(ps, None)
+        if sub is not None:
+            sub.close()
 
     def _comm(self, ps: int, ranks: tuple[int, ...]):
         if ps == 0:
@@ -162,7 +175,11 @@ class Executor:
         for r in rows:
             bounds.append(bounds[-1] + r * row)
         self._tl(resp.names, op_name, True)
-        exchange.allgather_blocks(comm, a.reshape(-1), out.reshape(-1), bounds)
+        native = getattr(comm, "native_allgather", None)
+        if native is not None:
+            native(a.reshape(-1), out.reshape(-1), bounds)
+        else:
+            exchange.allgather_blocks(comm, a.reshape(-1), out.reshape(-1), bounds)
         self._tl(resp.names, op_name, False)
         p.handle.complete(out)
 
@@ -171,7 +188,11 @@ class Executor:
         buf = p.array if p.inplace else p.array.copy()
         root = self.comm_rank_of(resp.root, comm)
         self._tl(resp.names, op_name, True)
-        exchange.broadcast(comm, buf.reshape(-1), root)
+        native = getattr(comm, "native_broadcast", None)
+        if native is not None:
+            native(buf.reshape(-1), root)
+        else:
+            exchange.broadcast(comm, buf.reshape(-1), root)
         self._tl(resp.names, op_name, False)
         p.handle.complete(buf)
 
@@ -192,7 +213,11 @@ class Executor:
             sb.append(sb[-1] + s * row)
             rb.append(rb[-1] + r * row)
         self._tl(resp.names, op_name, True)
-        exchange.alltoall_blocks(comm, a.reshape(-1), sb, out.reshape(-1), rb)
+        native = getattr(comm, "native_alltoall", None)
+        if native is not None:
+            native(a.reshape(-1), sb, out.reshape(-1), rb)
+        else:
+            exchange.alltoall_blocks(comm, a.reshape(-1), sb, out.reshape(-1), rb)
         self._tl(resp.names, op_name, False)
         p.handle.complete((out, np.asarray(recv_rows, np.int32)))
 
@@ -206,7 +231,11 @@ class Executor:
         buf = a.reshape(-1).copy()
         self._tl(resp.names, op_name, True)
         scale(buf, resp.pre)
-        ring.reduce_scatter(comm, buf, bounds, reducer(resp.op), self.scratch)
+        native = getattr(comm, "native_reducescatter", None)
+        if native is not None:
+            native(buf, bounds, resp.op)
+        else:
+            ring.reduce_scatter(comm, buf, bounds, reducer(resp.op), self.scratch)
         self._tl(resp.names, op_name, False)
         mine = buf[bounds[r]:bounds[r + 1]].copy()
         scale(mine, resp.post * (1.0 / n if resp.op == Average else 1.0))
