@@ -114,7 +114,7 @@ def _connect(job: launchers.Job, cfg: dict) -> _State:
     from hora.transport import registry
 
     try:
-        comm = registry.wrap(cfg["transport"], comm, {"job": job, "store": store, "prefix": prefix})
+        comm = registry.wrap(cfg["transport"], comm, {"job": job, "store": store, "prefix": prefix, "timeout": timeout})
     except BaseException:
         comm.close()
         store.close()
