@@ -25,7 +25,6 @@ are passed on to mpirun, which stops every rank; if ``hora run`` itself is kille
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shlex
@@ -36,19 +35,19 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hora.runner import hosts as hostlib
 from hora.runner.cli_args import UsageError
 from hora.runner.flags import env_for
+from hora.runner.spawn import _die_with_parent
 
 # the launcher's half of the worker contract: never forwarded (rank 0 makes the store and secret)
 CONTRACT = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME", "STORE_ADDR",
             "STORE_SCOPE", "SECRET")
 FORWARD_PREFIXES = ("HORA_", "HOROVOD_", "NCCL_", "OMP_", "MKL_")
 FORWARD_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "PYTHONUNBUFFERED")
-_TAG = re.compile(rb"^\[\d+,(\d+)\]<(stdout|stderr)>:")
-_DANGLING = re.compile(rb"\[\d+,\d+\]<(?:stdout|stderr)>:(?=\n$)")  # Open MPI's stray tag when a job aborts
+_TAG = re.compile(rb"\[\d+,(\d+)\]<(stdout|stderr)>:")
 
 
 def _say(msg: str) -> None:
@@ -124,24 +123,6 @@ def command_line(values: dict[str, Any], command: list[str], np: int, forward: l
     return cmd + list(command)
 
 
-def _term_with_parent() -> Callable[[], None] | None:
-    """preexec_fn: SIGTERM mpirun when ``hora run`` dies (mpirun then stops every rank itself)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return preexec
-
-
 class _Relay:
     """mpirun's tagged output to ours, with hora's tags, optional timestamps and per-rank files."""
 
@@ -160,40 +141,54 @@ class _Relay:
         return f
 
     def pump(self, pipe, default: str) -> None:
+        partial: dict[tuple[int, str], bytes] = {}  # a rank's line so far, when Open MPI split it
         try:
             for line in iter(pipe.readline, b""):
                 if not line.endswith(b"\n"):
                     line += b"\n"
-                m = _TAG.match(line)
-                stream = default
-                if m is not None:
-                    rank, stream = int(m.group(1)), m.group(2).decode()
-                    # Open MPI tags every chunk it reads, so a line written in pieces repeats its tag inside
-                    body = line[m.end():].replace(m.group(0), b"")
-                    body = _DANGLING.sub(b"", body)
-                    line = f"[{rank}]<{stream}>:".encode() + body
-                    with self.lock:
-                        f = self._file(rank, stream)
-                        if f is not None:
-                            f.write(body)
-                            f.flush()
-                if self.timestamps:
-                    line = time.strftime("%a %b %d %H:%M:%S %Y").encode() + line
-                sink = sys.stdout if stream == "stdout" else sys.stderr
-                with self.lock:
-                    try:
-                        out = getattr(sink, "buffer", None)
-                        if out is not None:
-                            out.write(line)
-                        else:
-                            sink.write(line.decode(errors="replace"))
-                        sink.flush()
-                    except (OSError, ValueError):
-                        pass
+                tags = list(_TAG.finditer(line))
+                if not tags:
+                    self._emit(None, default, line)
+                    continue
+                if tags[0].start() > 0:
+                    self._emit(None, default, line[:tags[0].start()] + b"\n")
+                # Open MPI tags every chunk it reads: a rank's line written in pieces comes back as
+                # several tagged chunks, possibly with other ranks' chunks in between on one line
+                for i, m in enumerate(tags):
+                    key = (int(m.group(1)), m.group(2).decode())
+                    end = tags[i + 1].start() if i + 1 < len(tags) else len(line)
+                    chunk = partial.pop(key, b"") + line[m.end():end]
+                    if not chunk.endswith(b"\n"):
+                        partial[key] = chunk
+                    elif chunk != b"\n":  # a bare tag with nothing after it: Open MPI's stray tag
+                        self._emit(key[0], key[1], chunk)
+            for (rank, stream), chunk in partial.items():
+                self._emit(rank, stream, chunk + b"\n")
         except (OSError, ValueError):
             pass
         finally:
             pipe.close()
+
+    def _emit(self, rank: int | None, stream: str, body: bytes) -> None:
+        line = body if rank is None else f"[{rank}]<{stream}>:".encode() + body
+        if self.timestamps:
+            line = time.strftime("%a %b %d %H:%M:%S %Y").encode() + line
+        sink = sys.stdout if stream == "stdout" else sys.stderr
+        with self.lock:
+            if rank is not None:
+                f = self._file(rank, stream)
+                if f is not None:
+                    f.write(body)
+                    f.flush()
+            try:
+                out = getattr(sink, "buffer", None)
+                if out is not None:
+                    out.write(line)
+                else:
+                    sink.write(line.decode(errors="replace"))
+                sink.flush()
+            except (OSError, ValueError):
+                pass
 
     def close(self) -> None:
         for f in self.files.values():
@@ -242,8 +237,8 @@ def run_mpi(values: dict[str, Any], command: list[str], noops: list[str]) -> int
             _say(f"  ignored {n}")
     relay = _Relay(values.get("output_filename"), bool(values.get("prefix_timestamp")))
     try:
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, preexec_fn=_term_with_parent())
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,  # mpirun stops
+                                stderr=subprocess.PIPE, preexec_fn=_die_with_parent(signal.SIGTERM))  # the ranks
     except OSError as e:
         _say(f"cannot start {mpirun}: {e.strerror or e}")
         return 127

@@ -79,9 +79,9 @@ def exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that asks Linux to SIGKILL the worker when the launcher dies (best effort: it does
-    not reach the worker's own children; a later release adds a watchdog for those)."""
+def _die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A preexec_fn that asks Linux to send ``sig`` to the child when the launcher dies (best effort:
+    it does not reach the child's own children; the remote bootstrap and mpirun stop theirs)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -91,7 +91,7 @@ def _die_with_parent() -> Callable[[], None] | None:
     parent = os.getpid()
 
     def preexec() -> None:
-        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        prctl(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
         if os.getppid() != parent:  # the launcher died before prctl took effect
             os._exit(1)
 
