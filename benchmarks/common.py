@@ -37,6 +37,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def collect(procs: list, timeout: float) -> tuple[list[str], list[int]]:
+    """Every process's output and exit code; all are killed when ``timeout`` runs out."""
+    outs, codes = [], []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+        outs.append(out)
+        codes.append(p.returncode)
+    return outs, codes
+
+
 def run_job(n: int, argv: list[str], env: dict | None = None, timeout: float = 900, mpi: bool = False) -> dict:
     """Run ``python argv`` as ``n`` ranks (hora's environment, or under mpirun) and return rank 0's
     RESULT. Raises RuntimeError with the ranks' output when the job fails."""
@@ -60,17 +76,7 @@ def run_job(n: int, argv: list[str], env: dict | None = None, timeout: float = 9
                          HORA_STORE_ADDR=store.address, HORA_SECRET=secret, BENCH_PORT=env.get("BENCH_PORT", ""))
                 procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, text=True))
-            outs, codes = [], []
-            deadline = time.monotonic() + timeout
-            for p in procs:
-                try:
-                    out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    for q in procs:
-                        q.kill()
-                    out, _ = p.communicate()
-                outs.append(out)
-                codes.append(p.returncode)
+            outs, codes = collect(procs, timeout)
     line = next((ln for out in outs for ln in out.splitlines() if ln.startswith("RESULT ")), None)
     if any(codes) or line is None:
         raise RuntimeError(f"{' '.join(argv)} (np={n}) failed, exit codes {codes}:\n" + "\n".join(outs)[-4000:])

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, machine, worker_env  # noqa: E402
+from common import collect, free_port, machine, worker_env  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve())
 # model -> (description, per-rank batch)
@@ -179,17 +179,7 @@ def run(kind: str, n: int, wargs: list[str], timeout: float = 600) -> dict:
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n))
     procs = [subprocess.Popen([sys.executable, *argv], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(n)]
-    outs, codes = [], []
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            out, _ = p.communicate()
-        outs.append(out)
-        codes.append(p.returncode)
+    outs, codes = collect(procs, timeout)
     return _result(outs, codes, f"{kind} {' '.join(argv)}")
 
 
