@@ -77,7 +77,9 @@ class Engine:
         self._stopping = False
         self._reports: dict[tuple, dict] = {}  # stall reports being assembled (rank 0)
         self._departed: set[int] = set()  # ranks that said goodbye (shut down on purpose)
+        self._leaving: ShutdownError | None = None  # set when rank 0 says goodbye
         self._stall_fatal_sent = False
+        self._last_report: str | None = None  # the latest stall warning, carried by the stall shutdown
         if hasattr(comm, "on_ctrl"):
             comm.on_ctrl = self._on_ctrl_during_data
         self.thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
@@ -205,6 +207,11 @@ class Engine:
             responses = self._coordinate()
         for resp in responses:
             self._execute(resp)
+        if self._leaving is not None:  # rank 0 said goodbye: what it sent before has run; nothing more will
+            with self._lock:
+                self._broken = self._leaving
+            self.handles.fail_all(self._leaving)
+            raise _Stop
 
     def _take_submissions(self) -> None:
         with self._lock:
@@ -289,11 +296,9 @@ class Engine:
         self.comm.expect_close(rank)
         err = ShutdownError(f"rank {rank} has shut down (hora.shutdown() or the end of its script) while this "
                             f"rank still had collectives for it; every rank must run the same collectives")
-        if self.coord is None:
-            with self._lock:
-                self._broken = err
-            self.handles.fail_all(err)
-            raise _Stop
+        if self.coord is None:  # ends this engine once the responses already received have run
+            self._leaving = err
+            return
         for (ps, name), _entry in list(self.coord.table.items()):
             if rank in self.coord.process_sets.get(ps, ()):
                 del self.coord.table[(ps, name)]
@@ -366,7 +371,7 @@ class Engine:
                 self._last_report = rep["text"]
         if kill_after > 0 and not self._stall_fatal_sent and self.coord.stalled(kill_after):
             stalled = self.coord.stalled(kill_after)
-            text = getattr(self, "_last_report", None) or _stall_text(
+            text = self._last_report or _stall_text(
                 {"names": [n for _, n, _ in stalled], "missing": stalled[0][2], "stacks": {}}, kill_after)
             text = f"stall shutdown after {kill_after:g} s: {text}"
             self._stall_fatal_sent = True

@@ -35,7 +35,6 @@ log = logging.getLogger("hora.transport")
 _POLL_IN = select.POLLIN | select.POLLPRI
 _LEN = struct.Struct("!I")
 CTRL_GRACE = 3.0  # s a data wait goes on after a peer's control connection closed
-_POLL_ERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
 class TcpRequest:
