@@ -62,6 +62,12 @@ KNOBS = [
     Knob("transport", str, "auto", "TRANSPORT", "--transport",
          "data path between ranks: auto, tcp, shm (ranks on one host), mpi",
          check=lambda v: v.lower() in ("auto", "tcp", "shm", "mpi"), allowed="auto, tcp, shm or mpi"),
+    Knob("hierarchical_allreduce", str, "auto", "HIERARCHICAL_ALLREDUCE", "--hierarchical-allreduce",
+         "allreduce through shared memory inside each host and a ring across hosts, for jobs whose hosts all "
+         "run the same number (>1) of ranks: auto (where measured faster, benchmarks/results/hierarchical.md), "
+         "1 on, 0 off",
+         check=lambda v: v.lower() in ("auto", "", "1", "0", "true", "false", "yes", "no", "on", "off"),
+         allowed="auto, 1 or 0"),
     Knob("start_timeout", float, 30.0, "START_TIMEOUT", "--start-timeout",
          "seconds ranks wait for each other at init", 1, lambda v: v > 0, "> 0"),
 ]
