@@ -43,15 +43,28 @@ def scale(buf: np.ndarray, factor: float) -> None:
         return
     if buf.dtype.kind in "iu":
         buf[...] = buf.astype(np.float64) * factor  # assignment truncates toward zero
-    elif buf.dtype.name in _HALF:
+    elif dtype_name(buf.dtype) in _HALF:
         buf[...] = buf.astype(np.float32) * np.float32(factor)
     else:
         np.multiply(buf, buf.dtype.type(factor), out=buf)
 
 
-def check_dtype(dtype: np.dtype, op_kind: str) -> None:
-    """Raise a ValueError naming the dtype when ``op_kind`` cannot move or reduce it."""
+_NAMES: dict[np.dtype, str] = {}  # numpy computes dtype.name in Python each time; it is asked per collective
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, cached."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = np.dtype(dtype).name
+    return name
+
+
+def check_dtype(dtype: np.dtype, op_kind: str) -> str:
+    """The dtype's name; raises a ValueError naming the dtype when ``op_kind`` cannot move or reduce it."""
+    name = dtype_name(dtype)
     allowed = REDUCIBLE if op_kind in ("allreduce", "reducescatter") else MOVABLE
-    if np.dtype(dtype).name not in allowed:
+    if name not in allowed:
         names = ", ".join(allowed)
         raise HoraValueError(f"{op_kind}: dtype {np.dtype(dtype)} is not supported; use one of {names}")
+    return name

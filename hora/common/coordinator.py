@@ -147,10 +147,11 @@ class Coordinator:
     # -- validation ----------------------------------------------------------------------------
     def _respond(self, key: tuple[int, str], entry: Entry) -> Response:
         ps, name = key
-        reqs = dict(sorted(entry.requests.items()))
+        reqs = entry.requests if len(entry.requests) == 1 else dict(sorted(entry.requests.items()))
         ranks = list(reqs)
         first_rank, first = ranks[0], reqs[ranks[0]]
-        for r in ranks[1:]:
+        same = all(req == first for req in reqs.values())  # the usual case, checked in C
+        for r in ([] if same else ranks[1:]):
             req = reqs[r]
             if req.kind != first.kind:
                 return self._error(ps, name, f"'{name}': rank {r} did {req.kind}, rank {first_rank} did "
@@ -240,8 +241,8 @@ class Coordinator:
         self.ready = []
         adds, self.additions = self.additions, []
         evicts, self.evictions = self.evictions, []
-        fused = [group[0] if len(group) == 1 else dataclasses.replace(
-            group[0], names=tuple(n for r in group for n in r.names),
+        fused = [group[0] if len(group) == 1 else group[0]._replace(
+            names=tuple(n for r in group for n in r.names),
             shapes=tuple(sh for r in group for sh in r.shapes)) for group in out]
         return fused, adds, evicts
 

@@ -14,20 +14,37 @@ from hora.common.errors import HoraValueError
 
 
 class Handle:
-    __slots__ = ("id", "name", "event", "result", "error", "finish", "waiter")
+    """One collective's outcome. ``done`` is a plain flag and ``_gate`` a lock held until then: a
+    handle is made for every collective, and a lock costs a fraction of a ``threading.Event``."""
+
+    __slots__ = ("id", "name", "done", "_gate", "result", "error", "finish", "waiter")
 
     def __init__(self, hid: int, name: str, finish: Callable[[Any], Any] | None = None):
         self.id, self.name, self.finish = hid, name, finish
-        self.event = threading.Event()
+        self.done = False
+        self._gate = threading.Lock()
+        self._gate.acquire()
         self.result: Any = None
         self.error: BaseException | None = None
         self.waiter: int | None = None
 
     def complete(self, result: Any = None, error: BaseException | None = None) -> None:
-        if self.event.is_set():
+        if self.done:
             return
         self.result, self.error = result, error
-        self.event.set()
+        self.done = True
+        try:
+            self._gate.release()
+        except RuntimeError:  # completed twice at once (an error racing the result): the first one counts
+            pass
+
+    def wait(self, timeout: float = -1) -> bool:
+        """True once done; waits up to ``timeout`` s (-1: for ever)."""
+        if self.done:
+            return True
+        if self._gate.acquire(timeout=timeout):
+            self._gate.release()
+        return self.done
 
 
 class HandleTable:
@@ -35,6 +52,7 @@ class HandleTable:
         self._handles: dict[int, Handle] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self.drive: Callable[[Handle], None] | None = None  # the engine runs in the waiting thread
 
     def new(self, name: str, finish: Callable[[Any], Any] | None = None) -> Handle:
         with self._lock:
@@ -50,7 +68,7 @@ class HandleTable:
         return h
 
     def poll(self, hid: int) -> bool:
-        return self.get(hid).event.is_set()
+        return self.get(hid).done
 
     def synchronize(self, hid: int) -> Any:
         h = self.get(hid)
@@ -58,7 +76,9 @@ class HandleTable:
             if h.waiter is not None and h.waiter != threading.get_ident():
                 raise HoraValueError(f"handle {hid} ('{h.name}') is already being waited on by another thread")
             h.waiter = threading.get_ident()
-        h.event.wait()
+        if self.drive is not None:
+            self.drive(h)
+        h.wait()
         with self._lock:
             self._handles.pop(hid, None)
         if h.error is not None:

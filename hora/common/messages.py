@@ -8,8 +8,8 @@ responses in one order that every rank executes.
 
 from __future__ import annotations
 
-import dataclasses
 import pickle
+from typing import NamedTuple
 
 # op kinds, as Horovod names them in timelines and messages
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, ADD_PS, REMOVE_PS = (
@@ -27,8 +27,10 @@ STALL_FATAL = "E"  # coordinator -> rank: (tag, report)
 BYE = "B"  # either way: (tag, rank) this rank shuts down on purpose
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Request:
+class Request(NamedTuple):
+    """One submitted tensor. A tuple (not a dataclass): the coordinator and the response cache hash
+    and compare requests on every collective, and a tuple does both in C."""
+
     name: str
     kind: str
     op: int = 0
@@ -50,8 +52,7 @@ class Request:
         return str(tuple(v)) if field == "shape" else ("op " + str(v) if field == "op" else str(v))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Response:
+class Response(NamedTuple):
     """One collective to run on every rank of process set ``ps``: several names when fused."""
 
     kind: str

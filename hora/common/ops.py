@@ -76,8 +76,8 @@ def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False
     ps = _ps_id(process_set, st, kind)
     a = None
     if array is not None:
-        a = np.asarray(array)
-        check_dtype(a.dtype, kind)
+        a = array if type(array) is np.ndarray else np.asarray(array)
+        dtype = check_dtype(a.dtype, kind)
         if kind in (m.ALLGATHER, m.ALLTOALL, m.REDUCESCATTER) and a.ndim == 0:
             raise HoraValueError(f"{kind}: a scalar has no first dimension; reshape it to (1,)")
         if inplace and not a.flags.writeable:
@@ -87,8 +87,8 @@ def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False
             a = np.ascontiguousarray(a)
             if inplace:
                 finish = _copy_back(user, finish)
-        fields.setdefault("dtype", a.dtype.name)
-        fields.setdefault("shape", tuple(a.shape))
+        fields.setdefault("dtype", dtype)
+        fields.setdefault("shape", a.shape)
     full = _auto_name(name, ps)
     req = m.Request(full, kind, ps=ps, **fields)
     handle = st.engine.handles.new(f"{kind}.{full}", finish)

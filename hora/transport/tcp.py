@@ -159,6 +159,10 @@ class TcpCommunicator:
                     out.append((self._ctrl_fd[fd], msg))
         return out
 
+    def ctrl_fds(self) -> list[int]:
+        """The control connections' descriptors, for an engine that waits on them itself."""
+        return [sock.fileno() for sock in self._ctrl.values()]
+
     def _read_ctrl(self, peer: int, during_data: bool = False) -> bytes | None:
         sock = self._ctrl[peer]
         try:
