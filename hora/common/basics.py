@@ -114,7 +114,8 @@ def _connect(job: launchers.Job, cfg: dict) -> _State:
     from hora.transport import registry
 
     try:
-        comm = registry.wrap(cfg["transport"], comm, {"job": job, "store": store, "prefix": prefix, "timeout": timeout})
+        comm = registry.wrap(cfg["transport"], comm, {"job": job, "store": store, "prefix": prefix, "timeout": timeout,
+                                                      "cfg": cfg})
     except BaseException:
         comm.close()
         store.close()

@@ -11,18 +11,26 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import logging
 
 from hora.common.errors import HoraValueError
+
+log = logging.getLogger("hora.transport")
 
 # name -> "module:factory"; factory(tcp_comm, job_info) -> communicator, or None if it does not apply
 TRANSPORTS: dict[str, str] = {
     "tcp": "",
     "mpi": "hora.transport.mpi:factory",  # jobs started by mpirun; data over mpi4py
     "shm": "hora.transport.shm:factory",  # every rank on one host: collectives through shared memory
+    # several hosts with the same number (>1) of ranks each: allreduce through shared memory within hosts, a
+    # TCP ring between them; HORA_HIERARCHICAL_ALLREDUCE=0 turns it off (chosen by auto only, not by name)
+    "hierarchical": "hora.transport.hierarchical:factory",
 }
 # tried in order by "auto" before falling back to tcp. mpi applies only to jobs started by mpirun, and there
-# it measured faster than shm from 1 MiB up at np=2 (benchmarks/mpi_allreduce.py)
-AUTO_ORDER: list[str] = ["mpi", "shm"]
+# it measured faster than shm from 1 MiB up at np=2 (benchmarks/mpi_allreduce.py). hierarchical and shm never
+# both apply (several hosts / one host); hierarchical measured faster than the flat TCP ring at every size
+# across 2 hosts x 2 ranks (benchmarks/hierarchical.py, benchmarks/results/hierarchical.md)
+AUTO_ORDER: list[str] = ["mpi", "hierarchical", "shm"]
 
 
 def wrap(name: str, tcp_comm, info: dict):
@@ -33,6 +41,9 @@ def wrap(name: str, tcp_comm, info: dict):
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise HoraValueError(f"unknown transport {name!r}; choose {', '.join(['auto', *TRANSPORTS])}{hint}")
     info = {**info, "requested": name}  # an explicitly requested transport may explain why it does not apply
+    asked = str((info.get("cfg") or {}).get("hierarchical_allreduce", "auto")).lower() in ("1", "true", "yes", "on")
+    if asked and name in ("tcp", "mpi") and info.get("job") is not None and info["job"].topo.rank == 0:
+        log.warning("hora: HORA_HIERARCHICAL_ALLREDUCE=1 has no effect with transport %r (it needs auto)", name)
     for candidate in (AUTO_ORDER if name == "auto" else [name]):
         target = TRANSPORTS[candidate]
         if not target:

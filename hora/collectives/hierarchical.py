@@ -1,0 +1,39 @@
+"""Hierarchical allreduce: shared memory inside each host, a ring across hosts, shared memory back.
+
+With ``L`` ranks on each of ``H`` hosts the buffer is cut into ``L`` slices:
+
+1. inside each host the ranks reduce-scatter through shared memory, so local rank ``l`` holds
+   slice ``l`` reduced over its host;
+2. local rank ``l`` allreduces slice ``l`` with local rank ``l`` of every other host, a TCP ring of
+   ``H`` ranks; the ``L`` rings run at once, so every rank's connections carry traffic;
+3. inside each host the ranks allgather the slices through shared memory.
+
+Each host sends ``2(H-1)/H`` of the buffer over the network (a flat ring of ``H*L`` ranks sends
+``2(HL-1)/HL`` through each host's links) in ``2(H-1)`` dependent steps instead of ``2(HL-1)``.
+Each slice is reduced in one fixed order (host-local order, then the ring's) and then copied
+everywhere, so every rank gets the same bits; the order differs from the flat ring's, so floats
+agree with it within rounding, integers and Min/Max exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hora.collectives import ring
+from hora.collectives.reduce import reducer
+
+
+def allreduce(local, local_rank: int, local_size: int, cross, flat: np.ndarray, op: int,
+              scratch: ring.Scratch) -> None:
+    """Reduce the 1-D ``flat`` in place (Average is Sum here: the engine scales).
+
+    ``local`` offers ``native_reducescatter`` and ``native_allgather`` over this host's ranks (this
+    rank is ``local_rank`` of ``local_size``); ``cross`` is a point-to-point communicator over the
+    ranks with the same local rank on every host.
+    """
+    bounds = ring.even_bounds(flat.size, local_size)
+    local.native_reducescatter(flat, bounds, op)  # 1. slice l reduced over this host
+    mine = flat[bounds[local_rank]:bounds[local_rank + 1]]
+    if cross.size > 1:
+        ring.allreduce(cross, mine, reducer(op), scratch=scratch)  # 2. ... and over every host
+    local.native_allgather(mine, flat, bounds)  # 3. every slice to every local rank
