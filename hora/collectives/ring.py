@@ -6,7 +6,12 @@ reducing it into its own copy, so after the last step rank ``r`` owns the fully 
 ``r``. Allgather then passes the finished segments round the ring in ``size - 1`` more steps.
 Each segment is reduced in one fixed order and then copied everywhere, so every rank ends up with
 bitwise identical bytes. Received segments arrive in chunks so the reduction of one chunk overlaps
-the arrival of the next (the kernel keeps receiving into the socket buffer meanwhile).
+the arrival of the next (the kernel keeps receiving into the socket buffer meanwhile, and keeps
+draining the step's send from its send buffer). Forwarding each chunk as soon as it is reduced,
+instead of sending the segment at the next step's start, was measured against this (np 2 and 4, 1 to
+64 MiB, interleaved in one job on 2 busy cores, load 3 to 6): no faster, up to 30% slower at 64 MiB (more requests and
+wake-ups per byte), so the steps stay whole; on a link slower than the CPU the bubble it removes is
+one chunk's reduction per step, a few percent.
 """
 
 from __future__ import annotations
