@@ -50,11 +50,11 @@ def _comm():
 
 def _vs_ring(dtypes, counts, ops):
     import hora
-    from hora.collectives import ring
+    from hora.collectives import hierarchical, ring
     from hora.collectives.reduce import reducer
     from hora.transport import shm
 
-    saved = shm.CHUNK_BYTES, ring.CHUNK_BYTES
+    saved, small_default = (shm.CHUNK_BYTES, ring.CHUNK_BYTES), hierarchical.SMALL_BYTES
     shm.CHUNK_BYTES = ring.CHUNK_BYTES = TINY_CHUNK  # many shm rounds and ring chunks with small buffers
     try:
         hora.init()
@@ -65,20 +65,24 @@ def _vs_ring(dtypes, counts, ops):
             for count in counts:
                 for op in ops:
                     x = make(hora.rank(), dtype, count, seed=count, small=op == Product)
-                    fast, slow = x.copy(), x.copy()
-                    comm.native_allreduce(fast, op)
+                    slow = x.copy()
                     ring.allreduce(comm, slow, reducer(op))  # the flat TCP ring over all four ranks
-                    out[(dtype, count, op)] = (digest(fast), digest(slow), fast, slow)
+                    for path, small_bytes in (("small", 1 << 30), ("split", 0)):
+                        fast = x.copy()
+                        hierarchical.SMALL_BYTES = small_bytes
+                        comm.native_allreduce(fast, op)
+                        out[(dtype, count, op, path)] = (digest(fast), digest(slow), fast, slow)
         hora.barrier()
     finally:
         shm.CHUNK_BYTES, ring.CHUNK_BYTES = saved
+        hierarchical.SMALL_BYTES = small_default
     return out
 
 
 def _check(results):
     for key in results[0]:
-        dtype, count, op = key
-        what = f"allreduce op={op} {dtype}[{count}]"
+        dtype, count, op, path = key
+        what = f"allreduce op={op} {dtype}[{count}] ({path} path)"
         assert len({res[key][0] for res in results}) == 1, f"{what}: ranks disagree in bits"
         assert len({res[key][1] for res in results}) == 1, f"{what}: the flat ring itself disagrees"
         _, _, fast, slow = results[0][key]
@@ -92,7 +96,8 @@ def _check(results):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", ["blocks", "interleaved"])
 def test_allreduce_matches_the_flat_ring(layout):
-    """Every dtype and op, sizes from empty to many chunks, two hosts of two ranks."""
+    """Every dtype and op, sizes from empty to many chunks, two hosts of two ranks, both paths (whole
+    buffers for small ones, slices for large ones)."""
     _check(run(4, _vs_ring, INTS + FLOATS, COUNTS, [Sum, Min, Max, Product], env=_envs(layout)))
 
 
@@ -106,6 +111,9 @@ def _through_the_engine(hvd):
     # fused: several tensors in one buffer
     handles = [hvd.allreduce_async(np.full(n, r + n, np.float64), op=hvd.Sum, name=f"f{n}") for n in (1, 7, 999)]
     fused = [hvd.synchronize(h)[0] for h in handles]
+    # the real chunk sizes: 2 MiB slices, ring segments just over 1 MiB (both transports cut 1 MiB chunks)
+    big = hvd.allreduce(np.arange((1 << 19) + 13, dtype=np.int64) * (r + 1), op=hvd.Sum, name="big")
+    assert (big == np.arange((1 << 19) + 13, dtype=np.int64) * 10).all()
     return basics.state().comm.name, digest(avg), ints.tolist(), fused, float(avg[2])
 
 

@@ -13,6 +13,10 @@ Each host sends ``2(H-1)/H`` of the buffer over the network (a flat ring of ``H*
 Each slice is reduced in one fixed order (host-local order, then the ring's) and then copied
 everywhere, so every rank gets the same bits; the order differs from the flat ring's, so floats
 agree with it within rounding, integers and Min/Max exactly.
+
+Small buffers, where each step's latency is the cost, take one step fewer: a shared-memory
+allreduce inside each host, then every local rank runs the cross ring on the whole buffer (the ``L``
+rings reduce identical inputs in the same positions, so they agree bit for bit), and no allgather.
 """
 
 from __future__ import annotations
@@ -22,15 +26,22 @@ import numpy as np
 from hora.collectives import ring
 from hora.collectives.reduce import reducer
 
+SMALL_BYTES = 64 << 10  # up to this, each local rank runs the cross ring on the whole buffer (see allreduce)
+
 
 def allreduce(local, local_rank: int, local_size: int, cross, flat: np.ndarray, op: int,
               scratch: ring.Scratch) -> None:
     """Reduce the 1-D ``flat`` in place (Average is Sum here: the engine scales).
 
-    ``local`` offers ``native_reducescatter`` and ``native_allgather`` over this host's ranks (this
-    rank is ``local_rank`` of ``local_size``); ``cross`` is a point-to-point communicator over the
-    ranks with the same local rank on every host.
+    ``local`` offers ``native_allreduce``, ``native_reducescatter`` and ``native_allgather`` over this
+    host's ranks (this rank is ``local_rank`` of ``local_size``); ``cross`` is a point-to-point
+    communicator over the ranks with the same local rank on every host.
     """
+    if flat.nbytes <= SMALL_BYTES:  # latency-bound: skip the split, and with it the allgather's step
+        local.native_allreduce(flat, op)  # every local rank gets its host's sum, with the same bits ...
+        if cross.size > 1:  # ... so every cross ring reduces the same inputs: the same bits everywhere
+            ring.allreduce(cross, flat, reducer(op), scratch=scratch)
+        return
     bounds = ring.even_bounds(flat.size, local_size)
     local.native_reducescatter(flat, bounds, op)  # 1. slice l reduced over this host
     mine = flat[bounds[local_rank]:bounds[local_rank + 1]]
