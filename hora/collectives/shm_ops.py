@@ -2,8 +2,10 @@
 
 They run on a group ``g`` (:class:`hora.transport.shm.ShmGroup`): ``g.rank``, ``g.size``,
 ``g.chunk`` bytes per rank and slot, ``g.area(slot, p)`` (``p == g.size``: the slot's result area),
-``g.acquire()``/``g.release(slot)`` around each use of a slot, ``g.signal()`` to publish a step and
-``g.wait(step)`` for the others to reach it. Every rank takes the same steps in the same order.
+``g.acquire()`` before each use of a slot and ``g.done_after(slot, step)`` after it (or
+``g.mark_free``), ``g.signal()`` to publish a step and ``g.wait(step)`` for the others to reach it.
+Every rank takes the same steps in the same order; a collective takes one step per round, none to
+say it is done reading (its next step says that).
 
 Allreduce, per chunk of ``g.chunk`` bytes: each rank copies its input into its area (all but its
 own slice), then reduces its slice of the chunk over every rank's input into the result area, then
@@ -55,12 +57,7 @@ def allreduce(g, flat: np.ndarray, op: int) -> None:
     dt, isz = flat.dtype, flat.itemsize
     raw = flat.view(np.uint8)
     if flat.nbytes <= min(SMALL_BYTES, g.chunk):
-        nb = flat.nbytes
-        slot = g.acquire()
-        g.area(slot, r)[:nb] = raw
-        g.wait(g.signal())
-        _fold(ufunc, [g.area(slot, p, dt)[:flat.size] for p in range(n)], flat)
-        g.release(slot)
+        _allreduce_small(g, flat, raw, ufunc)
         return
     # Pipelined: one wait per chunk. Between two waits a rank copies out chunk j-1, reduces its
     # slice of chunk j and copies in chunk j+1, so the one signal after them says all three.
@@ -87,7 +84,21 @@ def allreduce(g, flat: np.ndarray, op: int) -> None:
             g.mark_free(slots[j - 1], s)
     g.wait(s)
     _copy_out(g, raw, isz, flat.size, per, starts[-1], slots[-1])
-    g.release(slots[-1])
+    g.done_after(slots[-1], s)
+
+
+def _allreduce_small(g, flat: np.ndarray, raw: np.ndarray, ufunc) -> None:
+    """One synchronisation: every rank writes its whole input into its area and publishes the step;
+    once every rank has, each reduces all areas itself, in rank order (the same bits everywhere).
+    No step says "done reading": a rank's next step comes after it, which is what reusing the slot
+    waits for (:meth:`ShmGroup.done_after`)."""
+    slot = g.acquire()
+    g.area(slot, g.rank)[:raw.size] = raw
+    s = g.signal()
+    g.wait(s)
+    m = flat.size
+    _fold(ufunc, [g.area(slot, p, flat.dtype)[:m] for p in range(g.size)], flat)
+    g.done_after(slot, s)
 
 
 def _copy_in(g, raw, isz, count, per, a, slot) -> None:
@@ -122,14 +133,15 @@ def reducescatter(g, buf: np.ndarray, bounds: list[int], op: int) -> None:
         for q, (a, b) in enumerate(pieces):
             if q != r:
                 mine[q * c:q * c + b - a] = buf[a:b]
-        g.wait(g.signal())
+        s = g.signal()
+        g.wait(s)
         a, b = pieces[r]
         if b > a:
             acc = g.area(slot, n, dt)[r * c:r * c + b - a]
             srcs = [buf[a:b] if p == r else g.area(slot, p, dt)[r * c:r * c + b - a] for p in range(n)]
             _fold(ufunc, srcs, acc)
             buf[a:b] = acc
-        g.release(slot)
+        g.done_after(slot, s)
 
 
 def _rounds(g, nbytes: int) -> range:
@@ -146,12 +158,13 @@ def allgather(g, mine: np.ndarray, out: np.ndarray, bounds: list[int]) -> None:
         slot = g.acquire()
         k = max(0, min(g.chunk, lens[r] - j))
         g.area(slot, r)[:k] = src[j:j + k]
-        g.wait(g.signal())
+        s = g.signal()
+        g.wait(s)
         for p in g.others:
             k = max(0, min(g.chunk, lens[p] - j))
             if k:
                 dst[bounds[p] * isz + j:bounds[p] * isz + j + k] = g.area(slot, p)[:k]
-        g.release(slot)
+        g.done_after(slot, s)
 
 
 def broadcast(g, buf: np.ndarray, root: int) -> None:
@@ -162,11 +175,12 @@ def broadcast(g, buf: np.ndarray, root: int) -> None:
         slot = g.acquire()
         if g.rank == root:
             g.area(slot, root)[:k] = raw[j:j + k]
-            g.signal()
+            s = g.signal()
         else:
-            g.wait(g.signal(), [root])
+            s = g.signal()
+            g.wait(s, [root])
             raw[j:j + k] = g.area(slot, root)[:k]
-        g.release(slot)
+        g.done_after(slot, s)
 
 
 def alltoall(g, send: np.ndarray, send_bounds: list[int], out: np.ndarray, recv_bounds: list[int]) -> None:
@@ -188,10 +202,11 @@ def alltoall(g, send: np.ndarray, send_bounds: list[int], out: np.ndarray, recv_
         slot = g.acquire()
         k = max(0, min(g.chunk, sb[r][n] * isz - j))
         g.area(slot, r)[:k] = src[j:j + k]
-        g.wait(g.signal())
+        s = g.signal()
+        g.wait(s)
         for p in g.others:  # our block in p's send buffer, clipped to this round's bytes
             a, b = max(sb[p][r] * isz, j), min(sb[p][r + 1] * isz, j + g.chunk)
             if b > a:
                 o = recv_bounds[p] * isz + a - sb[p][r] * isz
                 dst[o:o + b - a] = g.area(slot, p)[a - j:b - j]
-        g.release(slot)
+        g.done_after(slot, s)

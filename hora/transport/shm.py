@@ -13,12 +13,13 @@ plus a result area). The algorithms live in :mod:`hora.collectives.shm_ops`.
 
 Synchronisation: each rank's *progress* is a 32-bit counter that it alone writes, bumped once per
 step; every rank takes the same steps, so "rank p has done step s" is ``progress[p] >= s``. A
-waiter spins briefly (skipped when ranks outnumber cores), then sleeps in ``FUTEX_WAIT`` on the
-counter it needs; a rank wakes its counter's sleepers (``FUTEX_WAKE``) after every bump. Sleeps
-time out every ``CHECK_S`` to look for a rank that died (pidfd), shut down (its state word) or sent
-an abort on the control plane, so a dead peer is named within milliseconds. Memory order: the
-stores of a step's data precede the counter store, and x86's TSO keeps them in that order (hence
-x86-64 only; elsewhere every rank stays on TCP).
+waiter spins for up to ``SPIN_S``, yielding the core between looks (no spin when ranks outnumber
+cores), then raises its flag in the counter's line and sleeps in ``FUTEX_WAIT``; a rank that bumps
+its counter calls ``FUTEX_WAKE`` only when a flag is up (a syscall saved per step when the peers
+spin). Sleeps time out every ``CHECK_S`` to look for a rank that died (pidfd), shut down (its state
+word) or sent an abort on the control plane, so a dead peer is named within milliseconds. Memory
+order: x86's TSO keeps the stores of a step's data before the counter store; the flag handshake
+needs one fence (see ``_SYS_FUTEX``). Hence x86-64 only; elsewhere every rank stays on TCP.
 """
 
 from __future__ import annotations
@@ -42,18 +43,37 @@ log = logging.getLogger("hora.transport")
 
 CHUNK_BYTES = 1 << 20  # per rank and slot: 3 MiB per slot at np=2 stays in L2/L3; see benchmarks/allreduce.py
 SLOTS = 3  # a rank fills the next slot while slower ones still read the last (shm_ops.allreduce needs 3)
-SPIN_S = 50e-6  # busy-wait before sleeping (a futex wake-up costs ~10-50 us); 0 when oversubscribed
+# Busy-wait (yielding the core) before sleeping. Waking a futex sleeper costs 100-300 us on the 2-vCPU
+# VMs we measure on, not the 10-50 us of bare metal: an idle vCPU halts and its wake-up goes through
+# the hypervisor. Measured with a 4 KiB allreduce whose second rank arrives late by delta, time after
+# the last arrival (np=2, medians): 50 us of spin gave 22 / 40 / 80-100 us at delta 0 / 100 / 500 us;
+# 500 us of spin gives 18 / 20-27 / 37 us. Longer spins would keep a core from the other rank's
+# threads in training (the yield only helps threads on the same core). No spin when ranks outnumber
+# cores: then a spinner takes the core from the rank it waits for.
+SPIN_S = 500e-6
 CHECK_S = 0.05  # a sleeping waiter looks for dead or departed peers this often
 
 _MAGIC = b"HORASHM1"
 _LINE = 128  # bytes per rank in the header (two cache lines: no false sharing, even with prefetch)
 _PROGRESS, _STATE, _PID = 0, 1, 2  # u32 words within a rank's line
+# Bytes 16..23 of rank p's line: byte q is 1 while rank q sleeps (FUTEX_WAIT) on p's progress. A rank
+# that publishes a step calls FUTEX_WAKE (a 2 us syscall here) only when one is set; groups of more
+# than _FLAGGED ranks always call it.
+_SLEEPERS, _FLAGGED = 16, 8
 _ACTIVE, _CLOSED, _ABORTED = 0, 1, 2
 _MASK, _HALF = 0xFFFFFFFF, 0x80000000
 _PAGE = 4096
 
-# x86-64 only: a step's data stores must be visible before its counter store, which x86's store
-# order gives for free; weaker memory models (arm64) would need fences that Python cannot issue.
+# x86-64 only (TSO), which gives the orders the protocol needs:
+# - a step's data stores become visible before its counter store (stores are not reordered with
+#   stores; glibc's memcpy ends its non-temporal-store path with SFENCE, so NumPy's big copies too);
+#   a reader loads the counter before the data (loads are not reordered with loads);
+# - "publish the step, then look for sleepers" against "raise my sleeping flag, then (in the
+#   kernel) re-read the step": the one reordering x86 allows, a later load passing an earlier store,
+#   would let both sides miss each other (the sleeper waits a whole CHECK_S). The sleeper is fenced
+#   by FUTEX_WAIT itself (the kernel issues a full barrier before it reads the word); the
+#   publisher by a locked instruction: pthread_spin_trylock on a private word (LOCK CMPXCHG).
+# Weaker memory models (arm64) would need fences that Python cannot issue there: TCP instead.
 _SYS_FUTEX = {"x86_64": 202}.get(os.uname().machine)
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _WAKE_ALL = 0x7FFFFFFF
@@ -73,7 +93,16 @@ def _futex_call():
     return functools.partial(fn, _SYS_FUTEX)
 
 
+def _fence_call():
+    """A full memory barrier: ``pthread_spin_trylock`` on a word nobody else touches (0.4 us)."""
+    fn = ctypes.CDLL(None).pthread_spin_trylock
+    fn.argtypes = [ctypes.c_void_p]
+    word = ctypes.c_int(0)  # trylock on a word that is always free: it takes it; nothing reads it
+    return functools.partial(fn, ctypes.addressof(word)), word
+
+
 _futex = _futex_call()
+_fence, _FENCE_WORD = _fence_call() if _futex is not None else (None, None)
 _TIMEOUT = _Timespec(int(CHECK_S), int(CHECK_S % 1 * 1e9))
 _TIMEOUT_P = ctypes.addressof(_TIMEOUT)
 
@@ -115,6 +144,12 @@ class ShmGroup:
         self.meta_turn = 0  # which half of the metadata the next alltoall uses
         self.others = [p for p in range(n) if p != index]
         self.spin = SPIN_S if n <= len(os.sched_getaffinity(0)) else 0.0
+        # our sleepers' flags as one u64 (n <= _FLAGGED), or None: always wake; our own flag bytes
+        self._hdr64 = np.frombuffer(mm, np.uint64, count=(64 + n * _LINE) // 8)
+        self._flags = (64 + index * _LINE + _SLEEPERS) // 8 if n <= _FLAGGED else None
+        self._hdr8 = np.frombuffer(mm, np.uint8, count=64 + n * _LINE)
+        self._my_flag = [64 + p * _LINE + _SLEEPERS + index for p in range(n)]  # in p's line
+        self.wakes = 0  # FUTEX_WAKE calls made (statistics for tests and benchmarks)
         self._closed = False
         self._busy = 0
         self._pidfds: dict[int, int] = {}
@@ -149,15 +184,28 @@ class ShmGroup:
         """This rank is done with ``slot`` (it will not read or write it again this time)."""
         self._free[slot] = self.signal()
 
+    def done_after(self, slot: int, step: int) -> None:
+        """This rank is done with ``slot``, whose last step was ``step``, and takes no step for it.
+
+        Every rank finishes with a slot before it publishes its next step (steps are taken in one
+        order by all), so the slot is free once every rank has published ``step + 1``. The slot
+        comes round again ``SLOTS`` acquisitions later, after at least one more full wait, so that
+        wait has usually seen ``step + 1`` already: releasing costs no signal (no futex call)."""
+        self._free[slot] = (step + 1) & _MASK
+
     def mark_free(self, slot: int, step: int) -> None:
         """Every rank is done with ``slot`` once it has published ``step``."""
         self._free[slot] = step
 
     def signal(self) -> int:
-        """Publish the next step (after this rank's writes for it) and wake ranks waiting for it."""
+        """Publish the next step (after this rank's writes for it) and wake ranks sleeping on it."""
         s = self.step = (self.step + 1) & _MASK
-        w = self._word[self.rank]
-        self._hdr[w] = s
+        self._hdr[self._word[self.rank]] = s
+        if self._flags is not None:
+            _fence()  # the step's store before the flags' load (see _SYS_FUTEX)
+            if not self._hdr64[self._flags]:
+                return s
+        self.wakes += 1
         _futex(self._addr[self.rank], _FUTEX_WAKE, _WAKE_ALL, None)
         return s
 
@@ -173,17 +221,26 @@ class ShmGroup:
         hdr, w = self._hdr, self._word[p]
         if self._closed:
             raise CommunicatorClosedError("this communicator was closed while a shared-memory collective ran")
-        end = time.perf_counter() + self.spin
-        while time.perf_counter() < end:
+        # Spin, giving the core (and the GIL) to anything else runnable on it between looks:
+        # this rank's compute thread keeps running, and the vCPU does not halt (see SPIN_S).
+        now = time.perf_counter
+        end = now() + self.spin
+        while now() < end:
             if (int(hdr[w]) - step) & _MASK < _HALF:
                 return
-        addr = self._addr[p]
-        while True:
-            seen = int(hdr[w])
-            if (seen - step) & _MASK < _HALF:
-                return
-            self._check(step)
-            _futex(addr, _FUTEX_WAIT, seen - (1 << 32) if seen >= _HALF else seen, _TIMEOUT_P)
+            os.sched_yield()
+        addr, flag, flags = self._addr[p], self._my_flag[p], self._hdr8
+        try:
+            while True:
+                seen = int(hdr[w])
+                if (seen - step) & _MASK < _HALF:
+                    return
+                self._check(step)
+                flags[flag] = 1  # before FUTEX_WAIT re-reads the word (it fences): p will wake us
+                _futex(addr, _FUTEX_WAIT, seen - (1 << 32) if seen >= _HALF else seen, _TIMEOUT_P)
+        finally:
+            if self._hdr8 is not None:
+                flags[flag] = 0
 
     def _check(self, step: int) -> None:
         """Raise if this wait can no longer finish: we closed, TCP saw a failure, a rank that has
@@ -256,7 +313,7 @@ class ShmGroup:
             os.close(fd)
         self._pidfds.clear()
         self._watch.clear()
-        self._hdr = self._meta = self._areas = self._typed = None
+        self._hdr = self._hdr64 = self._hdr8 = self._meta = self._areas = self._typed = None
         try:
             self._mm.close()
         except BufferError:  # a view still lives (e.g. in a traceback); the GC unmaps it later
