@@ -9,7 +9,8 @@ import pytest
 from harness import run, run_hora
 
 # the four async allreduces of _some_work must land in one cycle to be fused (see test_engine.BATCH_ENV)
-BATCH_ENV = {"HORA_CYCLE_TIME": "50", "HORA_TRANSPORT": "tcp"}  # TCP_ALLREDUCE etc. are named by transport
+# TCP_ALLREDUCE etc. are named by transport; these small tensors would otherwise be reduced inline by rank 0
+BATCH_ENV = {"HORA_CYCLE_TIME": "50", "HORA_TRANSPORT": "tcp", "HORA_INLINE_THRESHOLD": "0"}
 
 
 def _events(path):
@@ -98,6 +99,21 @@ def _no_collective(hvd):
         hvd.allreduce(np.ones(r + 1, np.float32), name="mismatched")
     hvd.join()
     return r
+
+
+def _small_and_large(hvd):
+    hvd.allreduce(np.ones(8, np.float32), name="small")
+    hvd.allreduce(np.ones(8192, np.float32), name="large")  # 32 KiB: over the 16 KiB default
+    return hvd.rank()
+
+
+@pytest.mark.timeout(60)
+def test_small_tensors_are_reduced_inline(tmp_path):
+    path = str(tmp_path / "inline.json")
+    assert run_hora(2, _small_and_large, env={"HORA_TIMELINE": path, "HORA_TRANSPORT": "tcp"}) == [0, 1]
+    by = _names_by_tensor(_events(path))
+    assert [x for x in by["small"] if not x.isdigit()] == ["NEGOTIATE_ALLREDUCE", "QUEUE", "INLINE_ALLREDUCE"]
+    assert [x for x in by["large"] if not x.isdigit()] == ["NEGOTIATE_ALLREDUCE", "QUEUE", "TCP_ALLREDUCE"]
 
 
 @pytest.mark.timeout(60)

@@ -42,6 +42,10 @@ KNOBS = [
          "ms the engine waits to gather more asynchronous tensors into one negotiation", 1, _nonneg, ">= 0"),
     Knob("cache_capacity", int, 1024, "CACHE_CAPACITY", "--cache-capacity",
          "negotiation cache entries (0 turns the response cache off)", 1, _nonneg, ">= 0"),
+    Knob("inline_threshold", int, 16 << 10, "INLINE_THRESHOLD", None,
+         "allreduce tensors up to this many bytes travel with their negotiation: rank 0 reduces them and sends "
+         "the result with its answer, one round trip instead of negotiation plus a collective (0 turns it off)",
+         1, _nonneg, ">= 0"),
     Knob("timeline", str, "", "TIMELINE", "--timeline-filename",
          "Chrome-trace file written by rank 0 ('' = off; DYNAMIC = only start_timeline())"),
     Knob("timeline_mark_cycles", bool, False, "TIMELINE_MARK_CYCLES", "--timeline-mark-cycles",

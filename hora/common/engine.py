@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 
+from hora.common import inline
 from hora.common import messages as m
 from hora.common.coordinator import Coordinator, ResponseCache
 from hora.common.errors import (HoraError, HoraValueError, InternalError, MismatchError, PeerLostError,
@@ -44,7 +45,7 @@ class Stats:
     """Counters for ``hora.statistics()``: users and tests see fusion and the cache at work."""
 
     __slots__ = ("cycles", "coordination_messages_sent", "coordination_messages_received",
-                 "collectives", "tensors", "tensors_fused", "bytes_fused", "cache_hits")
+                 "collectives", "tensors", "tensors_fused", "bytes_fused", "tensors_inline", "cache_hits")
 
     def __init__(self) -> None:
         for f in self.__slots__:
@@ -70,6 +71,7 @@ class Engine:
         self._unsent: list[Pending] = []
         self._batch_start = 0.0
         self._inbox: collections.deque[tuple[int, object]] = collections.deque()
+        self._payloads: dict[tuple[int, str], dict[int, bytes]] = {}  # rank 0: inline inputs of other ranks
         self._wake_r, self._wake_w = os.pipe()
         self._wakes = 0  # bytes written to the pipe and not yet read (under _lock)
         os.set_blocking(self._wake_r, False)
@@ -162,14 +164,16 @@ class Engine:
     # -- the loop ------------------------------------------------------------------------------
     def _run(self) -> None:
         """The engine thread: wait for work without the baton, then run a cycle with it."""
+        woken = True
         while True:
             with self._baton:
-                if not self._step(block=False):
+                # a wait that timed out runs a cycle only if a timer is still due: a caller may have
+                # driven the work that set it (the stall check of a tensor since reduced) meanwhile
+                if (woken or self._timeout() is not None) and not self._step(block=False):
                     return
                 timeout = self._timeout()
                 idle = not self._inbox and not self._queue
-            if idle:
-                self._ep.poll(-1 if timeout is None else timeout)
+            woken = not idle or bool(self._ep.poll(-1 if timeout is None else timeout))
 
     def _step(self, block: bool) -> bool:
         """One cycle, with the baton held; False once the engine has ended."""
@@ -287,15 +291,19 @@ class Engine:
                 self._tl_negotiate(p.req, self.rank)
                 self.coord.submit(self.rank, p.req)
             return
-        full, bits = [], []
+        full, bits, payloads = [], [], {}
+        thr = self.cfg["inline_threshold"]
         for p in batch:
+            data = inline.payload(p, thr)
+            if data is not None:
+                payloads[(p.req.ps, p.req.name)] = data
             bit = self.cache.bit_of.get(p.req) if p.req.cacheable else None
             if bit is None:
                 full.append(p.req)
             else:
                 bits.append(bit)
                 self.stats.cache_hits += 1
-        self.comm.send_ctrl(0, m.dumps((m.REQUESTS, self.rank, full, bits)))
+        self.comm.send_ctrl(0, m.dumps((m.REQUESTS, self.rank, full, bits, payloads)))
         self.stats.coordination_messages_sent += 1
 
     # -- control messages ----------------------------------------------------------------------
@@ -303,7 +311,9 @@ class Engine:
         tag = msg[0]
         if tag == m.REQUESTS:
             self.stats.coordination_messages_received += 1
-            _, rank, full, bits = msg
+            _, rank, full, bits, payloads = msg
+            for key, data in payloads.items():
+                self._payloads.setdefault(key, {})[rank] = data
             for req in full:
                 self._tl_negotiate(req, rank)
                 self.coord.submit(rank, req)
@@ -376,6 +386,8 @@ class Engine:
     # -- coordinator ---------------------------------------------------------------------------
     def _coordinate(self) -> list[m.Response]:
         responses, additions, evictions = self.coord.take(nbytes_of)
+        if responses and self.cfg["inline_threshold"] > 0:
+            responses = self._inline(responses)
         for bit, req in additions:  # additions first: a bit may be added and evicted in one batch
             self.cache.add(bit, req)
         for bit, _ps in evictions:
@@ -396,6 +408,39 @@ class Engine:
                 self.stats.coordination_messages_sent += 1
         return [r for r in responses if self.rank in self.coord.process_sets.get(r.ps, ())
                 or r.kind in (m.ADD_PS, m.REMOVE_PS) or r.kind == "error"]
+
+    def _inline(self, responses: list[m.Response]) -> list[m.Response]:
+        """Reduce the allreduces whose inputs all came with their requests (see :mod:`inline`)."""
+        out = []
+        thr = self.cfg["inline_threshold"]
+        for resp in responses:
+            got = [self._payloads.pop((resp.ps, n), {}) for n in resp.names]
+            if resp.kind != m.ALLREDUCE or resp.error is not None:
+                out.append(resp)
+                continue
+            ranks = self.coord.process_sets.get(resp.ps, ())
+            others = [r for r in ranks if r != self.rank and r not in resp.joined]
+            by_name = dict(zip(resp.names, got))
+
+            def ready(name: str, ps=resp.ps, by_name=by_name, others=others, ranks=ranks, joined=resp.joined) -> bool:
+                if any(r not in by_name[name] for r in others):
+                    return False
+                if self.rank not in ranks or self.rank in joined:
+                    return True
+                mine = self._local.get((ps, name))
+                return mine is not None and mine.array is not None and mine.array.nbytes <= thr
+
+            fast, slow = inline.split(resp, ready)
+            if fast is not None:
+                def inputs(r: int, name: str, ps=resp.ps, by_name=by_name, joined=resp.joined):
+                    if r in joined:
+                        return None
+                    return self._local[(ps, name)].array if r == self.rank else by_name[name][r]
+
+                out.append(fast._replace(data=inline.reduce(fast, ranks, inputs)))
+            if slow is not None:
+                out.append(slow)
+        return out
 
     def _tl_negotiate(self, req: m.Request, rank: int) -> None:
         if self.timeline is not None:

@@ -18,7 +18,7 @@ ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, ADD_PS,
 UNCACHED = {ALLTOALL, BARRIER, JOIN, ADD_PS, REMOVE_PS}  # their requests vary call to call
 
 # control message tags
-REQUESTS = "Q"  # rank -> coordinator: (tag, rank, [Request...], [cache bits...])
+REQUESTS = "Q"  # rank -> coordinator: (tag, rank, [Request...], [cache bits...], {(ps, name): small input})
 RESPONSES = "P"  # coordinator -> rank: (tag, [Response...], [(bit, signature)...], [evicted bit...])
 ABORT = "A"  # either way: (tag, dead_rank or None, message)
 STACK_QUERY = "T"  # coordinator -> rank: (tag,)
@@ -68,6 +68,7 @@ class Response(NamedTuple):
     rows: tuple = ()  # allgather: per name, dim 0 of every rank; alltoall: the splits matrix
     joined: tuple = ()  # ranks contributing zeros (allreduce under join)
     value: object = None  # join: last rank to join; add_process_set: the new id
+    data: bytes | None = None  # allreduce of small tensors: the result, computed by the coordinator (inline)
 
 
 def dumps(msg) -> bytes:

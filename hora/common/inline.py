@@ -1,0 +1,75 @@
+"""Inline allreduce: small tensors travel with their negotiation, and rank 0 reduces them.
+
+A small allreduce through the engine costs a round trip to rank 0 (request, response) and then a
+collective, which needs every rank to wake up again at least once per step. For tensors of a few
+KiB the collective moves almost nothing, so its wake-ups are the whole cost. Here each rank sends
+the input of a small allreduce with its request (``inline_threshold`` bytes or less); rank 0, which
+sees every input once the tensor is ready everywhere, reduces them and sends the result with its
+response. One round trip, and every rank gets the same bytes, so the result is bitwise identical
+across ranks by construction.
+
+Numerics are the ring's: each input is prescaled in its own dtype, the inputs are combined in rank
+order, and the sum is postscaled (``1/size`` folded in for Average). At np=2 that is exactly what
+the ring computes (a + b == b + a), so results equal the ring's bit for bit; at larger np the order
+of additions differs from the ring's, as it does between any two allreduce algorithms.
+
+A tensor goes inline only when every rank that contributes to it sent its input; otherwise (ranks
+configured differently, a tensor over the threshold on some rank) it takes the normal path, which
+rank 0 decides alone, so all ranks follow the same choice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from hora.collectives.reduce import Average, reducer, scale
+from hora.common import messages as m
+from hora.common.execute import Pending, dtype_of
+
+
+def payload(pend: Pending, threshold: int) -> bytes | None:
+    """What a rank sends with its request for ``pend``: its input, if it is a small allreduce."""
+    a = pend.array
+    if threshold <= 0 or pend.req.kind != m.ALLREDUCE or a is None or a.nbytes > threshold:
+        return None
+    return a.tobytes()
+
+
+def split(resp: m.Response, ready) -> tuple[m.Response | None, m.Response | None]:
+    """``resp`` as (its inline part, its normal part): ``ready(name)`` says whether a name's inputs
+    are all at hand. Either part may be None."""
+    flags = [ready(n) for n in resp.names]
+    if all(flags):
+        return resp, None
+    if not any(flags):
+        return None, resp
+    pick = [i for i, f in enumerate(flags) if f]
+    rest = [i for i, f in enumerate(flags) if not f]
+    return (resp._replace(names=tuple(resp.names[i] for i in pick), shapes=tuple(resp.shapes[i] for i in pick)),
+            resp._replace(names=tuple(resp.names[i] for i in rest), shapes=tuple(resp.shapes[i] for i in rest)))
+
+
+def reduce(resp: m.Response, ranks: tuple[int, ...], inputs) -> bytes:
+    """The result of inline response ``resp`` over process set ``ranks``: ``inputs(rank, name)`` gives
+    that rank's input (bytes or array) or None for a rank contributing zeros (joined)."""
+    dtype = dtype_of(resp.dtype)
+    total = sum(math.prod(s) for s in resp.shapes)
+    combine = reducer(resp.op)
+    acc = None
+    for r in ranks:
+        parts = [inputs(r, n) for n in resp.names]
+        if any(p is None for p in parts):
+            x = np.zeros(total, dtype)
+        else:
+            # a new array, never a view of a caller's buffer: scaling it leaves inputs as they were
+            x = np.concatenate([np.frombuffer(p, dtype) if isinstance(p, bytes) else p.reshape(-1) for p in parts])
+        scale(x, resp.pre)
+        if acc is None:
+            acc = x
+        else:
+            combine(acc, x)
+    post = resp.post * (1.0 / len(ranks) if resp.op == Average else 1.0)
+    scale(acc, post)
+    return acc.tobytes()
