@@ -60,7 +60,7 @@ class HierarchicalAllreduce:
 
     def native_allreduce(self, flat: np.ndarray, op: int) -> None:
         """Reduce the 1-D ``flat`` in place (Average is Sum here: the engine scales)."""
-        from hora.collectives import hierarchical
+        from hora.collectives import hierarchical  # the algorithm lives a layer up, as shared memory's do
 
         if self._tcp.broken is not None:
             raise self._tcp.broken
