@@ -35,6 +35,7 @@ from hora.common.handles import HandleTable
 log = logging.getLogger("hora")
 
 _REPORT_WAIT = 2.0  # s rank 0 waits for stack replies before warning without them
+_STALL_CHECK_EVERY = 0.5  # s between two looks for stalled tensors (rank 0)
 
 
 class _Stop(Exception):
@@ -82,6 +83,7 @@ class Engine:
         self._departed: set[int] = set()  # ranks that said goodbye (shut down on purpose)
         self._leaving: ShutdownError | None = None  # set when rank 0 says goodbye
         self._stall_fatal_sent = False
+        self._next_stall_check = 0.0
         self._last_report: str | None = None  # the latest stall warning, carried by the stall shutdown
         # Whoever holds the baton runs the engine: the engine thread, or a caller blocked in
         # synchronize(), which drives the cycles itself instead of waiting to be woken by the engine
@@ -231,10 +233,8 @@ class Engine:
         waits = []
         if self._unsent:
             waits.append(self._batch_start + self.cfg["cycle_time"] / 1000 - time.monotonic())
-        if self.coord is not None and not self.cfg["stall_check_disable"]:
-            oldest = self.coord.oldest()
-            if oldest is not None or self._reports:
-                waits.append(0.5)
+        if self.coord is not None and not self.cfg["stall_check_disable"] and (self.coord.table or self._reports):
+            waits.append(max(0.0, self._next_stall_check - time.monotonic()))
         return None if not waits else max(0.0, min(waits))
 
     def _cycle(self, block: bool = True) -> None:
@@ -447,6 +447,10 @@ class Engine:
             self.timeline.negotiate(req.name, req.kind, rank)
 
     def _check_stalls(self) -> None:
+        now = time.monotonic()
+        if now < self._next_stall_check:  # twice a second is enough for thresholds of seconds
+            return
+        self._next_stall_check = now + _STALL_CHECK_EVERY
         warn_after, kill_after = self.cfg["stall_check_time"], self.cfg["stall_shutdown_time"]
         for ps, name, missing in self.coord.stalled(warn_after):
             entry = self.coord.table.get((ps, name))

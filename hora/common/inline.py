@@ -55,17 +55,22 @@ def reduce(resp: m.Response, ranks: tuple[int, ...], inputs) -> bytes:
     """The result of inline response ``resp`` over process set ``ranks``: ``inputs(rank, name)`` gives
     that rank's input (bytes or array) or None for a rank contributing zeros (joined)."""
     dtype = dtype_of(resp.dtype)
-    total = sum(math.prod(s) for s in resp.shapes)
     combine = reducer(resp.op)
+    one = len(resp.names) == 1
     acc = None
     for r in ranks:
-        parts = [inputs(r, n) for n in resp.names]
-        if any(p is None for p in parts):
-            x = np.zeros(total, dtype)
+        if one:
+            p = inputs(r, resp.names[0])
+            x = None if p is None else np.frombuffer(p, dtype) if isinstance(p, bytes) else p.reshape(-1)
         else:
-            # a new array, never a view of a caller's buffer: scaling it leaves inputs as they were
-            x = np.concatenate([np.frombuffer(p, dtype) if isinstance(p, bytes) else p.reshape(-1) for p in parts])
-        scale(x, resp.pre)
+            parts = [inputs(r, n) for n in resp.names]
+            x = None if any(p is None for p in parts) else np.concatenate(
+                [np.frombuffer(p, dtype) if isinstance(p, bytes) else p.reshape(-1) for p in parts])
+        if x is None:
+            x = np.zeros(sum(math.prod(s) for s in resp.shapes), dtype)
+        if acc is None or resp.pre != 1.0:
+            x = np.array(x)  # a copy: inputs (a caller's array, a message) are never written
+            scale(x, resp.pre)
         if acc is None:
             acc = x
         else:
