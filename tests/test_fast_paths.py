@@ -10,7 +10,8 @@ Paths:
   (``shm.CHUNK_BYTES`` per rank and slot), with the default chunk: one element either side of the
   small threshold and of the chunk, several chunks plus a remainder smaller than the rank count, and
   sizes smaller than the rank count. The number of steps each call takes is checked too (one for the
-  small path, chunks + 1 for the pipeline), and the engine's path to them (``hora.allreduce``).
+  small path, chunks + 1 for the pipeline), the out-of-place form (``src=``: same bits, input left
+  alone), and the engine's path to them (``hora.allreduce``).
 * the MPI transport under mpirun: hora's ring over MPI point-to-point (the default; bitwise the TCP
   ring's, always) and MPI's own ``Iallreduce`` (``HORA_MPI_ALLREDUCE=native``), each against the
   TCP ring on the same ranks.
@@ -136,6 +137,10 @@ def _shm_vs_ring(hvd, cases):
         steps = (group.step - before) & 0xFFFFFFFF
         ring.allreduce(comm, slow, reducer(op))
         res = verdict(dtype, op, n, fast, slow)
+        src, out_of_place = x.copy(), np.full_like(x, 7)  # out of place: src is read where it is
+        comm.native_allreduce(out_of_place, op, src=src)
+        if digest(out_of_place) != digest(fast) or digest(src) != digest(x):
+            res.update(ok=False, detail="out of place (src=) differs from in place, or wrote its src")
         nbytes = x.nbytes
         if nbytes <= min(shm_ops.SMALL_BYTES, group.chunk):
             want = 1  # one synchronisation, nothing else

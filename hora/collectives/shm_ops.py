@@ -48,16 +48,25 @@ def _split(m: int, n: int, r: int) -> tuple[int, int]:
     return lo, lo + base + (r < extra)
 
 
-def allreduce(g, flat: np.ndarray, op: int) -> None:
-    """Reduce the 1-D contiguous ``flat`` in place over the group."""
+def allreduce(g, flat: np.ndarray, op: int, src: np.ndarray | None = None) -> None:
+    """Reduce the 1-D contiguous ``flat`` in place over the group; or, with ``src`` (1-D, contiguous,
+    as long as ``flat``, not overlapping it), reduce ``src`` into ``flat`` without writing ``src``:
+    the inputs are read where they are, so an out-of-place allreduce needs no copy of its input first."""
     n, r = g.size, g.rank
     ufunc = _ufunc(op)
+    if src is None:
+        src = flat
+    elif src.shape != flat.shape or src.dtype != flat.dtype:
+        raise HoraValueError(f"shared-memory allreduce: src {src.dtype}{src.shape} does not match "
+                             f"the output {flat.dtype}{flat.shape}")
     if n == 1 or flat.size == 0:
+        if src is not flat:
+            flat[...] = src
         return
     dt, isz = flat.dtype, flat.itemsize
-    raw = flat.view(np.uint8)
+    raw, inp = flat.view(np.uint8), src.view(np.uint8)
     if flat.nbytes <= min(SMALL_BYTES, g.chunk):
-        _allreduce_small(g, flat, raw, ufunc)
+        _allreduce_small(g, flat, inp, ufunc)
         return
     # Pipelined: one wait per chunk. Between two waits a rank copies out chunk j-1, reduces its
     # slice of chunk j and copies in chunk j+1, so the one signal after them says all three.
@@ -66,7 +75,7 @@ def allreduce(g, flat: np.ndarray, op: int) -> None:
     per = g.chunk // isz
     starts = range(0, flat.size, per)
     slots = [g.acquire()]
-    _copy_in(g, raw, isz, flat.size, per, starts[0], slots[0])
+    _copy_in(g, inp, isz, flat.size, per, starts[0], slots[0])
     s = g.signal()
     for j, a in enumerate(starts):
         g.wait(s)
@@ -74,11 +83,11 @@ def allreduce(g, flat: np.ndarray, op: int) -> None:
             _copy_out(g, raw, isz, flat.size, per, starts[j - 1], slots[j - 1])
         m = min(per, flat.size - a)
         lo, hi = _split(m, n, r)
-        srcs = [flat[a + lo:a + hi] if p == r else g.area(slots[j], p, dt)[lo:hi] for p in range(n)]
+        srcs = [src[a + lo:a + hi] if p == r else g.area(slots[j], p, dt)[lo:hi] for p in range(n)]
         _fold(ufunc, srcs, g.area(slots[j], n, dt)[lo:hi])
         if j + 1 < len(starts):
             slots.append(g.acquire())
-            _copy_in(g, raw, isz, flat.size, per, starts[j + 1], slots[j + 1])
+            _copy_in(g, inp, isz, flat.size, per, starts[j + 1], slots[j + 1])
         s = g.signal()
         if j:
             g.mark_free(slots[j - 1], s)
@@ -87,13 +96,13 @@ def allreduce(g, flat: np.ndarray, op: int) -> None:
     g.done_after(slots[-1], s)
 
 
-def _allreduce_small(g, flat: np.ndarray, raw: np.ndarray, ufunc) -> None:
+def _allreduce_small(g, flat: np.ndarray, inp: np.ndarray, ufunc) -> None:
     """One synchronisation: every rank writes its whole input into its area and publishes the step;
     once every rank has, each reduces all areas itself, in rank order (the same bits everywhere).
     No step says "done reading": a rank's next step comes after it, which is what reusing the slot
     waits for (:meth:`ShmGroup.done_after`)."""
     slot = g.acquire()
-    g.area(slot, g.rank)[:raw.size] = raw
+    g.area(slot, g.rank)[:inp.size] = inp
     s = g.signal()
     g.wait(s)
     m = flat.size
@@ -101,13 +110,13 @@ def _allreduce_small(g, flat: np.ndarray, raw: np.ndarray, ufunc) -> None:
     g.done_after(slot, s)
 
 
-def _copy_in(g, raw, isz, count, per, a, slot) -> None:
+def _copy_in(g, inp, isz, count, per, a, slot) -> None:
     """Our input for the chunk at element ``a`` into our area, all but the slice we reduce ourselves."""
     m = min(per, count - a)
     lo, hi = _split(m, g.size, g.rank)
     mine = g.area(slot, g.rank)
-    mine[:lo * isz] = raw[a * isz:(a + lo) * isz]
-    mine[hi * isz:m * isz] = raw[(a + hi) * isz:(a + m) * isz]
+    mine[:lo * isz] = inp[a * isz:(a + lo) * isz]
+    mine[hi * isz:m * isz] = inp[(a + hi) * isz:(a + m) * isz]
 
 
 def _copy_out(g, raw, isz, count, per, a, slot) -> None:

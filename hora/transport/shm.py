@@ -469,9 +469,10 @@ class ShmCollectives:
         finally:
             g.end()
 
-    def native_allreduce(self, flat: np.ndarray, op: int) -> None:
-        """Reduce the 1-D ``flat`` in place (Average is Sum here: the engine scales)."""
-        self._run("allreduce", flat, op)
+    def native_allreduce(self, flat: np.ndarray, op: int, src: np.ndarray | None = None) -> None:
+        """Reduce the 1-D ``flat`` in place (Average is Sum here: the engine scales); with ``src``,
+        reduce ``src`` into ``flat`` and leave ``src`` unwritten (out of place without a copy first)."""
+        self._run("allreduce", flat, op, src)
 
     def native_reducescatter(self, buf: np.ndarray, bounds: list[int], op: int) -> None:
         """``ring.reduce_scatter``'s contract: afterwards ``buf[bounds[r]:bounds[r+1]]`` is reduced
