@@ -1,7 +1,8 @@
 """Allreduce, hora against what users would pick instead, all in one run.
 
-    python benchmarks/allreduce.py            # np 2 and 4, 4 KiB .. 256 MiB; writes benchmarks/results/
-    python benchmarks/allreduce.py --quick    # np 2, five sizes, short timings (about a minute)
+    python benchmarks/allreduce.py             # np 2, 4 KiB .. 256 MiB, 3 rounds; writes benchmarks/results/
+    python benchmarks/allreduce.py --np 2,4    # also np 4 (oversubscribed on a 2-core machine)
+    python benchmarks/allreduce.py --quick     # np 2, five sizes, short timings (about a minute)
 
 Measured, each as its own job of fresh processes with one thread each, float32 Sum, in place:
 
@@ -14,7 +15,9 @@ Measured, each as its own job of fresh processes with one thread each, float32 S
 
 Per size: the median over repetitions of back-to-back calls; bus bandwidth as nccl-tests define it,
 ``busbw = bytes / time x 2(n-1)/n``. Output: a markdown table (printed and written), the raw JSON,
-and a PNG of busbw against size. Compare ratios within one run, not absolute figures across runs.
+and a PNG of busbw against size, with the load average before and after the run and the issue's
+targets checked (busbw at 16-256 MiB >= 2x gloo and >= 1x Open MPI; 64 MiB >= 40% of memcpy).
+Compare ratios within one run, not absolute figures across runs.
 """
 
 from __future__ import annotations
@@ -169,11 +172,12 @@ def measure(nps, sizes, budget, reps, log, only=None, rounds=1) -> dict:
     args = ["--sizes", ",".join(map(str, sizes)), "--budget", str(budget), "--reps", str(reps)]
     me = str(Path(__file__).resolve())
     results: dict = {"nps": {}, "notes": [], "memcpy_runs": []}
-    if not have_mpi:
+    if "mpi" in want and not have_mpi:
         results["notes"].append("Open MPI / mpi4py not installed: no MPI column (make deps-system; pip install mpi4py)")
-    if not have_horovod:
+    if "horovod" in want and not have_horovod:
         results["notes"].append("Horovod is not installed: its columns are estimates from issue 5's table "
-                                "scaled by this run's gloo figures")
+                                "scaled by this run's gloo figures (Horovod's time = our gloo time x "
+                                "Horovod/gloo from that table)")
     jobs = []  # (label, np, run() -> {column: {size: seconds}})
     for n in nps:
         for transport in ("shm", "tcp") if "hora" in want else ():
@@ -199,7 +203,7 @@ def measure(nps, sizes, budget, reps, log, only=None, rounds=1) -> dict:
                     samples.setdefault(n, {}).setdefault(col, {}).setdefault(int(size), []).append(t)
     for n, cols in samples.items():
         cols = {c: {s: statistics.median(ts) for s, ts in v.items()} for c, v in cols.items()}
-        if not have_horovod and n == 2 and "gloo" in cols:
+        if "horovod" in want and not have_horovod and n == 2 and "gloo" in cols:
             for i, name in ((1, "Horovod gloo (estimate)"), (2, "Horovod MPI (estimate)")):
                 cols[name] = {s: cols["gloo"][s] * row[i] / row[0] for s, row in ISSUE_TABLE.items()
                               if s in cols["gloo"]}
@@ -208,11 +212,32 @@ def measure(nps, sizes, budget, reps, log, only=None, rounds=1) -> dict:
     return results
 
 
+def targets(cols: dict, n: int, memcpy: float) -> list[str]:
+    """Issue 5's targets, checked on this run's medians: one line each, with the figures."""
+    out = []
+    for ours in ("hora shm engine", "hora shm direct"):
+        mine = cols.get(ours, {})
+        for peer, factor in (("gloo", 2.0), ("Open MPI", 1.0)):
+            sizes = [s for s in sorted(mine) if 16 << 20 <= s <= 256 << 20 and s in cols.get(peer, {})]
+            if not sizes:
+                continue
+            ratios = [cols[peer][s] / mine[s] for s in sizes]
+            met = all(r >= factor for r in ratios)
+            out.append(f"- {ours} busbw at 16-256 MiB >= {factor:g}x {peer}: **{'met' if met else 'not met'}** "
+                       f"(" + ", ".join(f"{size_label(s)} {r:.2f}x" for s, r in zip(sizes, ratios)) + ")")
+        if 64 << 20 in mine:
+            bw = busbw(64 << 20, mine[64 << 20], n)
+            out.append(f"- {ours} 64 MiB busbw >= 40% of memcpy: **{'met' if bw >= 0.4 * memcpy else 'not met'}** "
+                       f"({bw:.2f} GB/s = {bw / memcpy:.0%} of {memcpy:.1f} GB/s)")
+    return out
+
+
 def markdown(results: dict) -> str:
     load = "/".join(f"{x:.1f}" for x in results["load"])
-    lines = [f"{results['date']}, {results['machine']}; load average at the end {load}; "
-             f"{results['rounds']} round(s), cells are medians. Memcpy reference (64 MiB NumPy copy): "
-             f"**{results['memcpy_gbs']:.1f} GB/s**.", ""]
+    start = "/".join(f"{x:.1f}" for x in results.get("load_start", ()))
+    lines = [f"{results['date']}, {results['machine']}; load average (1/5/15 min) at the start {start}, "
+             f"at the end {load}; {results['rounds']} round(s), cells are medians. Memcpy reference (64 MiB "
+             f"NumPy copy): **{results['memcpy_gbs']:.1f} GB/s**.", ""]
     lines += [f"- {note}" for note in results["notes"]]
     for n, cols in results["nps"].items():
         n = int(n)
@@ -223,10 +248,10 @@ def markdown(results: dict) -> str:
                   "| size | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         for s in sizes:
             lines.append(f"| {size_label(s)} | " + " | ".join(cell(s, cols[c].get(s), n) for c in names) + " |")
-        if 64 << 20 in cols.get("hora shm direct", {}):
-            t = cols["hora shm direct"][64 << 20]
-            lines += ["", f"64 MiB over shared memory: busbw {busbw(64 << 20, t, n):.2f} GB/s = "
-                      f"{busbw(64 << 20, t, n) / results['memcpy_gbs']:.0%} of the memcpy figure."]
+        if n == 2:
+            checks = targets(cols, n, results["memcpy_gbs"])
+            if checks:
+                lines += ["", "Issue 5's targets at np=2 (this run):", "", *checks]
         peers = [c for c in ("gloo", "Open MPI", "Horovod", "Horovod gloo (estimate)", "Horovod MPI (estimate)")
                  if c in cols]
         ours = [c for c in ("hora shm engine", "hora shm direct") if c in cols]
@@ -279,7 +304,8 @@ def plot(results: dict, path: Path) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="np 2, five sizes, short timings")
-    ap.add_argument("--np", default=None, help="comma-separated world sizes (default 2,4; quick: 2)")
+    ap.add_argument("--np", default="2", help="comma-separated world sizes (default 2; 2,4 adds np 4, "
+                    "oversubscribed on a 2-core machine)")
     ap.add_argument("--max-mib", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=None, help="times each job runs, libraries taking turns "
                     "(default 3; quick: 1); cells are medians over rounds")
@@ -294,7 +320,8 @@ def main() -> None:
         WORKERS[args.worker]([int(s) for s in args.sizes.split(",")], args.budget, args.reps)
         return
     sizes = [s for s in (QUICK_SIZES if args.quick else FULL_SIZES) if s <= args.max_mib << 20]
-    nps = [int(x) for x in (args.np or ("2" if args.quick else "2,4")).split(",")]
+    nps = [int(x) for x in args.np.split(",")]
+    load_start = os.getloadavg()
     budget, reps = (0.05, 3) if args.quick else (args.budget, args.reps)
     start = time.monotonic()
 
@@ -304,7 +331,7 @@ def main() -> None:
     rounds = args.rounds or (1 if args.quick else 3)
     results = measure(nps, sizes, budget, reps, log, args.only and args.only.split(","), rounds)
     results.update(machine=machine(), cpus=len(os.sched_getaffinity(0)), quick=args.quick, rounds=rounds,
-                   date=time.strftime("%Y-%m-%d %H:%M"), load=os.getloadavg())
+                   date=time.strftime("%Y-%m-%d %H:%M"), load=os.getloadavg(), load_start=load_start)
     args.out.mkdir(parents=True, exist_ok=True)
     text = markdown(results)
     (args.out / "allreduce.md").write_text(text)
