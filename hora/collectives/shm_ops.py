@@ -13,6 +13,18 @@ everyone copies the whole result out. Each element is reduced in rank order 0, 1
 rank, so every rank gets the same bits (and at np=2 the same as the ring: a+b == b+a). A chunk that
 stays in cache makes the memory traffic per rank that of one copy: read the input once, write the
 output once. Small buffers skip the split: every rank reduces the whole buffer (one wait, not two).
+
+Memory traffic per rank for ``B`` bytes at np=``n`` (pipelined path): copy in ``(n-1)/n B`` (read
+input, write own area), fold ``B/n`` (read own input slice and ``n-1`` peers' areas, write the result
+area), copy out ``B`` (read result areas, write output): ``2.5 B`` read and ``2 B`` written at np=2,
+of which DRAM sees only the input read once and the output written once (``2 B``, one memcpy's
+worth) while a slot (``3 x chunk`` at np=2) stays in cache. A single-copy design with Linux CMA
+(``process_vm_readv`` of the peer's input half into a cached temporary, reduce into our output,
+then ``process_vm_readv`` of the peer's reduced half) copies less (``1.5 B``) but all its sources
+are DRAM pages of the peer's buffer: ``1.5 B`` read and ``1 B`` written in DRAM per rank, more than
+``2 B``; and the kernel's copy ran at 0.7x NumPy's memcpy here (3.3 vs 4.75 GB/s, 64 MiB in 1 MiB
+pieces, page pinning included): about 20 ms of kernel copies for a 64 MiB allreduce before the
+reduction, where this path takes 18-21 ms in all. Not built.
 """
 
 from __future__ import annotations
@@ -23,7 +35,11 @@ from hora.collectives.reduce import Average, Max, Min, Product, Sum
 from hora.common.errors import HoraValueError
 
 UFUNCS = {Average: np.add, Sum: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
-SMALL_BYTES = 64 << 10  # up to this, every rank reduces everything itself; measured with benchmarks/allreduce.py
+# Up to this, every rank reduces everything itself after one synchronisation (n x the reads, half the
+# waits). np=2, same run, time per allreduce one-step vs pipelined: 128 KiB 0.05 vs 0.06 ms, 256 KiB
+# 0.07-0.16 vs 0.31-0.51 ms, 512 KiB 0.26 vs 0.26 ms, 1 MiB even (a wait costs more than the extra
+# reads on a loaded 2-core machine). Capped by the chunk, the size of one rank's area.
+SMALL_BYTES = 256 << 10
 
 
 def _ufunc(op: int):
