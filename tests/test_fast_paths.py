@@ -33,7 +33,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from harness import run_hora
+from harness import run, run_hora
 
 ROOT = Path(__file__).resolve().parents[1]
 Average, Sum, Min, Max, Product = 0, 1, 3, 4, 5
@@ -173,6 +173,32 @@ def test_shm_paths_match_the_ring(n):
 
     assert shm_ops.SMALL_BYTES >= 4096, "the small path should cover at least a page"
     check(run_hora(n, _shm_vs_ring, shm_cases(n), env=SHM, timeout=80), n, "shm")
+
+
+def _without_flags(cases):
+    """Initialise as a group too big for sleeper flags (every step wakes with a syscall), run the cases."""
+    import hora
+    from hora.common import basics
+    from hora.transport import shm
+
+    old = shm._FLAGGED
+    shm._FLAGGED = 1
+    try:
+        hora.init()
+    finally:
+        shm._FLAGGED = old
+    group = basics.state().comm._group
+    assert group._flags is None and all(f is None for f in group._my_flag)
+    wakes, steps = group.wakes, group.step
+    out = _shm_vs_ring(hora, cases)
+    assert group.wakes - wakes >= group.step - steps > 0, "a step without FUTEX_WAKE"
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_shm_groups_too_big_for_sleeper_flags_wake_every_step():
+    cases = [c for c in shm_cases(3) if c[0] in ("int32", "float32")]
+    check(run(3, _without_flags, cases, env=SHM), 3, "shm without flags")
 
 
 # --- MPI ------------------------------------------------------------------------------------------------

@@ -314,11 +314,11 @@ def _allreduce_until_lost(nbytes):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("n", [2, 3])
-def test_sigkill_mid_allreduce_is_named_and_leaves_nothing(n):
+@pytest.mark.parametrize("n, nbytes", [(2, 8 << 20), (3, 8 << 20), (2, 64 << 10)])  # pipeline; one-step path
+def test_sigkill_mid_allreduce_is_named_and_leaves_nothing(n, nbytes):
     victim = n - 1
     before = set(os.listdir("/dev/shm"))
-    with spawn_job(n, _allreduce_until_lost, 8 << 20, env=SHM) as job:
+    with spawn_job(n, _allreduce_until_lost, nbytes, env=SHM) as job:
         deadline = time.monotonic() + 60
         while not all(job.store.get(f"test/looping/{r}") for r in range(n)):
             assert time.monotonic() < deadline, "the ranks never started looping"

@@ -144,11 +144,12 @@ class ShmGroup:
         self.meta_turn = 0  # which half of the metadata the next alltoall uses
         self.others = [p for p in range(n) if p != index]
         self.spin = SPIN_S if n <= len(os.sched_getaffinity(0)) else 0.0
-        # our sleepers' flags as one u64 (n <= _FLAGGED), or None: always wake; our own flag bytes
+        # the flags of the ranks sleeping on us, as one u64 (n <= _FLAGGED), or None: always wake
         self._hdr64 = np.frombuffer(mm, np.uint64, count=(64 + n * _LINE) // 8)
         self._flags = (64 + index * _LINE + _SLEEPERS) // 8 if n <= _FLAGGED else None
         self._hdr8 = np.frombuffer(mm, np.uint8, count=64 + n * _LINE)
-        self._my_flag = [64 + p * _LINE + _SLEEPERS + index for p in range(n)]  # in p's line
+        # where our flag lives in each rank's line (groups of more than _FLAGGED ranks use none)
+        self._my_flag = [64 + p * _LINE + _SLEEPERS + index if n <= _FLAGGED else None for p in range(n)]
         self.wakes = 0  # FUTEX_WAKE calls made (statistics for tests and benchmarks)
         self._closed = False
         self._busy = 0
@@ -236,10 +237,11 @@ class ShmGroup:
                 if (seen - step) & _MASK < _HALF:
                     return
                 self._check(step)
-                flags[flag] = 1  # before FUTEX_WAIT re-reads the word (it fences): p will wake us
+                if flag is not None:
+                    flags[flag] = 1  # before FUTEX_WAIT re-reads the word (it fences): p will wake us
                 _futex(addr, _FUTEX_WAIT, seen - (1 << 32) if seen >= _HALF else seen, _TIMEOUT_P)
         finally:
-            if self._hdr8 is not None:
+            if flag is not None and self._hdr8 is not None:
                 flags[flag] = 0
 
     def _check(self, step: int) -> None:
