@@ -7,6 +7,7 @@ collective leaves them as they were; in-place buffers are written by the collect
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import numpy as np
@@ -63,15 +64,37 @@ class SubComm:
         return self.comm.irecv_into(self.ranks[peer], buf)
 
 
+def _takes_src(native) -> bool:
+    """Whether a transport's ``native_allreduce`` can read its input from ``src=`` (out of place)."""
+    fn = getattr(native, "__func__", native)
+    got = _TAKES_SRC.get(fn)
+    if got is None:
+        try:
+            got = _TAKES_SRC[fn] = "src" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            got = False
+    return got
+
+
+_TAKES_SRC: dict = {}
+
+
 def allreduce_flat(comm, flat: np.ndarray, op: int, prescale: float, postscale: float,
-                   scratch: ring.Scratch) -> None:
-    """Horovod's allreduce numerics on a 1-D buffer, in place."""
+                   scratch: ring.Scratch, src: np.ndarray | None = None) -> None:
+    """Horovod's allreduce numerics on a 1-D buffer, in place; or, with ``src``, of ``src`` into
+    ``flat`` (``src`` is never written: a transport that can read it where it is saves a copy)."""
     if op == Average:
         postscale = postscale * (1.0 / comm.size)  # Horovod folds the average into the postscale
-    scale(flat, prescale)
     native = getattr(comm, "native_allreduce", None)  # a transport's own (shared memory, MPI)
+    if src is not None and (prescale != 1.0 or native is None or not _takes_src(native)):
+        flat[...] = src
+        src = None
+    scale(flat, prescale)
     if native is not None:
-        native(flat, op)
+        if src is not None:
+            native(flat, op, src=src)
+        else:
+            native(flat, op)
         scale(flat, postscale)
         return
     ring.allreduce(comm, flat, reducer(op), finish=lambda seg: scale(seg, postscale), scratch=scratch)
@@ -141,14 +164,15 @@ class Executor:
             return
         if len(names) == 1:
             p = pends[0]
+            src = None
             if p is None:  # joined rank: contribute zeros
                 buf = np.zeros(counts[0], dtype)
             elif p.inplace:
                 buf = p.array.reshape(-1)
             else:
-                buf = p.array.reshape(-1).copy()
+                buf, src = np.empty(counts[0], dtype), p.array.reshape(-1)
             self._tl(names, op_name, True)
-            allreduce_flat(comm, buf, resp.op, resp.pre, resp.post, self.scratch)
+            allreduce_flat(comm, buf, resp.op, resp.pre, resp.post, self.scratch, src=src)
             self._tl(names, op_name, False)
             if p is not None:
                 p.handle.complete(p.array if p.inplace else buf.reshape(p.array.shape))
