@@ -552,3 +552,29 @@ def test_async_forms_of_every_collective(hvd):
     assert [a.tolist() for a in out["gag"]] == [list(range(n)), [q for q in range(n) for _ in range(2)]]
     assert [a.tolist() for a in out["grs"]] == [[n], [n]]
     assert [a.tolist() for a in out["gar_"]] == [[s] * 2, [s] * 3]
+
+
+def _sync_calls_cross_threads(hvd):
+    """Rank 1 drives 'x' from one thread while another thread submits 'y' synchronously; rank 0 needs
+    'y' before it submits 'x'. The second submission must reach rank 0 although rank 1's driving thread
+    sleeps waiting for 'x' (a submission that skipped waking the engine would deadlock here)."""
+    import threading
+
+    if hvd.rank() == 0:
+        y = hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum, name="y")
+        x = hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum, name="x")
+        return x.tolist() + y.tolist()
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("x", hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum,
+                                                                           name="x")))
+    t.start()
+    time.sleep(0.3)  # the thread is now driving, asleep in the engine
+    out["y"] = hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum, name="y")
+    t.join(10)
+    return out["x"].tolist() + out["y"].tolist()
+
+
+@pytest.mark.timeout(30)
+def test_a_synchronous_call_reaches_rank_0_while_another_thread_drives():
+    assert run_hora(2, _sync_calls_cross_threads, timeout=15, env={"HORA_STALL_CHECK_TIME_SECONDS": "20"}) \
+        == [[2.0] * 4] * 2

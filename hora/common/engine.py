@@ -122,8 +122,10 @@ class Engine:
                     raise HoraValueError(f"{pend.req.kind} '{pend.req.name}': a collective with this name is "
                                          "already in flight on this rank; synchronize it first or use another name")
             # the engine drains the whole queue once woken: one byte per batch. A synchronous caller
-            # drives the engine itself (_drive), so waking the engine thread would only contend
-            wake = not self._queue and not all(p.flush for p in pends)
+            # drives the engine itself (_drive), so waking the engine thread would only contend; but
+            # if another thread holds the engine (it may be asleep waiting for a message that needs
+            # this very submission), it must be woken
+            wake = not self._queue and (not all(p.flush for p in pends) or self._baton.locked())
             self._queue.extend(pends)
             if wake:
                 self._wakes += 1
