@@ -36,6 +36,7 @@ log = logging.getLogger("hora")
 
 _REPORT_WAIT = 2.0  # s rank 0 waits for stack replies before warning without them
 _STALL_CHECK_EVERY = 0.5  # s between two looks for stalled tensors (rank 0)
+_SPIN_S = 500e-6  # a driving caller's busy look for its response before sleeping (see Engine._spin)
 
 
 class _Stop(Exception):
@@ -90,6 +91,9 @@ class Engine:
         # thread (two thread hand-offs per collective, the largest cost of a small one).
         self._baton = threading.Lock()
         self._driving = False  # a caller holds the baton: it waits anyway, so send requests at once
+        # no busy look when this host's ranks outnumber its cores: the spinner would take the core of
+        # the rank it waits for
+        self._spin_ok = getattr(topo, "local_size", self.size) <= len(os.sched_getaffinity(0))
         self._ended = False  # the loop has stopped (shutdown or failure): no more cycles
         self.handles.drive = self._drive
         # The engine thread sleeps in epoll on the wake pipe and on a nested epoll holding the control
@@ -243,7 +247,10 @@ class Engine:
         timeout = self._timeout() if block else 0.0
         if not self._inbox and not self._queue:
             if self.size > 1:
-                for peer, data in self.comm.recv_ctrl(timeout, self._wake_r):
+                got = self._spin() if block and self._driving and (timeout is None or timeout > _SPIN_S) else []
+                if not got and not self._queue and not self._stopping:
+                    got = self.comm.recv_ctrl(timeout, self._wake_r)
+                for peer, data in got:
                     self._inbox.append((peer, m.loads(data)))
             else:
                 select.select([self._wake_r], [], [], timeout)
@@ -269,6 +276,19 @@ class Engine:
                 self._broken = self._leaving
             self.handles.fail_all(self._leaving)
             raise _Stop
+
+    def _spin(self) -> list[tuple[int, bytes]]:
+        """A driving caller looks for control messages without sleeping for up to ``_SPIN_S``, giving
+        the core away between looks: it would only wait otherwise, and waking a sleeper costs more
+        than a round trip on the small VMs we measure on (see ``hora.transport.shm.SPIN_S``)."""
+        if not self._spin_ok:
+            return []
+        end = time.perf_counter() + _SPIN_S
+        while True:
+            got = self.comm.recv_ctrl(0.0)
+            if got or self._queue or self._stopping or time.perf_counter() > end:
+                return got
+            os.sched_yield()
 
     def _take_submissions(self) -> None:
         with self._lock:
@@ -416,6 +436,9 @@ class Engine:
         out = []
         thr = self.cfg["inline_threshold"]
         for resp in responses:
+            if len(resp.names) == 1:  # the common case, without the general one's closures
+                out.append(self._inline_one(resp, thr))
+                continue
             got = [self._payloads.pop((resp.ps, n), {}) for n in resp.names]
             if resp.kind != m.ALLREDUCE or resp.error is not None:
                 out.append(resp)
@@ -439,10 +462,25 @@ class Engine:
                         return None
                     return self._local[(ps, name)].array if r == self.rank else by_name[name][r]
 
-                out.append(fast._replace(data=inline.reduce(fast, ranks, inputs)))
+                out.append(m.with_data(fast, inline.reduce(fast, ranks, inputs)))
             if slow is not None:
                 out.append(slow)
         return out
+
+    def _inline_one(self, resp: m.Response, thr: int) -> m.Response:
+        key = (resp.ps, resp.names[0])
+        got = self._payloads.pop(key, None)
+        if resp.kind != m.ALLREDUCE or resp.error is not None:
+            return resp
+        ranks, joined, me = self.coord.process_sets.get(resp.ps, ()), resp.joined, self.rank
+        for r in ranks:
+            if r != me and r not in joined and (got is None or r not in got):
+                return resp
+        mine = self._local.get(key)
+        if me in ranks and me not in joined and (mine is None or mine.array is None or mine.array.nbytes > thr):
+            return resp
+        return m.with_data(resp, inline.reduce(
+            resp, ranks, lambda r, _n: None if r in joined else mine.array if r == me else got[r]))
 
     def _tl_negotiate(self, req: m.Request, rank: int) -> None:
         if self.timeline is not None:
@@ -489,6 +527,11 @@ class Engine:
 
     # -- running responses ---------------------------------------------------------------------
     def _execute(self, resp: m.Response) -> None:
+        if resp.data is not None and len(resp.names) == 1:  # inline: only a copy out (the common case)
+            p = self._local.pop((resp.ps, resp.names[0]), None)
+            if p is not None:
+                self.executor.inline_result(resp, [p])
+            return
         pends = [self._local.pop((resp.ps, n), None) for n in resp.names]
         if self.timeline is not None and resp.kind in ("error", m.BARRIER, m.JOIN, m.ADD_PS, m.REMOVE_PS):
             for n in resp.names:

@@ -133,22 +133,37 @@ class Executor:
                 if p is not None:
                     p.handle.complete(resp.value)
             return
+        if resp.data is not None:
+            self.inline_result(resp, pends)
+            return
         comm = self._comm(resp.ps, ranks)
         self.stats.collectives += 1
         self.stats.tensors += len(resp.names)
         op_name = f"{self.transport}_{kind.upper()}"
         getattr(self, "_" + kind)(resp, pends, comm, op_name)
 
-    # -- per kind ------------------------------------------------------------------------------
-    def _allreduce(self, resp, pends, comm, op_name) -> None:
-        dtype = dtype_of(resp.dtype)
-        counts = [math.prod(s) for s in resp.shapes]
+    def inline_result(self, resp, pends) -> None:
+        """Copy out the result the coordinator computed (:mod:`hora.common.inline`)."""
         names = resp.names
-        if resp.data is not None:  # reduced by the coordinator (hora.common.inline): copy the result out
+        self.stats.collectives += 1
+        self.stats.tensors += len(names)
+        self.stats.tensors_inline += len(names)
+        tl = self.timeline is not None
+        if tl:
             self._tl(names, "INLINE_ALLREDUCE", True)
-            result = np.frombuffer(resp.data, dtype)
+        result = np.frombuffer(resp.data, dtype_of(resp.dtype))
+        if len(names) == 1:
+            p = pends[0]
+            if p is not None:
+                if p.inplace:
+                    p.array.reshape(-1)[:] = result
+                    p.handle.complete(p.array)
+                else:
+                    p.handle.complete(result.reshape(p.array.shape).copy())
+        else:
             off = 0
-            for p, c in zip(pends, counts):
+            for p, shape in zip(pends, resp.shapes):
+                c = math.prod(shape)
                 if p is not None:
                     if p.inplace:
                         p.array.reshape(-1)[:] = result[off:off + c]
@@ -156,12 +171,16 @@ class Executor:
                     else:
                         p.handle.complete(result[off:off + c].reshape(p.array.shape).copy())
                 off += c
-            if len(names) > 1:
-                self.stats.tensors_fused += len(names)
-                self.stats.bytes_fused += len(resp.data)
-            self.stats.tensors_inline += len(names)
+            self.stats.tensors_fused += len(names)
+            self.stats.bytes_fused += len(resp.data)
+        if tl:
             self._tl(names, "INLINE_ALLREDUCE", False)
-            return
+
+    # -- per kind ------------------------------------------------------------------------------
+    def _allreduce(self, resp, pends, comm, op_name) -> None:
+        dtype = dtype_of(resp.dtype)
+        counts = [math.prod(s) for s in resp.shapes]
+        names = resp.names
         if len(names) == 1:
             p = pends[0]
             src = None

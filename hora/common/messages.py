@@ -71,6 +71,11 @@ class Response(NamedTuple):
     data: bytes | None = None  # allreduce of small tensors: the result, computed by the coordinator (inline)
 
 
+def with_data(resp: Response, data: bytes) -> Response:
+    """``resp`` carrying an inline result (``data`` is the last field; cheaper than ``_replace``)."""
+    return Response(*resp[:-1], data)
+
+
 def dumps(msg) -> bytes:
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
