@@ -69,6 +69,12 @@ class Engine:
         self.executor = Executor(comm, self.rank, self.size, self.stats, timeline)
         self.process_sets: dict[int, tuple[int, ...]] = {0: tuple(range(self.size))}
         self._queue: collections.deque[Pending] = collections.deque()
+        self._queued: set[tuple[int, str]] = set()  # the keys in _queue (under _lock)
+        # Asynchronous submissions stay queued for one cycle time from the first, so that the engine
+        # thread wakes once per batch, not once per tensor; a synchronous one, or a driving caller,
+        # takes the queue at once.
+        self._queue_since = 0.0
+        self._queue_flush = False
         self._local: dict[tuple[int, str], Pending] = {}  # submitted here, not yet run
         self._unsent: list[Pending] = []
         self._batch_start = 0.0
@@ -120,16 +126,21 @@ class Engine:
             if self._stopping:
                 raise ShutdownError("hora is shutting down; call hora.init() again")
             keys = [(p.req.ps, p.req.name) for p in pends]
-            queued = {(p.req.ps, p.req.name) for p in self._queue}
+            queued = self._queued
             for key, pend in zip(keys, pends):
-                if key in self._local or key in queued or keys.count(key) > 1:
+                if key in self._local or key in queued or (len(keys) > 1 and keys.count(key) > 1):
                     raise HoraValueError(f"{pend.req.kind} '{pend.req.name}': a collective with this name is "
                                          "already in flight on this rank; synchronize it first or use another name")
+            queued.update(keys)
             # the engine drains the whole queue once woken: one byte per batch. A synchronous caller
             # drives the engine itself (_drive), so waking the engine thread would only contend; but
             # if another thread holds the engine (it may be asleep waiting for a message that needs
             # this very submission), it must be woken
             wake = not self._queue and (not all(p.flush for p in pends) or self._baton.locked())
+            if not self._queue:
+                self._queue_since = time.monotonic()
+            if any(p.flush for p in pends):
+                self._queue_flush = True
             self._queue.extend(pends)
             if wake:
                 self._wakes += 1
@@ -180,7 +191,7 @@ class Engine:
                 if (woken or self._timeout() is not None) and not self._step(block=False):
                     return
                 timeout = self._timeout()
-                idle = not self._inbox and not self._queue
+                idle = not self._inbox and not self._queue_due()
             woken = not idle or bool(self._ep.poll(-1 if timeout is None else timeout))
 
     def _step(self, block: bool) -> bool:
@@ -239,13 +250,19 @@ class Engine:
         waits = []
         if self._unsent:
             waits.append(self._batch_start + self.cfg["cycle_time"] / 1000 - time.monotonic())
+        if self._queue:
+            waits.append(self._queue_since + self.cfg["cycle_time"] / 1000 - time.monotonic())
         if self.coord is not None and not self.cfg["stall_check_disable"] and (self.coord.table or self._reports):
             waits.append(max(0.0, self._next_stall_check - time.monotonic()))
         return None if not waits else max(0.0, min(waits))
 
+    def _queue_due(self) -> bool:
+        return bool(self._queue) and (self._driving or self._queue_flush or time.monotonic()
+                                      >= self._queue_since + self.cfg["cycle_time"] / 1000)
+
     def _cycle(self, block: bool = True) -> None:
         timeout = self._timeout() if block else 0.0
-        if not self._inbox and not self._queue:
+        if not self._inbox and not self._queue_due():
             if self.size > 1:
                 got = self._spin() if block and self._driving and (timeout is None or timeout > _SPIN_S) else []
                 if not got and not self._queue and not self._stopping:
@@ -292,15 +309,19 @@ class Engine:
 
     def _take_submissions(self) -> None:
         with self._lock:
-            new = list(self._queue)
-            self._queue.clear()
             if self._wakes:  # only read the pipe when something was written: a read is a system call
                 self._wakes = 0
                 os.read(self._wake_r, 4096)
+            if not self._queue_due():
+                return
+            new = list(self._queue)
+            self._queue.clear()
+            self._queued.clear()
+            self._queue_flush = False
         for p in new:
             self._local[(p.req.ps, p.req.name)] = p
-        if new and not self._unsent:
-            self._batch_start = time.monotonic()
+        if not self._unsent:
+            self._batch_start = self._queue_since  # the batch's cycle time started with its first submission
         self._unsent += new
 
     def _send_requests(self) -> None:
