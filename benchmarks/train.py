@@ -8,14 +8,18 @@ The same model, per-rank batch, synthetic data (``torch.randn``, fixed seeds) an
 trained three ways, each as its own job of fresh processes limited to one thread each
 (``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``):
 
-* **hora**: ``python -m hora run -np 2 python train.py --worker hora``, with ``hora.torch.broadcast_parameters``
-  and ``hora.torch.DistributedOptimizer`` (gradients allreduced by hooks during backward, awaited in ``step``);
-* **DDP**: two processes started here, ``torch.distributed`` with gloo over 127.0.0.1 and
-  ``DistributedDataParallel`` (bucketed allreduce overlapped with backward);
+* **hora**: ``hora.torch.broadcast_parameters`` and ``hora.torch.DistributedOptimizer`` (gradients
+  allreduced by hooks during backward, awaited in ``step``);
+* **DDP**: ``torch.distributed`` with gloo over 127.0.0.1 and ``DistributedDataParallel`` (bucketed
+  allreduce overlapped with backward);
 * **single**: one process, the same loop without any communication.
 
-Each job warms up, then times a few windows of ``--steps`` steps; rank 0 reports the median window as
-samples/s over all ranks (training is synchronous, so rank 0's clock is the job's). Scaling efficiency is
+hora and DDP run in the *same* two processes (``python -m hora run -np 2 python train.py --worker both``:
+hora initialised, and a gloo process group beside it), each with its own copy of the model, and their
+timed windows take turns (ABBA...), so both see the same load from whatever else runs on the machine;
+``--separate`` runs them as separate jobs instead. Each way warms up, then times ``--windows`` windows of
+``--steps`` steps; rank 0 reports the median window as samples/s over all ranks (training is synchronous,
+so rank 0's clock is the job's). Scaling efficiency is
 ``rate(np=2) / (2 x rate(single))``. Horovod is used if importable; otherwise its figure is an estimate
 from issue 5's table (MLP 784-1024-1024-10): Horovod = our DDP rate x (Horovod/DDP in the issue), labelled
 as such. Compare ratios within one run, not absolute figures across runs.
@@ -62,8 +66,8 @@ def build(name: str):
                          nn.Linear(width, 10))
 
 
-def train(model_name: str, rank: int, size: int, steps: int, windows: int, warmup: int, wrap) -> dict:
-    """Train ``model_name`` (wrapped by ``wrap(model, opt) -> (model, opt)``) and time it on this rank."""
+def _setup(model_name: str, rank: int, wrap):
+    """A model, optimizer and data for one way of training; returns ``step(i)`` and its time counters."""
     import torch
     from torch import nn
 
@@ -76,10 +80,10 @@ def train(model_name: str, rank: int, size: int, steps: int, windows: int, warmu
     data = [(torch.randn(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g))
             for _ in range(4)]
     loss_fn = nn.CrossEntropyLoss()
-    t_fwd = t_bwd = t_step = 0.0
+    acc = {"fwd": 0.0, "bwd": 0.0, "step": 0.0, "n": 0, "loss": 0.0}
+    nparams = sum(p.numel() for p in model.parameters())
 
     def step(i):
-        nonlocal t_fwd, t_bwd, t_step
         x, y = data[i % len(data)]
         t0 = time.perf_counter()
         opt.zero_grad()
@@ -89,23 +93,45 @@ def train(model_name: str, rank: int, size: int, steps: int, windows: int, warmu
         t2 = time.perf_counter()
         opt.step()
         t3 = time.perf_counter()
-        t_fwd, t_bwd, t_step = t_fwd + t1 - t0, t_bwd + t2 - t1, t_step + t3 - t2
-        return loss
+        acc["fwd"] += t1 - t0
+        acc["bwd"] += t2 - t1
+        acc["step"] += t3 - t2
+        acc["n"] += 1
+        acc["loss"] = float(loss.detach())
 
-    for i in range(warmup):
-        step(i)
-    t_fwd = t_bwd = t_step = 0.0
-    times = []
-    for _ in range(windows):
-        t0 = time.perf_counter()
-        for i in range(steps):
-            loss = step(i)
-        times.append(time.perf_counter() - t0)
-    n = steps * windows
-    nparams = sum(p.numel() for p in model.parameters())
-    return {"rate": size * batch * steps / statistics.median(times), "windows": times, "batch": batch,
-            "params": nparams, "grad_mib": nparams * 4 / 2**20, "loss": float(loss),
-            "ms_fwd": 1e3 * t_fwd / n, "ms_bwd": 1e3 * t_bwd / n, "ms_step": 1e3 * t_step / n}
+    return step, acc, batch, nparams
+
+
+def train_interleaved(model_name: str, rank: int, size: int, steps: int, windows: int, warmup: int,
+                      wraps: dict) -> dict:
+    """Train ``model_name`` once per ``wraps`` entry (``name -> wrap(model, opt) -> (model, opt)``) in the
+    same processes, the timed windows of the ways taking turns, so that every way sees the same load."""
+    setups = {k: _setup(model_name, rank, w) for k, w in wraps.items()}
+    for step, acc, *_ in setups.values():
+        for i in range(warmup):
+            step(i)
+        acc.update(fwd=0.0, bwd=0.0, step=0.0, n=0)
+    times = {k: [] for k in setups}
+    order = list(setups)
+    for w in range(windows):
+        for k in (order if w % 2 == 0 else order[::-1]):
+            step = setups[k][0]
+            t0 = time.perf_counter()
+            for i in range(steps):
+                step(i)
+            times[k].append(time.perf_counter() - t0)
+    out = {}
+    for k, (_, acc, batch, nparams) in setups.items():
+        n = max(acc["n"], 1)
+        out[k] = {"rate": size * batch * steps / statistics.median(times[k]), "windows": times[k], "batch": batch,
+                  "params": nparams, "grad_mib": nparams * 4 / 2**20, "loss": acc["loss"],
+                  "ms_fwd": 1e3 * acc["fwd"] / n, "ms_bwd": 1e3 * acc["bwd"] / n, "ms_step": 1e3 * acc["step"] / n}
+    return out
+
+
+def train(model_name: str, rank: int, size: int, steps: int, windows: int, warmup: int, wrap) -> dict:
+    """Train ``model_name`` (wrapped by ``wrap(model, opt) -> (model, opt)``) and time it on this rank."""
+    return train_interleaved(model_name, rank, size, steps, windows, warmup, {"one": wrap})["one"]
 
 
 def _report(res: dict) -> None:
@@ -128,6 +154,28 @@ def worker(kind: str, model: str, steps: int, windows: int, warmup: int) -> None
         res = train(model, hvd.rank(), hvd.size(), steps, windows, warmup, wrap)
         if hvd.rank() == 0:
             _report(res)
+        hvd.shutdown()
+    elif kind == "both":  # hora and DDP in the same two processes, their windows interleaved
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        import hora.torch as hvd
+
+        hvd.init()
+        port = hvd.broadcast_object(free_port() if hvd.rank() == 0 else None, root_rank=0)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())
+
+        def wrap_hora(m, o):
+            hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+            hvd.broadcast_optimizer_state(o, root_rank=0)
+            return m, hvd.DistributedOptimizer(o, named_parameters=m.named_parameters())
+
+        res = train_interleaved(model, hvd.rank(), hvd.size(), steps, windows, warmup,
+                                {"hora": wrap_hora, "ddp": lambda m, o: (DistributedDataParallel(m), o)})
+        if hvd.rank() == 0:
+            _report(res)
+        dist.destroy_process_group()
         hvd.shutdown()
     elif kind == "horovod":
         import horovod.torch as hvd
@@ -168,7 +216,7 @@ def _result(outs: list[str], codes: list[int], what: str) -> dict:
 def run(kind: str, n: int, wargs: list[str], timeout: float = 600) -> dict:
     argv = [SCRIPT, "--worker", kind, *wargs]
     env = worker_env()
-    if kind == "hora":
+    if kind in ("hora", "both"):
         cmd = [sys.executable, "-m", "hora", "run", "-np", str(n), sys.executable, *argv]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         return _result([done.stdout + done.stderr], [done.returncode], " ".join(cmd))
@@ -227,7 +275,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="times each job runs, kinds taking turns "
                     "(default 2; quick: 1); cells are medians over rounds")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    ap.add_argument("--worker", choices=["single", "hora", "ddp", "horovod"], help=argparse.SUPPRESS)
+    ap.add_argument("--separate", action="store_true", help="hora and DDP as separate jobs, taking turns "
+                    "(default: one job of two processes running both, their timed windows interleaved)")
+    ap.add_argument("--worker", choices=["single", "hora", "ddp", "both", "horovod"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -243,7 +293,7 @@ def main() -> None:
         ap.error(f"unknown models {sorted(unknown)}; choose from {','.join(MODELS)}")
     rounds = args.rounds or (1 if args.quick else 2)
     have_horovod = importlib.util.find_spec("horovod") is not None
-    kinds = ["single", "ddp", "hora"] + (["horovod"] if have_horovod else [])
+    kinds = ["single"] + (["ddp", "hora"] if args.separate else ["both"]) + (["horovod"] if have_horovod else [])
     start = time.monotonic()
     load = os.getloadavg()
 
@@ -260,8 +310,10 @@ def main() -> None:
         for rnd in range(rounds):
             for k in kinds:
                 r = run(k, 1 if k == "single" else 2, wargs)
-                runs[k].append(r)
-                log(f"{m} round {rnd + 1}/{rounds} {k}: {r['rate']:.0f} samples/s")
+                for kk, rr in (r.items() if k == "both" else [(k, r)]):
+                    runs.setdefault(kk, []).append(rr)
+                    log(f"{m} round {rnd + 1}/{rounds} {kk}: {rr['rate']:.0f} samples/s")
+        runs.pop("both", None)
         entry = {}
         for k, rs in runs.items():
             best = sorted(rs, key=lambda r: r["rate"])[len(rs) // 2]  # the median round, with its breakdown
