@@ -224,6 +224,13 @@ def run(kind: str, n: int, wargs: list[str], timeout: float = 600) -> dict:
         cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(n), sys.executable, *argv]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         return _result([done.stdout + done.stderr], [done.returncode], " ".join(cmd))
+    if kind == "pair":  # two single-process trainings at once, no communication: the machine's own ceiling
+        argv[argv.index("pair")] = "single"
+        procs = [subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+        outs, codes = collect(procs, timeout)
+        both = [_result([o], [c], "pair " + " ".join(argv)) for o, c in zip(outs, codes)]
+        return dict(both[0], rate=sum(r["rate"] for r in both))
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(n))
     procs = [subprocess.Popen([sys.executable, *argv], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(n)]
@@ -237,16 +244,20 @@ def markdown(res: dict) -> str:
              f"median of {res['rounds']} round(s), the faster when two), np=2, one thread per process. "
              f"Machine: {res['machine']}; load average before the run "
              f"{res['load'][0]:.2f}, {res['load'][1]:.2f}, {res['load'][2]:.2f}.", "",
-             f"| model | grads | batch/rank | single | DDP np=2 | hora np=2 | Horovod np=2{est} | hora/DDP | "
-             f"hora/Horovod{est} | scaling hora | scaling DDP |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| model | grads | batch/rank | single | 2 singles at once | DDP np=2 | hora np=2 | "
+             f"Horovod np=2{est} | hora/DDP | hora/Horovod{est} | scaling hora | scaling DDP | ceiling |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, r in res["models"].items():
-        s, d, h = r["single"]["rate"], r["ddp"]["rate"], r["hora"]["rate"]
+        s, p, d, h = r["single"]["rate"], r["pair"]["rate"], r["ddp"]["rate"], r["hora"]["rate"]
         hv = r["horovod"]
         hv_txt = f"{hv:.0f}" if hv else "–"
         ratio_hv = f"{h / hv:.2f}" if hv else "–"
-        lines.append(f"| {m} | {r['hora']['grad_mib']:.1f} MiB | {r['hora']['batch']} | {s:.0f} | {d:.0f} | {h:.0f} | "
-                     f"{hv_txt} | **{h / d:.2f}** | {ratio_hv} | {h / (2 * s):.0%} | {d / (2 * s):.0%} |")
+        lines.append(f"| {m} | {r['hora']['grad_mib']:.1f} MiB | {r['hora']['batch']} | {s:.0f} | {p:.0f} | {d:.0f} | "
+                     f"{h:.0f} | {hv_txt} | **{h / d:.2f}** | {ratio_hv} | {h / (2 * s):.0%} | {d / (2 * s):.0%} | "
+                     f"{p / (2 * s):.0%} |")
+    lines += ["", "Scaling is rate(np=2) / (2 x single). *Ceiling* is the same for two single-process trainings run "
+              "at once without any communication: what the machine itself allows two processes (shared caches, "
+              "memory bandwidth, the hypervisor's scheduling of the two vCPUs)."]
     lines += ["", "Per step on rank 0, ms (forward / backward / optimizer step; hora's hooks start the allreduce in "
               "backward and `step` waits for it; DDP allreduces inside backward):", "",
               "| model | single | DDP | hora |", "|---|---|---|---|"]
@@ -293,7 +304,8 @@ def main() -> None:
         ap.error(f"unknown models {sorted(unknown)}; choose from {','.join(MODELS)}")
     rounds = args.rounds or (1 if args.quick else 2)
     have_horovod = importlib.util.find_spec("horovod") is not None
-    kinds = ["single"] + (["ddp", "hora"] if args.separate else ["both"]) + (["horovod"] if have_horovod else [])
+    kinds = ["single", "pair"] + (["ddp", "hora"] if args.separate else ["both"]) + (
+        ["horovod"] if have_horovod else [])
     start = time.monotonic()
     load = os.getloadavg()
 
@@ -309,7 +321,7 @@ def main() -> None:
         runs = {k: [] for k in kinds}
         for rnd in range(rounds):
             for k in kinds:
-                r = run(k, 1 if k == "single" else 2, wargs)
+                r = run(k, 1 if k in ("single", "pair") else 2, wargs)
                 for kk, rr in (r.items() if k == "both" else [(k, r)]):
                     runs.setdefault(kk, []).append(rr)
                     log(f"{m} round {rnd + 1}/{rounds} {kk}: {rr['rate']:.0f} samples/s")
