@@ -1,7 +1,8 @@
 """Allreduce, hora against what users would pick instead, all in one run.
 
-    python benchmarks/allreduce.py             # np 2, 4 KiB .. 256 MiB, 3 rounds; writes benchmarks/results/
-    python benchmarks/allreduce.py --np 2,4    # also np 4 (oversubscribed on a 2-core machine)
+    python benchmarks/allreduce.py             # np 2 and 4 (4 is oversubscribed on 2 cores), 4 KiB .. 256 MiB,
+                                               # 3 rounds (about 9 minutes); writes benchmarks/results/
+    python benchmarks/allreduce.py --np 2      # np 2 only
     python benchmarks/allreduce.py --quick     # np 2, five sizes, short timings (about a minute)
 
 Measured, each as its own job of fresh processes with one thread each, float32 Sum, in place:
@@ -304,8 +305,8 @@ def plot(results: dict, path: Path) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="np 2, five sizes, short timings")
-    ap.add_argument("--np", default="2", help="comma-separated world sizes (default 2; 2,4 adds np 4, "
-                    "oversubscribed on a 2-core machine)")
+    ap.add_argument("--np", default=None, help="comma-separated world sizes (default 2,4: np 4 is oversubscribed "
+                    "on a 2-core machine; quick: 2)")
     ap.add_argument("--max-mib", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=None, help="times each job runs, libraries taking turns "
                     "(default 3; quick: 1); cells are medians over rounds")
@@ -320,7 +321,7 @@ def main() -> None:
         WORKERS[args.worker]([int(s) for s in args.sizes.split(",")], args.budget, args.reps)
         return
     sizes = [s for s in (QUICK_SIZES if args.quick else FULL_SIZES) if s <= args.max_mib << 20]
-    nps = [int(x) for x in args.np.split(",")]
+    nps = [int(x) for x in (args.np or ("2" if args.quick else "2,4")).split(",")]
     load_start = os.getloadavg()
     budget, reps = (0.05, 3) if args.quick else (args.budget, args.reps)
     start = time.monotonic()
