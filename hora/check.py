@@ -83,6 +83,8 @@ def transports() -> list[tuple[str, bool, str]]:
         ("shared memory", shm_ok, "ranks on one host" if shm_ok else
          ("no /dev/shm" if _found("hora.transport.shm") else "not in this version")),
         ("MPI", bool(mpi4py), mpi_detail),
+        ("hierarchical (shared memory + TCP)", shm_ok and _found("hora.transport.hierarchical"),
+         "several hosts with the same number (>1) of ranks each; HORA_HIERARCHICAL_ALLREDUCE=0 turns it off"),
         ("NCCL", False, "not yet: GPU collectives"),
     ]
 
