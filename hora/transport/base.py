@@ -50,3 +50,27 @@ class LocalCommunicator:
 
     def close(self) -> None:
         pass
+
+
+class OverMesh:
+    """Base of a transport that wraps the TCP mesh (``self._tcp``): whatever it does not define
+    itself — the control plane, point-to-point, ``close`` ... — is the mesh's."""
+
+    _tcp: object
+
+    def __getattr__(self, name):  # isend, irecv_into, send_ctrl, recv_ctrl, ctrl_fds, _socks ...
+        if name.startswith("__") or name == "_tcp":
+            raise AttributeError(name)
+        return getattr(self._tcp, name)
+
+    @property
+    def on_ctrl(self):
+        return self._tcp.on_ctrl
+
+    @on_ctrl.setter
+    def on_ctrl(self, fn) -> None:
+        self._tcp.on_ctrl = fn
+
+    @property
+    def broken(self):
+        return self._tcp.broken

@@ -26,6 +26,7 @@ import traceback
 
 import numpy as np
 
+from hora.transport.base import OverMesh
 from hora.transport.shm import _ABORTED, ShmCollectives, open_group
 
 log = logging.getLogger("hora.transport")
@@ -128,7 +129,7 @@ def _open(tcp, store, key: str, groups: list[list[int]], timeout: float) -> tupl
     return HierarchicalAllreduce(tcp, group, cross), ""
 
 
-class HierarchicalCommunicator:
+class HierarchicalCommunicator(OverMesh):
     """The TCP mesh's communicator with allreduce through shared memory within hosts.
 
     Point-to-point, the control plane, ``broken`` and the other collectives are the TCP
@@ -143,21 +144,6 @@ class HierarchicalCommunicator:
         self._hosts, self._store, self._key, self._timeout = hosts, store, key, timeout
         self._sets: dict[tuple[int, ...], int] = {}
         self._groups = [hier.group]  # shared-memory groups this communicator opened (process sets too)
-
-    def __getattr__(self, name):  # isend, irecv_into, send_ctrl, recv_ctrl, ctrl_peers, _socks ...
-        return getattr(self._tcp, name)
-
-    @property
-    def on_ctrl(self):
-        return self._tcp.on_ctrl
-
-    @on_ctrl.setter
-    def on_ctrl(self, fn) -> None:
-        self._tcp.on_ctrl = fn
-
-    @property
-    def broken(self):
-        return self._tcp.broken
 
     def native_allreduce(self, flat: np.ndarray, op: int) -> None:
         """Reduce the 1-D ``flat`` in place over the job (Average is Sum here: the engine scales)."""

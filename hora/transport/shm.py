@@ -38,6 +38,7 @@ import traceback
 import numpy as np
 
 from hora.common.errors import CommunicatorClosedError, HoraError, HoraValueError, PeerLostError
+from hora.transport.base import OverMesh
 
 log = logging.getLogger("hora.transport")
 
@@ -501,7 +502,7 @@ class ShmCollectives:
         self._group.close()
 
 
-class ShmCommunicator(ShmCollectives):
+class ShmCommunicator(OverMesh, ShmCollectives):
     """The TCP mesh's communicator with the data path through shared memory.
 
     Point-to-point, the control plane, ``broken`` and everything else are the TCP communicator's
@@ -516,21 +517,6 @@ class ShmCommunicator(ShmCollectives):
         self._store, self._key, self._timeout = store, key, timeout
         self._sets: dict[tuple[int, ...], int] = {}  # process-set groups made per rank list
         self._subgroups: list[ShmGroup] = []
-
-    def __getattr__(self, name):  # isend, irecv_into, send_ctrl, recv_ctrl, ctrl_peers, _socks ...
-        return getattr(self._tcp, name)
-
-    @property
-    def on_ctrl(self):
-        return self._tcp.on_ctrl
-
-    @on_ctrl.setter
-    def on_ctrl(self, fn) -> None:
-        self._tcp.on_ctrl = fn
-
-    @property
-    def broken(self):
-        return self._tcp.broken
 
     def native_group(self, ranks) -> ShmCollectives | None:
         """Native collectives among ``ranks`` (ascending global ranks, this one included) — a process
