@@ -206,6 +206,7 @@ r = hora.rank()
 x = (np.arange(300_001, dtype=np.float32) % 97) * (r + 1)
 out = hora.allreduce(x, op=hora.Sum, name="x")
 ints = hora.allreduce(np.arange(1001, dtype=np.int64) * (r + 1), op=hora.Sum, name="i")
+hora.allgather(np.full(3, r, np.int32), name="g")  # on the TCP mesh whatever the allreduce uses
 print(json.dumps({"rank": r, "transport": getattr(basics.state().comm, "name", "TCP"),
                   "digest": hashlib.sha1(out.tobytes()).hexdigest(), "ints": int(ints.sum()),
                   "host": os.environ["HORA_HOSTNAME"], "local": hora.local_rank()}))
@@ -247,6 +248,7 @@ def test_hora_run_across_namespace_hosts_knob_and_flags(cluster, tmp_path):  # n
         digests[what] = rows[0]["digest"]
         names = {e["name"] for e in json.loads(timeline.read_text()) if e.get("ph") in ("B", "X")}
         assert f"{expect}_ALLREDUCE" in names, f"{what}: the timeline shows {sorted(names)}"
+        assert "TCP_ALLGATHER" in names and "HIERARCHICAL_ALLGATHER" not in names, f"{what}: {sorted(names)}"
     assert len(set(digests.values())) == 1, digests  # whole numbers in float32: every path is exact here
 
 

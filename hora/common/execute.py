@@ -107,6 +107,11 @@ class Executor:
         self.fusion = np.empty(0, np.uint8)
         self._subs: dict[int, SubComm] = {}
         self.transport = getattr(comm, "name", "TCP") if size > 1 else "LOCAL"
+        # timeline activity per op kind: the transport's name, or the one it gives a kind it leaves to
+        # the TCP mesh (hierarchical: only allreduce is its own)
+        by_kind = getattr(comm, "op_transports", None) if size > 1 else None
+        self._activity = {k: f"{by_kind.get(k, 'TCP') if by_kind is not None else self.transport}_{k.upper()}"
+                          for k in (m.ALLREDUCE, m.ALLGATHER, m.BROADCAST, m.ALLTOALL, m.REDUCESCATTER)}
 
     def forget(self, ps: int) -> None:
         sub = self._subs.pop(ps, None)
@@ -139,7 +144,7 @@ class Executor:
         comm = self._comm(resp.ps, ranks)
         self.stats.collectives += 1
         self.stats.tensors += len(resp.names)
-        op_name = f"{self.transport}_{kind.upper()}"
+        op_name = self._activity[kind]
         getattr(self, "_" + kind)(resp, pends, comm, op_name)
 
     def inline_result(self, resp, pends) -> None:

@@ -137,6 +137,7 @@ class HierarchicalCommunicator(OverMesh):
     """
 
     name = "HIERARCHICAL"
+    op_transports = {"allreduce": "HIERARCHICAL"}  # the timeline's names: every other op runs on the TCP mesh
 
     def __init__(self, tcp, hier: HierarchicalAllreduce, hosts: list[str], store, key: str, timeout: float):
         self._tcp, self._hier = tcp, hier
