@@ -66,6 +66,10 @@ KNOBS = [
     Knob("transport", str, "auto", "TRANSPORT", "--transport",
          "data path between ranks: auto, tcp, shm (ranks on one host), mpi",
          check=lambda v: v.lower() in ("auto", "tcp", "shm", "mpi"), allowed="auto, tcp, shm or mpi"),
+    Knob("mpi_allreduce", str, "ring", "MPI_ALLREDUCE", None,
+         "allreduce under the MPI transport: ring (hora's ring over MPI point-to-point, faster from 1 MiB up "
+         "in benchmarks/mpi_allreduce.py) or native (MPI's own Iallreduce)",
+         check=lambda v: v.lower() in ("ring", "native"), allowed="ring or native"),
     Knob("hierarchical_allreduce", str, "auto", "HIERARCHICAL_ALLREDUCE", "--hierarchical-allreduce",
          "allreduce through shared memory inside each host and a ring across hosts, for jobs whose hosts all "
          "run the same number (>1) of ranks: auto (where measured faster, benchmarks/results/hierarchical.md), "

@@ -78,8 +78,9 @@ def pieces(buf: np.ndarray, chunk_bytes: int | None = None) -> list[memoryview]:
     return [raw[a:a + step] for a in range(0, len(raw), step)]
 
 
-def _mode() -> str:
-    mode = (os.environ.get("HORA_MPI_ALLREDUCE") or "ring").lower()
+def _mode(cfg: dict | None) -> str:
+    """``HORA_MPI_ALLREDUCE`` (the knob table checks it; read directly when no configuration came)."""
+    mode = ((cfg or {}).get("mpi_allreduce") or os.environ.get("HORA_MPI_ALLREDUCE") or "ring").lower()
     if mode not in ("ring", "native"):
         raise HoraValueError(f"HORA_MPI_ALLREDUCE must be ring or native, not {mode!r}")
     return mode
@@ -339,4 +340,4 @@ def factory(tcp_comm, info: dict):
         log.warning("hora: not using the MPI transport: %s", msg)
         return None
     comm = world.Dup()  # collective: every rank is in init() here
-    return MpiCommunicator(tcp_comm, comm, MPI, native=_mode() == "native")
+    return MpiCommunicator(tcp_comm, comm, MPI, native=_mode(info.get("cfg")) == "native")
