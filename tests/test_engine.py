@@ -578,3 +578,50 @@ def _sync_calls_cross_threads(hvd):
 def test_a_synchronous_call_reaches_rank_0_while_another_thread_drives():
     assert run_hora(2, _sync_calls_cross_threads, timeout=15, env={"HORA_STALL_CHECK_TIME_SECONDS": "20"}) \
         == [[2.0] * 4] * 2
+
+
+def _threads_mixing_synchronous_collectives(hvd):
+    """Four threads, each running its own sequence of synchronous collectives (the same on every rank):
+    a thread whose collective finished must get back to its caller, even while another thread waits
+    for a collective that needs that caller's next submission."""
+    import random
+    import threading
+
+    r, n = hvd.rank(), hvd.size()
+    errors = []
+
+    def work(t):
+        try:
+            rng = random.Random(t)
+            for i in range(40):
+                kind, name = rng.choice(["small", "large", "gather", "bcast", "async"]), f"t{t}.{i}"
+                if kind in ("small", "large"):
+                    out = hvd.allreduce(np.full(50 if kind == "small" else 70000, r, np.float32), op=hvd.Sum,
+                                        name=name)
+                    assert (out == sum(range(n))).all()
+                elif kind == "gather":
+                    assert hvd.allgather(np.full((r + 1, 2), r, np.int32), name=name).shape[0] == n * (n + 1) // 2
+                elif kind == "bcast":
+                    assert (hvd.broadcast(np.full(5, r, np.int64), root_rank=t % n, name=name) == t % n).all()
+                else:
+                    hs = [hvd.allreduce_async(np.full(9, r + k, np.float64), op=hvd.Sum, name=f"{name}.{k}")
+                          for k in range(3)]
+                    assert [hvd.synchronize(h)[0] for h in hs] == [sum(q + k for q in range(n)) for k in range(3)]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(40)
+    assert not errors, errors
+    assert not any(th.is_alive() for th in threads), "a thread is stuck"
+    return r
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n", [2, 3])
+def test_threads_mixing_synchronous_collectives(n):
+    assert run_hora(n, _threads_mixing_synchronous_collectives, timeout=60,
+                    env={"HORA_STALL_CHECK_TIME_SECONDS": "30"}) == list(range(n))

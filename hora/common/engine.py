@@ -30,7 +30,7 @@ from hora.common.coordinator import Coordinator, ResponseCache
 from hora.common.errors import (HoraError, HoraValueError, InternalError, MismatchError, PeerLostError,
                                 ShutdownError, StallError)
 from hora.common.execute import Executor, Pending, nbytes_of
-from hora.common.handles import HandleTable
+from hora.common.handles import Handle, HandleTable
 
 log = logging.getLogger("hora")
 
@@ -96,6 +96,8 @@ class Engine:
         # synchronize(), which drives the cycles itself instead of waiting to be woken by the engine
         # thread (two thread hand-offs per collective, the largest cost of a small one).
         self._baton = threading.Lock()
+        self._turn = threading.Condition()  # notified after each cycle and when the baton is let go
+        self._waiters = 0  # threads in _drive (under _turn)
         self._driving = False  # a caller holds the baton: it waits anyway, so send requests at once
         # no busy look when this host's ranks outnumber its cores: the spinner would take the core of
         # the rank it waits for
@@ -185,13 +187,18 @@ class Engine:
         """The engine thread: wait for work without the baton, then run a cycle with it."""
         woken = True
         while True:
-            with self._baton:
+            self._baton.acquire()
+            try:
                 # a wait that timed out runs a cycle only if a timer is still due: a caller may have
                 # driven the work that set it (the stall check of a tensor since reduced) meanwhile
-                if (woken or self._timeout() is not None) and not self._step(block=False):
-                    return
+                alive = not (woken or self._timeout() is not None) or self._step(block=False)
                 timeout = self._timeout()
                 idle = not self._inbox and not self._queue_due()
+            finally:
+                self._baton.release()
+                self._pass_turn()  # callers waiting for the baton (or for a handle this cycle finished)
+            if not alive:
+                return
             woken = not idle or bool(self._ep.poll(-1 if timeout is None else timeout))
 
     def _step(self, block: bool) -> bool:
@@ -209,19 +216,64 @@ class Engine:
 
     def _drive(self, handle) -> None:
         """Wait for ``handle`` by running the engine in the calling thread (see ``_baton``)."""
+        with self._turn:
+            self._waiters += 1
+        try:
+            self._drive_or_wait(handle)
+        finally:
+            with self._turn:
+                self._waiters -= 1
+
+    def _drive_or_wait(self, handle) -> None:
+        kicked = False
         while not handle.done:
             if self._ended or threading.current_thread() is self.thread:
                 handle.wait(0.1)
                 continue
-            with self._baton:  # waits while the engine thread runs a cycle, which may finish the handle
-                self._driving = True
-                self._ep.modify(self._ep_ctrl.fileno(), 0)
-                try:
-                    while not handle.done and self._step(block=True):
-                        pass
-                finally:
-                    self._driving = False
-                    self._ep.modify(self._ep_ctrl.fileno(), select.EPOLLIN)  # wakes it if a message waits
+            if self._waiters > 1 or not self._baton.acquire(blocking=False):
+                # Several threads wait (the engine thread serves them all, batching their messages,
+                # as it does asynchronous work), or another thread runs the engine, whose cycles may
+                # finish this handle. Never block on the baton itself: a driver may wait for a
+                # collective that needs this thread's next submission, made only once it returns.
+                if not kicked:  # a synchronous submission did not wake the engine thread
+                    self._kick()
+                    kicked = True
+                with self._turn:
+                    if not handle.done:
+                        self._turn.wait(0.05)
+                continue
+            self._driving = True
+            self._ep.modify(self._ep_ctrl.fileno(), 0)
+            try:
+                while not handle.done:
+                    seen = Handle.completions
+                    if not self._step(block=True):
+                        break
+                    if Handle.completions != seen:  # other threads may be waiting for those
+                        self._pass_turn()
+            finally:
+                self._driving = False
+                self._ep.modify(self._ep_ctrl.fileno(), select.EPOLLIN)  # wakes it if a message waits
+                if self._inbox or self._queue or self._unsent:
+                    # work this session took in but did not finish (messages read during a data wait,
+                    # other threads' submissions): the engine thread cannot see it from its epoll
+                    self._kick()
+                self._baton.release()
+                self._pass_turn()
+
+    def _pass_turn(self) -> None:
+        """After a cycle or on letting go of the baton: callers waiting for it look again."""
+        with self._turn:
+            self._turn.notify_all()
+
+    def _kick(self) -> None:
+        """Wake the engine thread (one byte on the wake pipe; read back in ``_take_submissions``)."""
+        with self._lock:
+            self._wakes += 1
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:  # closed: shutting down
+                pass
 
     def _fail(self, e: BaseException) -> None:
         if not isinstance(e, HoraError):
