@@ -216,6 +216,8 @@ class Engine:
 
     def _drive(self, handle) -> None:
         """Wait for ``handle`` by running the engine in the calling thread (see ``_baton``)."""
+        if handle.done:
+            return
         with self._turn:
             self._waiters += 1
         try:
@@ -235,8 +237,8 @@ class Engine:
                 # as it does asynchronous work), or another thread runs the engine, whose cycles may
                 # finish this handle. Never block on the baton itself: a driver may wait for a
                 # collective that needs this thread's next submission, made only once it returns.
-                if not kicked:  # a synchronous submission did not wake the engine thread
-                    self._kick()
+                if not kicked and not self._baton.locked():  # nobody runs the engine, and a synchronous
+                    self._kick()                                # submission did not wake its thread
                     kicked = True
                 with self._turn:
                     if not handle.done:
