@@ -497,11 +497,22 @@ def test_mismatch_in_a_grouped_op_fails_the_group():
 
 # --- more of the API through the engine -------------------------------------------------------------
 
+def _in_threads(work, count: int, timeout: float) -> list:
+    """Run ``work(t)`` for t in range(count) on threads at once; the threads still alive after ``timeout``."""
+    import threading
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(count)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+    return [th for th in threads if th.is_alive()]
+
+
 @pytest.mark.timeout(60)
 @ranks(2)
 def test_submissions_from_several_threads(hvd):
     """Framework hooks may fire on other threads: named submissions from 4 threads at once."""
-    import threading
 
     r, n = hvd.rank(), hvd.size()
     results, errors = {}, []
@@ -515,11 +526,7 @@ def test_submissions_from_several_threads(hvd):
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(30)
+    _in_threads(work, 4, 30)
     assert not errors, errors
     assert results == {(t, i): [sum(q + i for q in range(n))] * 3 for t in range(4) for i in range(25)}
 
@@ -585,7 +592,6 @@ def _threads_mixing_synchronous_collectives(hvd):
     a thread whose collective finished must get back to its caller, even while another thread waits
     for a collective that needs that caller's next submission."""
     import random
-    import threading
 
     r, n = hvd.rank(), hvd.size()
     errors = []
@@ -610,13 +616,9 @@ def _threads_mixing_synchronous_collectives(hvd):
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(40)
+    stuck = _in_threads(work, 4, 40)
     assert not errors, errors
-    assert not any(th.is_alive() for th in threads), "a thread is stuck"
+    assert not stuck, "a thread is stuck"
     return r
 
 
