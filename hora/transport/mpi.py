@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 from hora.common.errors import CommunicatorClosedError, HoraError, HoraValueError
+from hora.transport.base import OverMesh
 
 log = logging.getLogger("hora.transport")
 
@@ -121,11 +122,12 @@ class MpiRequest:
         return self.done
 
 
-class MpiCommunicator:
+class MpiCommunicator(OverMesh):
     """Data over MPI point-to-point (and optionally MPI's Allreduce), control over the TCP mesh."""
 
     def __init__(self, tcp, mpi_comm, MPI, native: bool = False):
         self.tcp, self._c, self._MPI = tcp, mpi_comm, MPI
+        self._tcp = tcp  # OverMesh's name for it
         self.rank, self.size = tcp.rank, tcp.size
         self._pending: set[MpiRequest] = set()
         self._broken: BaseException | None = None
@@ -266,15 +268,7 @@ class MpiCommunicator:
         if work is not flat:
             flat[...] = work.astype(flat.dtype)
 
-    # -- everything else is the TCP communicator's -----------------------------------------------
-    @property
-    def on_ctrl(self):
-        return self.tcp.on_ctrl
-
-    @on_ctrl.setter
-    def on_ctrl(self, fn) -> None:
-        self.tcp.on_ctrl = fn
-
+    # -- everything else is the TCP communicator's (OverMesh) ---------------------------------------
     @property
     def ctrl_peers(self) -> list[int]:
         return self.tcp.ctrl_peers
@@ -311,11 +305,6 @@ class MpiCommunicator:
             except Exception:  # noqa: BLE001 - MPI may already be finalising at exit
                 pass
         self.tcp.close()
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name == "tcp":
-            raise AttributeError(name)
-        return getattr(self.tcp, name)
 
 
 def factory(tcp_comm, info: dict):
