@@ -7,7 +7,6 @@ collective leaves them as they were; in-place buffers are written by the collect
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 
 import numpy as np
@@ -64,40 +63,37 @@ class SubComm:
         return self.comm.irecv_into(self.ranks[peer], buf)
 
 
-def _takes_src(native) -> bool:
-    """Whether a transport's ``native_allreduce`` can read its input from ``src=`` (out of place)."""
-    fn = getattr(native, "__func__", native)
-    got = _TAKES_SRC.get(fn)
-    if got is None:
-        try:
-            got = _TAKES_SRC[fn] = "src" in inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            got = False
-    return got
-
-
-_TAKES_SRC: dict = {}
-
-
 def allreduce_flat(comm, flat: np.ndarray, op: int, prescale: float, postscale: float,
                    scratch: ring.Scratch, src: np.ndarray | None = None) -> None:
     """Horovod's allreduce numerics on a 1-D buffer, in place; or, with ``src``, of ``src`` into
     ``flat`` (``src`` is never written: a transport that can read it where it is saves a copy)."""
     if op == Average:
         postscale = postscale * (1.0 / comm.size)  # Horovod folds the average into the postscale
-    native = getattr(comm, "native_allreduce", None)  # a transport's own (shared memory, MPI)
-    if src is not None and (prescale != 1.0 or native is None or not _takes_src(native)):
+    # a transport's own (shared memory, MPI, hierarchical): ``native_allreduce(flat, op, src=None)``
+    native = getattr(comm, "native_allreduce", None)
+    if src is not None and (prescale != 1.0 or native is None):
         flat[...] = src
         src = None
     scale(flat, prescale)
     if native is not None:
-        if src is not None:
-            native(flat, op, src=src)
-        else:
-            native(flat, op)
+        native(flat, op, src=src)
         scale(flat, postscale)
         return
     ring.allreduce(comm, flat, reducer(op), finish=lambda seg: scale(seg, postscale), scratch=scratch)
+
+
+def _copy_out(pends: list, counts: list[int], flat: np.ndarray) -> None:
+    """Complete each tensor's handle from its slice of the reduced ``flat``: written into an in-place
+    tensor, or a new array (``flat`` is a reused buffer or a message's bytes)."""
+    off = 0
+    for p, c in zip(pends, counts):
+        if p is not None:
+            if p.inplace:
+                p.array.reshape(-1)[:] = flat[off:off + c]
+                p.handle.complete(p.array)
+            else:
+                p.handle.complete(flat[off:off + c].reshape(p.array.shape).copy())
+        off += c
 
 
 class Executor:
@@ -156,26 +152,8 @@ class Executor:
         tl = self.timeline is not None
         if tl:
             self._tl(names, "INLINE_ALLREDUCE", True)
-        result = np.frombuffer(resp.data, dtype_of(resp.dtype))
-        if len(names) == 1:
-            p = pends[0]
-            if p is not None:
-                if p.inplace:
-                    p.array.reshape(-1)[:] = result
-                    p.handle.complete(p.array)
-                else:
-                    p.handle.complete(result.reshape(p.array.shape).copy())
-        else:
-            off = 0
-            for p, shape in zip(pends, resp.shapes):
-                c = math.prod(shape)
-                if p is not None:
-                    if p.inplace:
-                        p.array.reshape(-1)[:] = result[off:off + c]
-                        p.handle.complete(p.array)
-                    else:
-                        p.handle.complete(result[off:off + c].reshape(p.array.shape).copy())
-                off += c
+        _copy_out(pends, [math.prod(s) for s in resp.shapes], np.frombuffer(resp.data, dtype_of(resp.dtype)))
+        if len(names) > 1:
             self.stats.tensors_fused += len(names)
             self.stats.bytes_fused += len(resp.data)
         if tl:
@@ -220,15 +198,7 @@ class Executor:
         self.stats.tensors_fused += len(names)
         self.stats.bytes_fused += total * dtype.itemsize
         self._tl(names, "MEMCPY_OUT_FUSION_BUFFER", True)
-        off = 0
-        for p, c in zip(pends, counts):
-            if p is not None:
-                if p.inplace:
-                    p.array.reshape(-1)[:] = fb[off:off + c]
-                    p.handle.complete(p.array)
-                else:
-                    p.handle.complete(fb[off:off + c].copy().reshape(p.array.shape))
-            off += c
+        _copy_out(pends, counts, fb)
         self._tl(names, "MEMCPY_OUT_FUSION_BUFFER", False)
 
     def _allgather(self, resp, pends, comm, op_name) -> None:

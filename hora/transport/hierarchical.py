@@ -59,10 +59,13 @@ class HierarchicalAllreduce:
         self._cross = _Ranks(tcp, cross)
         self._scratch = ring.Scratch()
 
-    def native_allreduce(self, flat: np.ndarray, op: int) -> None:
-        """Reduce the 1-D ``flat`` in place (Average is Sum here: the engine scales)."""
+    def native_allreduce(self, flat: np.ndarray, op: int, src: np.ndarray | None = None) -> None:
+        """Reduce the 1-D ``flat`` in place (Average is Sum here: the engine scales); ``src``, if
+        given, is the input (copied into ``flat`` first)."""
         from hora.collectives import hierarchical  # the algorithm lives a layer up, as shared memory's do
 
+        if src is not None:
+            flat[...] = src
         if self._tcp.broken is not None:
             raise self._tcp.broken
         try:
@@ -146,9 +149,9 @@ class HierarchicalCommunicator(OverMesh):
         self._sets: dict[tuple[int, ...], int] = {}
         self._groups = [hier.group]  # shared-memory groups this communicator opened (process sets too)
 
-    def native_allreduce(self, flat: np.ndarray, op: int) -> None:
+    def native_allreduce(self, flat: np.ndarray, op: int, src: np.ndarray | None = None) -> None:
         """Reduce the 1-D ``flat`` in place over the job (Average is Sum here: the engine scales)."""
-        self._hier.native_allreduce(flat, op)
+        self._hier.native_allreduce(flat, op, src)
 
     def native_group(self, ranks):
         """Native collectives for a process set of ``ranks`` (ascending global ranks, this one among

@@ -248,10 +248,13 @@ class MpiCommunicator(OverMesh):
         self._pending.clear()
 
     # -- native collectives ----------------------------------------------------------------------
-    def _native_allreduce(self, flat: np.ndarray, op: int) -> None:
-        """MPI's own allreduce, in place (Average is Sum here: the engine scales afterwards)."""
+    def _native_allreduce(self, flat: np.ndarray, op: int, src: np.ndarray | None = None) -> None:
+        """MPI's own allreduce, in place (Average is Sum here: the engine scales afterwards); ``src``,
+        if given, is the input (copied into ``flat`` first)."""
         if op not in self._ops:
             raise HoraValueError(f"the MPI transport has no allreduce for op {op}")
+        if src is not None:
+            flat[...] = src
         work = flat
         if flat.dtype.name in ("float16", "bfloat16"):
             work = flat.astype(np.float32)
