@@ -117,12 +117,16 @@ def test_process_set_without_the_coordinator():
 
 
 def _mixed_thresholds(hvd):
-    # rank 1 sends no inputs (threshold 0): rank 0 must take the normal path for everyone
-    out = hvd.allreduce(np.full(8, hvd.rank() + 1, np.float32), op=hvd.Sum, name="mixed")
-    return out.tolist(), hvd.statistics()["tensors_inline"]
+    from hora.common.basics import state
+
+    out = [hvd.allreduce(np.full(8, hvd.rank() + 1, np.float32), op=hvd.Sum).tolist() for _ in range(3)]
+    return out[0], hvd.statistics()["tensors_inline"], len(state().engine._payloads)
 
 
 @pytest.mark.timeout(60)
-def test_ranks_with_different_thresholds_agree():
-    res = run_hora(2, _mixed_thresholds, env=[INLINE, RING])
-    assert res == [([3.0] * 8, 0), ([3.0] * 8, 0)]
+@pytest.mark.parametrize("envs", [[INLINE, RING], [RING, INLINE]], ids=["rank1-off", "rank0-off"])
+def test_ranks_with_different_thresholds_agree(envs):
+    """Inputs go inline only where every rank sent them and rank 0's own threshold allows; the inputs
+    rank 0 received but did not use are dropped, not kept (unnamed ops never repeat a name)."""
+    res = run_hora(2, _mixed_thresholds, env=envs)
+    assert res == [([3.0] * 8, 0, 0), ([3.0] * 8, 0, 0)]

@@ -30,7 +30,7 @@ from hora.common.coordinator import Coordinator, ResponseCache
 from hora.common.errors import (HoraError, HoraValueError, InternalError, MismatchError, PeerLostError,
                                 ShutdownError, StallError)
 from hora.common.execute import Executor, Pending, nbytes_of
-from hora.common.handles import Handle, HandleTable
+from hora.common.handles import HandleTable
 
 log = logging.getLogger("hora")
 
@@ -128,12 +128,13 @@ class Engine:
             if self._stopping:
                 raise ShutdownError("hora is shutting down; call hora.init() again")
             keys = [(p.req.ps, p.req.name) for p in pends]
-            queued = self._queued
+            seen = set(self._queued)
             for key, pend in zip(keys, pends):
-                if key in self._local or key in queued or (len(keys) > 1 and keys.count(key) > 1):
+                if key in self._local or key in seen:
                     raise HoraValueError(f"{pend.req.kind} '{pend.req.name}': a collective with this name is "
                                          "already in flight on this rank; synchronize it first or use another name")
-            queued.update(keys)
+                seen.add(key)
+            self._queued.update(keys)
             # the engine drains the whole queue once woken: one byte per batch. A synchronous caller
             # drives the engine itself (_drive), so waking the engine thread would only contend; but
             # if another thread holds the engine (it may be asleep waiting for a message that needs
@@ -145,17 +146,12 @@ class Engine:
                 self._queue_flush = True
             self._queue.extend(pends)
             if wake:
-                self._wakes += 1
-                os.write(self._wake_w, b"x")
+                self._wake_locked()
 
     def shutdown(self) -> None:
         with self._lock:
             self._stopping = True
-            self._wakes += 1
-            try:
-                os.write(self._wake_w, b"x")
-            except OSError:
-                pass
+            self._wake_locked()
         if self.thread is not threading.current_thread():
             self.thread.join(10)
         if self._broken is None and not self.thread.is_alive():
@@ -191,7 +187,8 @@ class Engine:
             try:
                 # a wait that timed out runs a cycle only if a timer is still due: a caller may have
                 # driven the work that set it (the stall check of a tensor since reduced) meanwhile
-                alive = not (woken or self._timeout() is not None) or self._step(block=False)
+                due = woken or self._timeout() is not None
+                alive = self._step(block=False) if due else not self._ended
                 timeout = self._timeout()
                 idle = not self._inbox and not self._queue_due()
             finally:
@@ -247,12 +244,8 @@ class Engine:
             self._driving = True
             self._ep.modify(self._ep_ctrl.fileno(), 0)
             try:
-                while not handle.done:
-                    seen = Handle.completions
-                    if not self._step(block=True):
-                        break
-                    if Handle.completions != seen:  # other threads may be waiting for those
-                        self._pass_turn()
+                while not handle.done and self._step(block=True):
+                    self._pass_turn()  # threads that came to wait since may have had their handle finished
             finally:
                 self._driving = False
                 self._ep.modify(self._ep_ctrl.fileno(), select.EPOLLIN)  # wakes it if a message waits
@@ -264,18 +257,25 @@ class Engine:
                 self._pass_turn()
 
     def _pass_turn(self) -> None:
-        """After a cycle or on letting go of the baton: callers waiting for it look again."""
-        with self._turn:
-            self._turn.notify_all()
+        """After a cycle or on letting go of the baton: callers waiting for it (or for a handle the
+        cycle finished) look again. A waiter counts itself in before it looks, so one that is not
+        counted yet will still see what this cycle did."""
+        if self._waiters:
+            with self._turn:
+                self._turn.notify_all()
 
     def _kick(self) -> None:
-        """Wake the engine thread (one byte on the wake pipe; read back in ``_take_submissions``)."""
         with self._lock:
-            self._wakes += 1
-            try:
-                os.write(self._wake_w, b"x")
-            except OSError:  # closed: shutting down
-                pass
+            self._wake_locked()
+
+    def _wake_locked(self) -> None:
+        """Wake the engine thread: one byte on the wake pipe, read back in ``_take_submissions``
+        (``_lock`` held, so the count and the bytes agree)."""
+        self._wakes += 1
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # closed: shut down
+            pass
 
     def _fail(self, e: BaseException) -> None:
         if not isinstance(e, HoraError):
@@ -483,7 +483,7 @@ class Engine:
     # -- coordinator ---------------------------------------------------------------------------
     def _coordinate(self) -> list[m.Response]:
         responses, additions, evictions = self.coord.take(nbytes_of)
-        if responses and self.cfg["inline_threshold"] > 0:
+        if responses:
             responses = self._inline(responses)
         for bit, req in additions:  # additions first: a bit may be added and evicted in one batch
             self.cache.add(bit, req)
@@ -507,55 +507,40 @@ class Engine:
                 or r.kind in (m.ADD_PS, m.REMOVE_PS) or r.kind == "error"]
 
     def _inline(self, responses: list[m.Response]) -> list[m.Response]:
-        """Reduce the allreduces whose inputs all came with their requests (see :mod:`inline`)."""
+        """Reduce the allreduces whose inputs all came with their requests (see :mod:`inline`). The
+        inputs sent for every name answered here are dropped, used or not (this rank's threshold may
+        be 0 while other ranks' is not)."""
         out = []
         thr = self.cfg["inline_threshold"]
         for resp in responses:
-            if len(resp.names) == 1:  # the common case, without the general one's closures
-                out.append(self._inline_one(resp, thr))
-                continue
-            got = [self._payloads.pop((resp.ps, n), {}) for n in resp.names]
-            if resp.kind != m.ALLREDUCE or resp.error is not None:
+            sent = {n: self._payloads.pop((resp.ps, n), None) for n in resp.names}
+            if thr <= 0 or resp.kind != m.ALLREDUCE or resp.error is not None:
                 out.append(resp)
-                continue
-            ranks = self.coord.process_sets.get(resp.ps, ())
-            others = [r for r in ranks if r != self.rank and r not in resp.joined]
-            by_name = dict(zip(resp.names, got))
-
-            def ready(name: str, ps=resp.ps, by_name=by_name, others=others, ranks=ranks, joined=resp.joined) -> bool:
-                if any(r not in by_name[name] for r in others):
-                    return False
-                if self.rank not in ranks or self.rank in joined:
-                    return True
-                mine = self._local.get((ps, name))
-                return mine is not None and mine.array is not None and mine.array.nbytes <= thr
-
-            fast, slow = inline.split(resp, ready)
-            if fast is not None:
-                def inputs(r: int, name: str, ps=resp.ps, by_name=by_name, joined=resp.joined):
-                    if r in joined:
-                        return None
-                    return self._local[(ps, name)].array if r == self.rank else by_name[name][r]
-
-                out.append(m.with_data(fast, inline.reduce(fast, ranks, inputs)))
-            if slow is not None:
-                out.append(slow)
+            else:
+                out += self._inline_one(resp, sent, thr)
         return out
 
-    def _inline_one(self, resp: m.Response, thr: int) -> m.Response:
-        key = (resp.ps, resp.names[0])
-        got = self._payloads.pop(key, None)
-        if resp.kind != m.ALLREDUCE or resp.error is not None:
-            return resp
+    def _inline_one(self, resp: m.Response, sent: dict, thr: int) -> list[m.Response]:
+        """``resp`` as an inline response and/or a normal one, by which of its names have every input."""
         ranks, joined, me = self.coord.process_sets.get(resp.ps, ()), resp.joined, self.rank
-        for r in ranks:
-            if r != me and r not in joined and (got is None or r not in got):
-                return resp
-        mine = self._local.get(key)
-        if me in ranks and me not in joined and (mine is None or mine.array is None or mine.array.nbytes > thr):
-            return resp
-        return m.with_data(resp, inline.reduce(
-            resp, ranks, lambda r, _n: None if r in joined else mine.array if r == me else got[r]))
+        others = [r for r in ranks if r != me and r not in joined]
+        mine_counts = me in ranks and me not in joined
+
+        def ready(name: str) -> bool:
+            got = sent[name]
+            if others and (got is None or any(r not in got for r in others)):
+                return False
+            mine = self._local.get((resp.ps, name)) if mine_counts else None
+            return not mine_counts or (mine is not None and mine.array is not None and mine.array.nbytes <= thr)
+
+        def inputs(r: int, name: str):
+            if r in joined:
+                return None
+            return self._local[(resp.ps, name)].array if r == me else sent[name][r]
+
+        fast, slow = inline.split(resp, [ready(n) for n in resp.names])
+        out = [] if fast is None else [m.with_data(fast, inline.reduce(fast, ranks, inputs))]
+        return out if slow is None else out + [slow]
 
     def _tl_negotiate(self, req: m.Request, rank: int) -> None:
         if self.timeline is not None:

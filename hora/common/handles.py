@@ -18,7 +18,6 @@ class Handle:
     handle is made for every collective, and a lock costs a fraction of a ``threading.Event``."""
 
     __slots__ = ("id", "name", "done", "_gate", "result", "error", "finish", "waiter")
-    completions = 0  # handles completed so far, process-wide: lets the engine wake waiters only when needed
 
     def __init__(self, hid: int, name: str, finish: Callable[[Any], Any] | None = None):
         self.id, self.name, self.finish = hid, name, finish
@@ -34,7 +33,6 @@ class Handle:
             return
         self.result, self.error = result, error
         self.done = True
-        Handle.completions += 1
         try:
             self._gate.release()
         except RuntimeError:  # completed twice at once (an error racing the result): the first one counts

@@ -37,10 +37,9 @@ def payload(pend: Pending, threshold: int) -> bytes | None:
     return a.tobytes()
 
 
-def split(resp: m.Response, ready) -> tuple[m.Response | None, m.Response | None]:
-    """``resp`` as (its inline part, its normal part): ``ready(name)`` says whether a name's inputs
-    are all at hand. Either part may be None."""
-    flags = [ready(n) for n in resp.names]
+def split(resp: m.Response, flags: list[bool]) -> tuple[m.Response | None, m.Response | None]:
+    """``resp`` as (its inline part, its normal part): ``flags[i]`` says whether name i's inputs are
+    all at hand. Either part may be None."""
     if all(flags):
         return resp, None
     if not any(flags):
@@ -56,18 +55,14 @@ def reduce(resp: m.Response, ranks: tuple[int, ...], inputs) -> bytes:
     that rank's input (bytes or array) or None for a rank contributing zeros (joined)."""
     dtype = dtype_of(resp.dtype)
     combine = reducer(resp.op)
-    one = len(resp.names) == 1
     acc = None
     for r in ranks:
-        if one:
-            p = inputs(r, resp.names[0])
-            x = None if p is None else np.frombuffer(p, dtype) if isinstance(p, bytes) else p.reshape(-1)
-        else:
-            parts = [inputs(r, n) for n in resp.names]
-            x = None if any(p is None for p in parts) else np.concatenate(
-                [np.frombuffer(p, dtype) if isinstance(p, bytes) else p.reshape(-1) for p in parts])
-        if x is None:
+        parts = [inputs(r, n) for n in resp.names]
+        if any(p is None for p in parts):
             x = np.zeros(sum(math.prod(s) for s in resp.shapes), dtype)
+        else:
+            flat = [np.frombuffer(p, dtype) if isinstance(p, bytes) else p.reshape(-1) for p in parts]
+            x = flat[0] if len(flat) == 1 else np.concatenate(flat)
         if acc is None or resp.pre != 1.0:
             x = np.array(x)  # a copy: inputs (a caller's array, a message) are never written
             scale(x, resp.pre)
