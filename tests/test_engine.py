@@ -575,7 +575,12 @@ def _sync_calls_cross_threads(hvd):
     t = threading.Thread(target=lambda: out.setdefault("x", hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum,
                                                                            name="x")))
     t.start()
-    time.sleep(0.3)  # the thread is now driving, asleep in the engine
+    from hora.common.basics import state
+
+    deadline = time.monotonic() + 10
+    while not state().engine._driving:  # the thread drives 'x', asleep in the engine until rank 0 answers
+        assert time.monotonic() < deadline, "the other thread never started driving"
+        time.sleep(0.001)
     out["y"] = hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum, name="y")
     t.join(10)
     return out["x"].tolist() + out["y"].tolist()

@@ -3,7 +3,6 @@ requests. Every case runs twice on the same ranks, inline (the default) and thro
 (``HORA_INLINE_THRESHOLD=0``), and the results are compared: the same bits on every rank; exactly the
 ring's for integers, Min/Max and at np=2; within float tolerance of it otherwise."""
 
-import time
 
 import numpy as np
 import pytest
@@ -82,7 +81,6 @@ def test_inline_results_match_the_ring(n):
 
 def _with_a_joined_rank(hvd):
     if hvd.rank() == 1:
-        time.sleep(0.2)
         hvd.join()
         return None
     out = hvd.allreduce(np.full(10, 3, np.float32), name="j.avg")  # Average over all ranks: zeros count

@@ -245,7 +245,7 @@ class Engine:
             self._ep.modify(self._ep_ctrl.fileno(), 0)
             try:
                 while not handle.done and self._step(block=True):
-                    self._pass_turn()  # threads that came to wait since may have had their handle finished
+                    self._pass_turn(1)  # threads that came to wait since may have had their handle finished
             finally:
                 self._driving = False
                 self._ep.modify(self._ep_ctrl.fileno(), select.EPOLLIN)  # wakes it if a message waits
@@ -254,13 +254,13 @@ class Engine:
                     # other threads' submissions): the engine thread cannot see it from its epoll
                     self._kick()
                 self._baton.release()
-                self._pass_turn()
+                self._pass_turn(1)
 
-    def _pass_turn(self) -> None:
+    def _pass_turn(self, me: int = 0) -> None:
         """After a cycle or on letting go of the baton: callers waiting for it (or for a handle the
-        cycle finished) look again. A waiter counts itself in before it looks, so one that is not
-        counted yet will still see what this cycle did."""
-        if self._waiters:
+        cycle finished) look again; ``me`` is 1 when the caller is itself a counted waiter. A waiter
+        counts itself in before it looks, so one that is not counted yet will see what this cycle did."""
+        if self._waiters > me:
             with self._turn:
                 self._turn.notify_all()
 
