@@ -52,8 +52,8 @@ def _hora_worker(sizes, budget, reps):
 
     import hora
     from hora.collectives.ring import Scratch
-    from hora.common import basics
-    from hora.common.execute import allreduce_flat
+    from hora.core import basics
+    from hora.core.execute import allreduce_flat
 
     hora.init()
     comm, scratch = basics.state().comm, Scratch()

@@ -76,13 +76,13 @@ def _latency(hora, reps):
 
 def worker(out: str, steps: int, reps: int) -> None:
     import hora
-    from hora.common import config
+    from hora.base import knobs as knob_table
 
     rows = {}
 
     def phase(label, step, timeline=None, **knobs):
         hora.shutdown()
-        with config.override(**knobs):
+        with knob_table.override(**knobs):
             hora.init()
         if timeline:
             hora.start_timeline(timeline)

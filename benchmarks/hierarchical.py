@@ -44,7 +44,7 @@ def worker(sizes: list[int], budget: float, reps: int) -> None:
     import hora
     from hora.collectives import ring
     from hora.collectives.reduce import Max, Sum, reducer
-    from hora.common import basics
+    from hora.core import basics
 
     hora.init()
     comm = basics.state().comm

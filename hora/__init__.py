@@ -4,18 +4,18 @@
 (``hora.torch``, ...) and the launcher API (``hora.run``) loads on first use.
 """
 
-from hora.common.basics import (cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank,
+from hora.core.basics import (cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank,
                                 local_size, rank, shutdown, size, start_timeline, statistics, stop_timeline)
-from hora.common.errors import (HoraError, HorovodInternalError, HostsUpdatedInterrupt, InternalError,
+from hora.base.errors import (HoraError, HorovodInternalError, HostsUpdatedInterrupt, InternalError,
                                 MismatchError, NotInitializedError, PeerLostError, ShutdownError, StallError)
-from hora.common.ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allgather_object,
+from hora.core.ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allgather_object,
                              allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async,
                              barrier, broadcast, broadcast_, broadcast_async, broadcast_async_, broadcast_object,
                              grouped_allgather, grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
                              grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
                              grouped_reducescatter_async, join, poll, reducescatter, reducescatter_async,
                              synchronize)
-from hora.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from hora.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 __version__ = "0.1.0"
 

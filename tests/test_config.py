@@ -1,4 +1,4 @@
-"""The knob table (hora/common/config.py): environment names and Horovod aliases, defaults, validation
+"""The knob table (hora/base/knobs.py): environment names and Horovod aliases, defaults, validation
 errors that name the knob and its range, overrides, and the generated docs/knobs.md."""
 
 import logging
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from harness import run
 
-from hora.common import config, env
+from hora.base import env, knobs
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(30)
@@ -25,8 +25,8 @@ def _clean_env(monkeypatch):
 
 
 def test_defaults_follow_horovod_or_say_why():
-    cfg = config.current()
-    assert set(cfg) == {k.name for k in config.KNOBS}
+    cfg = knobs.current()
+    assert set(cfg) == {k.name for k in knobs.KNOBS}
     assert cfg["fusion_threshold"] == 128 << 20  # Horovod: 128 MiB
     assert cfg["cycle_time"] == 1.0
     assert cfg["cache_capacity"] == 1024
@@ -36,7 +36,7 @@ def test_defaults_follow_horovod_or_say_why():
 
 
 def test_every_knob_has_both_environment_names_and_a_help_text():
-    for k in config.KNOBS:
+    for k in knobs.KNOBS:
         assert k.env == k.env.upper() and not k.env.startswith(("HORA_", "HOROVOD_")), k
         assert k.help, k
         assert isinstance(k.default, k.type), k
@@ -53,8 +53,8 @@ def test_every_knob_has_both_environment_names_and_a_help_text():
 @pytest.mark.parametrize("prefix", ["HORA_", "HOROVOD_"])
 def test_environment_and_alias(monkeypatch, prefix, name, raw, value):
     monkeypatch.setenv(prefix + name, raw)
-    knob = next(k for k in config.KNOBS if k.env == name)
-    assert config.value(knob.name) == value
+    knob = next(k for k in knobs.KNOBS if k.env == name)
+    assert knobs.value(knob.name) == value
 
 
 @pytest.mark.parametrize("name,raw,words", [
@@ -71,7 +71,7 @@ def test_environment_and_alias(monkeypatch, prefix, name, raw, value):
 def test_bad_values_name_the_knob_and_the_range(monkeypatch, name, raw, words):
     monkeypatch.setenv("HORA_" + name, raw)
     with pytest.raises(ValueError) as info:
-        config.current()
+        knobs.current()
     assert all(w in str(info.value) for w in words), str(info.value)
     assert raw in str(info.value)
 
@@ -88,15 +88,15 @@ def test_bad_value_fails_init(monkeypatch):
 def test_bad_alias_value_names_the_variable_that_was_set(monkeypatch):
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "fast")
     with pytest.raises(ValueError, match="HOROVOD_CYCLE_TIME"):
-        config.current()
+        knobs.current()
 
 
 def test_hora_wins_over_horovod_with_a_warning(monkeypatch, caplog):
     monkeypatch.setenv("HORA_FUSION_THRESHOLD", "1024")
     monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "2048")
     with caplog.at_level(logging.WARNING, logger="hora"):
-        assert config.value("fusion_threshold") == 1024
-        assert config.value("fusion_threshold") == 1024
+        assert knobs.value("fusion_threshold") == 1024
+        assert knobs.value("fusion_threshold") == 1024
     warnings = [r.getMessage() for r in caplog.records if r.name == "hora"]
     assert len(warnings) == 1, warnings  # once, not at every read
     assert "HORA_FUSION_THRESHOLD" in warnings[0] and "HOROVOD_FUSION_THRESHOLD" in warnings[0]
@@ -107,24 +107,24 @@ def test_same_value_under_both_names_is_quiet(monkeypatch, caplog):
     monkeypatch.setenv("HORA_CYCLE_TIME", "5")
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "5")
     with caplog.at_level(logging.WARNING, logger="hora"):
-        assert config.value("cycle_time") == 5.0
+        assert knobs.value("cycle_time") == 5.0
     assert not [r for r in caplog.records if r.name == "hora"]
 
 
 def test_override_wins_and_is_restored(monkeypatch):
     monkeypatch.setenv("HORA_FUSION_THRESHOLD", "1024")
-    with config.override(fusion_threshold=0, cycle_time=7.0):
-        assert config.value("fusion_threshold") == 0 and config.value("cycle_time") == 7.0
-        with config.override(fusion_threshold=5):
-            assert config.value("fusion_threshold") == 5
-        assert config.value("fusion_threshold") == 0
-    assert config.value("fusion_threshold") == 1024 and config.value("cycle_time") == 1.0
+    with knobs.override(fusion_threshold=0, cycle_time=7.0):
+        assert knobs.value("fusion_threshold") == 0 and knobs.value("cycle_time") == 7.0
+        with knobs.override(fusion_threshold=5):
+            assert knobs.value("fusion_threshold") == 5
+        assert knobs.value("fusion_threshold") == 0
+    assert knobs.value("fusion_threshold") == 1024 and knobs.value("cycle_time") == 1.0
     with pytest.raises(ValueError, match="fusion_treshold"):
-        with config.override(fusion_treshold=0):
+        with knobs.override(fusion_treshold=0):
             pass
-    with config.override(cache_capacity=-1):  # overrides are checked like everything else
+    with knobs.override(cache_capacity=-1):  # overrides are checked like everything else
         with pytest.raises(ValueError, match="cache_capacity"):
-            config.current()
+            knobs.current()
 
 
 def test_log_level_is_applied(monkeypatch):
@@ -142,13 +142,13 @@ def test_log_level_is_applied(monkeypatch):
 
 
 def test_docs_knobs_md_is_generated_from_the_table():
-    """docs/knobs.md is `python -m hora.common.config > docs/knobs.md`; regenerate it after changing a knob."""
-    generated = subprocess.run([sys.executable, "-m", "hora.common.config"], cwd=ROOT, capture_output=True,
+    """docs/knobs.md is `python -m hora.base.knobs > docs/knobs.md`; regenerate it after changing a knob."""
+    generated = subprocess.run([sys.executable, "-m", "hora.base.knobs"], cwd=ROOT, capture_output=True,
                                text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
-    assert generated == config.reference() + "\n"
+    assert generated == knobs.reference() + "\n"
     assert (ROOT / "docs" / "knobs.md").read_text() == generated, (
-        "docs/knobs.md is stale: run `python -m hora.common.config > docs/knobs.md`")
-    for k in config.KNOBS:
+        "docs/knobs.md is stale: run `python -m hora.base.knobs > docs/knobs.md`")
+    for k in knobs.KNOBS:
         assert f"HORA_{k.env}" in generated and f"HOROVOD_{k.env}" in generated
 
 

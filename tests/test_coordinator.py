@@ -3,9 +3,9 @@ fusion, the response cache, join, process sets and the stall list."""
 
 import pytest
 
-from hora.common import messages as m
-from hora.common.coordinator import Coordinator
-from hora.common.execute import nbytes_of
+from hora.core import messages as m
+from hora.core.coordinator import Coordinator
+from hora.core.execute import nbytes_of
 
 Average, Sum, Max = 0, 1, 4
 pytestmark = pytest.mark.timeout(30)
@@ -280,7 +280,7 @@ def test_add_and_remove_process_sets():
 # --- stalls --------------------------------------------------------------------------------------------
 
 def test_stalled_lists_missing_ranks(monkeypatch):
-    import hora.common.coordinator as coordinator
+    import hora.core.coordinator as coordinator
 
     now = [100.0]
     monkeypatch.setattr(coordinator.time, "monotonic", lambda: now[0])

@@ -66,9 +66,9 @@ def test_second_synchronize_names_the_handle(hvd):
 def test_synchronous_ops_do_not_wait_for_the_cycle(hvd):
     """HORA_CYCLE_TIME=400: async requests wait to be batched, a synchronous op negotiates at once."""
     hvd.shutdown()
-    from hora.common import config
+    from hora.base import knobs
 
-    with config.override(cycle_time=400.0):
+    with knobs.override(cycle_time=400.0):
         hvd.init()
     t0 = time.perf_counter()
     for i in range(5):
@@ -144,9 +144,9 @@ def test_fifty_tensors_in_different_orders(n):
 @ranks(2)
 def test_fifty_tensors_in_different_orders_without_fusion_or_cache(hvd):
     hvd.shutdown()
-    from hora.common import config
+    from hora.base import knobs
 
-    with config.override(fusion_threshold=0, cache_capacity=0):
+    with knobs.override(fusion_threshold=0, cache_capacity=0):
         hvd.init()
     _fifty_in_any_order(hvd, 3)
     assert hvd.statistics()["tensors_fused"] == 0
@@ -287,9 +287,9 @@ def _fused_step(hvd, count=10, elems=256, grouped=False):
 
 def _fusion(hvd, env):
     hvd.shutdown()
-    from hora.common import config
+    from hora.base import knobs
 
-    with config.override(**env):
+    with knobs.override(**env):
         hvd.init()
     assert set(hvd.statistics()) == STAT_KEYS
     return _fused_step(hvd), _fused_step(hvd, grouped=True)
@@ -370,9 +370,9 @@ def _steady(hvd, steps, grouped=False):
 
 def _steady_with(hvd, env, steps, grouped=False):
     hvd.shutdown()
-    from hora.common import config
+    from hora.base import knobs
 
-    with config.override(**env):
+    with knobs.override(**env):
         hvd.init()
     return _steady(hvd, steps, grouped)
 
@@ -410,9 +410,9 @@ def test_steady_state_grouped_ops_hit_the_cache():
 
 def _one_off_names_then_steady(hvd):
     hvd.shutdown()
-    from hora.common import config
+    from hora.base import knobs
 
-    with config.override(cache_capacity=16, cycle_time=50.0):
+    with knobs.override(cache_capacity=16, cycle_time=50.0):
         hvd.init()
     for _ in range(16):  # e.g. a metric averaged without a name, once per step
         hvd.allreduce(np.ones(1, np.float32))
@@ -575,7 +575,7 @@ def _sync_calls_cross_threads(hvd):
     t = threading.Thread(target=lambda: out.setdefault("x", hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum,
                                                                            name="x")))
     t.start()
-    from hora.common.basics import state
+    from hora.core.basics import state
 
     deadline = time.monotonic() + 10
     while not state().engine._driving:  # the thread drives 'x', asleep in the engine until rank 0 answers

@@ -110,7 +110,7 @@ def _direct(hvd):
     """The job's communicator, for calls from this (the main) thread. The engine's hook for control
     messages is unset while the test runs collectives itself: a data wait would otherwise read the
     control connections that the idle engine thread polls too (two readers tear messages)."""
-    from hora.common import basics
+    from hora.core import basics
 
     comm = basics.state().comm
     comm.on_ctrl = None
@@ -120,7 +120,7 @@ def _direct(hvd):
 def _shm_vs_ring(hvd, cases):
     from hora.collectives import ring, shm_ops
     from hora.collectives.reduce import reducer
-    from hora.common import basics
+    from hora.core import basics
     from hora.transport import shm
 
     n, r = hvd.size(), hvd.rank()
@@ -178,7 +178,7 @@ def test_shm_paths_match_the_ring(n):
 def _without_flags(cases):
     """Initialise as a group too big for sleeper flags (every step wakes with a syscall), run the cases."""
     import hora
-    from hora.common import basics
+    from hora.core import basics
     from hora.transport import shm
 
     old = shm._FLAGGED
@@ -210,7 +210,7 @@ sys.path.insert(0, os.environ["FAST_TESTS"])
 import hora
 from hora.collectives import ring
 from hora.collectives.reduce import reducer
-from hora.common import basics
+from hora.core import basics
 from test_fast_paths import make, verdict, INTS, FLOATS, Sum, Min, Max, Product
 
 out = {}

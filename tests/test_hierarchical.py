@@ -41,7 +41,7 @@ def _envs(layout: str = "blocks", **extra) -> list[dict]:
 def _comm():
     """The job's communicator for calls from this thread; the engine's control hook is unset (two
     readers of one control socket would tear messages)."""
-    from hora.common import basics
+    from hora.core import basics
 
     comm = basics.state().comm
     comm.on_ctrl = None
@@ -102,7 +102,7 @@ def test_allreduce_matches_the_flat_ring(layout):
 
 
 def _through_the_engine(hvd):
-    from hora.common import basics
+    from hora.core import basics
 
     r = hvd.rank()
     x = np.arange(100_003, dtype=np.float32) * (r + 1)
@@ -128,7 +128,7 @@ def test_engine_uses_it_and_scales():
 
 
 def _transport_name(hvd):
-    from hora.common import basics
+    from hora.core import basics
 
     return basics.state().comm.name if hasattr(basics.state().comm, "name") else "TCP"
 
@@ -164,7 +164,7 @@ def test_uneven_hosts_stay_on_the_ring():
 def _process_sets(hvd):
     """Sets spread evenly over two of three hosts (hierarchical), within one host (shared memory),
     uneven (ring) and one rank per host (ring)."""
-    from hora.common import basics
+    from hora.core import basics
 
     sets = {"even": [0, 1, 2, 3], "one_host": [4, 5], "uneven": [0, 1, 2], "spread": [1, 3, 5]}
     made = {name: hvd.add_process_set(ranks) for name, ranks in sets.items()}
@@ -200,7 +200,7 @@ JOB = """
 import hashlib, json, os, sys
 import numpy as np
 import hora
-from hora.common import basics
+from hora.core import basics
 hora.init()
 r = hora.rank()
 x = (np.arange(300_001, dtype=np.float32) % 97) * (r + 1)

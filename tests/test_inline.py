@@ -1,4 +1,4 @@
-"""Inline allreduce (hora.common.inline): small tensors reduced by rank 0 from the inputs sent with the
+"""Inline allreduce (hora.core.inline): small tensors reduced by rank 0 from the inputs sent with the
 requests. Every case runs twice on the same ranks, inline (the default) and through the plain TCP ring
 (``HORA_INLINE_THRESHOLD=0``), and the results are compared: the same bits on every rank; exactly the
 ring's for integers, Min/Max and at np=2; within float tolerance of it otherwise."""
@@ -115,7 +115,7 @@ def test_process_set_without_the_coordinator():
 
 
 def _mixed_thresholds(hvd):
-    from hora.common.basics import state
+    from hora.core.basics import state
 
     out = [hvd.allreduce(np.full(8, hvd.rank() + 1, np.float32), op=hvd.Sum).tolist() for _ in range(3)]
     return out[0], hvd.statistics()["tensors_inline"], len(state().engine._payloads)

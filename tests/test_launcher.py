@@ -175,7 +175,7 @@ def test_every_horovodrun_flag_is_in_the_table():
 @pytest.mark.timeout(10)
 def test_table_agrees_with_the_knob_table():
     """Flags that set engine knobs export the knob's HORA_ name (the runner may not import config)."""
-    config = pytest.importorskip("hora.common.config")
+    config = pytest.importorskip("hora.base.knobs")
     for knob in config.KNOBS:
         if knob.flag:
             assert knob.flag in flags.BY_NAME, f"hora run lacks {knob.flag}"

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from hora.common import launchers
-from hora.common.launchers import expand_counts, expand_nodelist
+from hora.core import launchers
+from hora.core.launchers import expand_counts, expand_nodelist
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

@@ -54,7 +54,7 @@ def mpirun(np: int, args: list[str], extra: dict[str, str] | None = None, timeou
 # pieces (and not a multiple of them), a process set, and which communicator carried the data
 SCRIPT = r"""
 import numpy as np, ml_dtypes, hora
-from hora.common import basics
+from hora.core import basics
 hora.init(process_sets="dynamic")
 r, n = hora.rank(), hora.size()
 tri = n * (n - 1) // 2

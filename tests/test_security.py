@@ -62,7 +62,7 @@ def dropped_by_peer(sock: socket.socket, within: float) -> bool:
 
 def attack(addr: tuple[str, int], kind: str, secret: str) -> str | None:
     """Connect to ``addr`` and misbehave; return a complaint, or None when we were dropped."""
-    from hora.common.errors import AuthenticationError
+    from hora.base.errors import AuthenticationError
     from hora.transport import auth
 
     sock = socket.create_connection(addr, timeout=5)

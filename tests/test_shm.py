@@ -58,7 +58,7 @@ def _with_chunk(chunk, body, *args):
 
 
 def _comm(hvd):
-    from hora.common import basics
+    from hora.core import basics
 
     return basics.state().comm
 
@@ -344,7 +344,7 @@ def test_sigkill_mid_allreduce_is_named_and_leaves_nothing(n, nbytes):
 
 
 def _one_rank_leaves(hvd):
-    from hora.common.errors import PeerLostError
+    from hora.base.errors import PeerLostError
 
     comm = _direct(hvd)
     x = np.ones(10_000, np.float32)
@@ -370,7 +370,7 @@ def test_a_peer_that_shuts_down_mid_collective_is_named_at_once():
 
 def _group_departure():
     from hora.collectives import shm_ops
-    from hora.common.errors import PeerLostError
+    from hora.base.errors import PeerLostError
     from hora.transport import shm
 
     r, n = int(os.environ["HORA_RANK"]), int(os.environ["HORA_SIZE"])

@@ -126,7 +126,7 @@ def test_every_span_ends(tmp_path):
 def test_a_reader_never_sees_a_torn_file(tmp_path, monkeypatch):
     """Whatever a reader catches between any two of the writer's system calls must load. To make the race
     deterministic, every write to the file is done in two halves and the file is loaded in between."""
-    import hora.common.timeline as timeline
+    import hora.core.timeline as timeline
 
     monkeypatch.setattr(timeline, "FLUSH_EVERY", 3600.0)  # only our flush() calls write
     path = tmp_path / "torn.json"

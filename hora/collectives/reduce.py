@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from hora.common.errors import HoraValueError
+from hora.base.errors import HoraValueError
 
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from hora.collectives.reduce import Average, Max, Min, Product, Sum
-from hora.common.errors import HoraValueError
+from hora.base.errors import HoraValueError
 
 UFUNCS = {Average: np.add, Sum: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
 # Up to this, every rank reduces everything itself after one synchronisation (n x the reads, half the

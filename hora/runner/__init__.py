@@ -1,7 +1,7 @@
 """The launcher side of hora: ``hora run`` (horovodrun's equivalent) and ``hora.run()``.
 
 Kept light on purpose: importing ``hora.runner`` loads nothing until a function is called, and the
-runner never imports ``hora.common`` engine code or a framework; it talks to workers only through
+runner never imports ``hora.core`` engine code or a framework; it talks to workers only through
 environment variables and the rendezvous store.
 """
 

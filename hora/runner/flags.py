@@ -5,8 +5,8 @@ itself), its key in a ``--config-file`` YAML, and whether hora implements it, ac
 refuses it for now. The parser (:mod:`hora.runner.cli_args`) and the config-file reader
 (:mod:`hora.runner.config_file`) are both driven by this table, so a new flag is one line here.
 
-The runner may not import ``hora.common`` (launcher and workers meet only through env vars), so the
-tuning rows repeat the env names of ``hora/common/config.py``; ``tests/test_launcher.py`` checks that
+The runner may not import ``hora.core`` (launcher and workers meet only through env vars), so the
+tuning rows repeat the env names of ``hora/base/knobs.py``; ``tests/test_launcher.py`` checks that
 the two tables agree.
 """
 

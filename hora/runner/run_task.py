@@ -53,7 +53,7 @@ def main() -> int:
             except Exception:  # noqa: BLE001
                 exc = None
             # a rank that failed because another one did (lost peer, shutdown) is not the root cause
-            from hora.common.errors import PeerLostError, ShutdownError
+            from hora.base.errors import PeerLostError, ShutdownError
 
             secondary = isinstance(e, (PeerLostError, ShutdownError))
             result = ("err", (exc, tb, f"{type(e).__name__}: {e}", time.time(), secondary))

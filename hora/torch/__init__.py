@@ -4,11 +4,11 @@ The names, signatures and defaults are ``horovod.torch``'s (0.28.1); docs/migrat
 every difference. Tensors go to hora's NumPy core as zero-copy views.
 """
 
-from hora.common.basics import (cross_rank, cross_size, is_homogeneous, is_initialized, local_rank, local_size,
+from hora.core.basics import (cross_rank, cross_size, is_homogeneous, is_initialized, local_rank, local_size,
                                 rank, size, start_timeline, statistics, stop_timeline)
-from hora.common.errors import (HoraError, HorovodInternalError, HostsUpdatedInterrupt, InternalError,
+from hora.base.errors import (HoraError, HorovodInternalError, HostsUpdatedInterrupt, InternalError,
                                 MismatchError, NotInitializedError, PeerLostError, ShutdownError, StallError)
-from hora.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from hora.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from hora.torch import hooks
 from hora.torch._build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
                                mpi_threads_supported, nccl_built, rocm_built)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-from hora.common.errors import HoraValueError
+from hora.base.errors import HoraValueError
 
 __all__ = ["mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
            "ddl_built", "ccl_built", "cuda_built", "rocm_built"]

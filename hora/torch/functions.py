@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-import hora.common.basics as _basics
-import hora.common.ops as _core
-from hora.common.errors import HoraValueError
-from hora.common.process_sets import global_process_set
+import hora.core.basics as _basics
+import hora.core.ops as _core
+from hora.base.errors import HoraValueError
+from hora.core.process_sets import global_process_set
 from hora.torch import mpi_ops
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]

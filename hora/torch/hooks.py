@@ -17,9 +17,9 @@ import warnings
 
 import torch
 
-from hora.common.errors import HoraValueError
-from hora.common.ops import Adasum, Average, Max, Min, Product, Sum
-from hora.common.process_sets import global_process_set
+from hora.base.errors import HoraValueError
+from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
+from hora.core.process_sets import global_process_set
 from hora.torch import mpi_ops
 from hora.torch.compression import Compression
 

@@ -18,11 +18,11 @@ import warnings
 import numpy as np
 import torch
 
-import hora.common.basics as _basics
-import hora.common.ops as _core
-from hora.common.errors import HoraValueError
-from hora.common.ops import Adasum, Average, Max, Min, Product, Sum
-from hora.common.process_sets import ProcessSet, global_process_set
+import hora.core.basics as _basics
+import hora.core.ops as _core
+from hora.base.errors import HoraValueError
+from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.torch.compression import Compression
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "init", "shutdown", "allreduce", "allreduce_async",

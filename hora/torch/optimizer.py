@@ -15,10 +15,10 @@ import warnings
 
 import torch
 
-from hora.common import env
-from hora.common.errors import HoraValueError
-from hora.common.ops import Adasum, Average
-from hora.common.process_sets import global_process_set
+from hora.base import env
+from hora.base.errors import HoraValueError
+from hora.core.ops import Adasum, Average
+from hora.core.process_sets import global_process_set
 from hora.torch import hooks, mpi_ops
 from hora.torch.compression import Compression
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from hora.common.ops import Sum
-from hora.common.process_sets import global_process_set
+from hora.core.ops import Sum
+from hora.core.process_sets import global_process_set
 from hora.torch import mpi_ops
 
 __all__ = ["SyncBatchNorm"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-from hora.common.errors import HoraError
+from hora.base.errors import HoraError
 
 
 def _is_loopback(host: str) -> bool:

@@ -15,7 +15,7 @@ import os
 import socket
 import struct
 
-from hora.common.errors import AuthenticationError
+from hora.base.errors import AuthenticationError
 
 NONCE = 32
 MAC = hashlib.sha256().digest_size

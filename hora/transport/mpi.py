@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from hora.common.errors import CommunicatorClosedError, HoraError, HoraValueError
+from hora.base.errors import CommunicatorClosedError, HoraError, HoraValueError
 from hora.transport.base import OverMesh
 
 log = logging.getLogger("hora.transport")
@@ -287,7 +287,7 @@ class MpiCommunicator(OverMesh):
         return self._broken or self.tcp.broken
 
     @property
-    def _socks(self):  # closed in forked children (hora.common.basics)
+    def _socks(self):  # closed in forked children (hora.core.basics)
         return self.tcp._socks
 
     def abort(self, error: BaseException) -> None:

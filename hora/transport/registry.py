@@ -13,7 +13,7 @@ import difflib
 import importlib
 import logging
 
-from hora.common.errors import HoraValueError
+from hora.base.errors import HoraValueError
 
 log = logging.getLogger("hora.transport")
 

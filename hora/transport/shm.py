@@ -37,7 +37,7 @@ import traceback
 
 import numpy as np
 
-from hora.common.errors import CommunicatorClosedError, HoraError, HoraValueError, PeerLostError
+from hora.base.errors import CommunicatorClosedError, HoraError, HoraValueError, PeerLostError
 from hora.transport.base import OverMesh
 
 log = logging.getLogger("hora.transport")

@@ -18,7 +18,7 @@ import struct
 import threading
 import time
 
-from hora.common.errors import HoraError
+from hora.base.errors import HoraError
 from hora.transport import auth, net
 
 log = logging.getLogger("hora.store")

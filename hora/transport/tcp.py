@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from hora.common.errors import CommunicatorClosedError, HoraError, PeerLostError
+from hora.base.errors import CommunicatorClosedError, HoraError, PeerLostError
 from hora.transport import auth, net
 from hora.transport.base import byte_view
 from hora.transport.store import StoreClient

@@ -1,1 +1,1 @@
-from hora.common.errors import HorovodInternalError, HorovodVersionMismatchError, HostsUpdatedInterrupt  # noqa: F401
+from hora.base.errors import HorovodInternalError, HorovodVersionMismatchError, HostsUpdatedInterrupt  # noqa: F401

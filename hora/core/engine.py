@@ -4,7 +4,7 @@ The caller's thread only enqueues a request and returns a handle; the engine thr
 until there is work (a local submission or a control message), sends new requests to the
 coordinator (rank 0), receives the agreed responses and runs them in that order, so that every
 rank runs the same collectives in the same order whatever order it submitted them in. Rank 0's
-engine is also the coordinator (:mod:`hora.common.coordinator`); its timeline and stall inspector
+engine is also the coordinator (:mod:`hora.core.coordinator`); its timeline and stall inspector
 live here too.
 
 Failure: a lost peer, found on a data or control socket, fails every pending handle on this rank
@@ -24,13 +24,13 @@ import threading
 import time
 import traceback
 
-from hora.common import inline
-from hora.common import messages as m
-from hora.common.coordinator import Coordinator, ResponseCache
-from hora.common.errors import (HoraError, HoraValueError, InternalError, MismatchError, PeerLostError,
+from hora.core import inline
+from hora.core import messages as m
+from hora.core.coordinator import Coordinator, ResponseCache
+from hora.base.errors import (HoraError, HoraValueError, InternalError, MismatchError, PeerLostError,
                                 ShutdownError, StallError)
-from hora.common.execute import Executor, Pending, nbytes_of
-from hora.common.handles import HandleTable
+from hora.core.execute import Executor, Pending, nbytes_of
+from hora.core.handles import HandleTable
 
 log = logging.getLogger("hora")
 

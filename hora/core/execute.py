@@ -13,8 +13,8 @@ import numpy as np
 
 from hora.collectives import exchange, ring
 from hora.collectives.reduce import Average, reducer, scale
-from hora.common import messages as m
-from hora.common.handles import Handle
+from hora.core import messages as m
+from hora.core.handles import Handle
 
 
 @dataclasses.dataclass(slots=True)
@@ -144,7 +144,7 @@ class Executor:
         getattr(self, "_" + kind)(resp, pends, comm, op_name)
 
     def inline_result(self, resp, pends) -> None:
-        """Copy out the result the coordinator computed (:mod:`hora.common.inline`)."""
+        """Copy out the result the coordinator computed (:mod:`hora.core.inline`)."""
         names = resp.names
         self.stats.collectives += 1
         self.stats.tensors += len(names)

@@ -16,7 +16,7 @@ import dataclasses
 import time
 
 from hora.collectives.reduce import OP_NAMES
-from hora.common.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
+from hora.core.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                                   REDUCESCATTER, REMOVE_PS, Request, Response)
 
 _COMPARED = {  # fields that must agree across ranks, by op kind

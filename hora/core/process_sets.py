@@ -7,7 +7,7 @@ global set has id 0; others get 1, 2, ... in registration order.
 
 from __future__ import annotations
 
-from hora.common.errors import HoraValueError
+from hora.base.errors import HoraValueError
 
 
 class ProcessSet:
@@ -24,7 +24,7 @@ class ProcessSet:
         self.mpi_comm = None
 
     def _require(self):
-        from hora.common import basics
+        from hora.core import basics
 
         basics.state()
         if self.process_set_id is None:
@@ -37,14 +37,14 @@ class ProcessSet:
 
     def rank(self) -> int:
         """This process's rank within the set (-1 when not included)."""
-        from hora.common import basics
+        from hora.core import basics
 
         self._require()
         r = basics.rank()
         return self.ranks.index(r) if r in self.ranks else -1
 
     def included(self) -> bool:
-        from hora.common import basics
+        from hora.core import basics
 
         self._require()
         return basics.rank() in self.ranks
@@ -68,7 +68,7 @@ class _GlobalProcessSet(ProcessSet):
         self.process_set_id = 0
 
     def _require(self):
-        from hora.common import basics
+        from hora.core import basics
 
         self.ranks = list(range(basics.size()))
 
@@ -78,7 +78,7 @@ global_process_set = _GlobalProcessSet()
 
 def register(ps: ProcessSet, at_init: bool = False) -> ProcessSet:
     """Register ``ps`` on every rank (a collective through the engine); sets its id."""
-    from hora.common import basics, messages as m, ops
+    from hora.core import basics, messages as m, ops
 
     st = basics.state()
     if not (at_init or st.dynamic):
@@ -103,7 +103,7 @@ def add_process_set(process_set) -> ProcessSet:
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` (collective). Returns False if it was not registered."""
-    from hora.common import basics, messages as m, ops
+    from hora.core import basics, messages as m, ops
 
     st = basics.state()
     if not st.dynamic:

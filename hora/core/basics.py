@@ -12,9 +12,10 @@ import atexit
 import os
 import threading
 
-from hora.common import config, env, launchers
-from hora.common.errors import HoraError, HoraValueError, NotInitializedError
-from hora.common.launchers import Topology
+from hora.base import env, knobs
+from hora.core import launchers
+from hora.base.errors import HoraError, HoraValueError, NotInitializedError
+from hora.core.launchers import Topology
 from hora.transport.base import LocalCommunicator
 
 
@@ -28,10 +29,10 @@ class _State:
         self.dynamic = self.cfg["dynamic_process_sets"]
         self.timeline = None
         if self.cfg["timeline"] and self.cfg["timeline"] != "DYNAMIC" and topo.rank == 0:
-            from hora.common.timeline import Timeline
+            from hora.core.timeline import Timeline
 
             self.timeline = Timeline(self.cfg["timeline"], self.cfg["timeline_mark_cycles"])
-        from hora.common.engine import Engine
+        from hora.core.engine import Engine
 
         self.engine = Engine(comm, topo, self.cfg, self.timeline)
         self.groups: dict[int, list[int]] = {}  # grouped handles
@@ -72,8 +73,8 @@ def init(comm=None, process_sets=None) -> None:
         elif process_sets is not None and not isinstance(process_sets, (list, tuple)):
             raise HoraValueError(f"init(process_sets=...) takes a list of ProcessSet or 'dynamic', "
                                  f"not {process_sets!r}")
-        cfg = config.current()  # a bad knob fails here, before any connection is made
-        config.apply_log_level()
+        cfg = knobs.current()  # a bad knob fails here, before any connection is made
+        knobs.apply_log_level()
         job = launchers.detect()
         if job.topo.size == 1:
             _state = _State(job.topo, LocalCommunicator(), None, "", cfg)
@@ -84,7 +85,7 @@ def init(comm=None, process_sets=None) -> None:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _atexit_registered = True
     if isinstance(process_sets, (list, tuple)):
-        from hora.common.process_sets import register
+        from hora.core.process_sets import register
 
         try:
             for ps in process_sets:
@@ -209,7 +210,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     st = state()
     if st.topo.rank != 0:
         return
-    from hora.common.timeline import Timeline
+    from hora.core.timeline import Timeline
 
     stop_timeline()
     st.cfg["timeline_mark_cycles"] = mark_cycles

@@ -25,8 +25,8 @@ import math
 import numpy as np
 
 from hora.collectives.reduce import Average, reducer, scale
-from hora.common import messages as m
-from hora.common.execute import Pending, dtype_of
+from hora.core import messages as m
+from hora.core.execute import Pending, dtype_of
 
 
 def payload(pend: Pending, threshold: int) -> bytes | None:

@@ -32,8 +32,8 @@ import os
 import re
 import socket
 
-from hora.common import env
-from hora.common.errors import HoraError, HoraValueError
+from hora.base import env
+from hora.base.errors import HoraError, HoraValueError
 
 log = logging.getLogger("hora")
 

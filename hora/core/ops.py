@@ -15,11 +15,11 @@ import time
 import numpy as np
 
 from hora.collectives.reduce import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, check_dtype
-from hora.common import messages as m
-from hora.common.basics import state
-from hora.common.errors import HoraValueError
-from hora.common.execute import Pending
-from hora.common.process_sets import ProcessSet, global_process_set
+from hora.core import messages as m
+from hora.core.basics import state
+from hora.base.errors import HoraValueError
+from hora.core.execute import Pending
+from hora.core.process_sets import ProcessSet, global_process_set
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "allreduce_", "allreduce_async",
            "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",

@@ -10,7 +10,7 @@ import itertools
 import threading
 from typing import Any, Callable
 
-from hora.common.errors import HoraValueError
+from hora.base.errors import HoraValueError
 
 
 class Handle:
