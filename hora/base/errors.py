@@ -39,6 +39,16 @@ class ShutdownError(InternalError):
     """hora was shut down (by this rank, or after an error on another) while work was pending."""
 
 
+class TransportError(InternalError):
+    """A transport failed in a way that is not a lost peer (an MPI error, a broken shared segment).
+    Raised by the transport edge, with the library's own exception in ``__cause__``; elastic recovers."""
+
+
+class HoraTimeoutError(InternalError, TimeoutError):
+    """A wait inside hora (for a peer's data, the store, the job's start) ran past its limit. Also a
+    ``TimeoutError``, so ``except TimeoutError`` keeps working; elastic recovers."""
+
+
 class CommunicatorClosedError(HoraError):
     """This rank used a communicator after closing it: a bug in the caller, not a peer failure."""
 
@@ -63,6 +73,26 @@ class NotInitializedError(HoraError, ValueError):
 
 class HoraValueError(HoraError, ValueError):
     """Bad input from the caller: unsupported dtype, unknown op, duplicate name, bad argument."""
+
+
+class BusyError(HoraError):
+    """Two threads used one thing that only one may use at a time (e.g. both wait on one handle).
+    A bug in the caller; raised on the second user, the first is unaffected."""
+
+
+class ForkedChildError(HoraError):
+    """A hora call in a process forked from an initialised rank (a data-loader worker, say): the child
+    does not own the parent's connections. Call ``hora.init()`` in the child if it is meant to be a rank."""
+
+
+class NotSupportedError(HoraError, NotImplementedError):
+    """A feature that hora accepts by name but does not implement yet; the message says why and what to
+    use instead. Also a ``NotImplementedError``, as the Horovod call it replaces may raise."""
+
+
+class LaunchError(HoraError):
+    """``hora run`` / ``hora.run()`` could not start or finish the job: bad flags, unreachable hosts, a
+    failed worker. Raised in the launcher, never in a worker."""
 
 
 # Horovod's names, so that `from horovod.common.exceptions import ...` code keeps working.

@@ -78,6 +78,17 @@ KNOBS = [
          allowed="auto, 1 or 0"),
     Knob("start_timeout", float, 30.0, "START_TIMEOUT", "--start-timeout",
          "seconds ranks wait for each other at init", 1, lambda v: v > 0, "> 0"),
+    Knob("network_interfaces", str, "", "NETWORK_INTERFACES", "--network-interfaces",
+         "comma-separated network interfaces the ranks use for data and the store ('' = the one that "
+         "reaches the store)"),
+    Knob("store_port", int, 0, "STORE_PORT", None,
+         "TCP port of the rendezvous store under torchrun/srun/mpirun (0 = derived from the launcher's)", 1,
+         lambda v: 0 <= v <= 65535, "0-65535"),
+    Knob("log_hide_time", bool, False, "LOG_HIDE_TIME", None, "no timestamps in hora's log lines"),
+    Knob("mpi_threads_disable", bool, False, "MPI_THREADS_DISABLE", "--mpi-threads-disable",
+         "ask MPI for MPI_THREAD_SERIALIZED, not MULTIPLE (the least hora's engine thread can use)"),
+    Knob("elastic", bool, False, "ELASTIC", None,
+         "set by the elastic driver: the job may change size, so collectives run even at size 1"),
 ]
 BY_NAME = {k.name: k for k in KNOBS}
 _overrides: dict[str, Any] = {}
@@ -162,7 +173,7 @@ def apply_log_level() -> None:
     logger.setLevel(level)
     if level < logging.WARNING and not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        hide_time = (env.get("LOG_HIDE_TIME") or "0") not in ("0", "")
+        hide_time = value("log_hide_time")
         handler.setFormatter(logging.Formatter("%(message)s" if hide_time else "%(asctime)s %(levelname)s %(message)s"))
         logger.addHandler(handler)
 
