@@ -35,7 +35,7 @@ import threading
 import time
 from typing import IO, Any
 
-from hora.runner.spawn import READER_JOIN, TERM_GRACE, _die_with_parent, _group_alive, _signal_group
+from hora.runner.spawn import READER_JOIN, TERM_GRACE, _die_with_parent, _group_alive, _signal_group, pump_lines
 
 VERSION = 1
 # frames, bootstrap -> launcher
@@ -147,13 +147,7 @@ class Bootstrap:
             self.waiters.append(w)
 
     def _pump(self, rank: int, kind: int, pipe: IO[bytes]) -> None:
-        try:
-            for line in iter(pipe.readline, b""):
-                self.send(kind, rank, line)
-        except (OSError, ValueError):
-            pass
-        finally:
-            pipe.close()
+        pump_lines(pipe, lambda line: self.send(kind, rank, line))
 
     def _wait(self, rank: int, proc: subprocess.Popen, pumps: list[threading.Thread]) -> None:
         code = proc.wait()
