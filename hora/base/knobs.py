@@ -83,7 +83,8 @@ TRANSPORTS = ("auto", "tcp", "shm", "mpi", "hierarchical")  # as hora/transport/
 KNOBS = [
     # tuning
     Knob("fusion_threshold", int, 128 << 20, "FUSION_THRESHOLD", "--fusion-threshold-mb",
-         "bytes of allreduce tensors packed into one fusion buffer (0 turns fusion off)", 1 << 20,
+         "size of the fusion buffer that packs allreduce tensors into one collective, in bytes (the flag: MiB; "
+         "0 turns fusion off)", 1 << 20,
          _nonneg, ">= 0", config="params.fusion_threshold_mb"),
     Knob("cycle_time", float, 1.0, "CYCLE_TIME", "--cycle-time-ms",
          "ms the engine waits to gather more asynchronous tensors into one negotiation", 1, _nonneg, ">= 0",

@@ -157,9 +157,8 @@ def format_help() -> str:
              "Flags after the first word that is not a flag belong to the command ('--' also ends flags)."]
     for group in GROUPS:
         lines += ["", f"{group}:"]
-        for f in FLAGS:
-            if f.group != group:
-                continue
+        # the launcher's own flags, then those of the knobs, then what hora accepts without effect or refuses
+        for f in sorted((f for f in FLAGS if f.group == group), key=lambda f: (f.status != "yes", f.knob is not None)):
             meta = f.metavar or {int: "N", float: "NUM"}.get(f.kind, "TEXT")
             if f.choices:
                 meta = "{" + ",".join(f.choices) + "}"
