@@ -18,8 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hora import _alias
-from hora.base import knobs
+from hora.base import contract, knobs
 from hora.runner import cli_args, flags, hosts
 from hora.runner.hosts import Host, HostError
 
@@ -185,10 +184,26 @@ def test_flags_of_settings_come_from_the_knob_table():
     knob_vars = {"HORA_" + k.env for k in knobs.KNOBS}
     for f in flags.LAUNCHER_FLAGS:
         assert f.knob is None and f.env not in knob_vars, f.names
-        assert f.env is None or f.env == _alias.ENV or not f.env.startswith(("HORA_", "HOROVOD_")), f.names
+        assert f.env is None or f.env == contract.HOROVOD_ALIAS or not f.env.startswith(("HORA_", "HOROVOD_")), f.names
     assert flags.env_for({"fusion_threshold": 4 << 20, "stall_check_disable": True, "log_hide_time": False,
                           "tcp": True}) == {"HORA_FUSION_THRESHOLD": str(4 << 20), "HORA_STALL_CHECK_DISABLE": "1",
                                             "HORA_LOG_HIDE_TIME": "0", "NCCL_IB_DISABLE": "1"}
+
+
+@pytest.mark.timeout(10)
+def test_the_runner_imports_only_base_and_transport():
+    """Launcher and workers meet only through environment variables and the store: no runner module imports
+    the engine, the collectives or a binding (checked in the source, since `import hora` loads the engine)."""
+    import ast
+
+    for path in [*(ROOT / "hora" / "runner").glob("*.py"), ROOT / "hora" / "check.py"]:  # -cb: hora.check
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                if name == "hora" or name.startswith("hora."):
+                    assert name.split(".")[1:2] in (["base"], ["transport"], ["runner"], ["check"]), \
+                        f"{path.name}: {name}"
 
 
 def _worker_reads() -> set[str]:

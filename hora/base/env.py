@@ -29,6 +29,17 @@ def parse_bool(text: str) -> bool | None:
     return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
 
 
+def parse_auto_bool(text: str) -> bool | None:
+    """For a setting that is ``auto`` unless turned on or off (``hierarchical_allreduce``): ``None`` for
+    ``auto`` or empty, else :func:`parse_bool` (``None`` again for a word that is neither).
+
+    >>> parse_auto_bool("auto"), parse_auto_bool("1"), parse_auto_bool("off")
+    (None, True, False)
+    """
+    word = str(text).strip().lower()
+    return None if word in ("auto", "") else parse_bool(word)
+
+
 def source(name: str) -> str:
     """The variable a value of ``get(name)`` came from, for error messages."""
     return "HORA_" + name if "HORA_" + name in os.environ or "HOROVOD_" + name not in os.environ \

@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from hora import _alias
-from hora.base import knobs
+from hora.base import contract, knobs
 
 Status = Literal["yes", "no-op", "not yet"]
 
@@ -170,8 +169,8 @@ LAUNCHER_FLAGS: tuple[Flag, ...] = (
     _f("--mpi-args", "mpi_args", "library", "extra mpirun arguments (with --mpi), split like a shell",
        kind=str, metavar="ARGS", kwarg="mpi_args"),
     _f("--horovod-alias", "horovod_alias", "library",
-       f"let unchanged Horovod scripts run: `import horovod.torch` loads hora (sets {_alias.ENV}=1)",
-       env=_alias.ENV),
+       f"let unchanged Horovod scripts run: `import horovod.torch` loads hora (sets {contract.HOROVOD_ALIAS}=1)",
+       env=contract.HOROVOD_ALIAS),
     _f("--tcp", "tcp", "library", "use TCP only, no InfiniBand (sets NCCL_IB_DISABLE=1 for NCCL in the "
        "workers' frameworks)", env="NCCL_IB_DISABLE"),
     _f("--binding-args", "binding_args", "library",

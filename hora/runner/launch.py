@@ -22,7 +22,6 @@ import sys
 import uuid
 from typing import Any
 
-from hora import _alias
 from hora.base import contract
 from hora.runner import hosts as hostlib
 from hora.runner import ssh
@@ -67,7 +66,7 @@ def worker_envs(slots: list[hostlib.Slot], knobs: dict[str, str], store_addr: st
             common.pop("HOROVOD_" + name[5:], None)
     common.update(knobs)
     common.update(extra or {})
-    if common.get(_alias.ENV) == "1":  # the shim `horovod` package goes first on the path
+    if common.get(contract.HOROVOD_ALIAS) == "1":  # the shim `horovod` package goes first on the path
         alias = str(Path(__file__).resolve().parents[1] / "_alias" / "site")
         common["PYTHONPATH"] = os.pathsep.join(p for p in (alias, common.get("PYTHONPATH", "")) if p)
     common.update(HORA_SIZE=str(len(slots)), HORA_STORE_ADDR=store_addr, HORA_STORE_SCOPE=scope,
