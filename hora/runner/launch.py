@@ -6,7 +6,8 @@ hands each worker its place through environment variables only::
     HORA_RANK HORA_SIZE HORA_LOCAL_RANK HORA_LOCAL_SIZE HORA_CROSS_RANK HORA_CROSS_SIZE
     HORA_HOSTNAME (the -H name)  HORA_STORE_ADDR (host:port)  HORA_STORE_SCOPE (job id)
     HORA_SECRET (never on a command line, never printed)  PYTHONUNBUFFERED=1
-    + the HORA_* tuning variables of the flags that were given
+    + the HORA_* variables of the knobs whose flags were given
+    (the names: hora/base/contract.py and hora/base/knobs.py, shared with the worker side)
 
 Exit status: 0 when every rank exits 0; else that of the first rank to fail (128+N for signal N);
 2 for a bad command line; 130/143 when the launcher itself is interrupted by SIGINT/SIGTERM; 255 when

@@ -19,8 +19,8 @@ channel), on SIGTERM/SIGHUP, or when the launcher has been silent for ``launcher
 (its host became unreachable), it signals every worker group with SIGTERM, then SIGKILL after
 ``term_grace`` seconds, and exits. So no hora process outlives the launcher on any host.
 
-Standard library only, besides :mod:`hora.runner.spawn` (itself stdlib-only): this runs before
-anything is known about the remote Python.
+Standard library only, besides :mod:`hora.runner.spawn` (the output pump and process-group helpers) and
+what it stands on (:mod:`hora.base`): this runs before anything is known about the remote Python.
 """
 
 from __future__ import annotations
