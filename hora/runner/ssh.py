@@ -75,7 +75,7 @@ def ssh_command(port: int | None = None, identity: str | None = None, extra: str
     try:
         argv += shlex.split(extra)
     except ValueError as e:
-        raise SshError(f"cannot split HORA_SSH_ARGS ({e}): {extra!r}") from e
+        raise SshError(f"cannot split HORA_{knobs.BY_NAME['ssh_args'].env} ({e}): {extra!r}") from e
     return argv + list(SSH_OPTIONS)
 
 
