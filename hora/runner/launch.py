@@ -58,7 +58,7 @@ def worker_envs(slots: list[hostlib.Slot], knobs: dict[str, str], store_addr: st
                 ) -> list[dict[str, str]]:
     """One environment per rank: ours (or ``base``), minus stale aliases, plus the knobs, ``extra`` (what
     the caller hands every rank, e.g. ``hora.run()``'s store) and the contract. This is where the
-    launcher builds its children's environment: the one place it reads ``os.environ``."""
+    launcher builds its children's environment, which is what the runner reads ``os.environ`` for."""
     common = dict(os.environ if base is None else base)
     for name in contract.TOPOLOGY:
         common.pop("HOROVOD_" + name, None)
