@@ -26,7 +26,7 @@ def _clean_env(monkeypatch):
 
 def test_defaults_follow_horovod_or_say_why():
     cfg = knobs.current()
-    assert set(cfg) == {k.name for k in knobs.KNOBS}
+    assert set(cfg) == {k.name for k in knobs.KNOBS if k.side == "worker"}  # the ssh settings stay in the launcher
     assert cfg["fusion_threshold"] == 128 << 20  # Horovod: 128 MiB
     assert cfg["cycle_time"] == 1.0
     assert cfg["cache_capacity"] == 1024
@@ -150,6 +150,38 @@ def test_docs_knobs_md_is_generated_from_the_table():
         "docs/knobs.md is stale: run `python -m hora.base.knobs > docs/knobs.md`")
     for k in knobs.KNOBS:
         assert f"HORA_{k.env}" in generated and f"HOROVOD_{k.env}" in generated
+
+
+def test_booleans_are_parsed_in_one_place():
+    assert [env.parse_bool(w) for w in ("1", "TRUE", " yes ", "on", "0", "False", "no", "off", "")] == \
+        [True] * 4 + [False] * 5
+    assert env.parse_bool("maybe") is None and env.parse_bool("2") is None
+
+
+def test_a_value_written_for_the_workers_reads_back_the_same(monkeypatch):
+    samples = {"fusion_threshold": 32 << 20, "cycle_time": 3.5, "stall_check_disable": True,
+               "timeline_mark_cycles": False, "log_level": "DEBUG", "hierarchical_allreduce": "0",
+               "start_timeout": 1e7, "network_interfaces": "eth0,ib0"}
+    for name, v in samples.items():
+        monkeypatch.setenv("HORA_" + knobs.BY_NAME[name].env, knobs.format(name, v))
+        assert knobs.value(name) == v, name
+
+
+def test_the_transport_knob_accepts_what_the_registry_does(monkeypatch):
+    from hora.transport import registry
+
+    assert set(knobs.TRANSPORTS) == {"auto", *registry.TRANSPORTS}
+    monkeypatch.setenv("HORA_TRANSPORT", "hierarchical")
+    assert knobs.value("transport") == "hierarchical"
+
+
+def test_flags_of_a_knob_are_consistent():
+    for k in knobs.KNOBS:
+        assert not (k.off_flag or k.switch or k.config_invert) or k.flag, k.name
+        assert k.switch is None or k.type is not bool, k.name  # booleans switch True/False by themselves
+        assert k.side in ("worker", "launcher") and (k.side == "worker" or not k.flag), k.name
+        if k.config:
+            assert k.flag and k.config.count(".") == 1, k.name
 
 
 def _failed_inits_leak_nothing():

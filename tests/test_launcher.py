@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hora.base import contract, knobs
 from hora.runner import cli_args, flags, hosts
 from hora.runner.hosts import Host, HostError
 
@@ -173,20 +175,87 @@ def test_every_horovodrun_flag_is_in_the_table():
 
 
 @pytest.mark.timeout(10)
-def test_table_agrees_with_the_knob_table():
-    """Flags that set engine knobs export the knob's HORA_ name (the runner may not import config)."""
-    config = pytest.importorskip("hora.base.knobs")
-    for knob in config.KNOBS:
-        if knob.flag:
-            assert knob.flag in flags.BY_NAME, f"hora run lacks {knob.flag}"
-            assert flags.BY_NAME[knob.flag].env == "HORA_" + knob.env, knob.flag
+def test_flags_of_settings_come_from_the_knob_table():
+    """A setting that reaches the workers is one row (the knob); its flags are generated from it, and no
+    flag of the launcher's own table exports a HORA_ variable of its own."""
+    for knob in knobs.KNOBS:
+        for name in knob.flags:
+            assert flags.BY_NAME[name].knob == knob.name, name
+    knob_vars = {"HORA_" + k.env for k in knobs.KNOBS}
+    for f in flags.LAUNCHER_FLAGS:
+        assert f.knob is None and f.env not in knob_vars, f.names
+        assert f.env is None or f.env == contract.HOROVOD_ALIAS or not f.env.startswith(("HORA_", "HOROVOD_")), f.names
+    assert flags.env_for({"fusion_threshold": 4 << 20, "stall_check_disable": True, "log_hide_time": False,
+                          "tcp": True}) == {"HORA_FUSION_THRESHOLD": str(4 << 20), "HORA_STALL_CHECK_DISABLE": "1",
+                                            "HORA_LOG_HIDE_TIME": "0", "NCCL_IB_DISABLE": "1"}
+
+
+@pytest.mark.timeout(10)
+def test_the_runner_imports_only_base_and_transport():
+    """Launcher and workers meet only through environment variables and the store: no runner module imports
+    the engine, the collectives or a binding (checked in the source, since `import hora` loads the engine)."""
+    import ast
+
+    for path in [*(ROOT / "hora" / "runner").glob("*.py"), ROOT / "hora" / "check.py"]:  # -cb: hora.check
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                if name == "hora" or name.startswith("hora."):
+                    assert name.split(".")[1:2] in (["base"], ["transport"], ["runner"], ["check"]), \
+                        f"{path.name}: {name}"
+
+
+def _worker_reads() -> set[str]:
+    """Knob names that code outside the runner reads: knobs.value("x"), cfg["x"], cfg.get("x"),
+    (info.get("cfg") or {}).get("x")."""
+    pattern = re.compile(r"""(?:\bvalue\(|cfg\[|cfg\.get\(|\.get\("cfg"\)[^\n]*?\.get\()\s*["']([a-z_]+)["']""")
+    found: set[str] = set()
+    for path in (ROOT / "hora").rglob("*.py"):
+        if "runner" not in path.relative_to(ROOT / "hora").parts:
+            found.update(pattern.findall(path.read_text()))
+    return found
+
+
+@pytest.mark.timeout(10)
+def test_every_implemented_flag_configures_the_launcher_or_a_knob_a_worker_reads():
+    """No flag says yes and does nothing: a flag marked implemented either sets a knob that some module
+    outside the runner reads, or is read by the runner itself (its dest), or exports a named variable for
+    a library the workers load (--tcp: NCCL_IB_DISABLE; --horovod-alias: the alias hook)."""
+    read = _worker_reads()
+    runner = "\n".join(p.read_text() for p in (ROOT / "hora" / "runner").glob("*.py") if p.name != "flags.py")
+    runner += (ROOT / "hora" / "runner" / "flags.py").read_text().split("def env_for", 1)[1]
+    for f in flags.FLAGS:
+        if f.status != "yes":
+            continue
+        if f.knob is not None:
+            assert f.knob in read, f"{f.names[0]} sets knob {f.knob}, which no worker-side module reads"
+        elif f.env is None:
+            assert re.search(rf"""values(\.get\(|\[)["']{f.dest}["']""", runner), \
+                f"{f.names[0]}: the launcher never reads values[{f.dest!r}]"
+
+
+@pytest.mark.timeout(30)
+def test_flags_without_effect_say_so_in_help_and_warn_once():
+    h = hora_run("--help")
+    for name in ("--autotune", "--torus-allreduce", "--hierarchical-allgather", "--num-nccl-streams",
+                 "--thread-affinity", "--gloo-timeout-seconds", "--autotune-log-file"):
+        f = flags.BY_NAME[name]
+        assert f.status == "no-op" and f.why and f.env is None, name
+        assert f"[accepted, no effect: {f.why[:20]}" in " ".join(h.stdout.split()), name
+    r = hora_run("--autotune", "--autotune-warmup-samples", "2", "--torus-allreduce", "--no-torus-allreduce",
+                 "-np", "1", PY, "-c", DUMP_ENV)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("--autotune is accepted but has no effect") == 1
+    assert r.stderr.count("--torus-allreduce is accepted but has no effect") == 1, r.stderr
+    assert "HORA_AUTOTUNE" not in envs_of(r.stdout)[0]
 
 
 @pytest.mark.timeout(10)
 def test_parser_splits_flags_from_the_command():
     p = cli_args.parse(["-np", "2", "--cycle-time-ms=5", "-p2222", "--fusion-thr", "4", "--",
                         "python", "-np", "9"])
-    assert p.values == {"num_proc": 2, "cycle_time_ms": 5.0, "ssh_port": 2222, "fusion_threshold_mb": 4.0}
+    assert p.values == {"num_proc": 2, "cycle_time": 5.0, "ssh_port": 2222, "fusion_threshold": 4 << 20}
     assert p.command == ["python", "-np", "9"]
     assert cli_args.parse(["-H", "localhost:2", "train.py", "--verbose"]).command == ["train.py", "--verbose"]
     with pytest.raises(cli_args.UsageError, match="expects a whole number, got 'two'"):
@@ -338,7 +407,8 @@ params_typo: {}
     assert e["HORA_HIERARCHICAL_ALLREDUCE"] == "0"
     assert e["HORA_STALL_CHECK_DISABLE"] == "1" and e["HORA_STALL_CHECK_TIME_SECONDS"] == "90"
     assert e["HORA_TIMELINE"] == "/tmp/timeline.json" and e["HORA_LOG_LEVEL"] == "DEBUG"
-    assert e["HORA_CACHE_CAPACITY"] == "0" and e["HORA_AUTOTUNE"] == "1" and e["NCCL_IB_DISABLE"] == "1"
+    assert e["HORA_CACHE_CAPACITY"] == "0" and e["NCCL_IB_DISABLE"] == "1"
+    assert "HORA_AUTOTUNE" not in e and "--autotune is accepted but has no effect" in r.stderr
     assert e["HORA_NETWORK_INTERFACES"] == "lo"
     assert "unknown section 'params_typo' ignored (did you mean params?)" in r.stderr
     assert "--network-interface is deprecated" in r.stderr

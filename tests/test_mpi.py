@@ -179,7 +179,7 @@ def test_missing_mpi4py_is_a_clear_error(tmp_path):
 def test_mpirun_command_line(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     values = {"hosts": "a:2,b:2", "binding_args": "--bind-to core", "mpi_args": "-mca btl self,tcp -x FOO",
-              "network_interfaces": "eth1", "cycle_time_ms": 3.0}
+              "network_interfaces": "eth1", "cycle_time": 3.0}
     base = {"PATH": "/bin", "HORA_SECRET": "x", "HORA_RANK": "3", "HOROVOD_RANK": "1", "HORA_FUSION_THRESHOLD": "5",
             "NCCL_DEBUG": "INFO", "HOME": "/root"}
     environ, forward = mpi_run.worker_env(values, base)

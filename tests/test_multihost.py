@@ -365,16 +365,19 @@ def test_bootstrap_relays_exit_codes_and_a_missing_command(tmp_path):
 
 
 def test_ssh_command_and_forwarded_environment(monkeypatch):
-    argv = ssh.ssh_command(2222, "~/k", env={"HORA_SSH_ARGS": "-F '/a b/cfg' -o StrictHostKeyChecking=accept-new"})
+    argv = ssh.ssh_command(2222, "~/k", "-F '/a b/cfg' -o StrictHostKeyChecking=accept-new")
     assert argv[:7] == ["ssh", "-p", "2222", "-i", os.path.expanduser("~/k"), "-F", "/a b/cfg"]
     # ours come last: ssh keeps the first value of an option, so the user's win
     assert argv.index("StrictHostKeyChecking=accept-new") < argv.index("BatchMode=yes")
     assert "ServerAliveInterval=5" in argv and "-T" in argv
     with pytest.raises(ssh.SshError):
-        ssh.ssh_command(env={"HORA_SSH_ARGS": "-o 'unclosed"})
+        ssh.ssh_command(extra="-o 'unclosed")
+    monkeypatch.setenv("HORA_SSH_ARGS", "-F cfg")  # the default: the ssh_args knob
+    assert ssh.ssh_command()[1:3] == ["-F", "cfg"]
     env = {"PATH": "/p", "PYTHONPATH": "/q", "HORA_SECRET": "s", "HOROVOD_X": "1", "CUDA_VISIBLE_DEVICES": "0",
            "MY_VAR": "v", "HOME": "/home/me", "USER": "me", "SSH_AUTH_SOCK": "/s", "XDG_RUNTIME_DIR": "/r",
-           "PWD": "/w", "HOSTNAME": "here", "BASH_FUNC_x%%": "() {}", "TMPDIR": "/tmp/mine"}
+           "PWD": "/w", "HOSTNAME": "here", "BASH_FUNC_x%%": "() {}", "TMPDIR": "/tmp/mine",
+           "HORA_SSH_ARGS": "-v", "HOROVOD_SSH_ALIVE_TIMEOUT": "3"}  # the launcher's own settings stay here
     assert ssh.forwarded(env) == {"PATH": "/p", "PYTHONPATH": "/q", "HORA_SECRET": "s", "HOROVOD_X": "1",
                                   "CUDA_VISIBLE_DEVICES": "0", "MY_VAR": "v"}
     r = ssh.Remote(["ssh"], {"h"}, python="/opt/py 3/bin/python", cwd="/w")
@@ -383,5 +386,5 @@ def test_ssh_command_and_forwarded_environment(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/src:/x y")
     assert r.command() == "exec env PYTHONPATH='/src:/x y' '/opt/py 3/bin/python' -m hora.runner.remote"
     monkeypatch.setenv("HORA_SSH_ALIVE_TIMEOUT", "soon")
-    with pytest.raises(ssh.SshError, match="HORA_SSH_ALIVE_TIMEOUT must be a number"):
+    with pytest.raises(ssh.SshError, match="HORA_SSH_ALIVE_TIMEOUT='soon': expected float"):
         ssh.Remote(["ssh"], {"h"})

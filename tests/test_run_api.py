@@ -87,3 +87,37 @@ def test_use_mpi(monkeypatch):
     monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     out = hora.run(_work, args=(1,), num_proc=2, use_mpi=True)
     assert [o["value"] for o in out] == [1, 2] and out[1]["sum"] == 3.0
+
+
+def _knob_env():
+    import os
+
+    return {k: os.environ.get(k) for k in ("HORA_CYCLE_TIME", "HORA_STALL_CHECK_DISABLE", "HORA_TRANSPORT",
+                                           "HORA_RUNFUNC_ADDR", "HORA_RUNFUNC_SECRET")}
+
+
+@pytest.mark.timeout(60)
+def test_knobs_are_keyword_arguments_and_the_callers_environment_is_untouched(monkeypatch):
+    import inspect
+    import os
+
+    from hora.base import knobs
+    from hora.runner import flags
+
+    params = inspect.signature(hora.run).parameters
+    for k in knobs.KNOBS:
+        assert (k.name in params) == bool(k.flag), k.name  # every knob hora run has a flag for, by its name
+    assert {"num_proc", "hosts", "ssh_port", "use_mpi", "use_gloo", "executable", "np"} <= set(params)
+    assert set(params) - {"func", "args", "kwargs", "executable", "np", "min_np", "max_np",
+                          "network_interface"} == set(flags.BY_KWARG)
+    for name in ("HORA_RUNFUNC_ADDR", "HORA_RUNFUNC_SECRET"):
+        monkeypatch.delenv(name, raising=False)
+    before = dict(os.environ)
+    out = hora.run(_knob_env, cycle_time=5.0, stall_check_disable=True, transport="TCP")
+    assert out == [{"HORA_CYCLE_TIME": "5", "HORA_STALL_CHECK_DISABLE": "1", "HORA_TRANSPORT": "tcp",
+                    "HORA_RUNFUNC_ADDR": None, "HORA_RUNFUNC_SECRET": None}]  # the store's removed before func
+    assert dict(os.environ) == before
+    with pytest.raises(TypeError, match="unexpected keyword argument 'cycle_time_ms' .did you mean cycle_time"):
+        hora.run(_knob_env, cycle_time_ms=5)
+    with pytest.raises(ValueError, match=r"transport=...\) must be one of auto, tcp"):
+        hora.run(_knob_env, transport="carrier-pigeon")

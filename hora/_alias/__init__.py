@@ -21,9 +21,10 @@ import site
 import sys
 from pathlib import Path
 
+from hora.base.contract import HOROVOD_ALIAS as ENV
+
 SITE_DIR = Path(__file__).resolve().parent / "site"
 HOOK_NAME = "hora_horovod_alias.pth"
-ENV = "HORA_HOROVOD_ALIAS"
 
 
 def path() -> str:

@@ -1,10 +1,15 @@
 """Every setting of hora in one table.
 
 Each knob has a ``HORA_`` environment name, the Horovod alias (same name with ``HOROVOD_``; when
-both are set ``HORA_`` wins with a warning), the ``hora run`` flag spelled as horovodrun spells it,
-a type, a default, a unit for the flag and a check. The engine reads :func:`current` at ``init()``;
-tests use ``with knobs.override(fusion_threshold=0):``. The docs' knob reference is generated from
-this table (``python -m hora.base.knobs``).
+both are set ``HORA_`` wins with a warning), a type, a default and a check; where ``hora run`` has a
+flag for it, the row also says how the flag is spelled (as horovodrun spells it), its unit, its key in
+a ``--config-file`` YAML and its section in ``--help``. From this table come the worker-side values
+(:func:`value`, :func:`current`, read by the engine at ``init()``), ``hora run``'s flags and
+``hora.run()``'s keyword arguments (:mod:`hora.runner.flags`), and the docs' knob reference
+(``python -m hora.base.knobs > docs/knobs.md``). Tests use ``with knobs.override(fusion_threshold=0):``.
+
+A knob whose ``side`` is ``launcher`` is read by ``hora run`` itself (the ssh settings) and never
+reaches the workers.
 """
 
 from __future__ import annotations
@@ -19,76 +24,139 @@ from hora.base.errors import HoraValueError
 
 @dataclasses.dataclass(frozen=True)
 class Knob:
+    """One setting. ``flag`` lists its ``hora run`` spellings, the first shown in ``--help`` and later ones
+    still accepted with a deprecation warning; ``flag_unit``: flag value x unit = knob value (MiB ->
+    bytes). A ``switch`` flag takes no value: it sets ``switch[0]``, and ``off_flag`` sets ``switch[1]``
+    (booleans: True and False). ``config`` is ``section.key`` in ``--config-file``, ``config_invert``
+    flips a YAML boolean (``stall_check: {enabled: false}`` disables the stall check)."""
+
     name: str
     type: type
     default: Any
     env: str  # without the HORA_/HOROVOD_ prefix
     flag: str | None
     help: str
-    flag_unit: float = 1  # flag value x flag_unit = knob value (e.g. MB -> bytes)
+    flag_unit: float = 1
     check: Callable[[Any], bool] = lambda v: True
     allowed: str = ""
+    choices: tuple[str, ...] = ()  # flag values, matched without case; the flag passes on the table's spelling
+    switch: tuple[Any, Any] | None = None
+    off_flag: str | None = None
+    config: str = ""
+    config_invert: bool = False
+    group: str = "tuning"
+    metavar: str = ""
+    side: str = "worker"  # or "launcher"
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """Every ``hora run`` spelling, the off switch included."""
+        return tuple((self.flag or "").split()) + ((self.off_flag,) if self.off_flag else ())
+
+    @property
+    def is_switch(self) -> bool:
+        return self.type is bool or self.switch is not None
+
+    @property
+    def switch_values(self) -> tuple[Any, Any]:
+        return self.switch if self.switch is not None else (True, False)
 
 
 def _nonneg(v) -> bool:
     return v >= 0
 
 
+def _positive(v) -> bool:
+    return v > 0
+
+
+def _one_of(*values: str) -> dict[str, Any]:
+    """``check``, ``allowed`` and ``choices`` for a knob that takes one of ``values`` (any case)."""
+    allowed = ", ".join(values[:-1]) + f" or {values[-1]}" if len(values) > 1 else values[0]
+    return dict(check=lambda v: str(v).lower() in {x.lower() for x in values}, allowed=allowed, choices=values)
+
+
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+TRANSPORTS = ("auto", "tcp", "shm", "mpi", "hierarchical")  # as hora/transport/registry.py names them
+
+
 KNOBS = [
+    # tuning
     Knob("fusion_threshold", int, 128 << 20, "FUSION_THRESHOLD", "--fusion-threshold-mb",
-         "bytes of allreduce tensors packed into one fusion buffer (0 turns fusion off)", 1 << 20,
-         _nonneg, ">= 0"),
+         "size of the fusion buffer that packs allreduce tensors into one collective, in bytes (the flag: MiB; "
+         "0 turns fusion off)", 1 << 20,
+         _nonneg, ">= 0", config="params.fusion_threshold_mb"),
     Knob("cycle_time", float, 1.0, "CYCLE_TIME", "--cycle-time-ms",
-         "ms the engine waits to gather more asynchronous tensors into one negotiation", 1, _nonneg, ">= 0"),
+         "ms the engine waits to gather more asynchronous tensors into one negotiation", 1, _nonneg, ">= 0",
+         config="params.cycle_time_ms"),
     Knob("cache_capacity", int, 1024, "CACHE_CAPACITY", "--cache-capacity",
-         "negotiation cache entries (0 turns the response cache off)", 1, _nonneg, ">= 0"),
+         "negotiation cache entries (0 turns the response cache off)", 1, _nonneg, ">= 0",
+         config="params.cache_capacity"),
     Knob("inline_threshold", int, 16 << 10, "INLINE_THRESHOLD", None,
          "allreduce tensors up to this many bytes travel with their negotiation: rank 0 reduces them and sends "
          "the result with its answer, one round trip instead of negotiation plus a collective (0 turns it off)",
          1, _nonneg, ">= 0"),
-    Knob("timeline", str, "", "TIMELINE", "--timeline-filename",
-         "Chrome-trace file written by rank 0 ('' = off; DYNAMIC = only start_timeline())"),
-    Knob("timeline_mark_cycles", bool, False, "TIMELINE_MARK_CYCLES", "--timeline-mark-cycles",
-         "mark each engine cycle in the timeline"),
-    Knob("stall_check_disable", bool, False, "STALL_CHECK_DISABLE", "--no-stall-check",
-         "turn the stall inspector off"),
-    Knob("stall_check_time", float, 60.0, "STALL_CHECK_TIME_SECONDS", "--stall-check-warning-time-seconds",
-         "seconds a tensor may wait for missing ranks before rank 0 warns", 1, lambda v: v > 0, "> 0"),
-    Knob("stall_shutdown_time", float, 1800.0, "STALL_SHUTDOWN_TIME_SECONDS",
-         "--stall-check-shutdown-time-seconds",
-         "seconds a stalled tensor may wait before the job fails on every rank (0 = never); "
-         "Horovod's default is never, the most reported hang", 1, _nonneg, ">= 0"),
-    Knob("log_level", str, "WARNING", "LOG_LEVEL", "--log-level", "hora's log level",
-         check=lambda v: v.upper() in ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"),
-         allowed="TRACE, DEBUG, INFO, WARNING, ERROR or FATAL"),
-    Knob("dynamic_process_sets", bool, False, "DYNAMIC_PROCESS_SETS", None,
-         "allow add_process_set/remove_process_set after init"),
     Knob("transport", str, "auto", "TRANSPORT", "--transport",
-         "data path between ranks: auto, tcp, shm (ranks on one host), mpi",
-         check=lambda v: v.lower() in ("auto", "tcp", "shm", "mpi"), allowed="auto, tcp, shm or mpi"),
-    Knob("mpi_allreduce", str, "ring", "MPI_ALLREDUCE", None,
-         "allreduce under the MPI transport: ring (hora's ring over MPI point-to-point, faster from 1 MiB up "
-         "in benchmarks/mpi_allreduce.py) or native (MPI's own Iallreduce)",
-         check=lambda v: v.lower() in ("ring", "native"), allowed="ring or native"),
+         "data path between ranks: auto (the fastest that applies), tcp, shm (ranks on one host), mpi (jobs "
+         "started by mpirun), hierarchical (shared memory in each host, a ring across hosts)",
+         **_one_of(*TRANSPORTS), config="params.transport"),
     Knob("hierarchical_allreduce", str, "auto", "HIERARCHICAL_ALLREDUCE", "--hierarchical-allreduce",
          "allreduce through shared memory inside each host and a ring across hosts, for jobs whose hosts all "
          "run the same number (>1) of ranks: auto (where measured faster, benchmarks/results/hierarchical.md), "
-         "1 on, 0 off",
-         check=lambda v: v.lower() in ("auto", "", "1", "0", "true", "false", "yes", "no", "on", "off"),
-         allowed="auto, 1 or 0"),
+         "1 on, 0 off", check=lambda v: str(v).strip().lower() in ("auto", "") or env.parse_bool(v) is not None,
+         allowed="auto, 1 or 0", switch=("1", "0"), off_flag="--no-hierarchical-allreduce",
+         config="params.hierarchical_allreduce"),
+    Knob("mpi_allreduce", str, "ring", "MPI_ALLREDUCE", None,
+         "allreduce under the MPI transport: ring (hora's ring over MPI point-to-point, faster from 1 MiB up "
+         "in benchmarks/mpi_allreduce.py) or native (MPI's own Iallreduce)", **_one_of("ring", "native")),
+    Knob("dynamic_process_sets", bool, False, "DYNAMIC_PROCESS_SETS", None,
+         "allow add_process_set/remove_process_set after init"),
+    # basic
     Knob("start_timeout", float, 30.0, "START_TIMEOUT", "--start-timeout",
-         "seconds ranks wait for each other at init", 1, lambda v: v > 0, "> 0"),
-    Knob("network_interfaces", str, "", "NETWORK_INTERFACES", "--network-interfaces",
-         "comma-separated network interfaces the ranks use for data and the store ('' = the one that "
-         "reaches the store)"),
+         "seconds ranks wait for each other at init", 1, _positive, "> 0", group="basic"),
+    Knob("network_interfaces", str, "", "NETWORK_INTERFACES", "--network-interfaces --network-interface",
+         "comma-separated network interfaces the ranks use for data and the store, e.g. eth0,ib0 ('' = the one "
+         "that reaches the store); with --mpi also mpirun's btl_tcp_if_include", group="basic", metavar="NICS"),
     Knob("store_port", int, 0, "STORE_PORT", None,
-         "TCP port of the rendezvous store under torchrun/srun/mpirun (0 = derived from the launcher's)", 1,
-         lambda v: 0 <= v <= 65535, "0-65535"),
-    Knob("log_hide_time", bool, False, "LOG_HIDE_TIME", None, "no timestamps in hora's log lines"),
-    Knob("mpi_threads_disable", bool, False, "MPI_THREADS_DISABLE", "--mpi-threads-disable",
-         "ask MPI for MPI_THREAD_SERIALIZED, not MULTIPLE (the least hora's engine thread can use)"),
+         "TCP port rank 0 serves the rendezvous store on under torchrun/srun (0 = derived: torchrun's "
+         "MASTER_PORT+1, srun's job and step ids)", 1, lambda v: 0 <= v <= 65535, "0-65535"),
     Knob("elastic", bool, False, "ELASTIC", None,
          "set by the elastic driver: the job may change size, so collectives run even at size 1"),
+    # timeline
+    Knob("timeline", str, "", "TIMELINE", "--timeline-filename",
+         "Chrome-trace file written by rank 0 ('' = off; DYNAMIC = only start_timeline())",
+         config="timeline.filename", group="timeline", metavar="FILE"),
+    Knob("timeline_mark_cycles", bool, False, "TIMELINE_MARK_CYCLES", "--timeline-mark-cycles",
+         "mark each engine cycle in the timeline", config="timeline.mark_cycles", group="timeline"),
+    # stall
+    Knob("stall_check_disable", bool, False, "STALL_CHECK_DISABLE", "--no-stall-check",
+         "turn the stall inspector off (no warning about tensors some ranks never submit)",
+         config="stall_check.enabled", config_invert=True, group="stall"),
+    Knob("stall_check_time", float, 60.0, "STALL_CHECK_TIME_SECONDS", "--stall-check-warning-time-seconds",
+         "seconds a tensor may wait for missing ranks before rank 0 warns", 1, _positive, "> 0",
+         config="stall_check.warning_time_seconds", group="stall"),
+    Knob("stall_shutdown_time", float, 1800.0, "STALL_SHUTDOWN_TIME_SECONDS",
+         "--stall-check-shutdown-time-seconds",
+         "seconds a stalled tensor may wait before the job fails on every rank (0 = never); "
+         "Horovod's default is never, the most reported hang", 1, _nonneg, ">= 0",
+         config="stall_check.shutdown_time_seconds", group="stall"),
+    # library
+    Knob("mpi_threads_disable", bool, False, "MPI_THREADS_DISABLE", "--mpi-threads-disable",
+         "ask MPI for MPI_THREAD_SERIALIZED, not MULTIPLE (the least hora's engine thread can use)",
+         config="library_options.mpi_threads_disable", group="library"),
+    # logging
+    Knob("log_level", str, "WARNING", "LOG_LEVEL", "--log-level", "hora's log level on the workers",
+         **_one_of(*LOG_LEVELS), config="logging.level", group="logging"),
+    Knob("log_hide_time", bool, False, "LOG_HIDE_TIME", "--log-without-timestamp --log-hide-timestamp",
+         "no timestamps in hora's log lines", off_flag="--log-with-timestamp", config="logging.with_timestamp",
+         config_invert=True, group="logging"),
+    # read by hora run itself (ssh to other hosts), never exported to the workers
+    Knob("ssh_args", str, "", "SSH_ARGS", None,
+         "more ssh options for remote hosts, split like a shell would (e.g. '-F cluster_config "
+         "-o StrictHostKeyChecking=accept-new'); they override hora's defaults", side="launcher"),
+    Knob("ssh_alive_timeout", float, 10.0, "SSH_ALIVE_TIMEOUT", None,
+         "seconds of silence (no heartbeat, no output) after which a remote host counts as lost", 1,
+         _positive, "> 0", side="launcher"),
 ]
 BY_NAME = {k.name: k for k in KNOBS}
 _overrides: dict[str, Any] = {}
@@ -97,15 +165,28 @@ _overrides: dict[str, Any] = {}
 def _parse(knob: Knob, raw: str) -> Any:
     try:
         if knob.type is bool:
-            if raw.strip().lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.strip().lower() in ("0", "false", "no", "off", ""):
-                return False
-            raise ValueError(raw)
+            parsed = env.parse_bool(raw)
+            if parsed is None:
+                raise ValueError(raw)
+            return parsed
         return knob.type(raw)
     except ValueError:
         raise HoraValueError(f"{env.source(knob.env)}={raw!r}: expected {knob.type.__name__}"
                              + (f" {knob.allowed}" if knob.allowed else "")) from None
+
+
+def format(name: str, value: Any) -> str:  # noqa: A001 - knobs.format(name, value), the inverse of reading
+    """The environment text of a knob value, as the workers will read it back (``True`` -> ``1``).
+
+    >>> format("fusion_threshold", 32 << 20), format("cycle_time", 3.0), format("stall_check_disable", True)
+    ('33554432', '3', '1')
+    """
+    knob = BY_NAME[name]
+    if knob.type is bool:
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
 
 
 def value(name: str) -> Any:
@@ -123,8 +204,8 @@ def value(name: str) -> Any:
 
 
 def current() -> dict[str, Any]:
-    """Every knob's value, as the engine sees it now."""
-    return {k.name: value(k.name) for k in KNOBS}
+    """Every worker-side knob's value, as the engine sees it now."""
+    return {k.name: value(k.name) for k in KNOBS if k.side == "worker"}
 
 
 @contextlib.contextmanager
@@ -142,20 +223,35 @@ def override(**values: Any) -> Iterator[None]:
         _overrides.update(saved)
 
 
+def _flag_cell(k: Knob) -> str:
+    if not k.flag:
+        return ""
+    names = k.flag.split()
+    cell = names[0] + (" (MiB)" if k.flag_unit == 1 << 20 else f" (x{k.flag_unit:g})" if k.flag_unit != 1 else "")
+    if k.off_flag:
+        cell += f" / {k.off_flag}"
+    if len(names) > 1:
+        cell += f" (deprecated: {', '.join(names[1:])})"
+    return cell
+
+
 def reference() -> str:
     """The knob reference as markdown (docs/knobs.md is generated from this)."""
     rows = ["# hora's settings", "",
             "Generated by `python -m hora.base.knobs` from `hora/base/knobs.py`. Each setting is read "
             "from `HORA_<NAME>`, else from Horovod's `HOROVOD_<NAME>`; when both are set, `HORA_` wins "
-            "with a warning. `hora run` flags set the same variables.", "",
-            "| knob | environment (alias) | hora run flag | default | allowed | meaning |",
-            "|---|---|---|---|---|---|"]
+            "with a warning. `hora run` flags, `--config-file` keys and `hora.run()` keyword arguments (the "
+            "knob's name, in the knob's unit) set the same variables. Booleans are 1/0, true/false, yes/no "
+            "or on/off. Settings marked (launcher) are read by `hora run` itself and never reach the workers. "
+            "`hora run --help` lists the launcher's own flags too, and the horovodrun flags hora accepts "
+            "without effect, with the reason.", "",
+            "| knob | environment (alias) | hora run flag | config file | default | allowed | meaning |",
+            "|---|---|---|---|---|---|---|"]
     for k in KNOBS:
-        flag = k.flag or ""
-        if flag and k.flag_unit != 1:
-            flag += " (MiB)" if k.flag_unit == 1 << 20 else f" (x{k.flag_unit:g})"
-        rows.append(f"| {k.name} | HORA_{k.env} (HOROVOD_{k.env}) | {flag} | {k.default!r} | "
-                    f"{k.allowed or k.type.__name__} | {k.help} |")
+        config = k.config + (" (inverted)" if k.config_invert else "")
+        side = " (launcher)" if k.side == "launcher" else ""
+        rows.append(f"| {k.name}{side} | HORA_{k.env} (HOROVOD_{k.env}) | {_flag_cell(k)} | {config} | "
+                    f"{k.default!r} | {k.allowed or k.type.__name__} | {k.help} |")
     return "\n".join(rows)
 
 

@@ -21,6 +21,10 @@ that users keep the launcher their cluster already has. Detection order (first m
 
 torchrun and srun have no channel for a secret: such a job runs unauthenticated, with a warning from
 rank 0, unless the user exports the same ``HORA_SECRET`` on every rank.
+
+Every variable is read through :mod:`hora.base.env` (``env.raw`` for another launcher's own names), and
+hora's settings through the knob table, so this module holds the worker's half of the contract with
+each launcher without touching ``os.environ`` itself.
 """
 
 from __future__ import annotations
@@ -28,11 +32,10 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
-import os
 import re
 import socket
 
-from hora.base import env
+from hora.base import contract, env, knobs
 from hora.base.errors import HoraError, HoraValueError
 
 log = logging.getLogger("hora")
@@ -74,7 +77,7 @@ class Job:
 
 def _ints(names: tuple[str, ...], source: str) -> list[int]:
     try:
-        return [int(os.environ[n]) for n in names]
+        return [int(env.raw(n)) for n in names]
     except ValueError as e:
         raise HoraValueError(f"bad {source} variable: {e}") from e
 
@@ -93,17 +96,13 @@ def _is_loopback(host: str) -> bool:
 
 
 def _store_port(default: int) -> int:
-    raw = env.get("STORE_PORT")
-    if raw is None:
-        return default
-    if not raw.isdigit() or not 0 < int(raw) < 65536:
-        raise HoraValueError(f"HORA_STORE_PORT must be a TCP port (1-65535), not {raw!r}")
-    return int(raw)
+    """The ``store_port`` knob, else ``default`` (0 means derived from the launcher's variables)."""
+    return knobs.value("store_port") or default
 
 
 def _unauthenticated_secret(launcher: str, rank: int, where: str) -> str:
     """The user's HORA_SECRET, else an empty one (with a warning on rank 0): the launcher cannot carry one."""
-    secret = os.environ.get("HORA_SECRET")
+    secret = env.raw("HORA_SECRET")
     if secret:
         return secret
     if rank == 0:
@@ -118,8 +117,7 @@ def _hora_run() -> Job | None:
     if env.get("RANK") is None:
         return None
     try:
-        topo = Topology(**{f: int(env.get(f.upper(), "0")) for f in
-                           ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")},
+        topo = Topology(**{name.lower(): int(env.get(name, "0")) for name in contract.TOPOLOGY if name != "HOSTNAME"},
                         hostname=env.get("HOSTNAME", "localhost"))
     except ValueError as e:
         raise HoraValueError(f"bad HORA_* topology variable: {e}") from e
@@ -137,18 +135,18 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 
 def _torchrun() -> Job | None:
     """torchrun's workers: the store goes on MASTER_ADDR at MASTER_PORT+1 (HORA_STORE_PORT overrides)."""
-    if not all(v in os.environ for v in TORCHRUN_VARS):
+    if not env.has(*TORCHRUN_VARS):
         return None
     rank, size, lr, ls, master_port = _ints(("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                              "MASTER_PORT"), "torchrun")
-    group_rank = int(os.environ.get("GROUP_RANK", rank // max(1, ls)))
-    groups = int(os.environ.get("GROUP_WORLD_SIZE", -(-size // max(1, ls))))
+    group_rank = int(env.raw("GROUP_RANK", str(rank // max(1, ls))))
+    groups = int(env.raw("GROUP_WORLD_SIZE", str(-(-size // max(1, ls)))))
     # torchrun runs one agent per node with LOCAL_WORLD_SIZE workers each: an agent is a host
-    name = os.environ.get("HORA_HOSTNAME") or socket.gethostname()
-    if groups > 1 and "HORA_HOSTNAME" not in os.environ:
+    name = env.raw("HORA_HOSTNAME") or socket.gethostname()
+    if groups > 1 and not env.has("HORA_HOSTNAME"):
         name = f"{name}#{group_rank}"  # distinct even when two agents share a machine
     topo = Topology(rank, size, lr, ls, group_rank, groups, name).check()
-    master = os.environ["MASTER_ADDR"]
+    master = env.raw("MASTER_ADDR")
     port = _store_port(master_port + 1)
     addr = _host(master, port)
     secret = _unauthenticated_secret("torchrun", rank, addr) if size > 1 else ""
@@ -212,7 +210,7 @@ def expand_counts(text: str) -> list[int]:
 def _slurm() -> Job | None:
     """A task of an ``srun`` job step. SLURM_STEP_ID must be set: a shell inside an allocation (salloc, an
     sbatch script) has SLURM_PROCID etc. too, and is not a job step of several ranks."""
-    e = os.environ
+    e = env.snapshot()
     step = e.get("SLURM_STEP_ID", e.get("SLURM_STEPID"))
     if "SLURM_PROCID" not in e or step is None or not step.isdigit() or int(step) >= 0xFFFFFFF0:
         return None  # no step, or the batch / extern / interactive pseudo-steps
@@ -251,7 +249,7 @@ def _slurm() -> Job | None:
 def _mpirun() -> Job | None:
     """A rank started by mpirun: ranks and hosts come from MPI itself; the store address and the secret are
     broadcast over MPI by rank 0 in :func:`rendezvous`, so the job stays authenticated."""
-    e = os.environ
+    e = env.snapshot()
     if "OMPI_COMM_WORLD_RANK" not in e and not ("PMI_RANK" in e and "PMI_SIZE" in e and "MPI_LOCALRANKID" in e):
         return None
     from hora.transport.mpi import load_mpi
@@ -295,7 +293,7 @@ def _ipv4s() -> list[tuple[str, str, str]]:
 def _reachable_address(mine: list, others: list[list]) -> str:
     """Rank 0's address for the store: the interface named by HORA_NETWORK_INTERFACES, else the first of its
     addresses that shares a subnet with an address of every other node, else its first address."""
-    wanted = [i.strip() for i in (env.get("NETWORK_INTERFACES") or "").split(",") if i.strip()]
+    wanted = [i.strip() for i in knobs.value("network_interfaces").split(",") if i.strip()]
     if wanted:
         from hora.transport.addresses import interface_address
 

@@ -2,12 +2,17 @@
 
 Horovod's ``horovod.run`` (interactive use, notebooks). The function and its arguments are cloudpickled
 into a small authenticated store that this call serves for the job's lifetime; the job itself is an
-ordinary ``hora run`` (or ``hora run --mpi`` with ``use_mpi=True``) of ``python -m hora.runner.run_task``,
+ordinary ``hora run`` (or ``hora run --mpi`` with ``use_mpi=True``) of ``python -m hora.core.run_task``,
 which fetches the function, calls it, and puts back its return value, or its exception with the
 formatted traceback. Workers add this process's ``sys.path`` to their own before unpickling, so a function
 defined in a module next to the caller's script (or in a test module) is found. The store's address and
 secret reach the workers as ``HORA_RUNFUNC_ADDR`` and ``HORA_RUNFUNC_SECRET`` in their environment (never on
-a command line); this process's environment holds them while the job runs.
+a command line), handed to the job explicitly: this process's own environment is not touched, so several
+``hora.run()`` calls may run at once from different threads.
+
+The keyword arguments come from the flag table (:mod:`hora.runner.flags`): Horovod's (``num_proc``,
+``hosts``, ``ssh_port``, ...) and one per knob that ``hora run`` has a flag for, by the knob's name and in
+its unit (``fusion_threshold=32 << 20``, ``cycle_time=5.0``).
 
 >>> def work(base):
 ...     import hora
@@ -19,16 +24,22 @@ a command line); this process's environment holds them while the job runs.
 
 from __future__ import annotations
 
-import os
+import inspect
 import pickle
 import socket
 import sys
-import threading
 import warnings
 from typing import Any, Callable
 
-ADDR_VAR, SECRET_VAR = "HORA_RUNFUNC_ADDR", "HORA_RUNFUNC_SECRET"
-_env_lock = threading.Lock()  # one hora.run() at a time may put its store into os.environ
+from hora.base import contract, knobs
+from hora.base.errors import LaunchError
+from hora.runner import hosts as hostlib
+from hora.runner.cli_args import UsageError, convert, suggest
+from hora.runner.flags import BY_KWARG, Flag
+
+# Horovod's older spellings: they work, with a DeprecationWarning
+DEPRECATED = {"np": "num_proc", "min_np": "min_num_proc", "max_np": "max_num_proc",
+              "network_interface": "network_interfaces"}
 
 
 class RemoteTraceback(Exception):
@@ -42,80 +53,101 @@ class RemoteTraceback(Exception):
         return self.tb
 
 
-_ELASTIC = ("min_num_proc", "max_num_proc", "slots", "reset_limit", "cooldown_range", "host_discovery_script")
-
-
 def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, num_proc: int | None = None,
-        min_num_proc: int | None = None, max_num_proc: int | None = None, slots: int | None = None,
-        reset_limit: int | None = None, cooldown_range: tuple[int, int] | None = None, hosts: str | None = None,
-        hostfile: str | None = None, host_discovery_script: str | None = None, start_timeout: float | None = None,
-        ssh_port: int | None = None, ssh_identity_file: str | None = None, disable_cache: bool | None = None,
-        output_filename: str | None = None, verbose: bool | None = None, use_gloo: bool | None = None,
-        use_mpi: bool | None = None, mpi_args: str | None = None, network_interfaces: str | list | None = None,
-        executable: str | None = None, np: int | None = None, min_np: int | None = None,
-        max_np: int | None = None, network_interface: str | None = None) -> list:
+        **options: Any) -> list:
     """Run ``func(*args, **kwargs)`` on every rank of a new job; return the list of per-rank return values.
 
     ``num_proc`` defaults to all slots of ``hosts``/``hostfile``, else 1. ``np``, ``min_np``, ``max_np`` and
     ``network_interface`` are deprecated aliases (with a ``DeprecationWarning``). ``use_mpi=True`` starts the
     job through mpirun; ``use_gloo`` and ``disable_cache`` are accepted and change nothing. Elastic arguments
     (``min_num_proc``, ``max_num_proc``, ``slots``, ``reset_limit``, ``cooldown_range``,
-    ``host_discovery_script``) raise ``ValueError`` until hora has elastic training.
+    ``host_discovery_script``) raise ``ValueError`` until hora has elastic training. Knobs are set by name
+    (``hora.run(f, num_proc=2, cycle_time=5.0)``); ``inspect.signature(hora.run)`` lists them all.
 
     If a rank raises, this raises that exception (the first rank's to fail, not counting ranks that failed
     only because another did, e.g. with a lost peer) with the rank's formatted
     traceback as its ``__cause__`` (:class:`RemoteTraceback`); if the job fails otherwise (a rank killed, a
-    bad flag), a ``RuntimeError`` says how.
+    bad flag), a :class:`hora.base.errors.LaunchError` (a ``RuntimeError``) says how.
     """
-    for old, new, value in (("np", "num_proc", np), ("min_np", "min_num_proc", min_np),
-                            ("max_np", "max_num_proc", max_np),
-                            ("network_interface", "network_interfaces", network_interface)):
-        if value is not None:
+    for old, new in DEPRECATED.items():
+        if options.get(old) is not None:
             warnings.warn(f"hora.run({old}=...) is deprecated; use {new}=...", DeprecationWarning, stacklevel=2)
-    num_proc = num_proc if num_proc is not None else np
-    min_num_proc = min_num_proc if min_num_proc is not None else min_np
-    max_num_proc = max_num_proc if max_num_proc is not None else max_np
-    network_interfaces = network_interfaces if network_interfaces is not None else network_interface
-    given = dict(min_num_proc=min_num_proc, max_num_proc=max_num_proc, slots=slots, reset_limit=reset_limit,
-                 cooldown_range=cooldown_range, host_discovery_script=host_discovery_script)
-    elastic = [k for k in _ELASTIC if given[k] is not None]
-    if elastic:
-        raise ValueError(f"hora.run({', '.join(elastic)}=...): elastic training is not supported yet")
+            if options.get(new) is None and (new != "num_proc" or num_proc is None):
+                options[new] = options[old]
+        options.pop(old, None)
+    if num_proc is not None:
+        options["num_proc"] = num_proc
+    executable = options.pop("executable", None)
+    values = _values(options)
     if not callable(func):
         raise TypeError(f"hora.run needs a function, got {type(func).__name__}")
-    if hosts and hostfile:
-        raise ValueError("hora.run: pass hosts or hostfile, not both")
-    if use_mpi and use_gloo:
-        raise ValueError("hora.run: use_mpi and use_gloo cannot both be set")
-    if isinstance(network_interfaces, (list, tuple)):
-        network_interfaces = ",".join(network_interfaces)
-
-    from hora.runner import hosts as hostlib
-
-    if num_proc is None:
-        listed = hostlib.parse_hosts(hosts) if hosts else hostlib.parse_hostfile(hostfile) if hostfile else None
-        num_proc = sum(h.slots for h in listed) if listed else 1
-    argv = ["-np", str(num_proc)]
-    for flag, value in (("-H", hosts), ("-hostfile", hostfile), ("--start-timeout", start_timeout),
-                        ("-p", ssh_port), ("-i", ssh_identity_file), ("--output-filename", output_filename),
-                        ("--network-interfaces", network_interfaces), ("--mpi-args", mpi_args)):
-        if value is not None:
-            argv += [flag, str(value)]
-    if verbose:
-        argv.append("--verbose")
-    if use_mpi:
-        argv.append("--mpi")
-    argv += ["--", executable or sys.executable, "-m", "hora.runner.run_task"]
-    return _run_job(func, tuple(args), dict(kwargs or {}), argv, num_proc, hosts, hostfile)
+    if values.get("num_proc") is None:
+        listed = hostlib.listed(values)
+        values["num_proc"] = sum(h.slots for h in listed) if listed else 1
+    command = [executable or sys.executable, "-m", contract.RUN_TASK_MODULE]
+    return _run_job(func, tuple(args), dict(kwargs or {}), values, command)
 
 
-def _store_host(hosts: str | None, hostfile: str | None) -> tuple[str, str]:
+def _values(options: dict[str, Any]) -> dict[str, Any]:
+    """``hora.run()``'s keyword arguments as flag values (dest -> value), checked as ``hora run`` checks them."""
+    unknown = [k for k in options if k not in BY_KWARG]
+    if unknown:
+        raise TypeError(f"hora.run() got an unexpected keyword argument {unknown[0]!r}"
+                        f"{suggest(unknown[0], list(BY_KWARG))}")
+    given = {k: v for k, v in options.items() if v is not None}
+    refused = [k for k in given if BY_KWARG[k].status == "not yet"]
+    if refused:
+        raise UsageError(f"hora.run({', '.join(refused)}=...): elastic training is not supported yet")
+    if given.get("hosts") and given.get("hostfile"):
+        raise UsageError("hora.run: pass hosts or hostfile, not both")
+    if given.get("use_mpi") and given.get("use_gloo"):
+        raise UsageError("hora.run: use_mpi and use_gloo cannot both be set")
+    if isinstance(given.get("network_interfaces"), (list, tuple)):
+        given["network_interfaces"] = ",".join(given["network_interfaces"])
+    values: dict[str, Any] = {}
+    for name, value in given.items():
+        flag = BY_KWARG[name]
+        if not flag.takes_value:
+            if value or flag.knob is not None:  # a knob's switch set False says so; verbose=False is no flag
+                values[flag.dest] = flag.const if value else flag.off
+        elif flag.knob is not None:
+            values[flag.dest] = _knob_value(flag, name, value)
+        else:
+            values[flag.dest] = convert(flag, f"hora.run({name}=...)", value)
+    return values
+
+
+def _knob_value(flag: Flag, name: str, value: Any) -> Any:
+    """A knob given to ``hora.run()``, in the knob's own unit (not the flag's)."""
+    knob = knobs.BY_NAME[flag.knob]
+    where = f"hora.run({name}=...)"
+    if flag.choices:
+        return convert(flag, where, value)
+    try:
+        if isinstance(value, bool) and knob.type is not bool:
+            raise ValueError
+        return knob.type(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{where} expects {knob.type.__name__}, got {value!r}") from None
+
+
+def _signature() -> inspect.Signature:
+    """``run``'s signature as the table makes it, so ``help(hora.run)`` and IDEs list every argument."""
+    P = inspect.Parameter
+    params = [P("func", P.POSITIONAL_OR_KEYWORD), P("args", P.POSITIONAL_OR_KEYWORD, default=()),
+              P("kwargs", P.POSITIONAL_OR_KEYWORD, default=None), P("num_proc", P.POSITIONAL_OR_KEYWORD, default=None)]
+    names = [k for k in BY_KWARG if k != "num_proc"] + ["executable", *DEPRECATED]
+    params += [P(n, P.KEYWORD_ONLY, default=None) for n in names]
+    return inspect.Signature(params, return_annotation=list)
+
+
+run.__signature__ = _signature()  # type: ignore[attr-defined]
+
+
+def _store_host(values: dict[str, Any]) -> tuple[str, str]:
     """(bind, advertise) for the function store: loopback for one-host jobs, else the address that routes
     to the first remote host (a UDP connect: nothing is sent)."""
-    from hora.runner import hosts as hostlib
-
-    listed = hostlib.parse_hosts(hosts) if hosts else hostlib.parse_hostfile(hostfile) if hostfile else []
-    remote = [h.name for h in listed if not hostlib.is_local(h.name)]
+    remote = [h.name for h in hostlib.listed(values) or [] if not hostlib.is_local(h.name)]
     if not remote:
         return "127.0.0.1", "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -124,31 +156,22 @@ def _store_host(hosts: str | None, hostfile: str | None) -> tuple[str, str]:
     return addr, addr
 
 
-def _run_job(func, args: tuple, kwargs: dict, argv: list[str], num_proc: int, hosts, hostfile) -> list:
+def _run_job(func, args: tuple, kwargs: dict, values: dict[str, Any], command: list[str]) -> list:
     import cloudpickle
 
-    from hora.runner.launch import run_cli
+    from hora.runner.launch import run_job
     from hora.transport.auth import new_secret
     from hora.transport.store import StoreServer
 
     payload = cloudpickle.dumps((func, args, kwargs))
     secret = new_secret()
-    bind, advertise = _store_host(hosts, hostfile)
-    with StoreServer(secret, host=bind, port=0) as store, _env_lock:
+    bind, advertise = _store_host(values)
+    with StoreServer(secret, host=bind, port=0) as store:
         store.set("func", payload)
         store.set("sys.path", pickle.dumps([p for p in sys.path if isinstance(p, str)]))
         addr = f"{advertise}:{store.address.rpartition(':')[2]}"
-        saved = {k: os.environ.get(k) for k in (ADDR_VAR, SECRET_VAR)}
-        os.environ[ADDR_VAR], os.environ[SECRET_VAR] = addr, secret
-        try:
-            code = run_cli(argv)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        results = {r: store.get(f"result/{r}") for r in range(num_proc)}
+        code = run_job(values, command, {contract.RUNFUNC_ADDR: addr, contract.RUNFUNC_SECRET: secret})
+        results = {r: store.get(f"result/{r}") for r in range(values["num_proc"])}
     return _collect(results, code)
 
 
@@ -175,13 +198,13 @@ def _collect(results: dict[int, bytes | None], code: int) -> list:
             except Exception:  # noqa: BLE001 - e.g. its class is not importable here
                 exc = None
         if not isinstance(exc, BaseException):
-            exc = RuntimeError(f"hora.run: rank {rank} raised {summary}")
+            exc = LaunchError(f"hora.run: rank {rank} raised {summary}")
         if hasattr(exc, "add_note"):
             exc.add_note(f"(raised on rank {rank} of hora.run; its traceback is above)")
         raise exc from RemoteTraceback(f"\n\nTraceback on rank {rank}:\n{tb}")
     missing = [r for r, raw in results.items() if raw is None]
     if code != 0 or missing:
-        raise RuntimeError(f"hora.run: the job failed (exit status {code}); ranks {missing or 'all'} returned "
+        raise LaunchError(f"hora.run: the job failed (exit status {code}); ranks {missing or 'all'} returned "
                            "nothing (the launcher's message above says why)")
     return values
 
@@ -190,4 +213,4 @@ def _loads(body: bytes, rank: int):
     try:
         return pickle.loads(body)
     except Exception as e:  # noqa: BLE001
-        raise RuntimeError(f"hora.run: cannot unpickle the return value of rank {rank}: {e}") from e
+        raise LaunchError(f"hora.run: cannot unpickle the return value of rank {rank}: {e}") from e

@@ -13,18 +13,20 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
+from hora.base import knobs
+from hora.base.errors import LaunchError
 from hora.runner.flags import BY_NAME, FLAGS, GROUPS, Flag
 
 
-class UsageError(ValueError):
-    """Bad command line; ``hora run`` prints the message and exits with 2, like argparse."""
+class UsageError(LaunchError, ValueError):
+    """Bad command line; ``hora run`` prints the message and exits with 2, like argparse. A ``ValueError``
+    too, as it was before the launcher's errors became :class:`hora.base.errors.LaunchError`."""
 
 
 @dataclass
 class Parsed:
     values: dict[str, Any] = field(default_factory=dict)  # dest -> value, only for flags given
     command: list[str] = field(default_factory=list)
-    noops: list[str] = field(default_factory=list)  # accepted flags that do nothing (for --verbose)
     warnings: list[str] = field(default_factory=list)
     help: bool = False
 
@@ -46,7 +48,15 @@ def _lookup(name: str) -> Flag | None:
 
 
 def convert(flag: Flag, name: str, text: Any) -> Any:
-    """Turn one raw value (a string from argv, or anything from YAML) into the flag's type."""
+    """Turn one raw value (a string from argv, or anything from YAML) into the flag's type; a knob's flag
+    gives the knob's value (``--fusion-threshold-mb 4`` -> 4 MiB in bytes)."""
+    value = _convert(flag, name, text)
+    if flag.knob is not None and flag.unit != 1:
+        return knobs.BY_NAME[flag.knob].type(value * flag.unit)
+    return value
+
+
+def _convert(flag: Flag, name: str, text: Any) -> Any:
     if flag.choices:  # case-insensitive; the value as the table spells it (DEBUG, tcp)
         match = next((c for c in flag.choices if c.upper() == str(text).upper()), None)
         if match is None:
@@ -71,7 +81,7 @@ def parse(args: list[str]) -> Parsed:
 
     >>> p = parse(["-np", "2", "--cycle-time-ms=5", "python", "train.py", "--lr", "0.1"])
     >>> p.values, p.command
-    ({'num_proc': 2, 'cycle_time_ms': 5.0}, ['python', 'train.py', '--lr', '0.1'])
+    ({'num_proc': 2, 'cycle_time': 5.0}, ['python', 'train.py', '--lr', '0.1'])
     """
     out = Parsed()
     i = 0
@@ -113,9 +123,22 @@ def parse(args: list[str]) -> Parsed:
                 i += 1
             vals = [convert(flag, name, r) for r in raw]
             out.values[flag.dest] = vals[0] if flag.nargs == 1 else vals
-        if flag.status == "no-op":
-            out.noops.append(f"{name} ({flag.why})")
     return out
+
+
+def no_effect(values: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """For the settings in ``values`` that hora accepts without effect: (a line each for ``--verbose``,
+    a warning each for the ones that need one). Once per setting, however it was given (flag, config file,
+    ``hora.run()`` argument) and however many of its flags were used."""
+    seen, ignored, warnings = set(), [], []
+    for f in FLAGS:
+        if f.status != "no-op" or f.dest not in values or f.dest in seen:
+            continue
+        seen.add(f.dest)
+        ignored.append(f"{f.names[0]} ({f.why})")
+        if not f.quiet:
+            warnings.append(f"{f.names[0]} is accepted but has no effect: {f.why}")
+    return ignored, warnings
 
 
 def _tag(flag: Flag) -> str:
@@ -123,6 +146,8 @@ def _tag(flag: Flag) -> str:
         return f" [accepted, no effect: {flag.why}]"
     if flag.status == "not yet":
         return " [not supported yet]"
+    if flag.knob is not None:
+        return f" [env HORA_{knobs.BY_NAME[flag.knob].env}]"
     return f" [env {flag.env}]" if flag.env else ""
 
 
@@ -132,9 +157,8 @@ def format_help() -> str:
              "Flags after the first word that is not a flag belong to the command ('--' also ends flags)."]
     for group in GROUPS:
         lines += ["", f"{group}:"]
-        for f in FLAGS:
-            if f.group != group:
-                continue
+        # the launcher's own flags, then those of the knobs, then what hora accepts without effect or refuses
+        for f in sorted((f for f in FLAGS if f.group == group), key=lambda f: (f.status != "yes", f.knob is not None)):
             meta = f.metavar or {int: "N", float: "NUM"}.get(f.kind, "TEXT")
             if f.choices:
                 meta = "{" + ",".join(f.choices) + "}"

@@ -63,7 +63,7 @@ def load(path: str) -> tuple[dict[str, Any], list[str]]:
             elif not isinstance(value, bool):
                 raise UsageError(f"{where} must be true or false, got {value!r}")
             else:
-                values[flag.dest] = (not value) if flag.invert else value
+                values[flag.dest] = flag.const if value != flag.invert else flag.off
     return values, warnings
 
 

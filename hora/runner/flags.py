@@ -1,34 +1,23 @@
 """Every ``hora run`` flag in one table, spelled as horovodrun spells it.
 
-Each row says how the flag parses, where its value goes (an env var for the workers, or the launcher
-itself), its key in a ``--config-file`` YAML, and whether hora implements it, accepts it as a no-op, or
-refuses it for now. The parser (:mod:`hora.runner.cli_args`) and the config-file reader
-(:mod:`hora.runner.config_file`) are both driven by this table, so a new flag is one line here.
-
-The runner may not import ``hora.core`` (launcher and workers meet only through env vars), so the
-tuning rows repeat the env names of ``hora/base/knobs.py``; ``tests/test_launcher.py`` checks that
-the two tables agree.
+Two kinds of row. A flag for a setting that reaches the workers is generated from that setting's row
+in the knob table (:mod:`hora.base.knobs`): its spelling, unit, ``--config-file`` key and help come
+from there, its value is kept in the knob's unit under the knob's name, and the workers get it as the
+knob's ``HORA_`` variable. The launcher's own flags (hosts, ssh, output, mpirun arguments...) are
+written here. Each row says whether hora implements it, accepts it with no effect (with the reason,
+shown in ``--help`` and warned about once when used), or refuses it for now. The parser
+(:mod:`hora.runner.cli_args`), the config-file reader (:mod:`hora.runner.config_file`) and
+``hora.run()``'s keyword arguments (:mod:`hora.runner.api`) are all driven by this table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
+
+from hora.base import contract, knobs
 
 Status = Literal["yes", "no-op", "not yet"]
-LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
-
-
-def _bool01(v: Any) -> str:
-    return "1" if v else "0"
-
-
-def _number(v: Any) -> str:
-    return f"{v:g}" if isinstance(v, float) else str(v)
-
-
-def _mb_to_bytes(v: Any) -> str:
-    return str(int(float(v) * (1 << 20)))
 
 
 @dataclass(frozen=True)
@@ -36,9 +25,11 @@ class Flag:
     """One command-line flag.
 
     ``kind``: ``bool`` (takes no value; sets ``const``), or the type of its value (``int``, ``float``,
-    ``str``). ``nargs`` values are read after the flag. ``env`` names the variable the workers get,
-    written by ``to_env``. ``config`` is ``(section, key)`` in the YAML config file; ``invert`` flips a
-    YAML boolean (``stall_check: {enabled: false}`` means ``--no-stall-check``).
+    ``str``). ``nargs`` values are read after the flag. ``knob`` names the knob it sets (then ``dest``
+    is that name and the value is in the knob's unit: the flag's value x ``unit``). A launcher flag
+    with ``env`` exports that variable (``1`` when given) for a library the workers load, not for hora.
+    ``config`` is ``(section, key)`` in the YAML config file; ``invert`` flips a YAML boolean.
+    ``kwarg`` is its name among ``hora.run()``'s keyword arguments (``""``: not one).
     """
 
     names: tuple[str, ...]
@@ -47,16 +38,20 @@ class Flag:
     help: str
     kind: type = bool
     const: Any = True
+    off: Any = False  # what a YAML ``false`` sets (a switch's other value)
     nargs: int = 1
     choices: tuple[str, ...] | None = None
+    knob: str | None = None
+    unit: float = 1
     env: str | None = None
-    to_env: Callable[[Any], str] = _number
     config: tuple[str, str] | None = None
     invert: bool = False
     status: Status = "yes"
-    why: str = ""  # for "no-op" and "not yet": the reason, shown in --help and in the refusal
+    why: str = ""  # for "no-op" and "not yet": the reason, shown in --help, in the warning and the refusal
+    quiet: bool = False  # a no-op that needs no warning: hora always behaves as the flag asks
     deprecated: tuple[str, ...] = ()  # names among ``names`` that still work but print a warning
     metavar: str = ""  # for --help; derived from ``kind`` when empty
+    kwarg: str = ""
 
     @property
     def takes_value(self) -> bool:
@@ -64,167 +59,171 @@ class Flag:
 
 
 def _f(names: str, dest: str, group: str, help: str, **kw: Any) -> Flag:
-    if kw.get("kind", bool) is bool and "to_env" not in kw:
-        kw["to_env"] = _bool01
     return Flag(tuple(names.split()), dest, group, help, **kw)
+
+
+def _config(knob: knobs.Knob) -> tuple[str, str] | None:
+    return tuple(knob.config.split(".", 1)) if knob.config else None  # type: ignore[return-value]
+
+
+def _default_text(knob: knobs.Knob) -> str:
+    shown = knob.default / knob.flag_unit if knob.flag_unit != 1 else knob.default
+    if knob.is_switch or shown in ("", None):
+        return ""
+    unit = " MiB" if knob.flag_unit == 1 << 20 else ""
+    return f" ({shown:g}{unit})" if isinstance(shown, float) else f" ({shown}{unit})"
+
+
+def from_knob(knob: knobs.Knob) -> list[Flag]:
+    """The flag(s) of one knob: its value flag or on switch, and its off switch if it has one."""
+    names = tuple(knob.flag.split())
+    common = dict(dest=knob.name, group=knob.group, knob=knob.name, kwarg=knob.name)
+    if knob.is_switch:
+        on, off = knob.switch_values
+        rows = [Flag(names, help=knob.help, const=on, off=off, config=_config(knob), invert=knob.config_invert,
+                     deprecated=names[1:], **common)]
+        if knob.off_flag:
+            rows.append(Flag((knob.off_flag,), help=f"the opposite of {names[0]}", const=off, off=on, **common))
+        return rows
+    kind = float if knob.flag_unit != 1 else knob.type
+    return [Flag(names, help=knob.help + _default_text(knob), kind=kind, unit=knob.flag_unit,
+                 choices=knob.choices or None, config=_config(knob), deprecated=names[1:],
+                 metavar=knob.metavar, **common)]
 
 
 _ELASTIC = "elastic training (--min-np, --max-np, --host-discovery-script, ...) comes in a later release"
 _JSRUN = "jsrun (IBM Spectrum MPI under LSF) is not supported; use --mpi (mpirun) or hora's own launcher"
+_AUTOTUNE = "hora has no autotuner yet; set --fusion-threshold-mb and --cycle-time-ms by hand"
+_ALGO = "hora has no {} algorithm yet; allreduce runs as a ring (or hierarchically, --hierarchical-allreduce)"
+_NCCL = "hora has no NCCL (GPU) transport yet"
 
-FLAGS: tuple[Flag, ...] = (
+
+def _noop(names: str, dest: str, group: str, help: str, why: str, **kw: Any) -> Flag:
+    return _f(names, dest, group, help, status="no-op", why=why, **kw)
+
+
+LAUNCHER_FLAGS: tuple[Flag, ...] = (
     # basic
     _f("-np --num-proc", "num_proc", "basic",
-       "number of worker processes (default: all slots of -H/-hostfile)", kind=int),
+       "number of worker processes (default: all slots of -H/-hostfile)", kind=int, kwarg="num_proc"),
     _f("-cb --check-build", "check_build", "basic",
        "show frameworks, transports and features hora has, then exit"),
     _f("-v --version", "version", "basic", "show hora's version and exit"),
-    _f("--disable-cache", "disable_cache", "basic", "do not cache host checks", status="no-op",
-       why="hora caches no host checks yet"),
-    _f("--start-timeout", "start_timeout", "basic",
-       "seconds workers wait for each other at start-up (30)",
-       kind=float, env="HORA_START_TIMEOUT"),
-    _f("--network-interfaces --network-interface", "network_interfaces", "basic",
-       "comma-separated network interfaces workers use (e.g. eth0,ib0)", kind=str, metavar="NICS",
-       env="HORA_NETWORK_INTERFACES", deprecated=("--network-interface",)),
+    _noop("--disable-cache", "disable_cache", "basic", "do not cache host checks",
+          "hora caches no host checks", quiet=True, kwarg="disable_cache"),
     _f("--output-filename", "output_filename", "basic",
        "also write each rank's output to DIR/rank.N/stdout and DIR/rank.N/stderr", kind=str,
-       metavar="DIR"),
-    _f("--verbose", "verbose", "basic", "print the rank plan, the store address and the exported settings"),
+       metavar="DIR", kwarg="output_filename"),
+    _f("--verbose", "verbose", "basic", "print the rank plan, the store address and the exported settings",
+       kwarg="verbose"),
     _f("--config-file", "config_file", "basic",
        "YAML file with sections params, autotune, timeline, stall_check, library_options, logging; "
        "flags on the command line win", kind=str, metavar="FILE"),
     # ssh
     _f("-p --ssh-port", "ssh_port", "ssh",
-       "SSH port on remote hosts (more ssh options: env HORA_SSH_ARGS, or ~/.ssh/config)", kind=int),
+       "SSH port on remote hosts (more ssh options: env HORA_SSH_ARGS, or ~/.ssh/config)", kind=int, kwarg="ssh_port"),
     _f("-i --ssh-identity-file", "ssh_identity_file", "ssh", "SSH identity (private key) file",
-       kind=str, metavar="FILE"),
-    # tuning
-    _f("--fusion-threshold-mb", "fusion_threshold_mb", "tuning",
-       "tensor fusion buffer size in MiB, 0 turns fusion off (128)", kind=float,
-       env="HORA_FUSION_THRESHOLD", to_env=_mb_to_bytes, config=("params", "fusion_threshold_mb")),
-    _f("--cycle-time-ms", "cycle_time_ms", "tuning", "milliseconds between negotiation cycles (1)",
-       kind=float, env="HORA_CYCLE_TIME", config=("params", "cycle_time_ms")),
-    _f("--cache-capacity", "cache_capacity", "tuning", "response cache entries, 0 turns it off (1024)",
-       kind=int, env="HORA_CACHE_CAPACITY", config=("params", "cache_capacity")),
-    _f("--transport", "transport", "tuning", "data path: auto, tcp, shm (one host), mpi (auto)", kind=str,
-       choices=("auto", "tcp", "shm", "mpi"), env="HORA_TRANSPORT", to_env=str, config=("params", "transport")),
-    _f("--hierarchical-allreduce", "hierarchical_allreduce", "tuning",
-       "allreduce inside each host first, then across hosts", env="HORA_HIERARCHICAL_ALLREDUCE",
-       config=("params", "hierarchical_allreduce")),
-    _f("--no-hierarchical-allreduce", "hierarchical_allreduce", "tuning", "turn hierarchical allreduce off",
-       const=False, env="HORA_HIERARCHICAL_ALLREDUCE"),
-    _f("--hierarchical-allgather", "hierarchical_allgather", "tuning",
-       "allgather inside each host first, then across hosts", env="HORA_HIERARCHICAL_ALLGATHER",
-       config=("params", "hierarchical_allgather")),
-    _f("--no-hierarchical-allgather", "hierarchical_allgather", "tuning", "turn hierarchical allgather off",
-       const=False, env="HORA_HIERARCHICAL_ALLGATHER"),
-    _f("--torus-allreduce", "torus_allreduce", "tuning", "2-D torus allreduce", env="HORA_TORUS_ALLREDUCE",
-       config=("params", "torus_allreduce")),
-    _f("--no-torus-allreduce", "torus_allreduce", "tuning", "turn torus allreduce off", const=False,
-       env="HORA_TORUS_ALLREDUCE"),
+       kind=str, metavar="FILE", kwarg="ssh_identity_file"),
+    # tuning: the knobs' flags come first (FLAGS below), then these
+    _noop("--hierarchical-allgather", "hierarchical_allgather", "tuning",
+          "allgather inside each host first, then across hosts", _ALGO.format("hierarchical allgather"),
+          config=("params", "hierarchical_allgather")),
+    _noop("--no-hierarchical-allgather", "hierarchical_allgather", "tuning", "turn hierarchical allgather off",
+          _ALGO.format("hierarchical allgather"), const=False),
+    _noop("--torus-allreduce", "torus_allreduce", "tuning", "2-D torus allreduce", _ALGO.format("torus"),
+          config=("params", "torus_allreduce")),
+    _noop("--no-torus-allreduce", "torus_allreduce", "tuning", "turn torus allreduce off", _ALGO.format("torus"),
+          const=False),
     # autotune
-    _f("--autotune", "autotune", "autotune", "tune fusion threshold and cycle time while training",
-       env="HORA_AUTOTUNE", config=("autotune", "enabled")),
-    _f("--autotune-log-file", "autotune_log_file", "autotune", "CSV file for autotune samples", kind=str,
-       metavar="FILE",
-       env="HORA_AUTOTUNE_LOG", config=("autotune", "log_file")),
-    _f("--autotune-warmup-samples", "autotune_warmup_samples", "autotune", "samples discarded first (3)",
-       kind=int, env="HORA_AUTOTUNE_WARMUP_SAMPLES", config=("autotune", "warmup_samples")),
-    _f("--autotune-steps-per-sample", "autotune_steps_per_sample", "autotune", "steps per sample (10)",
-       kind=int, env="HORA_AUTOTUNE_STEPS_PER_SAMPLE", config=("autotune", "steps_per_sample")),
-    _f("--autotune-bayes-opt-max-samples", "autotune_bayes_opt_max_samples", "autotune",
-       "Bayesian optimisation samples at most (20)", kind=int, env="HORA_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
-       config=("autotune", "bayes_opt_max_samples")),
-    _f("--autotune-gaussian-process-noise", "autotune_gaussian_process_noise", "autotune",
-       "noise of the Gaussian process (0.8)", kind=float, env="HORA_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
-       config=("autotune", "gaussian_process_noise")),
+    _noop("--autotune", "autotune", "autotune", "tune fusion threshold and cycle time while training", _AUTOTUNE,
+          config=("autotune", "enabled")),
+    _noop("--autotune-log-file", "autotune_log_file", "autotune", "CSV file for autotune samples", _AUTOTUNE,
+          kind=str, metavar="FILE", config=("autotune", "log_file")),
+    _noop("--autotune-warmup-samples", "autotune_warmup_samples", "autotune", "samples discarded first (3)",
+          _AUTOTUNE, kind=int, config=("autotune", "warmup_samples")),
+    _noop("--autotune-steps-per-sample", "autotune_steps_per_sample", "autotune", "steps per sample (10)",
+          _AUTOTUNE, kind=int, config=("autotune", "steps_per_sample")),
+    _noop("--autotune-bayes-opt-max-samples", "autotune_bayes_opt_max_samples", "autotune",
+          "Bayesian optimisation samples at most (20)", _AUTOTUNE, kind=int,
+          config=("autotune", "bayes_opt_max_samples")),
+    _noop("--autotune-gaussian-process-noise", "autotune_gaussian_process_noise", "autotune",
+          "noise of the Gaussian process (0.8)", _AUTOTUNE, kind=float,
+          config=("autotune", "gaussian_process_noise")),
     # elastic
-    _f("--min-np --min-num-proc", "min_np", "elastic", "fewest workers to keep training with", kind=int,
-       status="not yet", why=_ELASTIC),
-    _f("--max-np --max-num-proc", "max_np", "elastic", "most workers to scale up to", kind=int,
-       status="not yet", why=_ELASTIC),
+    _f("--min-np --min-num-proc", "min_num_proc", "elastic", "fewest workers to keep training with", kind=int,
+       status="not yet", why=_ELASTIC, kwarg="min_num_proc"),
+    _f("--max-np --max-num-proc", "max_num_proc", "elastic", "most workers to scale up to", kind=int,
+       status="not yet", why=_ELASTIC, kwarg="max_num_proc"),
     _f("--slots-per-host", "slots", "elastic", "slots of each discovered host", kind=int, status="not yet",
-       why=_ELASTIC),
+       why=_ELASTIC, kwarg="slots"),
     _f("--elastic-timeout", "elastic_timeout", "elastic", "seconds to wait for enough hosts (600)", kind=int,
        status="not yet", why=_ELASTIC),
     _f("--reset-limit", "reset_limit", "elastic", "most resets before the job fails", kind=int,
-       status="not yet", why=_ELASTIC),
+       status="not yet", why=_ELASTIC, kwarg="reset_limit"),
     _f("--blacklist-cooldown-range", "cooldown_range", "elastic", "MIN MAX seconds a failed host is skipped",
-       kind=int, nargs=2, metavar="MIN MAX", status="not yet", why=_ELASTIC),
+       kind=int, nargs=2, metavar="MIN MAX", status="not yet", why=_ELASTIC, kwarg="cooldown_range"),
     _f("--host-discovery-script", "host_discovery_script", "hosts",
        "script printing host[:slots] lines (elastic)", kind=str, metavar="FILE",
-       status="not yet", why=_ELASTIC),
-    # timeline / stall
-    _f("--timeline-filename", "timeline_filename", "timeline",
-       "rank 0 writes a Chrome-trace timeline here", kind=str, metavar="FILE", env="HORA_TIMELINE",
-       config=("timeline", "filename")),
-    _f("--timeline-mark-cycles", "timeline_mark_cycles", "timeline",
-       "mark negotiation cycles in the timeline", env="HORA_TIMELINE_MARK_CYCLES",
-       config=("timeline", "mark_cycles")),
-    _f("--no-stall-check", "no_stall_check", "stall", "do not warn about tensors some ranks never submit",
-       env="HORA_STALL_CHECK_DISABLE", config=("stall_check", "enabled"), invert=True),
-    _f("--stall-check-warning-time-seconds", "stall_check_warning_time_seconds", "stall",
-       "seconds before a stall warning (60)", kind=float, env="HORA_STALL_CHECK_TIME_SECONDS",
-       config=("stall_check", "warning_time_seconds")),
-    _f("--stall-check-shutdown-time-seconds", "stall_check_shutdown_time_seconds", "stall",
-       "seconds before a stall shuts the job down", kind=float, env="HORA_STALL_SHUTDOWN_TIME_SECONDS",
-       config=("stall_check", "shutdown_time_seconds")),
+       status="not yet", why=_ELASTIC, kwarg="host_discovery_script"),
     # library
-    _f("--mpi-threads-disable", "mpi_threads_disable", "library",
-       "ask MPI for MPI_THREAD_SERIALIZED, not MULTIPLE (the least hora's engine thread can use)",
-       env="HORA_MPI_THREADS_DISABLE", config=("library_options", "mpi_threads_disable")),
     _f("--mpi-args", "mpi_args", "library", "extra mpirun arguments (with --mpi), split like a shell",
-       kind=str, metavar="ARGS"),
+       kind=str, metavar="ARGS", kwarg="mpi_args"),
     _f("--horovod-alias", "horovod_alias", "library",
-       "let unchanged Horovod scripts run: `import horovod.torch` loads hora (sets HORA_HOROVOD_ALIAS=1)",
-       env="HORA_HOROVOD_ALIAS"),
-    _f("--tcp", "tcp", "library", "use TCP only, no InfiniBand (sets NCCL_IB_DISABLE=1)",
-       env="NCCL_IB_DISABLE"),
+       f"let unchanged Horovod scripts run: `import horovod.torch` loads hora (sets {contract.HOROVOD_ALIAS}=1)",
+       env=contract.HOROVOD_ALIAS),
+    _f("--tcp", "tcp", "library", "use TCP only, no InfiniBand (sets NCCL_IB_DISABLE=1 for NCCL in the "
+       "workers' frameworks)", env="NCCL_IB_DISABLE"),
     _f("--binding-args", "binding_args", "library",
        "mpirun binding arguments (with --mpi) instead of -bind-to none -map-by slot", kind=str, metavar="ARGS"),
-    _f("--num-nccl-streams", "num_nccl_streams", "library", "NCCL streams per device (1)", kind=int,
-       env="HORA_NUM_NCCL_STREAMS", config=("library_options", "num_nccl_streams")),
-    _f("--thread-affinity", "thread_affinity", "library",
-       "cores for the background thread, indexed by local rank", kind=str, metavar="CORES",
-       env="HORA_THREAD_AFFINITY",
-       config=("library_options", "thread_affinity")),
-    _f("--gloo-timeout-seconds", "gloo_timeout_seconds", "library",
-       "seconds a collective or the rendezvous may take (30)", kind=int, env="HORA_GLOO_TIMEOUT_SECONDS",
-       config=("library_options", "gloo_timeout_seconds")),
+    _noop("--num-nccl-streams", "num_nccl_streams", "library", "NCCL streams per device (1)", _NCCL, kind=int,
+          config=("library_options", "num_nccl_streams")),
+    _noop("--thread-affinity", "thread_affinity", "library",
+          "cores for the background thread, indexed by local rank", "hora does not pin its engine thread yet",
+          kind=str, metavar="CORES", config=("library_options", "thread_affinity")),
+    _noop("--gloo-timeout-seconds", "gloo_timeout_seconds", "library",
+          "seconds a collective or the rendezvous may take (30)",
+          "hora has no Gloo; the start-up wait is --start-timeout and a lost peer is noticed by the transport",
+          kind=int, config=("library_options", "gloo_timeout_seconds")),
     # logging
-    _f("--log-level", "log_level", "logging", "worker log level", kind=str, choices=LOG_LEVELS,
-       env="HORA_LOG_LEVEL", to_env=str.upper, config=("logging", "level")),
-    _f("--log-with-timestamp", "log_with_timestamp", "logging", "timestamps in worker log lines",
-       env="HORA_LOG_HIDE_TIME", to_env=lambda v: _bool01(not v), config=("logging", "with_timestamp")),
-    _f("--log-without-timestamp --log-hide-timestamp", "log_with_timestamp", "logging",
-       "no timestamps in worker log lines", const=False, env="HORA_LOG_HIDE_TIME",
-       to_env=lambda v: _bool01(not v), deprecated=("--log-hide-timestamp",)),
     _f("-prefix-timestamp --prefix-output-with-timestamp", "prefix_timestamp", "logging",
        "start each output line with the time it was printed"),
     # hosts
     _f("-H --hosts", "hosts", "hosts", "hosts and slots, e.g. -H host1:2,host2:4 (default localhost:<np>)",
-       kind=str, metavar="HOSTS"),
+       kind=str, metavar="HOSTS", kwarg="hosts"),
     _f("-hostfile --hostfile", "hostfile", "hosts", "file with one 'host slots=N' per line", kind=str,
-       metavar="FILE"),
+       metavar="FILE", kwarg="hostfile"),
     # controller
-    _f("--gloo", "gloo", "controller", "use Gloo", status="no-op",
-       why="hora always starts workers itself and connects them over its own TCP mesh, as --gloo does"),
+    _noop("--gloo", "gloo", "controller", "use Gloo",
+          "hora always starts workers itself and connects them over its own TCP mesh, as --gloo does",
+          quiet=True, kwarg="use_gloo"),
     _f("--mpi", "mpi", "controller",
-       "launch through mpirun; workers take their ranks from MPI (they need mpi4py: pip install 'hora[mpi]')"),
+       "launch through mpirun; workers take their ranks from MPI (they need mpi4py: pip install 'hora[mpi]')",
+       kwarg="use_mpi"),
     _f("--jsrun", "jsrun", "controller", "launch through jsrun (LSF)", status="not yet", why=_JSRUN),
 )
 
+KNOB_FLAGS: tuple[Flag, ...] = tuple(f for k in knobs.KNOBS if k.flag for f in from_knob(k))
+FLAGS: tuple[Flag, ...] = KNOB_FLAGS + LAUNCHER_FLAGS
 BY_NAME: dict[str, Flag] = {name: f for f in FLAGS for name in f.names}
 BY_CONFIG: dict[tuple[str, str], Flag] = {f.config: f for f in FLAGS if f.config}
+BY_KWARG: dict[str, Flag] = {f.kwarg: f for f in FLAGS if f.kwarg}
 GROUPS = ("basic", "hosts", "ssh", "tuning", "autotune", "timeline", "stall", "library", "logging",
           "elastic", "controller")
 
 
 def env_for(values: dict[str, Any]) -> dict[str, str]:
-    """The worker env vars for the settings in ``values`` (dest -> value, only those that were set)."""
+    """The worker env vars for the settings in ``values`` (dest -> value, only those that were set): each
+    knob's ``HORA_`` variable, and the variables of launcher flags that export one."""
     env: dict[str, str] = {}
-    for f in FLAGS:
-        if f.env and f.status == "yes" and values.get(f.dest) is not None and f.env not in env:
-            env[f.env] = f.to_env(values[f.dest])
+    for k in knobs.KNOBS:
+        if k.flag and k.side == "worker" and values.get(k.name) is not None:
+            env["HORA_" + k.env] = knobs.format(k.name, values[k.name])
+    for f in LAUNCHER_FLAGS:
+        if f.env and f.status == "yes" and values.get(f.dest):
+            env[f.env] = "1"
     return env
+
+
+def launcher_only_env() -> frozenset[str]:
+    """The variables of launcher-side knobs (ssh settings): never forwarded to the workers."""
+    return frozenset(p + k.env for k in knobs.KNOBS if k.side == "launcher" for p in ("HORA_", "HOROVOD_"))

@@ -12,10 +12,14 @@ import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from hora.base.errors import LaunchError
 
 
-class HostError(ValueError):
-    """A bad ``-H`` value, hostfile line or slot request; the message says which and why."""
+class HostError(LaunchError, ValueError):
+    """A bad ``-H`` value, hostfile line or slot request; the message says which and why. (A ``ValueError``
+    too, as before the launcher's errors became :class:`hora.base.errors.LaunchError`.)"""
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,29 @@ def plan(hosts: list[Host], np: int) -> list[Slot]:
         cross_hosts.setdefault(lr, []).append(name)
     return [Slot(rank, np, name, lr, local_size[name], cross_hosts[lr].index(name), len(cross_hosts[lr]))
             for rank, (name, lr) in enumerate(placed)]
+
+
+def listed(values: dict[str, Any]) -> list[Host] | None:
+    """The hosts of ``-H`` or ``-hostfile`` (one of them at most), None when neither is given."""
+    if values.get("hosts") and values.get("hostfile"):
+        raise HostError("-H/--hosts and -hostfile/--hostfile cannot be used together; pick one")
+    if values.get("hosts"):
+        return parse_hosts(values["hosts"])
+    if values.get("hostfile"):
+        return parse_hostfile(values["hostfile"])
+    return None
+
+
+def plan_job(values: dict[str, Any], example: str = "hora run -np 4 python train.py") -> list[Slot]:
+    """The slot plan of a job: hosts from -H/-hostfile (else localhost), -np defaulting to all their slots.
+    ``hora run`` and ``hora run --mpi`` plan alike, so both refuse the same bad requests."""
+    hosts = listed(values)
+    np = values.get("num_proc")
+    if hosts is None:
+        if np is None:
+            raise HostError(f"-np is required when neither -H nor -hostfile is given (e.g. {example})")
+        hosts = [Host("localhost", max(np, 1))]
+    return plan(hosts, np if np is not None else sum(h.slots for h in hosts))
 
 
 def used_hosts(slots: list[Slot]) -> list[str]:

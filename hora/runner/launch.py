@@ -6,7 +6,8 @@ hands each worker its place through environment variables only::
     HORA_RANK HORA_SIZE HORA_LOCAL_RANK HORA_LOCAL_SIZE HORA_CROSS_RANK HORA_CROSS_SIZE
     HORA_HOSTNAME (the -H name)  HORA_STORE_ADDR (host:port)  HORA_STORE_SCOPE (job id)
     HORA_SECRET (never on a command line, never printed)  PYTHONUNBUFFERED=1
-    + the HORA_* tuning variables of the flags that were given
+    + the HORA_* variables of the knobs whose flags were given
+    (the names: hora/base/contract.py and hora/base/knobs.py, shared with the worker side)
 
 Exit status: 0 when every rank exits 0; else that of the first rank to fail (128+N for signal N);
 2 for a bad command line; 130/143 when the launcher itself is interrupted by SIGINT/SIGTERM; 255 when
@@ -22,16 +23,14 @@ import sys
 import uuid
 from typing import Any
 
+from hora.base import contract
 from hora.runner import hosts as hostlib
 from hora.runner import ssh
-from hora.runner.cli_args import UsageError, format_help, parse, suggest
+from hora.runner.cli_args import UsageError, format_help, no_effect, parse, suggest
 from hora.runner.config_file import load as load_config
 from hora.runner.flags import env_for
 from hora.runner.spawn import HOST_LOST_CODE, LocalJob
 
-# the launcher's half of the worker contract; HOROVOD_ aliases of these are dropped from the workers'
-# environment so a stale one (hora run started from inside another job) cannot disagree
-CONTRACT = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")
 SUBCOMMANDS = ("run",)
 
 
@@ -54,40 +53,21 @@ def check_build() -> str:
     return table()
 
 
-# --- planning
-def _hosts(values: dict[str, Any]) -> list[hostlib.Host] | None:
-    if values.get("hosts") and values.get("hostfile"):
-        raise UsageError("-H/--hosts and -hostfile/--hostfile cannot be used together; pick one")
-    if values.get("hosts"):
-        return hostlib.parse_hosts(values["hosts"])
-    if values.get("hostfile"):
-        return hostlib.parse_hostfile(values["hostfile"])
-    return None
-
-
-def make_plan(values: dict[str, Any]) -> list[hostlib.Slot]:
-    """Hosts from -H/-hostfile (or localhost), -np defaulting to all their slots, then the slot plan."""
-    hosts = _hosts(values)
-    np = values.get("num_proc")
-    if hosts is None:
-        if np is None:
-            raise UsageError("-np is required when neither -H nor -hostfile is given "
-                             "(e.g. hora run -np 4 python train.py)")
-        hosts = [hostlib.Host("localhost", max(np, 1))]
-    return hostlib.plan(hosts, np if np is not None else sum(h.slots for h in hosts))
-
-
 def worker_envs(slots: list[hostlib.Slot], knobs: dict[str, str], store_addr: str, secret: str,
-                scope: str, base: dict[str, str] | None = None) -> list[dict[str, str]]:
-    """One environment per rank: ours, minus stale aliases, plus the knobs and the contract."""
+                scope: str, base: dict[str, str] | None = None, extra: dict[str, str] | None = None
+                ) -> list[dict[str, str]]:
+    """One environment per rank: ours (or ``base``), minus stale aliases, plus the knobs, ``extra`` (what
+    the caller hands every rank, e.g. ``hora.run()``'s store) and the contract. This is where the
+    launcher builds its children's environment, which is what the runner reads ``os.environ`` for."""
     common = dict(os.environ if base is None else base)
-    for name in CONTRACT:
+    for name in contract.TOPOLOGY:
         common.pop("HOROVOD_" + name, None)
     for name in knobs:  # a flag beats an inherited HOROVOD_ alias, without a both-are-set warning
         if name.startswith("HORA_"):
             common.pop("HOROVOD_" + name[5:], None)
     common.update(knobs)
-    if common.get("HORA_HOROVOD_ALIAS") == "1":  # the shim `horovod` package goes first on the path
+    common.update(extra or {})
+    if common.get(contract.HOROVOD_ALIAS) == "1":  # the shim `horovod` package goes first on the path
         alias = str(Path(__file__).resolve().parents[1] / "_alias" / "site")
         common["PYTHONPATH"] = os.pathsep.join(p for p in (alias, common.get("PYTHONPATH", "")) if p)
     common.update(HORA_SIZE=str(len(slots)), HORA_STORE_ADDR=store_addr, HORA_STORE_SCOPE=scope,
@@ -135,27 +115,38 @@ def run_cli(args: list[str]) -> int:
             for w in warnings:
                 _say(w)
             values = {**from_file, **parsed.values}  # the command line wins
-        if values.get("start_timeout") is None:
-            start = os.environ.get("HORA_START_TIMEOUT") or os.environ.get("HOROVOD_START_TIMEOUT")
-            if start:
-                values["start_timeout"] = start  # passed on as it is; the workers check it
         if not parsed.command:
             raise UsageError("no command given; e.g. hora run -np 2 python train.py")
-        if values.get("mpi"):  # mpirun starts the workers: hora.runner.mpi_run
-            from hora.runner.mpi_run import run_mpi
-
-            return run_mpi(values, parsed.command, parsed.noops)
-        for name in ("mpi_args", "binding_args"):
-            if values.get(name):
-                raise UsageError(f"--{name.replace('_', '-')} only works with --mpi")
-        slots = make_plan(values)
     except (UsageError, hostlib.HostError) as e:
         _say(str(e))
         return 2
-    return _launch(slots, values, parsed.command, parsed.noops)
+    return run_job(values, parsed.command)
 
 
-def _launch(slots: list[hostlib.Slot], values: dict[str, Any], command: list[str], noops: list[str]) -> int:
+def run_job(values: dict[str, Any], command: list[str], extra_env: dict[str, str] | None = None) -> int:
+    """Run ``command`` as a job configured by ``values`` (flag dest -> value, as :func:`parse` gives them;
+    knobs in their own unit) and return the exit status. ``extra_env`` goes into every rank's environment
+    as it is: ``hora.run()`` hands its ranks the function store this way, not through ours."""
+    ignored, warnings = no_effect(values)
+    for w in warnings:
+        _say(w)
+    try:
+        if values.get("mpi"):  # mpirun starts the workers: hora.runner.mpi_run
+            from hora.runner.mpi_run import run_mpi
+
+            return run_mpi(values, command, ignored, extra_env)
+        for name in ("mpi_args", "binding_args"):
+            if values.get(name):
+                raise UsageError(f"--{name.replace('_', '-')} only works with --mpi")
+        slots = hostlib.plan_job(values)
+    except (UsageError, hostlib.HostError) as e:
+        _say(str(e))
+        return 2
+    return _launch(slots, values, command, ignored, extra_env)
+
+
+def _launch(slots: list[hostlib.Slot], values: dict[str, Any], command: list[str], noops: list[str],
+            extra_env: dict[str, str] | None) -> int:
     from hora.transport.auth import new_secret  # here, not at the top: --help and -cb stay light
     from hora.transport.store import StoreServer
 
@@ -180,7 +171,7 @@ def _launch(slots: list[hostlib.Slot], values: dict[str, Any], command: list[str
                 _say(f"  ssh: {' '.join(remote.ssh)} HOST {remote.command()}")
                 for h in remote_hosts:
                     _say(f"  host {h} reaches the store at {per_host[h]}:{port}")
-        envs = worker_envs(slots, knobs, default, secret, scope)
+        envs = worker_envs(slots, knobs, default, secret, scope, extra=extra_env)
         for s, env in zip(slots, envs):
             if s.host in per_host:
                 env["HORA_STORE_ADDR"] = f"{per_host[s.host]}:{port}"

@@ -33,18 +33,14 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from pathlib import Path
-from typing import Any
+from typing import IO, Any, Callable
 
+from hora.base import contract
 from hora.runner import hosts as hostlib
 from hora.runner.cli_args import UsageError
 from hora.runner.flags import env_for
-from hora.runner.spawn import _die_with_parent
+from hora.runner.spawn import Output, _die_with_parent, pump_lines
 
-# the launcher's half of the worker contract: never forwarded (rank 0 makes the store and secret)
-CONTRACT = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME", "STORE_ADDR",
-            "STORE_SCOPE", "SECRET")
 FORWARD_PREFIXES = ("HORA_", "HOROVOD_", "NCCL_", "OMP_", "MKL_")
 FORWARD_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "PYTHONUNBUFFERED")
 _TAG = re.compile(rb"\[\d+,(\d+)\]<(stdout|stderr)>:")
@@ -70,10 +66,12 @@ def flavour(mpirun: str) -> str:
     return "unknown"
 
 
-def worker_env(values: dict[str, Any], base: dict[str, str] | None = None) -> tuple[dict[str, str], list[str]]:
-    """mpirun's environment (ours, minus the contract, plus the flags' settings) and the names to forward."""
+def worker_env(values: dict[str, Any], base: dict[str, str] | None = None, extra: dict[str, str] | None = None
+               ) -> tuple[dict[str, str], list[str]]:
+    """mpirun's environment (ours or ``base``, minus the contract, plus the flags' settings and ``extra``)
+    and the names to forward. Like :func:`hora.runner.launch.worker_envs`, a child's environment built."""
     env = dict(os.environ if base is None else base)
-    for name in CONTRACT:
+    for name in contract.ALL:
         env.pop("HORA_" + name, None)
         env.pop("HOROVOD_" + name, None)
     knobs = env_for(values)
@@ -81,6 +79,7 @@ def worker_env(values: dict[str, Any], base: dict[str, str] | None = None) -> tu
         if name.startswith("HORA_"):
             env.pop("HOROVOD_" + name[5:], None)
     env.update(knobs)
+    env.update(extra or {})
     env["PYTHONUNBUFFERED"] = "1"
     forward = sorted(n for n in env if n.startswith(FORWARD_PREFIXES) or n in FORWARD_NAMES)
     return env, forward
@@ -123,104 +122,53 @@ def command_line(values: dict[str, Any], command: list[str], np: int, forward: l
     return cmd + list(command)
 
 
-class _Relay:
-    """mpirun's tagged output to ours, with hora's tags, optional timestamps and per-rank files."""
+class _Untag:
+    """mpirun's tagged output (``[1,R]<stdout>:text``) as hora's: one rank line at a time to ``write``
+    (:meth:`hora.runner.spawn.Output.write`), untagged lines (mpirun's own) with rank None."""
 
-    def __init__(self, directory: str | None, timestamps: bool):
-        self.dir = Path(directory) if directory else None
-        self.timestamps = timestamps
-        self.files: dict[tuple[int, str], Any] = {}
-        self.lock = threading.Lock()
+    def __init__(self, write: Callable[[int | None, str, bytes], Any], default: str):
+        self.write, self.default = write, default
+        self.partial: dict[tuple[int, str], bytes] = {}  # a rank's line so far, when Open MPI split it
 
-    def _file(self, rank: int, stream: str):
-        f = self.files.get((rank, stream))
-        if f is None and self.dir is not None:
-            d = self.dir / f"rank.{rank}"
-            d.mkdir(parents=True, exist_ok=True)
-            f = self.files[(rank, stream)] = open(d / stream, "wb")  # noqa: SIM115 - closed in close()
-        return f
+    def line(self, line: bytes) -> None:
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        tags = list(_TAG.finditer(line))
+        if not tags:
+            self.write(None, self.default, line)
+            return
+        if tags[0].start() > 0:
+            self.write(None, self.default, line[:tags[0].start()] + b"\n")
+        # Open MPI tags every chunk it reads: a rank's line written in pieces comes back as
+        # several tagged chunks, possibly with other ranks' chunks in between on one line
+        for i, m in enumerate(tags):
+            key = (int(m.group(1)), m.group(2).decode())
+            end = tags[i + 1].start() if i + 1 < len(tags) else len(line)
+            chunk = self.partial.pop(key, b"") + line[m.end():end]
+            if not chunk.endswith(b"\n"):
+                self.partial[key] = chunk
+            elif chunk != b"\n":  # a bare tag with nothing after it: Open MPI's stray tag
+                self.write(key[0], key[1], chunk)
 
-    def pump(self, pipe, default: str) -> None:
-        partial: dict[tuple[int, str], bytes] = {}  # a rank's line so far, when Open MPI split it
-        try:
-            for line in iter(pipe.readline, b""):
-                if not line.endswith(b"\n"):
-                    line += b"\n"
-                tags = list(_TAG.finditer(line))
-                if not tags:
-                    self._emit(None, default, line)
-                    continue
-                if tags[0].start() > 0:
-                    self._emit(None, default, line[:tags[0].start()] + b"\n")
-                # Open MPI tags every chunk it reads: a rank's line written in pieces comes back as
-                # several tagged chunks, possibly with other ranks' chunks in between on one line
-                for i, m in enumerate(tags):
-                    key = (int(m.group(1)), m.group(2).decode())
-                    end = tags[i + 1].start() if i + 1 < len(tags) else len(line)
-                    chunk = partial.pop(key, b"") + line[m.end():end]
-                    if not chunk.endswith(b"\n"):
-                        partial[key] = chunk
-                    elif chunk != b"\n":  # a bare tag with nothing after it: Open MPI's stray tag
-                        self._emit(key[0], key[1], chunk)
-            for (rank, stream), chunk in partial.items():
-                self._emit(rank, stream, chunk + b"\n")
-        except (OSError, ValueError):
-            pass
-        finally:
-            pipe.close()
-
-    def _emit(self, rank: int | None, stream: str, body: bytes) -> None:
-        line = body if rank is None else f"[{rank}]<{stream}>:".encode() + body
-        if self.timestamps:
-            line = time.strftime("%a %b %d %H:%M:%S %Y").encode() + line
-        sink = sys.stdout if stream == "stdout" else sys.stderr
-        with self.lock:
-            if rank is not None:
-                f = self._file(rank, stream)
-                if f is not None:
-                    f.write(body)
-                    f.flush()
-            try:
-                out = getattr(sink, "buffer", None)
-                if out is not None:
-                    out.write(line)
-                else:
-                    sink.write(line.decode(errors="replace"))
-                sink.flush()
-            except (OSError, ValueError):
-                pass
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
+    def flush(self) -> None:
+        for (rank, stream), chunk in self.partial.items():
+            self.write(rank, stream, chunk + b"\n")
+        self.partial.clear()
 
 
-def num_proc(values: dict[str, Any]) -> int:
-    """-np, or all slots of -H/-hostfile; checked against those slots as without --mpi."""
-    if values.get("hosts") and values.get("hostfile"):
-        raise UsageError("-H/--hosts and -hostfile/--hostfile cannot be used together; pick one")
-    listed = None
-    if values.get("hosts"):
-        listed = hostlib.parse_hosts(values["hosts"])
-    elif values.get("hostfile"):
-        listed = hostlib.parse_hostfile(values["hostfile"])
-    np = values.get("num_proc")
-    if listed is None:
-        if np is None:
-            raise UsageError("-np is required when neither -H nor -hostfile is given "
-                             "(e.g. hora run --mpi -np 4 python train.py)")
-        if np < 1:
-            raise UsageError(f"-np must be at least 1, got {np}")
-        return np
-    return len(hostlib.plan(listed, np if np is not None else sum(h.slots for h in listed)))
+def _relay(output: Output, pipe: IO[bytes], default: str) -> None:
+    untag = _Untag(output.write, default)
+    pump_lines(pipe, untag.line)
+    untag.flush()
 
 
-def run_mpi(values: dict[str, Any], command: list[str], noops: list[str]) -> int:
-    """``hora run --mpi ...``; returns the exit status."""
+def run_mpi(values: dict[str, Any], command: list[str], noops: list[str],
+            extra_env: dict[str, str] | None = None) -> int:
+    """``hora run --mpi ...``; returns the exit status. ``extra_env`` reaches every rank (forwarded)."""
     try:
         if values.get("gloo"):
             raise UsageError("--gloo and --mpi cannot be used together; pick one")
-        np = num_proc(values)
+        np = len(hostlib.plan_job(values, example="hora run --mpi -np 4 python train.py"))
     except (UsageError, hostlib.HostError) as e:
         _say(str(e))
         return 2
@@ -229,20 +177,20 @@ def run_mpi(values: dict[str, Any], command: list[str], noops: list[str]) -> int
         _say("--mpi needs mpirun on PATH (Debian: apt-get install openmpi-bin libopenmpi-dev; then "
              "pip install 'hora[mpi]' for mpi4py on the workers)")
         return 127
-    env, forward = worker_env(values)
+    env, forward = worker_env(values, extra=extra_env)
     cmd = command_line(values, command, np, forward, mpirun, flavour(mpirun))
     if values.get("verbose"):
         _say(f"{np} ranks through mpirun: {shlex.join(cmd)}")
         for n in noops:
             _say(f"  ignored {n}")
-    relay = _Relay(values.get("output_filename"), bool(values.get("prefix_timestamp")))
+    output = Output(values.get("output_filename"), bool(values.get("prefix_timestamp")))
     try:
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,  # mpirun stops
                                 stderr=subprocess.PIPE, preexec_fn=_die_with_parent(signal.SIGTERM))  # the ranks
     except OSError as e:
         _say(f"cannot start {mpirun}: {e.strerror or e}")
         return 127
-    threads = [threading.Thread(target=relay.pump, args=(pipe, name), daemon=True, name=f"hora-mpi-{name}")
+    threads = [threading.Thread(target=_relay, args=(output, pipe, name), daemon=True, name=f"hora-mpi-{name}")
                for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
     for t in threads:
         t.start()
@@ -265,7 +213,7 @@ def run_mpi(values: dict[str, Any], command: list[str], noops: list[str]) -> int
             signal.signal(sig, handler)
         for t in threads:
             t.join(5)
-        relay.close()
+        output.close()
     if got:
         _say(f"interrupted by {signal.Signals(got[0]).name}; mpirun stopped the ranks")
         return 128 + got[0]

@@ -19,8 +19,8 @@ channel), on SIGTERM/SIGHUP, or when the launcher has been silent for ``launcher
 (its host became unreachable), it signals every worker group with SIGTERM, then SIGKILL after
 ``term_grace`` seconds, and exits. So no hora process outlives the launcher on any host.
 
-Standard library only, besides :mod:`hora.runner.spawn` (itself stdlib-only): this runs before
-anything is known about the remote Python.
+Standard library only, besides :mod:`hora.runner.spawn` (the output pump and process-group helpers) and
+what it stands on (:mod:`hora.base`): this runs before anything is known about the remote Python.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import threading
 import time
 from typing import IO, Any
 
-from hora.runner.spawn import READER_JOIN, TERM_GRACE, _die_with_parent, _group_alive, _signal_group
+from hora.runner.spawn import READER_JOIN, TERM_GRACE, _die_with_parent, _group_alive, _signal_group, pump_lines
 
 VERSION = 1
 # frames, bootstrap -> launcher
@@ -147,13 +147,7 @@ class Bootstrap:
             self.waiters.append(w)
 
     def _pump(self, rank: int, kind: int, pipe: IO[bytes]) -> None:
-        try:
-            for line in iter(pipe.readline, b""):
-                self.send(kind, rank, line)
-        except (OSError, ValueError):
-            pass
-        finally:
-            pipe.close()
+        pump_lines(pipe, lambda line: self.send(kind, rank, line))
 
     def _wait(self, rank: int, proc: subprocess.Popen, pumps: list[threading.Thread]) -> None:
         code = proc.wait()

@@ -47,7 +47,6 @@ class Worker:
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     done: threading.Event = field(default_factory=threading.Event)
     threads: list[threading.Thread] = field(default_factory=list)
-    files: dict[str, IO[bytes] | None] = field(default_factory=dict)  # --output-filename, per stream
 
     @property
     def rank(self) -> int:
@@ -129,6 +128,19 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def pump_lines(pipe: IO[bytes], on_line: Callable[[bytes], None]) -> None:
+    """Hand each line of ``pipe`` to ``on_line`` until the pipe ends, then close it. The one output pump of
+    the runner: local workers, remote workers (their host's bootstrap) and mpirun's output all go through
+    it. A pipe that breaks (the process is gone) ends the pump quietly."""
+    try:
+        for line in iter(pipe.readline, b""):
+            on_line(line)
+    except (OSError, ValueError):
+        pass
+    finally:
+        pipe.close()
+
+
 class Output:
     """Relays worker output line by line, prefixed like horovodrun (``[1]<stdout>:``), to our own
     stdout/stderr, and optionally unprefixed to ``DIR/rank.N/{stdout,stderr}``."""
@@ -137,48 +149,50 @@ class Output:
         self._dir = Path(directory) if directory else None
         self._timestamps = timestamps
         self._lock = threading.Lock()
-        self._files: list[IO[bytes]] = []
+        self._files: dict[tuple[int, str], IO[bytes]] = {}
 
-    def open_file(self, rank: int, stream: str) -> IO[bytes] | None:
+    def file_for(self, rank: int, stream: str) -> IO[bytes] | None:
+        """``DIR/rank.N/stream`` (opened on first use), or None without ``--output-filename``."""
         if self._dir is None:
             return None
-        d = self._dir / f"rank.{rank}"
-        d.mkdir(parents=True, exist_ok=True)
-        f = open(d / stream, "wb")  # noqa: SIM115 - closed in close()
-        self._files.append(f)
+        f = self._files.get((rank, stream))
+        if f is None:
+            d = self._dir / f"rank.{rank}"
+            d.mkdir(parents=True, exist_ok=True)
+            f = self._files[(rank, stream)] = open(d / stream, "wb")  # noqa: SIM115 - closed in close()
         return f
 
     def pump(self, worker: Worker, stream: str, pipe: IO[bytes]) -> None:
-        try:
-            for line in iter(pipe.readline, b""):
-                self.emit(worker, stream, line)
-        except (OSError, ValueError):
-            pass
-        finally:
-            pipe.close()
+        pump_lines(pipe, lambda line: self.emit(worker, stream, line))
 
     def emit(self, worker: Worker, stream: str, line: bytes) -> None:
         """One line of ``worker``'s ``stream`` (from its pipe, or relayed from its host)."""
-        sink = sys.stdout if stream == "stdout" else sys.stderr
-        prefix = f"[{worker.rank}]<{stream}>:".encode()
-        file = worker.files.get(stream)
+        tagged = self.write(worker.rank, stream, line)
+        worker.tail.append(tagged.decode(errors="replace").rstrip("\n"))
+
+    def write(self, rank: int | None, stream: str, line: bytes) -> bytes:
+        """``line`` of ``rank``'s ``stream`` to its file as it is and to our own stream tagged (``rank`` None:
+        a line that belongs to no rank, e.g. mpirun's own, goes out untagged); returns the tagged line."""
+        file = self.file_for(rank, stream) if rank is not None else None
         if file is not None:
             file.write(line)
             file.flush()
         if not line.endswith(b"\n"):  # a last line without newline still gets out whole
             line += b"\n"
-        worker.tail.append((prefix + line).decode(errors="replace").rstrip("\n"))
+        tagged = (f"[{rank}]<{stream}>:".encode() if rank is not None else b"") + line
         stamp = time.strftime("%a %b %d %H:%M:%S %Y").encode() if self._timestamps else b""
+        sink = sys.stdout if stream == "stdout" else sys.stderr
         with self._lock:
             try:
                 out = getattr(sink, "buffer", None)
                 if out is not None:
-                    out.write(stamp + prefix + line)
+                    out.write(stamp + tagged)
                 else:  # a replaced sys.stdout without a binary buffer (e.g. under a test runner)
-                    sink.write((stamp + prefix + line).decode(errors="replace"))
+                    sink.write((stamp + tagged).decode(errors="replace"))
                 sink.flush()
             except (OSError, ValueError):
                 pass  # our own stdout is gone (e.g. piped to head); keep draining the worker
+        return tagged
 
     def note(self, text: str) -> None:
         """A launcher line (e.g. what ssh said about a host) on our stderr, between worker lines."""
@@ -190,7 +204,7 @@ class Output:
                 pass
 
     def close(self) -> None:
-        for f in self._files:
+        for f in self._files.values():
             f.close()
 
 
@@ -263,7 +277,8 @@ class LocalJob:
             self.sessions.append(session)
             session.start(preexec)
         for w in self.workers:
-            w.files = {stream: self.output.open_file(w.rank, stream) for stream in ("stdout", "stderr")}
+            for stream in ("stdout", "stderr"):  # every rank gets its files, even a silent one
+                self.output.file_for(w.rank, stream)
             if w.proc is None:
                 continue
             for stream, pipe in (("stdout", w.proc.stdout), ("stderr", w.proc.stderr)):

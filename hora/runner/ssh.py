@@ -35,48 +35,47 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from hora.base import knobs
+from hora.base.errors import HoraValueError, LaunchError
+from hora.runner import flags
 from hora.runner import remote as proto
 
 SSH_OPTIONS = ("-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=5",
                "-o", "ServerAliveCountMax=3")
 CHECK_TIMEOUT = 15.0  # s for `ssh HOST test -x PYTHON` on every host at once
-ALIVE_TIMEOUT = 10.0  # s of silence (no heartbeat, no output) after which a remote host counts as lost
 # not forwarded: they describe the launcher's machine or login session, and the remote one has its own
 NOT_FORWARDED = frozenset({
     "HOME", "USER", "LOGNAME", "SHELL", "HOSTNAME", "PWD", "OLDPWD", "SHLVL", "MAIL", "TERM", "DISPLAY",
     "XAUTHORITY", "TMPDIR", "KRB5CCNAME", "LS_COLORS", "PS1", "PS2", "PS3", "PS4", "PROMPT_COMMAND",
-    "COLUMNS", "LINES", "MOTD_SHOWN", "_", "HORA_SSH_ARGS", "HORA_SSH_ALIVE_TIMEOUT"})
+    "COLUMNS", "LINES", "MOTD_SHOWN", "_"}) | flags.launcher_only_env()  # + the launcher's own ssh settings
 NOT_FORWARDED_PREFIXES = ("SSH_", "XDG_", "BASH_FUNC_", "SUDO_")
 
 
-class SshError(RuntimeError):
+class SshError(LaunchError):
     """A remote host cannot be used; the message names it and says what ssh said."""
 
 
-def _seconds(name: str, default: float) -> float:
-    text = os.environ.get(name)
+def _knob(name: str) -> Any:
+    """A launcher-side knob (``ssh_args``, ``ssh_alive_timeout``); a bad value is this host's problem, so an
+    :class:`SshError` (``hora run`` then starts nothing)."""
     try:
-        value = float(text) if text else default
-    except ValueError:
-        raise SshError(f"{name} must be a number of seconds, got {text!r}") from None
-    if value <= 0:
-        raise SshError(f"{name} must be positive, got {text!r}")
-    return value
+        return knobs.value(name)
+    except HoraValueError as e:
+        raise SshError(str(e)) from None
 
 
-def ssh_command(port: int | None = None, identity: str | None = None,
-                env: dict[str, str] | None = None) -> list[str]:
-    """``ssh`` and its options, up to (not including) the host."""
-    env = os.environ if env is None else env
+def ssh_command(port: int | None = None, identity: str | None = None, extra: str | None = None) -> list[str]:
+    """``ssh`` and its options, up to (not including) the host; ``extra`` defaults to the ``ssh_args`` knob."""
+    extra = _knob("ssh_args") if extra is None else extra
     argv = ["ssh"]
     if port is not None:
         argv += ["-p", str(port)]
     if identity:
         argv += ["-i", os.path.expanduser(identity)]
     try:
-        argv += shlex.split(env.get("HORA_SSH_ARGS", ""))
+        argv += shlex.split(extra)
     except ValueError as e:
-        raise SshError(f"cannot split HORA_SSH_ARGS ({e}): {env.get('HORA_SSH_ARGS')!r}") from e
+        raise SshError(f"cannot split HORA_{knobs.BY_NAME['ssh_args'].env} ({e}): {extra!r}") from e
     return argv + list(SSH_OPTIONS)
 
 
@@ -181,7 +180,7 @@ class Remote:
     hosts: set[str]
     python: str = sys.executable
     cwd: str = field(default_factory=os.getcwd)
-    alive_timeout: float = field(default_factory=lambda: _seconds("HORA_SSH_ALIVE_TIMEOUT", ALIVE_TIMEOUT))
+    alive_timeout: float = field(default_factory=lambda: _knob("ssh_alive_timeout"))
     launcher_timeout: float = proto.LAUNCHER_TIMEOUT
 
     def command(self) -> str:
@@ -211,7 +210,7 @@ class Session:
     """
 
     def __init__(self, host: str, argv: list[str], spec: bytes, workers: list[Any], job: Any,
-                 alive_timeout: float = ALIVE_TIMEOUT):
+                 alive_timeout: float = knobs.BY_NAME["ssh_alive_timeout"].default):
         self.host, self.argv, self._spec = host, argv, spec
         self.workers = {w.rank: w for w in workers}
         self.ranks = sorted(self.workers)

@@ -1,7 +1,8 @@
 """A rank of ``hora.run()``: fetch the function from the caller's store, run it, put back the result.
 
-``python -m hora.runner.run_task`` with ``HORA_RUNFUNC_ADDR`` / ``HORA_RUNFUNC_SECRET`` in the environment
-(they are removed from it before the function runs). The result under ``result/<rank>`` is a pickled
+The worker side of :mod:`hora.runner.api`: ``python -m hora.core.run_task`` with ``HORA_RUNFUNC_ADDR`` /
+``HORA_RUNFUNC_SECRET`` in the environment (:mod:`hora.base.contract`; they are removed from it before the
+function runs, so its children do not inherit the secret). The result under ``result/<rank>`` is a pickled
 ``("ok", pickled value)`` or ``("err", (pickled exception or None, formatted traceback, summary, time,
 secondary))`` (secondary: it failed because another rank did, e.g. a lost peer); the
 exit status is 0 or 1 accordingly, so the launcher stops the other ranks when one raises.
@@ -9,33 +10,29 @@ exit status is 0 or 1 accordingly, so the launcher stops the other ranks when on
 
 from __future__ import annotations
 
-import os
 import pickle
 import sys
 import time
 import traceback
 
+from hora.base import contract, env
 
-def _rank() -> int:
-    for name in ("HORA_RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK", "SLURM_PROCID"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
+# where this rank's number is, under each launcher hora.run() may use (hora run, mpirun; torchrun and srun
+# for a run_task started by hand): the rank is needed before, and even without, hora.init()
+RANK_VARS = ("HORA_RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK", "SLURM_PROCID")
 
 
 def main() -> int:
-    from hora.runner.api import ADDR_VAR, SECRET_VAR
-
-    addr, secret = os.environ.pop(ADDR_VAR, None), os.environ.pop(SECRET_VAR, None)
+    addr, secret = env.pop(contract.RUNFUNC_ADDR), env.pop(contract.RUNFUNC_SECRET)
     if not addr or secret is None:
-        print(f"hora.runner.run_task: {ADDR_VAR} / {SECRET_VAR} are not set; this module is started by "
-              "hora.run()", file=sys.stderr)
+        print(f"{contract.RUN_TASK_MODULE}: {contract.RUNFUNC_ADDR} / {contract.RUNFUNC_SECRET} are not set; "
+              "this module is started by hora.run()", file=sys.stderr)
         return 2
     import cloudpickle
 
     from hora.transport.store import StoreClient
 
-    rank = _rank()
+    rank = env.first_int(RANK_VARS)
     store = StoreClient(addr, secret, timeout=60)
     try:
         caller_path = pickle.loads(store.get("sys.path", timeout=60))
