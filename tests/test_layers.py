@@ -91,21 +91,25 @@ def _stdlib(module: str) -> bool:
     return module.split(".")[0] in sys.stdlib_module_names
 
 
+def _breaks(layer: str, module: str) -> str | None:
+    """Why ``layer`` may not load ``module`` (a reason to print after the module's name), or None."""
+    top = module.split(".")[0]
+    if top in FRAMEWORKS:
+        return "a framework"
+    if top != "hora":
+        if layer == "hora.base" and not _stdlib(module) and top not in BASE_ALLOWED_THIRD_PARTY:
+            return "neither the standard library nor NumPy"
+        return None
+    if layer == "hora.base":
+        return None if _package_of(module, BASE_ALLOWED_HORA) else "another layer"
+    return "a layer above" if _package_of(module, FORBIDDEN[layer]) else None
+
+
 def _violations(layer: str, added: dict[str, list[str]]) -> list[str]:
-    """'hora.transport.shm loaded hora.collectives.shm_ops' for each module loaded against the rules."""
-    out = []
-    for name, modules in added.items():
-        for m in modules:
-            if m.split(".")[0] in FRAMEWORKS:
-                out.append(f"{name} loaded the framework module {m}")
-            elif layer == "hora.base":
-                if m.startswith("hora.") and not _package_of(m, BASE_ALLOWED_HORA):
-                    out.append(f"{name} loaded {m}")
-                elif not m.startswith("hora") and not _stdlib(m) and m.split(".")[0] not in BASE_ALLOWED_THIRD_PARTY:
-                    out.append(f"{name} loaded {m}, which is neither the standard library nor NumPy")
-            elif _package_of(m, FORBIDDEN[layer]):
-                out.append(f"{name} loaded {m}")
-    return out
+    """'hora.transport.shm loaded hora.collectives.shm_ops (a layer above)' for each module loaded against
+    the rules."""
+    return [f"{name} loaded {m} ({why})" for name, modules in added.items() for m in modules
+            if (why := _breaks(layer, m))]
 
 
 @pytest.mark.timeout(60)
@@ -164,20 +168,9 @@ def _imports(path: Path):
 
 
 def _source_violations(layer: str) -> list[str]:
-    out = []
-    for path in sorted((ROOT / layer.replace(".", "/")).rglob("*.py")):
-        where = path.relative_to(ROOT)
-        for line, target in _imports(path):
-            if target.split(".")[0] in FRAMEWORKS:
-                out.append(f"{where}:{line} imports {target}")
-            elif not (target == "hora" or target.startswith("hora.")):
-                continue
-            elif layer == "hora.base":
-                if not _package_of(target, BASE_ALLOWED_HORA):
-                    out.append(f"{where}:{line} imports {target}")
-            elif _package_of(target, FORBIDDEN[layer]):
-                out.append(f"{where}:{line} imports {target}")
-    return out
+    return [f"{path.relative_to(ROOT)}:{line} imports {target} ({why})"
+            for path in sorted((ROOT / layer.replace(".", "/")).rglob("*.py"))
+            for line, target in _imports(path) if (why := _breaks(layer, target))]
 
 
 @pytest.mark.parametrize("layer", LAYERS)
@@ -197,7 +190,7 @@ def test_the_source_check_sees_function_level_and_relative_imports(tmp_path, mon
                               "    importlib.import_module('hora.runner.launch')\n    import torch\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     monkeypatch.setattr(sys.modules[__name__], "HORA", tmp_path / "hora")
-    found = sorted(v.split(" imports ")[1] for v in _source_violations("hora.transport"))
+    found = sorted(v.split(" imports ")[1].split(" (")[0] for v in _source_violations("hora.transport"))
     assert found == ["hora.collectives.ring", "hora.core", "hora.runner.launch", "torch"], found
 
 
