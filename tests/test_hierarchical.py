@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from harness import kill_mid_allreduce, run, run_hora
 from test_multihost import _finish, _launch, _script, cluster  # noqa: F401 - cluster is a fixture
-from workers import FLOATS, INTS, TOL, Max, Min, Product, Sum, digest, direct_comm, make, transport_name
+from workers import FLOATS, INTS, Max, Min, Product, Sum, check_against_ring, digest, direct_comm, make, \
+    transport_name
 
 # element counts: empty, one, fewer than ranks, odd, several shm chunks and ring chunks (tiny chunks below)
 COUNTS = [0, 1, 3, 7, 129, 1000, 4099]
@@ -65,26 +66,13 @@ def _vs_ring(dtypes, counts, ops):
     return out
 
 
-def _check(results):
-    for key in results[0]:
-        dtype, count, op, path = key
-        what = f"allreduce op={op} {dtype}[{count}] ({path} path)"
-        assert len({res[key][0] for res in results}) == 1, f"{what}: ranks disagree in bits"
-        assert len({res[key][1] for res in results}) == 1, f"{what}: the flat ring itself disagrees"
-        _, _, fast, slow = results[0][key]
-        if dtype in INTS or op in (Min, Max):
-            assert digest(fast) == digest(slow), f"{what}: hierarchical differs from the ring\n{fast}\n{slow}"
-        else:
-            np.testing.assert_allclose(fast.astype(np.float64), slow.astype(np.float64), rtol=TOL[dtype],
-                                       atol=TOL[dtype] * count, err_msg=what)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", ["blocks", "interleaved"])
 def test_allreduce_matches_the_flat_ring(layout):
     """Every dtype and op, sizes from empty to many chunks, two hosts of two ranks, both paths (whole
     buffers for small ones, slices for large ones)."""
-    _check(run(4, _vs_ring, INTS + FLOATS, COUNTS, [Sum, Min, Max, Product], env=_envs(layout)))
+    check_against_ring(run(4, _vs_ring, INTS + FLOATS, COUNTS, [Sum, Min, Max, Product], env=_envs(layout)),
+                       "hierarchical")
 
 
 def _through_the_engine(hvd):

@@ -96,6 +96,25 @@ def make(rank: int, dtype: str, count: int, seed: int, small: bool = False) -> n
     return x.astype(dtype_of(dtype))
 
 
+def check_against_ring(results: list[dict], path: str) -> None:
+    """Compare a fast path with the flat TCP ring, from one dict per rank: ``(dtype, count, op, ...)`` ->
+    ``(digest(fast), digest(ring), fast, ring)``. Every rank has the same bits; the fast path equals the
+    ring exactly for integers, Min/Max and np=2 (the same additions in the same order), within float
+    tolerance otherwise."""
+    n = len(results)
+    for key in results[0]:
+        dtype, count, op = key[:3]
+        what = f"allreduce op={op} {dtype}[{count}] np={n}" + "".join(f" ({k} path)" for k in key[3:])
+        assert len({res[key][0] for res in results}) == 1, f"{what}: ranks disagree in bits"
+        _, _, fast, slow = results[0][key]
+        assert {res[key][1] for res in results} == {digest(slow)}, f"{what}: the ring itself disagrees"
+        if dtype in INTS or op in (Min, Max) or n == 2:
+            assert digest(fast) == digest(slow), f"{what}: {path} differs from the ring\n{fast}\n{slow}"
+        else:
+            np.testing.assert_allclose(fast.astype(np.float64), slow.astype(np.float64), rtol=TOL[dtype],
+                                       atol=TOL[dtype] * count, err_msg=what)
+
+
 # --- the engine's communicator ----------------------------------------------------------------------------
 
 def comm():
