@@ -134,6 +134,16 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def _kill_groups(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL each process's group (a rank and whatever it started), then reap them."""
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.wait(5)
+
+
 @dataclass
 class _Worker:
     rank: int
@@ -160,12 +170,8 @@ class _Pool:
     workers: list[_Worker] = field(default_factory=list)
 
     def kill(self) -> None:
+        _kill_groups([w.proc for w in self.workers])
         for w in self.workers:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(w.proc.pid, signal.SIGKILL)
-        for w in self.workers:
-            with contextlib.suppress(Exception):
-                w.proc.wait(5)
             with contextlib.suppress(OSError):
                 w.cmd.close()
             with contextlib.suppress(OSError):
@@ -418,12 +424,7 @@ class Job:
                 time.sleep(0.01)
 
     def kill(self) -> None:
-        for p in self.procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-        for p in self.procs:
-            with contextlib.suppress(Exception):
-                p.wait(5)
+        _kill_groups(self.procs)
 
 
 @contextlib.contextmanager
