@@ -18,9 +18,12 @@ Two ways to get ranks:
   times out (every worker's stacks are dumped first) or loses a worker kills that pool's process
   groups, and the next call starts a fresh pool.
 
-* :func:`spawn_job` starts *fresh* rank processes with a test-owned store, for tests that kill ranks.
+* :func:`spawn_job` starts *fresh* rank processes with a test-owned store, for tests that kill ranks;
+  :func:`kill_mid_allreduce` is the one test of a rank SIGKILLed in the middle of an allreduce, for every
+  transport.
 
-Workers run this file as a script (``python tests/harness.py --worker CMD_FD RESULT_FD``).
+Workers run this file as a script (``python tests/harness.py --worker CMD_FD RESULT_FD``), so tests/ is first
+on their path: rank-side code shared by several test files lives in tests/workers.py, which they import.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import functools
 import json
 import os
 import pickle
@@ -45,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import cloudpickle
+import workers
+from workers import report, store_client  # noqa: F401 - rank-side helpers, re-exported for the test files
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -94,12 +100,16 @@ def _recv(fd: int):
     return None if body is None else pickle.loads(body)
 
 
+_IMPORTED_BY_RANKS = ("harness", "workers")  # the modules of tests/ that rank processes import themselves
+
+
 def _by_value(fn) -> None:
-    """Test modules are not importable in the workers (and importing them would pull in pytest
-    plugins and hypothesis): pickle their functions by value."""
+    """Test modules are not meant to be imported in the workers (importing them would pull in pytest
+    plugins and hypothesis): pickle their functions by value. Functions of tests/workers.py travel by
+    reference."""
     mod = sys.modules.get(getattr(fn, "__module__", None) or "")
     path = getattr(mod, "__file__", None)
-    if mod is not None and path and Path(path).resolve().parent == TESTS and mod.__name__ != "harness":
+    if mod is not None and path and Path(path).resolve().parent == TESTS and mod.__name__ not in _IMPORTED_BY_RANKS:
         cloudpickle.register_pickle_by_value(mod)
 
 
@@ -122,6 +132,16 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     env["PYTHONFAULTHANDLER"] = "1"
     env.update(extra)
     return env
+
+
+def _kill_groups(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL each process's group (a rank and whatever it started), then reap them."""
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.wait(5)
 
 
 @dataclass
@@ -150,12 +170,8 @@ class _Pool:
     workers: list[_Worker] = field(default_factory=list)
 
     def kill(self) -> None:
+        _kill_groups([w.proc for w in self.workers])
         for w in self.workers:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(w.proc.pid, signal.SIGKILL)
-        for w in self.workers:
-            with contextlib.suppress(Exception):
-                w.proc.wait(5)
             with contextlib.suppress(OSError):
                 w.cmd.close()
             with contextlib.suppress(OSError):
@@ -374,12 +390,13 @@ class Job:
     store: object  # StoreServer
     secret: str
 
-    def wait(self, timeout: float) -> list[int | None]:
-        """Exit codes, ``None`` for ranks still running after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
+    def wait(self, timeout: float | None = None) -> list[int | None]:
+        """Exit codes, ``None`` for ranks still running after ``timeout`` seconds; without a timeout, wait
+        for every rank (the test's own timeout bounds that)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(max(0.0, deadline - time.monotonic()))
+                p.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return [p.poll() for p in self.procs]
 
     def output(self, rank: int) -> str:
@@ -393,41 +410,41 @@ class Job:
         assert lines, f"rank {rank} reported nothing; its output:\n{out}"
         return json.loads(lines[-1][len("REPORT "):])
 
+    def mark(self, name: str) -> None:
+        """Signal ``name`` to the ranks (they wait with ``workers.wait_mark(name)``)."""
+        self.store.set(f"test/{name}", b"1")
+
+    def wait_for(self, *names: str) -> None:
+        """Block until the ranks have signalled every one of ``names`` (``workers.mark``); fail at once if
+        a rank exits first. The test's own timeout bounds the wait."""
+        for name in names:
+            while self.store.get(f"test/{name}") is None:
+                gone = {r: p.poll() for r, p in enumerate(self.procs) if p.poll() is not None}
+                assert not gone, f"ranks exited (codes {gone}) before signalling {name!r}"
+                time.sleep(0.01)
+
     def kill(self) -> None:
-        for p in self.procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-        for p in self.procs:
-            with contextlib.suppress(Exception):
-                p.wait(5)
-
-
-def report(**fields) -> None:
-    """In a :func:`spawn_job` rank: tell the test something (read with :meth:`Job.report`)."""
-    print("REPORT " + json.dumps(fields), flush=True)
-
-
-def store_client():
-    """In a rank: a client of the job's store, for test signals (``test/...`` keys)."""
-    from hora.transport.store import StoreClient
-
-    return StoreClient(os.environ["HORA_STORE_ADDR"], os.environ["HORA_SECRET"])
+        _kill_groups(self.procs)
 
 
 @contextlib.contextmanager
-def spawn_job(n: int, fn, *args, env: dict | None = None):
+def spawn_job(n: int, fn, *args, env: dict | list[dict] | None = None):
     """Start ``n`` fresh processes that each run ``fn(*args)`` as one rank of a job on a new store.
 
-    A rank exits 0 when ``fn`` returns and 1 (traceback printed) when it raises; read what it
-    printed with :meth:`Job.output`. Everything is killed on exit from the ``with`` block.
+    ``env`` adds environment variables (a dict for all ranks, or a list with one dict per rank). A rank
+    exits 0 when ``fn`` returns and 1 (traceback printed) when it raises; read what it printed with
+    :meth:`Job.output`. Everything is killed on exit from the ``with`` block.
 
     >>> with spawn_job(2, train) as job:
-    ...     assert job.wait(30) == [0, 0]
+    ...     assert job.wait() == [0, 0]
     """
     from hora.transport.auth import new_secret
     from hora.transport.store import StoreServer
 
-    _by_value(fn)
+    envs = env if isinstance(env, list) else [env or {}] * n
+    if len(envs) != n:
+        raise ValueError(f"env has {len(envs)} entries for {n} ranks")
+    _by_value(getattr(fn, "func", fn))  # a functools.partial travels with its function
     payload = cloudpickle.dumps((fn, args)).hex()
     secret = new_secret()
     store = StoreServer(secret)
@@ -435,7 +452,7 @@ def spawn_job(n: int, fn, *args, env: dict | None = None):
     job = Job([], [], store, secret)
     try:
         for r in range(n):
-            e = _child_env({**rank_env(r, n, store.address, secret), **(env or {})})
+            e = _child_env({**rank_env(r, n, store.address, secret), **envs[r]})
             log = logdir / f"rank{r}.log"
             with open(log, "wb") as out:
                 p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--job"], env=e,
@@ -451,6 +468,35 @@ def spawn_job(n: int, fn, *args, env: dict | None = None):
         store.close()
         for r in range(len(job.logs)):  # pytest shows this when the test failed
             sys.stdout.write("".join(f"[job rank {r}] {line}\n" for line in job.output(r).splitlines()))
+
+
+def kill_mid_allreduce(n: int, victim: int, nbytes: int, env: dict | list[dict] | None = None,
+                       **rank_opts) -> dict[int, dict]:
+    """SIGKILL rank ``victim`` of a fresh ``n``-rank job while every rank allreduces ``nbytes`` in a loop
+    (:func:`workers.allreduce_until_lost`, which takes ``rank_opts``), and check what every survivor must
+    show, whatever the transport: it raised a hora ``InternalError`` that names the victim, and it exited 0.
+    Returns each survivor's report, for the caller's own checks.
+
+    The kill comes once every rank has done three allreduces: a rank is then inside one (or between two,
+    and the next one meets the dead peer)."""
+    with spawn_job(n, functools.partial(workers.allreduce_until_lost, nbytes, **rank_opts), env=env) as job:
+        job.wait_for(*(f"looping/{r}" for r in range(n)))
+        os.kill(job.procs[victim].pid, signal.SIGKILL)
+        codes = job.wait()
+        assert codes[victim] == -signal.SIGKILL, f"rank {victim} exited {codes[victim]} before the kill"
+        reports = {}
+        for r in range(n):
+            if r == victim:
+                continue
+            rep = reports[r] = job.report(r)
+            err = rep["error"]
+            assert err is not None, f"rank {r} never noticed that rank {victim} died"
+            assert "HoraError" in err["types"] and "InternalError" in err["types"], \
+                f"rank {r} raised {err['types'][0]}, not a hora InternalError: {err['message']}"
+            assert err["rank"] == victim or f"rank {victim}" in err["message"], \
+                f"rank {r}'s error does not name rank {victim}: {err['message']!r}"
+            assert codes[r] == 0, f"rank {r} exited {codes[r]}:\n{job.output(r)}"
+        return reports
 
 
 # --- the worker side ------------------------------------------------------------------------------

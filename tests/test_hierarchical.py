@@ -10,17 +10,14 @@ middle of a hierarchical allreduce must give every survivor a clear error in sec
 """
 
 import json
-import os
-import signal
-import time
 
 import numpy as np
 import pytest
-from harness import report, run, run_hora, spawn_job, store_client
+from harness import kill_mid_allreduce, run, run_hora
 from test_multihost import _finish, _launch, _script, cluster  # noqa: F401 - cluster is a fixture
-from test_shm import FLOATS, INTS, TOL, digest, make
+from workers import FLOATS, INTS, Max, Min, Product, Sum, check_against_ring, digest, direct_comm, make, \
+    transport_name
 
-Average, Sum, Min, Max, Product = 0, 1, 3, 4, 5
 # element counts: empty, one, fewer than ranks, odd, several shm chunks and ring chunks (tiny chunks below)
 COUNTS = [0, 1, 3, 7, 129, 1000, 4099]
 TINY_CHUNK = 1024
@@ -38,16 +35,6 @@ def _envs(layout: str = "blocks", **extra) -> list[dict]:
     return [dict(_fake_hosts(r, layout), **extra) for r in range(4)]
 
 
-def _comm():
-    """The job's communicator for calls from this thread; the engine's control hook is unset (two
-    readers of one control socket would tear messages)."""
-    from hora.core import basics
-
-    comm = basics.state().comm
-    comm.on_ctrl = None
-    return comm
-
-
 def _vs_ring(dtypes, counts, ops):
     import hora
     from hora.collectives import hierarchical, ring
@@ -58,7 +45,7 @@ def _vs_ring(dtypes, counts, ops):
     shm.CHUNK_BYTES = ring.CHUNK_BYTES = TINY_CHUNK  # many shm rounds and ring chunks with small buffers
     try:
         hora.init()
-        comm = _comm()
+        comm = direct_comm()
         assert type(comm).__name__ == "HierarchicalCommunicator", type(comm)
         out = {}
         for dtype in dtypes:
@@ -79,31 +66,16 @@ def _vs_ring(dtypes, counts, ops):
     return out
 
 
-def _check(results):
-    for key in results[0]:
-        dtype, count, op, path = key
-        what = f"allreduce op={op} {dtype}[{count}] ({path} path)"
-        assert len({res[key][0] for res in results}) == 1, f"{what}: ranks disagree in bits"
-        assert len({res[key][1] for res in results}) == 1, f"{what}: the flat ring itself disagrees"
-        _, _, fast, slow = results[0][key]
-        if dtype in INTS or op in (Min, Max):
-            assert digest(fast) == digest(slow), f"{what}: hierarchical differs from the ring\n{fast}\n{slow}"
-        else:
-            np.testing.assert_allclose(fast.astype(np.float64), slow.astype(np.float64), rtol=TOL[dtype],
-                                       atol=TOL[dtype] * count, err_msg=what)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("layout", ["blocks", "interleaved"])
 def test_allreduce_matches_the_flat_ring(layout):
     """Every dtype and op, sizes from empty to many chunks, two hosts of two ranks, both paths (whole
     buffers for small ones, slices for large ones)."""
-    _check(run(4, _vs_ring, INTS + FLOATS, COUNTS, [Sum, Min, Max, Product], env=_envs(layout)))
+    check_against_ring(run(4, _vs_ring, INTS + FLOATS, COUNTS, [Sum, Min, Max, Product], env=_envs(layout)),
+                       "hierarchical")
 
 
 def _through_the_engine(hvd):
-    from hora.core import basics
-
     r = hvd.rank()
     x = np.arange(100_003, dtype=np.float32) * (r + 1)
     avg = hvd.allreduce(x, op=hvd.Average, name="x")
@@ -114,7 +86,7 @@ def _through_the_engine(hvd):
     # the real chunk sizes: 2 MiB slices, ring segments just over 1 MiB (both transports cut 1 MiB chunks)
     big = hvd.allreduce(np.arange((1 << 19) + 13, dtype=np.int64) * (r + 1), op=hvd.Sum, name="big")
     assert (big == np.arange((1 << 19) + 13, dtype=np.int64) * 10).all()
-    return basics.state().comm.name, digest(avg), ints.tolist(), fused, float(avg[2])
+    return transport_name(), digest(avg), ints.tolist(), fused, float(avg[2])
 
 
 @pytest.mark.timeout(60)
@@ -127,12 +99,6 @@ def test_engine_uses_it_and_scales():
     assert results[0][4] == pytest.approx(2 * (1 + 2 + 3 + 4) / 4)
 
 
-def _transport_name(hvd):
-    from hora.core import basics
-
-    return basics.state().comm.name if hasattr(basics.state().comm, "name") else "TCP"
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("knob,expect", [(None, "HIERARCHICAL"), ("1", "HIERARCHICAL"), ("0", "TCP"),
                                          ("HOROVOD_0", "TCP")])
@@ -140,7 +106,7 @@ def test_the_knob_selects(knob, expect):
     env = {"HORA_HIERARCHICAL_ALLREDUCE": knob}
     if knob and knob.startswith("HOROVOD_"):  # Horovod's name is an alias
         env = {"HOROVOD_HIERARCHICAL_ALLREDUCE": knob.split("_")[1]}
-    assert run_hora(4, _transport_name, env=_envs(**env)) == [expect] * 4
+    assert run_hora(4, lambda hvd: transport_name(), env=_envs(**env)) == [expect] * 4
 
 
 def _uneven(rank):
@@ -153,7 +119,7 @@ def _uneven(rank):
 
 def _uneven_job(hvd):
     out = hvd.allreduce(np.full(3, hvd.rank(), np.int32), op=hvd.Sum)
-    return _transport_name(hvd), out.tolist()
+    return transport_name(), out.tolist()
 
 
 @pytest.mark.timeout(60)
@@ -254,52 +220,9 @@ def test_hora_run_across_namespace_hosts_knob_and_flags(cluster, tmp_path):  # n
 
 # --- a rank killed mid-allreduce -------------------------------------------------------------------
 
-def _allreduce_until_lost(nbytes):
-    os.environ.update(_fake_hosts(int(os.environ["HORA_RANK"]), "blocks"))
-    import hora
-
-    hora.init()
-    assert _transport_name(hora) == "HIERARCHICAL"
-    store = store_client()
-    x = np.ones(nbytes // 4, np.float32)
-    deadline = time.monotonic() + 60
-    i = 0
-    try:
-        while time.monotonic() < deadline:
-            hora.allreduce_(x, op=hora.Sum, name="x")
-            i += 1
-            if i == 3:
-                store.set(f"test/looping/{hora.rank()}", b"1")
-    except Exception as e:  # noqa: BLE001
-        err = {"types": [c.__name__ for c in type(e).__mro__], "message": str(e), "rank": getattr(e, "rank", None),
-               "at": time.time()}
-        hora.shutdown()
-        report(error=err)
-        return
-    report(error=None)
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("victim", [0, 3])
 def test_sigkill_mid_allreduce_is_named_on_every_survivor(victim):
     """Rank 0 (the coordinator) or rank 3 (host h1's second rank) dies in the middle of an 8 MiB
     hierarchical allreduce: its host peer waits in shared memory, the others in the TCP ring."""
-    with spawn_job(4, _allreduce_until_lost, 8 << 20) as job:
-        deadline = time.monotonic() + 60
-        while not all(job.store.get(f"test/looping/{r}") for r in range(4)):
-            assert time.monotonic() < deadline, "the ranks never started looping"
-            assert all(p.poll() is None for p in job.procs), f"a rank exited early: {job.wait(0)}"
-            time.sleep(0.02)
-        killed = time.time()
-        os.kill(job.procs[victim].pid, signal.SIGKILL)
-        codes = job.wait(20)
-        assert codes[victim] == -signal.SIGKILL
-        for r in range(4):
-            if r == victim:
-                continue
-            assert codes[r] == 0, f"rank {r} exited {codes[r]}:\n{job.output(r)}"
-            err = job.report(r)["error"]
-            assert err is not None, f"rank {r} never noticed"
-            assert "InternalError" in err["types"], err
-            assert err["rank"] == victim or f"rank {victim}" in err["message"], err
-            assert err["at"] - killed < 10, f"rank {r} took {err['at'] - killed:.1f} s"
+    kill_mid_allreduce(4, victim, 8 << 20, env=_envs("blocks"), transport="HierarchicalCommunicator", in_place=True)

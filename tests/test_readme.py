@@ -72,3 +72,14 @@ def test_usage_allreduce_sum_prints_on_every_rank():
     output = _run(["bash", "-c", command], timeout=100, env=env)
     lines = [line for line in output.splitlines() if line.rstrip().endswith("[3. 3. 3. 3.]")]
     assert len(lines) == 3, f"expected [3. 3. 3. 3.] from each of 3 ranks; output:\n{output}"
+
+
+def test_layout_names_every_package_and_only_those():
+    """The Layout section is the map a newcomer reads first: every package under hora/ is on it, and nothing
+    on it is gone."""
+    layout = "\n".join(_code_blocks(_section("Layout")))
+    named = set(re.findall(r"^(hora/[\w/]+?)/?\s", layout, re.M))
+    packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "hora").glob("*/__init__.py")}
+    assert packages <= named, f"README's Layout does not name {sorted(packages - named)}"
+    gone = sorted(n for n in named if not (ROOT / n).exists())
+    assert not gone, f"README's Layout names {gone}, which do not exist"

