@@ -56,6 +56,11 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
        for t in ("tcp", "shm", "hierarchical", "hierarchical-netns", "mpi")},
     **{(t, "wait_timeout"): _BUILTIN_TIMEOUT.format(where=_MPI if t == "mpi" else _TCP)
        for t in ("tcp", "shm", "hierarchical", "hierarchical-netns", "mpi")},
+    ("mpi", "peer_closed"): (
+        "only ranks with a TCP control connection to the closed rank notice: rank 0 does (its control connection "
+        "closes, PeerLostError after CTRL_GRACE), but rank 1, blocked on a receive from rank 2 that closed, only "
+        "tests MPI requests and rank 0's control socket, so wait(20) times out with the builtin TimeoutError. "
+        "In a whole job rank 0's engine abort may reach it; the transport alone never tells it"),
     ("mpi", "test_after_loss"): (
         "MpiRequest.test() only calls MPI Testsome and never services the TCP control plane, where the MPI "
         "transport learns that a peer left: polling test() on a receive from a closed peer stays False "

@@ -10,8 +10,9 @@ nothing about any transport, only the contract the collectives rely on (hora/tra
 ``make_group()`` is collective: every rank calls it at the same point and gets its own communicator
 of a fresh group of three ranks or more (two cannot interleave peers), so that a check that closes
 or loses a peer cannot spoil the next. The checks synchronise in band, over the communicator under
-test (a one-byte "go" message), so the suite needs no side channel, and every wait has a timeout:
-a transport that hangs fails the check instead of the job.
+test (a one-byte "go" message); the one side channel, an optional ``meet`` barrier, keeps survivors
+of a lost peer from closing before each has noticed the loss by itself. Every wait has a timeout: a
+transport that hangs fails the check instead of the job.
 
 The checks (:data:`CHECKS`, in order): ``identity``, ``bad_arguments``, ``views``, ``ordering``,
 ``zero_length``, ``large``, ``full_duplex``, ``test_semantics``, ``wait_timeout``, ``peer_closed``,
@@ -72,7 +73,7 @@ def _peers(comm) -> list[int]:
     return [p for p in range(comm.size) if p != comm.rank]
 
 
-def check_identity(comm) -> None:
+def check_identity(comm, meet=None) -> None:
     """``rank``/``size`` are a numbering of the group: every peer says the rank we think it has."""
     assert comm.size >= 3, f"a conformance group needs three ranks or more, got size {comm.size}"
     assert 0 <= comm.rank < comm.size, f"rank {comm.rank} outside 0..{comm.size - 1}"
@@ -86,7 +87,7 @@ def check_identity(comm) -> None:
         assert buf.tolist() == [p, comm.size], f"rank {p} says it is rank {buf[0]} of {buf[1]}"
 
 
-def check_bad_arguments(comm) -> None:
+def check_bad_arguments(comm, meet=None) -> None:
     """The caller's mistakes — sending to oneself or to a rank outside the group, a buffer that is
     not contiguous — raise ``HoraValueError`` (a ``ValueError``, as Horovod raises) at once: not a
     hang, not a lost peer, and the communicator stays usable."""
@@ -113,7 +114,7 @@ def check_bad_arguments(comm) -> None:
     assert not wrong, f"rank {comm.rank} of {comm.size}:\n" + "\n".join(wrong)
 
 
-def check_views(comm) -> None:
+def check_views(comm, meet=None) -> None:
     """Buffers are what the ring hands over: views into larger arrays (receive into a slice, and no
     byte outside it changes), other dtypes, and read-only sends (an out-of-place input)."""
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
@@ -129,7 +130,7 @@ def check_views(comm) -> None:
     assert np.array_equal(dst, want), "a receive into a slice wrote outside it or got the wrong elements"
 
 
-def check_ordering(comm) -> None:
+def check_ordering(comm, meet=None) -> None:
     """Several messages between each pair arrive in the order sent, with receives posted
     interleaved over all peers (some ranks before the data is sent, some after), and waiting on the
     last request first still completes every one (a wait drives the others' progress)."""
@@ -155,7 +156,7 @@ def check_ordering(comm) -> None:
         assert np.array_equal(buf, want), f"message {i} from rank {p} ({len(buf)} bytes) arrived wrong or out of order"
 
 
-def check_zero_length(comm) -> None:
+def check_zero_length(comm, meet=None) -> None:
     """An empty buffer (any dtype or shape) is a request that completes at once, on both sides, and
     empty messages between real ones do not disturb the stream."""
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
@@ -174,7 +175,7 @@ def check_zero_length(comm) -> None:
     assert np.array_equal(gb, _pattern(3, left, comm.rank, 1)), "the message between empty ones arrived wrong"
 
 
-def check_large(comm) -> None:
+def check_large(comm, meet=None) -> None:
     """A 64 MiB buffer (float32, not bytes) to the right while one arrives from the left."""
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     n = LARGE_BYTES // 4
@@ -189,7 +190,7 @@ def check_large(comm) -> None:
     assert bad.size == 0, f"{bad.size} of {n} float32 from rank {left} arrived wrong, the first at index {bad[0]}"
 
 
-def check_full_duplex(comm) -> None:
+def check_full_duplex(comm, meet=None) -> None:
     """Every rank sends 32 MiB to every peer *before* posting any receive: far more than the socket
     buffers hold, so a transport that only moves bytes for the request being waited on (or that
     blocks in ``isend``) deadlocks here."""
@@ -204,7 +205,7 @@ def check_full_duplex(comm) -> None:
         assert np.array_equal(got[p], _pattern(n, p, comm.rank, 0)), f"the exchange with rank {p} arrived wrong"
 
 
-def check_test_semantics(comm) -> None:
+def check_test_semantics(comm, meet=None) -> None:
     """``test()`` is False while the data cannot have arrived (the sender waits for our go), turns
     True once it has without ``wait`` being called, stays True, and ``wait`` then returns at once."""
     if comm.rank > 1:
@@ -233,7 +234,7 @@ def _poll_until_done(req, what: str) -> None:
         assert time.monotonic() < deadline, f"test() never said True for {what} in {WAIT_S:g} s"
 
 
-def check_wait_timeout(comm) -> None:
+def check_wait_timeout(comm, meet=None) -> None:
     """``wait(timeout)`` on a receive that cannot complete raises a timeout that is a hora error
     (``HoraTimeoutError``: also a ``TimeoutError``, and what elastic recovers from) and leaves the
     request pending: once the data is sent, ``wait()`` completes it."""
@@ -260,7 +261,7 @@ def check_wait_timeout(comm) -> None:
         comm.isend(1, _pattern(10, 0, 1, 0)).wait(WAIT_S)
 
 
-def _lose_the_last_rank(comm, leave: Callable[[], None], poll: bool = False) -> None:
+def _lose_the_last_rank(comm, meet, leave: Callable[[], None], poll: bool = False) -> None:
     """Every rank but the last posts a receive from it that will never be served (rank 0 also a
     64 MiB send it will never read), then the last rank calls ``leave`` (close, or SIGKILL itself).
     Each of those requests must then fail with ``PeerLostError`` naming the lost rank within
@@ -299,6 +300,18 @@ def _lose_the_last_rank(comm, leave: Callable[[], None], poll: bool = False) -> 
     attempts = [(what, lambda req=req: req.wait(LOSS_S)) for what, req in pending]
     attempts.append(("a receive posted after it left",
                      lambda: comm.irecv_into(victim, np.zeros(8, np.uint8)).wait(LOSS_S)))
+    try:
+        _expect_loss(comm, victim, attempts)
+    finally:
+        # Survivors keep their communicators open until each has its verdict: a survivor that
+        # closed would be a second lost peer, and could be how the others learn of the first.
+        if meet is not None:
+            meet("verdict", list(range(victim)))
+
+
+def _expect_loss(comm, victim: int, attempts) -> None:
+    from hora.base.errors import PeerLostError
+
     for what, wait in attempts:
         try:
             wait()
@@ -314,24 +327,24 @@ def _lose_the_last_rank(comm, leave: Callable[[], None], poll: bool = False) -> 
         raise AssertionError(f"{what}: wait() returned as if rank {victim} had served it")
 
 
-def check_peer_closed(comm) -> None:
+def check_peer_closed(comm, meet=None) -> None:
     """The last rank closes its communicator while the others wait on it: each gets PeerLostError."""
-    _lose_the_last_rank(comm, comm.close)
+    _lose_the_last_rank(comm, meet, comm.close)
 
 
-def check_test_after_loss(comm) -> None:
+def check_test_after_loss(comm, meet=None) -> None:
     """Like ``peer_closed``, but the survivors poll: ``test()`` on a request that failed says True
     (finished, as a future's ``done()`` does) and leaves the error to ``wait``."""
-    _lose_the_last_rank(comm, comm.close, poll=True)
+    _lose_the_last_rank(comm, meet, comm.close, poll=True)
 
 
-def check_peer_killed(comm) -> None:
+def check_peer_killed(comm, meet=None) -> None:
     """The last rank is SIGKILLed while the others wait on it (no goodbye, the kernel closes its
     sockets and frees what it mapped): each gets PeerLostError naming it."""
-    _lose_the_last_rank(comm, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    _lose_the_last_rank(comm, meet, lambda: os.kill(os.getpid(), signal.SIGKILL))
 
 
-def check_use_after_close(comm) -> None:
+def check_use_after_close(comm, meet=None) -> None:
     """After ``close()``: ``close()`` again is a no-op, new requests raise CommunicatorClosedError,
     and so does ``wait`` on a request that was pending at the close (you closed it: not a lost peer)."""
     from hora.base.errors import CommunicatorClosedError, HoraError
@@ -382,10 +395,19 @@ KILL_CHECKS = ("peer_killed",)
 DEFAULT_CHECKS = tuple(name for name in CHECKS if name not in KILL_CHECKS)
 
 
-def check_communicator(make_group: Callable[[], object], checks=DEFAULT_CHECKS) -> dict[str, str]:
+Meet = Callable[[str, list], None]
+
+
+def check_communicator(make_group: Callable[[], object], checks=DEFAULT_CHECKS, meet: Meet | None = None
+                       ) -> dict[str, str]:
     """Run ``checks`` on this rank, each on a fresh group from ``make_group()`` (closed afterwards);
     return ``{check: "ok" or the failure's traceback}``. Every rank of the job must call it with the
     same checks: the group builds and the checks themselves are collective.
+
+    ``meet(tag, ranks)``, if given, returns once every rank in ``ranks`` has called it with ``tag``:
+    a barrier outside the communicator under test (which may be broken by then). The lost-peer
+    checks use it so that no survivor closes before every survivor has noticed the loss on its
+    own; without it, a survivor may learn of the loss only because another survivor left.
 
     >>> check_communicator(lambda: group("tcp"), ["ordering"])   # on every rank
     {'ordering': 'ok'}
@@ -393,8 +415,9 @@ def check_communicator(make_group: Callable[[], object], checks=DEFAULT_CHECKS) 
     results = {}
     for name in checks:
         comm = make_group()
+        scoped = None if meet is None else (lambda tag, ranks, name=name: meet(f"{name}/{tag}", ranks))
         try:
-            CHECKS[name](comm)
+            CHECKS[name](comm, scoped)
             results[name] = "ok"
         except Exception:  # noqa: BLE001 - a failed check is a result; the next check still runs
             results[name] = traceback.format_exc()
@@ -436,12 +459,29 @@ def group(transport: str, timeout: float = 30.0):
     return comm
 
 
+def store_meet(timeout: float = WAIT_S) -> Meet:
+    """A :data:`Meet` through the job's rendezvous store (keys under this run's scope)."""
+    from hora.core import launchers
+    from hora.transport.store import StoreClient
+
+    job = launchers.rendezvous(launchers.detect())
+    store = StoreClient(job.store_addr, job.secret, timeout=timeout)
+    prefix = f"{job.scope}/conformance/meet/{next(_groups)}"
+
+    def meet(tag: str, ranks: list) -> None:
+        store.set(f"{prefix}/{tag}/{job.topo.rank}", b"1")
+        for r in ranks:
+            store.get(f"{prefix}/{tag}/{r}", timeout=timeout)
+
+    return meet
+
+
 def run_checks(transport: str, checks=DEFAULT_CHECKS, env: list[dict] | None = None) -> dict[str, str]:
     """The rank side of tests/test_transport.py: ``env[rank]`` (e.g. the fake hosts of a hierarchical
     job) is added to the environment first."""
     if env is not None:
         os.environ.update(env[int(os.environ["HORA_RANK"])])
-    return check_communicator(lambda: group(transport), checks)
+    return check_communicator(lambda: group(transport), checks, store_meet())
 
 
 def job_main(out_dir: str, transport: str, checks=DEFAULT_CHECKS, env: list[dict] | None = None) -> None:
