@@ -116,27 +116,18 @@ class TcpCommunicator(CommunicatorBase):
                 r.error, r.done = err, True
 
     def _pump_send(self, peer: int) -> None:
-        q, sock = self._sendq[peer], self._socks[peer]
-        while q:
-            req = q[0]
-            try:
-                n = sock.send(req.view[req.off:])
-            except BlockingIOError:
-                return
-            except OSError as e:
-                self.ctrl.lost(peer, e)
-                return
-            req.off += n
-            if req.off == len(req.view):
-                req.done = True
-                q.popleft()
+        self._pump(peer, self._sendq[peer], self._socks[peer].send)
 
     def _pump_recv(self, peer: int) -> None:
-        q, sock = self._recvq[peer], self._socks[peer]
+        self._pump(peer, self._recvq[peer], self._socks[peer].recv_into)
+
+    def _pump(self, peer: int, q: collections.deque[TcpRequest], move: Callable[[memoryview], int]) -> None:
+        """Move bytes of the requests queued in ``q`` until the socket would block (``move``: the
+        socket's ``send`` or ``recv_into``; 0 bytes moved means the peer closed the connection)."""
         while q:
             req = q[0]
             try:
-                n = sock.recv_into(req.view[req.off:])
+                n = move(req.view[req.off:])
             except BlockingIOError:
                 return
             except OSError as e:
