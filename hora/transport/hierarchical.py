@@ -2,10 +2,9 @@
 
 The communicator wraps the TCP mesh like :mod:`hora.transport.shm` does and hands out what one native
 collective, ``native_allreduce``, runs on (a :class:`HostLayout`); the algorithm and its assembly are
-:mod:`hora.collectives.hierarchical`. Everything
-else (allgather, broadcast, alltoall, reducescatter, point-to-point, the control plane) stays on the
-mesh: those move each byte across the network once already, so a detour through shared memory would
-save little and cost a copy.
+:mod:`hora.collectives.hierarchical`. Everything else (allgather, broadcast, alltoall, reducescatter,
+point-to-point, the control plane) stays on the mesh: those move each byte across the network once
+already, so a detour through shared memory would save little and cost a copy.
 
 It applies when the job spans two or more hosts and every host runs the same number (two or more) of
 its ranks. Uneven hosts stay on the flat TCP ring, with a log line: with different local sizes the
