@@ -409,3 +409,127 @@ def test_barrier_waits_for_the_slowest_rank(n):
     start = time.time()
     ends = run_hora(n, _barrier_times)
     assert min(ends) >= start + 1.0, "a rank left the barrier before rank 0 arrived"
+
+
+# --- the transport layer's interface, in one process ------------------------------------------------
+
+def _mesh_pair():
+    """Ranks 0 and 1 of a TCP mesh over socket pairs (data and control), in this process."""
+    import socket
+
+    from hora.transport.control import ControlPlane
+    from hora.transport.tcp import TcpCommunicator
+
+    d0, d1 = socket.socketpair()
+    c0, c1 = socket.socketpair()
+    return (TcpCommunicator(0, 2, {1: d0}, ControlPlane(0, {1: c0}, data=[d0])),
+            TcpCommunicator(1, 2, {0: d1}, ControlPlane(1, {0: c1}, data=[d1])))
+
+
+@pytest.mark.timeout(10)
+def test_every_communicator_defines_the_protocol():
+    """The engine uses plain attribute access: every transport defines all the protocol lists."""
+    from hora.transport import base, hierarchical, mpi, shm, tcp
+
+    names = [n for n in dir(base.Communicator) if not n.startswith("_")] + list(base.Communicator.__annotations__)
+    for cls in (base.LocalCommunicator, base.SubCommunicator, tcp.TcpCommunicator, shm.ShmCommunicator,
+                hierarchical.HierarchicalCommunicator, mpi.MpiCommunicator):
+        missing = [n for n in names if n not in ("rank", "size", "ctrl") and not hasattr(cls, n)]
+        assert not missing, f"{cls.__name__} lacks {missing}"
+    local = base.LocalCommunicator()
+    assert local.ctrl.peers == [] and local.native_allreduce is None and local.native_group((0,)) is None
+    assert local.op_transports == {k: "LOCAL" for k in base.OPS}
+
+
+@pytest.mark.timeout(10)
+def test_tcp_edge_errors_and_control_during_a_data_wait():
+    from hora.base.errors import CommunicatorClosedError, HoraTimeoutError, HoraValueError, PeerLostError
+
+    a, b = _mesh_pair()
+    try:
+        x, y = np.arange(5, dtype=np.int64), np.zeros(5, np.int64)
+        send, recv = a.isend(1, x), b.irecv_into(0, y)
+        recv.wait(5)
+        send.wait(5)
+        assert y.tolist() == x.tolist()
+        with pytest.raises(HoraTimeoutError, match="no progress with rank 0"):
+            b.irecv_into(0, y).wait(0.05)  # a data wait's timeout is hora's (and a TimeoutError)
+        with pytest.raises(HoraValueError):
+            a.isend(3, x)
+        # a control message that arrives during a data wait goes to the handler, which may end the wait
+        seen = []
+
+        class Abort(Exception):
+            pass
+
+        def handler(peer, payload):
+            seen.append((peer, payload))
+            raise Abort
+
+        b.ctrl.on_message = handler
+        a.ctrl.send(1, b"stop")
+        with pytest.raises(Abort):
+            b.irecv_into(0, np.zeros(5, np.int64)).wait(5)
+        assert seen == [(0, b"stop")]
+        b.ctrl.on_message = None
+        a.ctrl.send(1, b"hello")
+        assert b.ctrl.receive(5) == [(0, b"hello")]
+    finally:
+        a.close()
+    with pytest.raises(PeerLostError) as lost:
+        b.irecv_into(0, np.zeros(1, np.uint8)).wait(5)
+    assert lost.value.rank == 0 and b.broken is lost.value and b.ctrl.broken is lost.value
+    b.close()
+    with pytest.raises(CommunicatorClosedError):
+        b.isend(0, np.zeros(1))
+    with pytest.raises(CommunicatorClosedError):
+        b.ctrl.send(0, b"x")
+
+
+@pytest.mark.timeout(10)
+def test_sub_communicator_maps_set_ranks_to_global_peers():
+    from hora.transport.base import SubCommunicator
+
+    a, b = _mesh_pair()
+    try:
+        sa, sb = SubCommunicator(a, (1, 0)), SubCommunicator(b, (1, 0))  # set rank 0 is global rank 1
+        assert (sa.rank, sb.rank, sa.size) == (1, 0, 2) and sa.global_rank(0) == 1 and sa.local_rank(1) == 0
+        assert sa.ctrl is a.ctrl and sa.native_allreduce is None
+        out = np.zeros(3, np.float32)
+        send = sa.isend(0, np.ones(3, np.float32))
+        sb.irecv_into(1, out).wait(5)
+        send.wait(5)
+        assert out.tolist() == [1, 1, 1]
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(10)
+def test_mpi_failures_are_transport_errors_that_elastic_recovers_from():
+    """A failing MPI call surfaces as TransportError (a HorovodInternalError), the MPI error as its cause."""
+    from hora.base.errors import HorovodInternalError, TransportError
+    from hora.transport.mpi import MpiCommunicator
+
+    class FakeMPI:
+        SUM = MIN = MAX = PROD = BYTE = object()
+
+        class Exception(Exception):
+            pass
+
+    class FailingComm:
+        def Isend(self, *args):
+            raise FakeMPI.Exception("MPI_ERR_OTHER")
+
+        Irecv = Isend
+
+    a, b = _mesh_pair()
+    try:
+        comm = MpiCommunicator(a, FailingComm(), FakeMPI)
+        with pytest.raises(HorovodInternalError) as err:
+            comm.isend(1, np.zeros(4, np.float32))
+        assert isinstance(err.value, TransportError) and isinstance(err.value.__cause__, FakeMPI.Exception)
+        assert comm.broken is err.value and comm.ctrl is a.ctrl
+    finally:
+        a.close()
+        b.close()

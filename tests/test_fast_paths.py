@@ -127,7 +127,7 @@ def _shm_vs_ring(hvd, cases):
     hook = basics.state().comm.on_ctrl
     comm = _direct(hvd)
     assert type(comm).__name__ == "ShmCommunicator", type(comm)
-    group = comm._group
+    group = comm.group
     out = {}
     for dtype, count, op in cases:
         x = make(r, dtype, count, 5, op)
@@ -187,7 +187,7 @@ def _without_flags(cases):
         hora.init()
     finally:
         shm._FLAGGED = old
-    group = basics.state().comm._group
+    group = basics.state().comm.group
     assert group._flags is None and all(f is None for f in group._my_flag)
     wakes, steps = group.wakes, group.step
     out = _shm_vs_ring(hora, cases)
@@ -231,13 +231,13 @@ for mode in ("ring", "native"):
                 # called here, not through the engine (which reduces small tensors inline); the engine
                 # thread is idle, MPI was initialised for threads, and the hook for control messages
                 # is unset meanwhile (the idle engine thread polls those connections)
-                hook, comm.tcp.on_ctrl = comm.tcp.on_ctrl, None
+                hook, comm.ctrl.on_message = comm.ctrl.on_message, None
                 if mode == "native":
                     comm.native_allreduce(fast, op)
                 else:
                     ring.allreduce(comm, fast, reducer(op))  # hora's ring over MPI point-to-point
-                ring.allreduce(comm.tcp, slow, reducer(op))  # the plain ring over TCP
-                comm.tcp.on_ctrl = hook
+                ring.allreduce(comm.mesh, slow, reducer(op))  # the plain ring over TCP
+                comm.ctrl.on_message = hook
                 res = verdict(dtype, op, n, fast, slow)
                 if mode == "ring" and not res["exact"]:  # the same algorithm over other wires
                     res.update(ok=False, detail="hora's ring over MPI differs from the ring over TCP")

@@ -215,9 +215,12 @@ def test_mpi_pieces_match_the_rings_chunked_receives(monkeypatch, chunk):
     import numpy as np
 
     from hora.collectives import ring
+    from hora.transport import base
     from hora.transport.mpi import pieces
 
-    monkeypatch.setattr(ring, "CHUNK_BYTES", chunk)
+    assert ring.CHUNK_BYTES is base.CHUNK_BYTES  # the ring's receive chunking is the transport's constant
+    monkeypatch.setattr(base, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(ring, "CHUNK_BYTES", chunk)  # the ring's copy, as a test that shrinks the chunk sets it
     for dtype in (np.uint8, np.float16, ml_dtypes.bfloat16, np.float32, np.int64):
         for n in (0, 1, 5, 1000, 30_001):
             seg = np.zeros(n, dtype)

@@ -1,4 +1,4 @@
-"""Collectives that move data without reducing it: allgather, broadcast, alltoall, barrier.
+"""Collectives that move data without reducing it: allgather, broadcast, alltoall.
 
 On a full mesh each rank posts all its sends and receives at once and lets the communicator
 progress them together; for the small worlds of one host this beats a ring's ``size - 1``
@@ -44,9 +44,3 @@ def alltoall_blocks(comm, send: np.ndarray, send_bounds: list[int], out: np.ndar
     exchange(comm, {p: send[send_bounds[p]:send_bounds[p + 1]] for p in peers},
              {p: out[recv_bounds[p]:recv_bounds[p + 1]] for p in peers})
 
-
-def barrier(comm) -> None:
-    """Every rank sends a byte to every other and waits for theirs."""
-    token = np.zeros(1, np.uint8)
-    peers = [p for p in range(comm.size) if p != comm.rank]
-    exchange(comm, {p: token for p in peers}, {p: np.empty(1, np.uint8) for p in peers})

@@ -21,10 +21,14 @@ rings reduce identical inputs in the same positions, so they agree bit for bit),
 
 from __future__ import annotations
 
+import traceback
+
 import numpy as np
 
 from hora.collectives import ring
 from hora.collectives.reduce import reducer
+from hora.collectives.shm_ops import ShmCollectives
+from hora.transport.base import NativeOps
 
 SMALL_BYTES = 64 << 10  # up to this, each local rank runs the cross ring on the whole buffer (see allreduce)
 
@@ -48,3 +52,34 @@ def allreduce(local, local_rank: int, local_size: int, cross, flat: np.ndarray, 
     if cross.size > 1:
         ring.allreduce(cross, mine, reducer(op), scratch=scratch)  # 2. ... and over every host
     local.native_allgather(mine, flat, bounds)  # 3. every slice to every local rank
+
+
+class HierarchicalAllreduce(NativeOps):
+    """The native allreduce of one set of ranks spread evenly over hosts (the job, or a process set),
+    on the :class:`hora.transport.hierarchical.HostLayout` the transport opened for them."""
+
+    def __init__(self, layout):
+        self._group, self._cross = layout.group, layout.cross
+        self._local = ShmCollectives(layout.group)
+        self._scratch = ring.Scratch()
+
+    def native_allreduce(self, flat: np.ndarray, op: int, src: np.ndarray | None = None) -> None:
+        """Reduce the 1-D ``flat`` in place (Average is Sum here: the engine scales); ``src``, if
+        given, is the input (copied into ``flat`` first)."""
+        if src is not None:
+            flat[...] = src
+        ctrl = self._group.ctrl
+        if ctrl is not None and ctrl.broken is not None:
+            raise ctrl.broken
+        try:
+            allreduce(self._local, self._group.rank, self._group.size, self._cross, flat, op, self._scratch)
+        except BaseException as e:
+            # half-way through, this host's ranks are at different steps of the group: it cannot be
+            # used again, and leaving it as aborted tells the local peers at once (they may be waiting
+            # on us in shared memory while we were the one that saw a remote rank go)
+            self._group.abort()
+            traceback.clear_frames(e.__traceback__)  # frames hold views of the segment
+            raise
+
+    def close(self) -> None:
+        self._group.close()

@@ -19,8 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from hora.collectives.reduce import Reducer
-
-CHUNK_BYTES = 1 << 20  # first guess; tune with benchmarks/allreduce.py
+from hora.transport.base import CHUNK_BYTES  # receives are cut this way; MPI cuts its sends alike (a contract)
 
 
 def even_bounds(count: int, parts: int) -> list[int]:

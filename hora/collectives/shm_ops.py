@@ -1,6 +1,7 @@
 """Collectives through a shared segment, for the ranks of one host.
 
-They run on a group ``g`` (:class:`hora.transport.shm.ShmGroup`): ``g.rank``, ``g.size``,
+:class:`ShmCollectives` makes them a group's native collectives (what the engine prefers to the
+TCP algorithms). They run on a group ``g`` (:class:`hora.transport.shm.ShmGroup`): ``g.rank``, ``g.size``,
 ``g.chunk`` bytes per rank and slot, ``g.area(slot, p)`` (``p == g.size``: the slot's result area),
 ``g.acquire()`` before each use of a slot and ``g.done_after(slot, step)`` after it (or
 ``g.mark_free``), ``g.signal()`` to publish a step and ``g.wait(step)`` for the others to reach it.
@@ -29,10 +30,13 @@ reduction, where this path takes 18-21 ms in all. Not built.
 
 from __future__ import annotations
 
+import traceback
+
 import numpy as np
 
-from hora.collectives.reduce import Average, Max, Min, Product, Sum
 from hora.base.errors import HoraValueError
+from hora.collectives.reduce import Average, Max, Min, Product, Sum
+from hora.transport.base import NativeOps
 
 UFUNCS = {Average: np.add, Sum: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
 # Up to this, every rank reduces everything itself after one synchronisation (n x the reads, half the
@@ -235,3 +239,52 @@ def alltoall(g, send: np.ndarray, send_bounds: list[int], out: np.ndarray, recv_
                 o = recv_bounds[p] * isz + a - sb[p][r] * isz
                 dst[o:o + b - a] = g.area(slot, p)[a - j:b - j]
         g.done_after(slot, s)
+
+
+class ShmCollectives(NativeOps):
+    """The native collectives of one shared-memory group (the job's, or a process set's); ranks and
+    roots are the group's. Each has the contract of the algorithm over point-to-point it replaces."""
+
+    def __init__(self, group):
+        self._group = group
+
+    def _run(self, fn, *args) -> None:
+        g = self._group
+        if g.ctrl is not None and g.ctrl.broken is not None:
+            raise g.ctrl.broken
+        g.begin()
+        try:
+            fn(g, *args)
+        except BaseException as e:
+            # the traceback's frames hold views of the segment: clear them, or the user's
+            # `except` block (where elastic code shuts down and re-inits) keeps it mapped
+            traceback.clear_frames(e.__traceback__)
+            raise
+        finally:
+            g.end()
+
+    def native_allreduce(self, flat: np.ndarray, op: int, src: np.ndarray | None = None) -> None:
+        """Reduce the 1-D ``flat`` in place (Average is Sum here: the engine scales); with ``src``,
+        reduce ``src`` into ``flat`` and leave ``src`` unwritten (out of place without a copy first)."""
+        self._run(allreduce, flat, op, src)
+
+    def native_reducescatter(self, buf: np.ndarray, bounds: list[int], op: int) -> None:
+        """``ring.reduce_scatter``'s contract: afterwards ``buf[bounds[r]:bounds[r+1]]`` is reduced
+        (Average is Sum here)."""
+        self._run(reducescatter, buf, bounds, op)
+
+    def native_allgather(self, mine: np.ndarray, out: np.ndarray, bounds: list[int]) -> None:
+        """``exchange.allgather_blocks``'s contract."""
+        self._run(allgather, mine, out, bounds)
+
+    def native_broadcast(self, buf: np.ndarray, root: int) -> None:
+        """``exchange.broadcast``'s contract."""
+        self._run(broadcast, buf, root)
+
+    def native_alltoall(self, send: np.ndarray, send_bounds: list[int], out: np.ndarray,
+                        recv_bounds: list[int]) -> None:
+        """``exchange.alltoall_blocks``'s contract."""
+        self._run(alltoall, send, send_bounds, out, recv_bounds)
+
+    def close(self) -> None:
+        self._group.close()

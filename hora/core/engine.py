@@ -109,13 +109,12 @@ class Engine:
         # message it waits for would also wake the engine thread, which then contends for the GIL
         # (measured: a 4 KiB allreduce at np=2 took ~1.6x longer).
         self._ep_ctrl = select.epoll()
-        for fd in (comm.ctrl_fds() if self.size > 1 else []):
+        for fd in comm.ctrl.fds():
             self._ep_ctrl.register(fd, select.EPOLLIN)  # a closed socket leaves the set by itself
         self._ep = select.epoll()
         self._ep.register(self._wake_r, select.EPOLLIN)
         self._ep.register(self._ep_ctrl.fileno(), select.EPOLLIN)
-        if hasattr(comm, "on_ctrl"):
-            comm.on_ctrl = self._on_ctrl_during_data
+        comm.ctrl.on_message = self._on_ctrl_during_data
         self.thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
         self.thread.start()
 
@@ -171,10 +170,10 @@ class Engine:
         """Tell rank 0 (or, on rank 0, everyone) that this rank leaves on purpose, so that the
         connection closing next is not taken for a crash while peers finish their last collective."""
         msg = m.dumps((m.BYE, self.rank))
-        for p in getattr(self.comm, "ctrl_peers", []):
+        for p in self.comm.ctrl.peers:
             if p not in self._departed:
                 try:
-                    self.comm.send_ctrl(p, msg)
+                    self.comm.ctrl.send(p, msg)
                 except HoraError:
                     pass
 
@@ -292,11 +291,11 @@ class Engine:
     def _spread_abort(self, e: PeerLostError) -> None:
         """Tell rank 0 (or, on rank 0, everyone) which rank was lost, so that ranks blocked on a
         healthy peer learn the root cause instead of waiting."""
-        targets = [p for p in getattr(self.comm, "ctrl_peers", []) if p != e.rank]
+        targets = [p for p in self.comm.ctrl.peers if p != e.rank]
         msg = m.dumps((m.ABORT, e.rank, str(e)))
         for p in targets:
             try:
-                self.comm.send_ctrl(p, msg)
+                self.comm.ctrl.send(p, msg)
             except HoraError:
                 pass
 
@@ -320,7 +319,7 @@ class Engine:
             if self.size > 1:
                 got = self._spin() if block and self._driving and (timeout is None or timeout > _SPIN_S) else []
                 if not got and not self._queue and not self._stopping:
-                    got = self.comm.recv_ctrl(timeout, self._wake_r)
+                    got = self.comm.ctrl.receive(timeout, self._wake_r)
                 for peer, data in got:
                     self._inbox.append((peer, m.loads(data)))
             else:
@@ -356,7 +355,7 @@ class Engine:
             return []
         end = time.perf_counter() + _SPIN_S
         while True:
-            got = self.comm.recv_ctrl(0.0)
+            got = self.comm.ctrl.receive(0.0)
             if got or self._queue or self._stopping or time.perf_counter() > end:
                 return got
             os.sched_yield()
@@ -400,7 +399,7 @@ class Engine:
             else:
                 bits.append(bit)
                 self.stats.cache_hits += 1
-        self.comm.send_ctrl(0, m.dumps((m.REQUESTS, self.rank, full, bits, payloads)))
+        self.comm.ctrl.send(0, m.dumps((m.REQUESTS, self.rank, full, bits, payloads)))
         self.stats.coordination_messages_sent += 1
 
     # -- control messages ----------------------------------------------------------------------
@@ -429,7 +428,7 @@ class Engine:
         if tag == m.ABORT:
             self._raise_abort(msg)
         if tag == m.STACK_QUERY:
-            self.comm.send_ctrl(0, m.dumps((m.STACK_REPLY, self.rank, _main_stack())))
+            self.comm.ctrl.send(0, m.dumps((m.STACK_REPLY, self.rank, _main_stack())))
             return []
         if tag == m.STACK_REPLY:
             for rep in self._reports.values():
@@ -454,7 +453,7 @@ class Engine:
         fails with a ShutdownError (on rank 0: the tensors waiting for it; elsewhere: everything,
         since rank 0 coordinates)."""
         self._departed.add(rank)
-        self.comm.expect_close(rank)
+        self.comm.ctrl.expect_close(rank)
         err = ShutdownError(f"rank {rank} has shut down (hora.shutdown() or the end of its script) while this "
                             f"rank still had collectives for it; every rank must run the same collectives")
         if self.coord is None:  # ends this engine once the responses already received have run
@@ -472,10 +471,10 @@ class Engine:
         elif msg[0] == m.STALL_FATAL:
             raise StallError(msg[1])
         elif msg[0] == m.STACK_QUERY:
-            self.comm.send_ctrl(0, m.dumps((m.STACK_REPLY, self.rank, _main_stack())))
+            self.comm.ctrl.send(0, m.dumps((m.STACK_REPLY, self.rank, _main_stack())))
         elif msg[0] == m.BYE:  # expected close: keep finishing the collective in hand
             self._departed.add(msg[1])
-            self.comm.expect_close(msg[1])
+            self.comm.ctrl.expect_close(msg[1])
             self._inbox.append((peer, msg))
         else:
             self._inbox.append((peer, msg))
@@ -501,7 +500,7 @@ class Engine:
             adds = [(b, q) for b, q in additions if peer in self.coord.process_sets.get(q.ps, ())]
             evicts = [b for b, ps in evictions if peer in self.coord.process_sets.get(ps, ())]
             if mine or adds or evicts:
-                self.comm.send_ctrl(peer, m.dumps((m.RESPONSES, mine, adds, evicts)))
+                self.comm.ctrl.send(peer, m.dumps((m.RESPONSES, mine, adds, evicts)))
                 self.stats.coordination_messages_sent += 1
         return [r for r in responses if self.rank in self.coord.process_sets.get(r.ps, ())
                 or r.kind in (m.ADD_PS, m.REMOVE_PS) or r.kind == "error"]
@@ -565,7 +564,7 @@ class Engine:
                 if r == self.rank:
                     rep["stacks"][r] = _main_stack()
                 else:
-                    self.comm.send_ctrl(r, m.dumps((m.STACK_QUERY,)))
+                    self.comm.ctrl.send(r, m.dumps((m.STACK_QUERY,)))
         for key, rep in list(self._reports.items()):
             if len(rep["stacks"]) == len(rep["missing"]) or time.monotonic() - rep["asked"] > _REPORT_WAIT:
                 del self._reports[key]
@@ -580,7 +579,7 @@ class Engine:
             self._stall_fatal_sent = True
             for p in range(1, self.size):
                 try:
-                    self.comm.send_ctrl(p, m.dumps((m.STALL_FATAL, text)))
+                    self.comm.ctrl.send(p, m.dumps((m.STALL_FATAL, text)))
                 except HoraError:
                     pass
             raise StallError(text)

@@ -15,6 +15,7 @@ from hora.collectives import exchange, ring
 from hora.collectives.reduce import Average, reducer, scale
 from hora.core import messages as m
 from hora.core.handles import Handle
+from hora.transport.base import SubCommunicator
 
 
 @dataclasses.dataclass(slots=True)
@@ -38,31 +39,6 @@ def nbytes_of(dtype: str, shape: tuple) -> int:
     return math.prod(shape) * dtype_of(dtype).itemsize
 
 
-class SubComm:
-    """A process set's view of the global communicator: set-local ranks mapped to global peers."""
-
-    def __init__(self, comm, ranks: tuple[int, ...]):
-        self.comm, self.ranks = comm, ranks
-        self.rank, self.size = ranks.index(comm.rank), len(ranks)
-        make = getattr(comm, "native_group", None)  # collective over ranks: all create the SubComm together
-        self.native = make(ranks) if make is not None else None
-
-    def __getattr__(self, name):
-        if name.startswith("native_") and self.__dict__.get("native") is not None:
-            return getattr(self.native, name)
-        raise AttributeError(name)
-
-    def close(self) -> None:
-        if self.native is not None:
-            self.native.close()
-
-    def isend(self, peer, buf):
-        return self.comm.isend(self.ranks[peer], buf)
-
-    def irecv_into(self, peer, buf):
-        return self.comm.irecv_into(self.ranks[peer], buf)
-
-
 def allreduce_flat(comm, flat: np.ndarray, op: int, prescale: float, postscale: float,
                    scratch: ring.Scratch, src: np.ndarray | None = None) -> None:
     """Horovod's allreduce numerics on a 1-D buffer, in place; or, with ``src``, of ``src`` into
@@ -70,7 +46,7 @@ def allreduce_flat(comm, flat: np.ndarray, op: int, prescale: float, postscale: 
     if op == Average:
         postscale = postscale * (1.0 / comm.size)  # Horovod folds the average into the postscale
     # a transport's own (shared memory, MPI, hierarchical): ``native_allreduce(flat, op, src=None)``
-    native = getattr(comm, "native_allreduce", None)
+    native = comm.native_allreduce
     if src is not None and (prescale != 1.0 or native is None):
         flat[...] = src
         src = None
@@ -80,6 +56,15 @@ def allreduce_flat(comm, flat: np.ndarray, op: int, prescale: float, postscale: 
         scale(flat, postscale)
         return
     ring.allreduce(comm, flat, reducer(op), finish=lambda seg: scale(seg, postscale), scratch=scratch)
+
+
+def _native_or(native, algorithm, comm, *args) -> None:
+    """The transport's own collective where it has one, else ``algorithm`` over its point-to-point
+    (the same arguments after ``comm``)."""
+    if native is not None:
+        native(*args)
+    else:
+        algorithm(comm, *args)
 
 
 def _copy_out(pends: list, counts: list[int], flat: np.ndarray) -> None:
@@ -101,12 +86,17 @@ class Executor:
         self.comm, self.rank, self.size, self.stats, self.timeline = comm, rank, size, stats, timeline
         self.scratch = ring.Scratch()
         self.fusion = np.empty(0, np.uint8)
-        self._subs: dict[int, SubComm] = {}
-        self.transport = getattr(comm, "name", "TCP") if size > 1 else "LOCAL"
+        self._subs: dict[int, SubCommunicator] = {}
+        # shared memory's and hierarchical's collectives, assembled a layer up from what the transport hands
+        # out (imported here: `import hora` loads no transport module until init)
+        from hora.collectives import native
+
+        native.attach(comm)
+        self.transport = comm.name if size > 1 else "LOCAL"
         # timeline activity per op kind: the transport's name, or the one it gives a kind it leaves to
         # the TCP mesh (hierarchical: only allreduce is its own)
-        by_kind = getattr(comm, "op_transports", None) if size > 1 else None
-        self._activity = {k: f"{by_kind.get(k, 'TCP') if by_kind is not None else self.transport}_{k.upper()}"
+        by_kind = comm.op_transports
+        self._activity = {k: f"{by_kind[k] if size > 1 else self.transport}_{k.upper()}"
                           for k in (m.ALLREDUCE, m.ALLGATHER, m.BROADCAST, m.ALLTOALL, m.REDUCESCATTER)}
 
     def forget(self, ps: int) -> None:
@@ -118,8 +108,8 @@ class Executor:
         if ps == 0:
             return self.comm
         sub = self._subs.get(ps)
-        if sub is None:
-            sub = self._subs[ps] = SubComm(self.comm, ranks)
+        if sub is None:  # native_group is collective over ranks: all create the set's communicator together
+            sub = self._subs[ps] = SubCommunicator(self.comm, ranks, self.comm.native_group(ranks))
         return sub
 
     def _tl(self, names, activity: str, start: bool) -> None:
@@ -211,11 +201,7 @@ class Executor:
         for r in rows:
             bounds.append(bounds[-1] + r * row)
         self._tl(resp.names, op_name, True)
-        native = getattr(comm, "native_allgather", None)
-        if native is not None:
-            native(a.reshape(-1), out.reshape(-1), bounds)
-        else:
-            exchange.allgather_blocks(comm, a.reshape(-1), out.reshape(-1), bounds)
+        _native_or(comm.native_allgather, exchange.allgather_blocks, comm, a.reshape(-1), out.reshape(-1), bounds)
         self._tl(resp.names, op_name, False)
         p.handle.complete(out)
 
@@ -224,17 +210,13 @@ class Executor:
         buf = p.array if p.inplace else p.array.copy()
         root = self.comm_rank_of(resp.root, comm)
         self._tl(resp.names, op_name, True)
-        native = getattr(comm, "native_broadcast", None)
-        if native is not None:
-            native(buf.reshape(-1), root)
-        else:
-            exchange.broadcast(comm, buf.reshape(-1), root)
+        _native_or(comm.native_broadcast, exchange.broadcast, comm, buf.reshape(-1), root)
         self._tl(resp.names, op_name, False)
         p.handle.complete(buf)
 
     @staticmethod
     def comm_rank_of(global_rank: int, comm) -> int:
-        return comm.ranks.index(global_rank) if isinstance(comm, SubComm) else global_rank
+        return comm.local_rank(global_rank) if isinstance(comm, SubCommunicator) else global_rank
 
     def _alltoall(self, resp, pends, comm, op_name) -> None:
         p = pends[0]
@@ -249,11 +231,7 @@ class Executor:
             sb.append(sb[-1] + s * row)
             rb.append(rb[-1] + r * row)
         self._tl(resp.names, op_name, True)
-        native = getattr(comm, "native_alltoall", None)
-        if native is not None:
-            native(a.reshape(-1), sb, out.reshape(-1), rb)
-        else:
-            exchange.alltoall_blocks(comm, a.reshape(-1), sb, out.reshape(-1), rb)
+        _native_or(comm.native_alltoall, exchange.alltoall_blocks, comm, a.reshape(-1), sb, out.reshape(-1), rb)
         self._tl(resp.names, op_name, False)
         p.handle.complete((out, np.asarray(recv_rows, np.int32)))
 
@@ -267,12 +245,11 @@ class Executor:
         buf = a.reshape(-1).copy()
         self._tl(resp.names, op_name, True)
         scale(buf, resp.pre)
-        native = getattr(comm, "native_reducescatter", None)
-        if native is not None:
-            native(buf, bounds, resp.op)
-        else:
-            ring.reduce_scatter(comm, buf, bounds, reducer(resp.op), self.scratch)
+        _native_or(comm.native_reducescatter, self._ring_reducescatter, comm, buf, bounds, resp.op)
         self._tl(resp.names, op_name, False)
         mine = buf[bounds[r]:bounds[r + 1]].copy()
         scale(mine, resp.post * (1.0 / n if resp.op == Average else 1.0))
         p.handle.complete(mine.reshape((rows[r + 1] - rows[r],) + a.shape[1:]))
+
+    def _ring_reducescatter(self, comm, buf: np.ndarray, bounds: list[int], op: int) -> None:
+        ring.reduce_scatter(comm, buf, bounds, reducer(op), self.scratch)

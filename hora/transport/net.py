@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import socket
 
+from hora.base.errors import HoraValueError
+
 KEEPALIVE_IDLE = 2  # s of silence before the first probe
 KEEPALIVE_INTERVAL = 1  # s between probes
 KEEPALIVE_COUNT = 5  # unanswered probes before the connection is declared dead
@@ -33,5 +35,5 @@ def parse_addr(addr: str) -> tuple[str, int]:
     """'host:port' (or '[v6]:port') -> (host, port), with a clear error for anything else."""
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"bad address {addr!r}: expected host:port")
+        raise HoraValueError(f"bad address {addr!r}: expected host:port")
     return host.strip("[]"), int(port)

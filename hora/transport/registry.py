@@ -1,9 +1,10 @@
 """The transports, by name, and how one is chosen.
 
 Every job first builds the TCP mesh: it carries the control plane (negotiation, aborts, stall
-reports) and is the data path of last resort. A faster transport wraps it and overrides the data
-path: point-to-point (``isend``/``irecv_into``) and, where it has them, native collectives that the
-engine prefers (``native_allreduce(buf, op)`` ...). ``HORA_TRANSPORT`` / ``hora run --transport``
+reports, ``comm.ctrl``) and is the data path of last resort. A faster transport wraps it and overrides
+the data path: point-to-point (``isend``/``irecv_into``) and, where it has them, native collectives that
+the engine prefers (``native_allreduce(buf, op)`` ...; shared memory's and hierarchical's are assembled
+from what the transport hands out by :mod:`hora.collectives.native`). ``HORA_TRANSPORT`` / ``hora run --transport``
 picks one; ``auto`` takes the fastest that applies.
 """
 

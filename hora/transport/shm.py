@@ -9,7 +9,9 @@ leave one behind: the kernel frees it when the last rank unmaps it.
 
 Layout: a header with one cache line per rank (progress counter, state, pid), a small metadata
 block per rank, then ``SLOTS`` slots of ``size + 1`` areas of ``chunk`` bytes (one area per rank,
-plus a result area). The algorithms live in :mod:`hora.collectives.shm_ops`.
+plus a result area). The algorithms live a layer up, in :mod:`hora.collectives.shm_ops`, which also
+turns a group into native collectives; this module hands out the groups (:class:`ShmCommunicator`'s
+``group`` and ``open_group``).
 
 Synchronisation: each rank's *progress* is a 32-bit counter that it alone writes, bumped once per
 step; every rank takes the same steps, so "rank p has done step s" is ``progress[p] >= s``. A
@@ -33,12 +35,13 @@ import secrets
 import select
 import struct
 import time
-import traceback
 
 import numpy as np
 
 from hora.base.errors import CommunicatorClosedError, HoraError, HoraValueError, PeerLostError
-from hora.transport.base import OverMesh
+from hora.transport.base import CommunicatorBase
+from hora.transport.control import ControlPlane
+from hora.transport.store import agree
 
 log = logging.getLogger("hora.transport")
 
@@ -126,10 +129,11 @@ class ShmGroup:
     """The segment shared by ``members`` (global ranks, ascending; this rank is ``members[index]``)
     and the steps they take through it. What :mod:`hora.collectives.shm_ops` runs on."""
 
-    def __init__(self, mm: mmap.mmap, members: list[int], index: int, chunk: int, tcp=None):
+    def __init__(self, mm: mmap.mmap, members: list[int], index: int, chunk: int,
+                 ctrl: ControlPlane | None = None):
         self.members, self.rank, self.size = list(members), index, len(members)
         self.chunk, self.slots = chunk, SLOTS
-        self.tcp = tcp
+        self.ctrl = ctrl  # the mesh's control plane: its failures end our waits, its messages are serviced
         self._mm = mm
         n = self.size
         meta_off, meta_per, data_off = _layout(n, chunk)
@@ -249,13 +253,13 @@ class ShmGroup:
                 flags[flag] = 0
 
     def _check(self, step: int) -> None:
-        """Raise if this wait can no longer finish: we closed, TCP saw a failure, a rank that has
+        """Raise if this wait can no longer finish: we closed, the mesh saw a failure, a rank that has
         not reached ``step`` shut down or died, or the control plane brought an abort."""
         if self._closed:
             raise CommunicatorClosedError("this communicator was closed while a shared-memory collective ran")
-        tcp = self.tcp
-        if tcp is not None and tcp.broken is not None:
-            raise tcp.broken
+        ctrl = self.ctrl
+        if ctrl is not None and ctrl.broken is not None:
+            raise ctrl.broken
         hdr = self._hdr
         for p in self.others:
             state = int(hdr[self._word[p] + _STATE])
@@ -265,15 +269,16 @@ class ShmGroup:
             p = self._watch[fd]
             if (int(hdr[self._word[p]]) - step) & _MASK >= _HALF:
                 self._lost(p, f"its process (pid {int(hdr[self._word[p] + _PID])}) exited")
-        if tcp is not None:
-            _service_ctrl(tcp)
+        if ctrl is not None:
+            ctrl.service(0.0)  # abort, stall report, stack query: as during a TCP data wait
+            if ctrl.broken is not None:
+                raise ctrl.broken
 
     def _lost(self, p: int, why: str) -> None:
         g = self.members[p]
         msg = f"{why} during a shared-memory collective"
-        if self.tcp is not None:
-            self.tcp._lost(g, msg)  # the TCP mesh's error (it also reads the store's note on who failed first)
-            raise self.tcp.broken
+        if self.ctrl is not None:
+            raise self.ctrl.lost(g, msg)  # the mesh's error (it also reads the store's note on who failed first)
         raise PeerLostError(f"rank {self.members[self.rank]}: lost rank {g}: {msg}", rank=g)
 
     def watch_peers(self) -> None:
@@ -300,8 +305,20 @@ class ShmGroup:
         if self._closed and not self._busy:
             self._release()
 
-    def close(self, state: int = _CLOSED) -> None:
+    def close(self) -> None:
         """Tell the peers we left (a rank waiting for us raises at once) and unmap when idle."""
+        self._leave(_CLOSED)
+
+    def abort(self) -> None:
+        """Leave after a failure part-way through a collective: this rank's steps no longer match the
+        others', so the group cannot be used again; peers waiting on us raise at once ("it aborted")."""
+        self._leave(_ABORTED)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _leave(self, state: int) -> None:
         if self._closed:
             return
         self._closed = True
@@ -326,29 +343,12 @@ class ShmGroup:
             pass
 
 
-def _service_ctrl(tcp) -> None:
-    """Control messages that arrive during a shared-memory wait (abort, stall report, stack query)
-    go to ``on_ctrl``, as during a TCP data wait; a closed control connection is left for the TCP
-    transport's grace period."""
-    if tcp.on_ctrl is None:
-        return
-    fds = {s.fileno(): p for p, s in tcp._ctrl.items() if p not in tcp._ctrl_gone}
-    if not fds:
-        return
-    poller = select.poll()
-    for fd in fds:
-        poller.register(fd, select.POLLIN | select.POLLPRI)
-    for fd, _ev in poller.poll(0):
-        msg = tcp._read_ctrl(fds[fd], during_data=True)
-        if msg is not None and tcp.on_ctrl is not None:
-            tcp.on_ctrl(fds[fd], msg)  # may raise (abort, stall): the wait ends with that error
-
-
 # --- setup ------------------------------------------------------------------------------------------
 
-def open_group(store, key: str, members: list[int], me: int, tcp=None, chunk: int | None = None,
-               timeout: float = 30.0) -> tuple[ShmGroup | None, str]:
-    """Collective over ``members`` (global ranks on one host): map one segment among them.
+def open_group(store, key: str, members: list[int], me: int, ctrl: ControlPlane | None = None,
+               chunk: int | None = None, timeout: float = 30.0) -> tuple[ShmGroup | None, str]:
+    """Collective over ``members`` (global ranks on one host): map one segment among them; ``ctrl`` is
+    the mesh's control plane, if there is one (its failures and messages are watched during waits).
 
     Returns ``(group, "")``, or ``(None, reason)`` on every member when any member could not map it.
     """
@@ -360,15 +360,20 @@ def open_group(store, key: str, members: list[int], me: int, tcp=None, chunk: in
     if _futex is None:
         return None, f"shared memory needs x86-64's store order; this is {os.uname().machine}"
     if index == 0:
-        return _create(store, key, members, size, chunk, tcp, timeout)
-    return _attach(store, key, members, index, tcp, timeout)
+        return _create(store, key, members, size, chunk, ctrl, timeout)
+    return _attach(store, key, members, index, ctrl, timeout)
 
 
 def _init_line(mm: mmap.mmap, index: int) -> None:
     struct.pack_into("<III", mm, 64 + index * _LINE, 0, _ACTIVE, os.getpid())
 
 
-def _create(store, key, members, size, chunk, tcp, timeout):
+def _votes(members: list[int]) -> dict[str, str]:
+    """Who votes on a segment (every member but its creator) and how the verdict names them."""
+    return {str(r): f"rank {r}" for r in members[1:]}
+
+
+def _create(store, key, members, size, chunk, ctrl, timeout):
     nonce = secrets.token_bytes(16)
     try:
         fd = os.memfd_create("hora-shm", os.MFD_CLOEXEC)
@@ -383,25 +388,20 @@ def _create(store, key, members, size, chunk, tcp, timeout):
         struct.pack_into("<II", mm, 24, len(members), chunk)
         _init_line(mm, 0)
         store.set(f"{key}/seg", f"{os.getpid()}:{fd}:{nonce.hex()}:{chunk}".encode())
-        bad = []
-        for r in members[1:]:
-            got = store.get(f"{key}/ok/{r}", timeout=timeout)
-            if got != b"ok":
-                bad.append(f"rank {r}: {got.decode(errors='replace')}")
+        bad = agree(store, f"{key}/ok", _votes(members), None, "", timeout)
     except BaseException:
         os.close(fd)
         if mm is not None:
             mm.close()
         raise
     os.close(fd)  # every rank has it mapped (or gave up): from now on the mappings keep it alive
-    store.set(f"{key}/verdict", "; ".join(bad).encode() or b"ok")
     if bad:
         mm.close()
-        return None, "; ".join(bad)
-    return _finish(mm, members, 0, chunk, tcp), ""
+        return None, bad
+    return _finish(mm, members, 0, chunk, ctrl), ""
 
 
-def _attach(store, key, members, index, tcp, timeout):
+def _attach(store, key, members, index, ctrl, timeout):
     me = members[index]
     seg = store.get(f"{key}/seg", timeout=timeout)
     if seg == b"fail":
@@ -420,13 +420,12 @@ def _attach(store, key, members, index, tcp, timeout):
         if mm is not None:
             mm.close()
             mm = None
-    store.set(f"{key}/ok/{me}", b"ok" if mm is not None else why.encode())
-    verdict = store.get(f"{key}/verdict", timeout=timeout)
-    if verdict != b"ok":
+    bad = agree(store, f"{key}/ok", _votes(members), str(me), why, timeout)
+    if bad:
         if mm is not None:
             mm.close()
-        return None, verdict.decode(errors="replace")
-    return _finish(mm, members, index, chunk, tcp), ""
+        return None, bad
+    return _finish(mm, members, index, chunk, ctrl), ""
 
 
 def _map_peer(pid: int, fd: int, size: int) -> mmap.mmap:
@@ -440,109 +439,59 @@ def _map_peer(pid: int, fd: int, size: int) -> mmap.mmap:
         os.close(f)
 
 
-def _finish(mm, members, index, chunk, tcp) -> ShmGroup:
-    g = ShmGroup(mm, members, index, chunk, tcp)
+def _finish(mm, members, index, chunk, ctrl) -> ShmGroup:
+    g = ShmGroup(mm, members, index, chunk, ctrl)
     g.watch_peers()
     return g
 
 
 # --- the communicator --------------------------------------------------------------------------------
 
-class ShmCollectives:
-    """The native collectives of one group (the whole job, or a process set's ranks); ranks and
-    roots are the group's. Each method has the contract of the TCP algorithm it replaces."""
+class ShmCommunicator(CommunicatorBase):
+    """The TCP mesh's communicator with the job's shared segment, ``group``, for the data path.
 
-    def __init__(self, tcp, group: ShmGroup):
-        self._tcp, self._group = tcp, group
-
-    def _run(self, name: str, *args) -> None:
-        # The algorithms live a layer up, in hora.collectives.shm_ops, written against the group's
-        # small interface (areas, signal, wait); these shims are the engine's way to them.
-        from hora.collectives import shm_ops
-
-        if self._tcp is not None and self._tcp.broken is not None:
-            raise self._tcp.broken
-        fn = getattr(shm_ops, name)
-        g = self._group
-        g.begin()
-        try:
-            fn(g, *args)
-        except BaseException as e:
-            # the traceback's frames hold views of the segment: clear them, or the user's
-            # `except` block (where elastic code shuts down and re-inits) keeps it mapped
-            traceback.clear_frames(e.__traceback__)
-            raise
-        finally:
-            g.end()
-
-    def native_allreduce(self, flat: np.ndarray, op: int, src: np.ndarray | None = None) -> None:
-        """Reduce the 1-D ``flat`` in place (Average is Sum here: the engine scales); with ``src``,
-        reduce ``src`` into ``flat`` and leave ``src`` unwritten (out of place without a copy first)."""
-        self._run("allreduce", flat, op, src)
-
-    def native_reducescatter(self, buf: np.ndarray, bounds: list[int], op: int) -> None:
-        """``ring.reduce_scatter``'s contract: afterwards ``buf[bounds[r]:bounds[r+1]]`` is reduced
-        (Average is Sum here)."""
-        self._run("reducescatter", buf, bounds, op)
-
-    def native_allgather(self, mine: np.ndarray, out: np.ndarray, bounds: list[int]) -> None:
-        """``exchange.allgather_blocks``'s contract."""
-        self._run("allgather", mine, out, bounds)
-
-    def native_broadcast(self, buf: np.ndarray, root: int) -> None:
-        """``exchange.broadcast``'s contract."""
-        self._run("broadcast", buf, root)
-
-    def native_alltoall(self, send: np.ndarray, send_bounds: list[int], out: np.ndarray,
-                        recv_bounds: list[int]) -> None:
-        """``exchange.alltoall_blocks``'s contract."""
-        self._run("alltoall", send, send_bounds, out, recv_bounds)
-
-    def close(self) -> None:
-        self._group.close()
-
-
-class ShmCommunicator(OverMesh, ShmCollectives):
-    """The TCP mesh's communicator with the data path through shared memory.
-
-    Point-to-point, the control plane, ``broken`` and everything else are the TCP communicator's
-    (attribute access falls through to it); the collectives that the engine prefers are ``native_*``.
+    Point-to-point, the control plane and ``broken`` are the mesh's; the native collectives over
+    ``group`` (and over the groups :meth:`open_group` makes for process sets) are assembled by
+    :mod:`hora.collectives.native`.
     """
 
     name = "SHM"
 
-    def __init__(self, tcp, group: ShmGroup, store=None, key: str = "", timeout: float = 30.0):
-        super().__init__(tcp, group)
-        self.rank, self.size = tcp.rank, tcp.size
+    def __init__(self, mesh: CommunicatorBase, group: ShmGroup, store=None, key: str = "",
+                 timeout: float = 30.0):
+        self.mesh, self.group = mesh, group
+        self.rank, self.size, self.ctrl = mesh.rank, mesh.size, mesh.ctrl
         self._store, self._key, self._timeout = store, key, timeout
         self._sets: dict[tuple[int, ...], int] = {}  # process-set groups made per rank list
         self._subgroups: list[ShmGroup] = []
 
-    def native_group(self, ranks) -> ShmCollectives | None:
-        """Native collectives among ``ranks`` (ascending global ranks, this one included) — a process
+    def isend(self, peer: int, buf: np.ndarray):
+        return self.mesh.isend(peer, buf)
+
+    def irecv_into(self, peer: int, buf: np.ndarray):
+        return self.mesh.irecv_into(peer, buf)
+
+    def open_group(self, ranks) -> ShmGroup | None:
+        """A shared segment among ``ranks`` (ascending global ranks, this one included) — a process
         set. Collective: every rank of ``ranks`` calls it at the same point (e.g. the set's first
-        collective). None where shared memory does not apply; close the result when the set goes."""
+        collective). None where shared memory does not apply; the group closes with this communicator
+        at the latest."""
         ranks = tuple(int(r) for r in ranks)
         if len(ranks) < 2 or self.rank not in ranks or list(ranks) != sorted(set(ranks)) or self._store is None:
             return None
         nth = self._sets[ranks] = self._sets.get(ranks, 0) + 1
         key = f"{self._key}/set/{'.'.join(map(str, ranks))}/{nth}"
-        group, why = open_group(self._store, key, list(ranks), self.rank, self._tcp, timeout=self._timeout)
+        group, why = open_group(self._store, key, list(ranks), self.rank, self.ctrl, timeout=self._timeout)
         if group is None:
             log.warning("hora rank %d: process set %s stays on TCP: %s", self.rank, list(ranks), why)
             return None
-        self._subgroups = [g for g in self._subgroups if not g._closed] + [group]
-        return ShmCollectives(self._tcp, group)
+        self._subgroups = [g for g in self._subgroups if not g.closed] + [group]
+        return group
 
     def close(self) -> None:
-        for g in (*self._subgroups, self._group):
+        for g in (*self._subgroups, self.group):
             g.close()
-        self._tcp.close()
-
-    def abort(self, error: BaseException) -> None:
-        for g in (*self._subgroups, self._group):
-            g.close(_ABORTED)
-        self._tcp.abort(error)
+        self.mesh.close()
 
 
 def factory(tcp_comm, info: dict):
@@ -559,7 +508,7 @@ def factory(tcp_comm, info: dict):
                 + "; use --transport tcp (or auto)")
         return None
     key = f"{info.get('prefix', 'job')}/shm/{topo.hostname}"
-    group, why = open_group(store, key, list(range(topo.size)), topo.rank, tcp_comm,
+    group, why = open_group(store, key, list(range(topo.size)), topo.rank, tcp_comm.ctrl,
                             timeout=info.get("timeout", 30.0))
     if group is None:
         if explicit:

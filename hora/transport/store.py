@@ -18,7 +18,7 @@ import struct
 import threading
 import time
 
-from hora.base.errors import HoraError
+from hora.base.errors import HoraError, HoraValueError
 from hora.transport import auth, net
 
 log = logging.getLogger("hora.store")
@@ -41,11 +41,11 @@ def _recv_frame(sock: socket.socket) -> tuple[int, bytes, bytes]:
     tag = auth.recv_exact(sock, 1)[0]
     (n,) = _U32.unpack(auth.recv_exact(sock, 4))
     if n > _MAX_VALUE:
-        raise ValueError(f"frame of {n} bytes is too long")
+        raise HoraValueError(f"frame of {n} bytes is too long")
     key = auth.recv_exact(sock, n) if n else b""
     (m,) = _U32.unpack(auth.recv_exact(sock, 4))
     if m > _MAX_VALUE:
-        raise ValueError(f"frame of {m} bytes is too long")
+        raise HoraValueError(f"frame of {m} bytes is too long")
     return tag, key, auth.recv_exact(sock, m) if m else b""
 
 
@@ -239,3 +239,21 @@ class StoreClient:
 
     def check(self, key: str) -> bool:
         return self._call(CHECK, key, b"", 10)[0] == OK
+
+
+def agree(store: StoreClient, key: str, voters: dict[str, str], me: str | None, vote: str,
+          timeout: float) -> str:
+    """One verdict for a collective setup (a shared segment mapped by every rank of a host, every host's
+    segment), the same on every caller: each voter named in ``voters`` (name -> how reasons call it)
+    publishes ``vote`` ("" when its part worked, else why not) under ``key/<name>``, and every caller
+    (``me`` is None for one that does not vote) reads every vote. Returns the failures, ``"label: why"``
+    joined by "; ", or "" when every part worked: then all go ahead, else all fall back together
+    (a rank that went ahead alone would wait forever for the others)."""
+    if me is not None:
+        store.set(f"{key}/{me}", vote.encode() or b"ok")
+    bad = []
+    for name, label in voters.items():
+        got = store.get(f"{key}/{name}", timeout=timeout)
+        if got != b"ok":
+            bad.append(f"{label}: {got.decode(errors='replace')}")
+    return "; ".join(bad)

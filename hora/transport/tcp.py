@@ -18,72 +18,52 @@ import errno
 import logging
 import select
 import socket
-import struct
 import threading
 import time
 from typing import Callable
 
 import numpy as np
 
-from hora.base.errors import CommunicatorClosedError, HoraError, PeerLostError
+from hora.base.errors import CommunicatorClosedError, HoraError, HoraValueError
 from hora.transport import auth, net
-from hora.transport.base import byte_view
+from hora.transport.base import CommunicatorBase, PendingRequest, byte_view, timed_out
+from hora.transport.control import ControlPlane
 from hora.transport.store import StoreClient
 
 log = logging.getLogger("hora.transport")
 
 _POLL_IN = select.POLLIN | select.POLLPRI
-_LEN = struct.Struct("!I")
-CTRL_GRACE = 3.0  # s a data wait goes on after a peer's control connection closed
 
 
-class TcpRequest:
-    """One pending send or receive. ``wait`` raises the peer's failure, if any."""
+class TcpRequest(PendingRequest):
+    """One pending send or receive: its bytes and how many have moved."""
 
-    __slots__ = ("comm", "peer", "view", "off", "done", "error")
+    __slots__ = ("view", "off")
 
     def __init__(self, comm: "TcpCommunicator", peer: int, view: memoryview):
-        self.comm, self.peer, self.view, self.off = comm, peer, view, 0
-        self.done = len(view) == 0
-        self.error: BaseException | None = None
-
-    def wait(self, timeout: float | None = None) -> None:
-        if not self.done:
-            self.comm._wait_for(self, timeout)
-        if self.error is not None:
-            raise self.error
-
-    def test(self) -> bool:
-        if not self.done:
-            self.comm._progress(0)
-        return self.done
+        super().__init__(comm, peer, len(view) == 0)
+        self.view, self.off = view, 0
 
 
-class TcpCommunicator:
-    """Point-to-point between ranks over established, authenticated sockets."""
+class TcpCommunicator(CommunicatorBase):
+    """Point-to-point between ranks over established, authenticated sockets; ``ctrl`` is the control
+    plane over the mesh's control connections, whose failure state this communicator shares."""
 
-    def __init__(self, rank: int, size: int, socks: dict[int, socket.socket],
-                 explain: Callable[[int, str], tuple[int, str]] | None = None,
-                 closer: Callable[[], None] | None = None,
-                 ctrl: dict[int, socket.socket] | None = None):
+    name = "TCP"
+
+    def __init__(self, rank: int, size: int, socks: dict[int, socket.socket], ctrl: ControlPlane,
+                 closer: Callable[[], None] | None = None):
         self.rank, self.size = rank, size
         self._socks = socks
         for s in socks.values():
             s.setblocking(False)
         self._fd_peer = {s.fileno(): p for p, s in socks.items()}
-        # control plane: rank 0 <-> every other rank, separate from data so that a request sent
-        # at any moment can never interleave with a collective's bytes
-        self._ctrl = ctrl or {}
-        self._ctrl_fd = {s.fileno(): p for p, s in self._ctrl.items()}
-        self._ctrl_lock = threading.Lock()  # the engine and shutdown may both send
-        self._ctrl_gone: dict[int, float] = {}  # peer -> deadline, control closed during a data wait
-        self.on_ctrl: Callable[[int, bytes], None] | None = None
+        self.ctrl = ctrl
         self._sendq: dict[int, collections.deque[TcpRequest]] = {p: collections.deque() for p in socks}
         self._recvq: dict[int, collections.deque[TcpRequest]] = {p: collections.deque() for p in socks}
-        self._explain = explain
         self._closer = closer
-        self._broken: BaseException | None = None
         self._closed = False
+        ctrl.subscribe(self._fail_all)
 
     # -- public point-to-point -------------------------------------------------------------
     def isend(self, peer: int, buf: np.ndarray) -> TcpRequest:
@@ -106,156 +86,55 @@ class TcpCommunicator:
             self._pump_recv(peer)
         return req
 
-    def waitall(self, reqs: list[TcpRequest], timeout: float | None = None) -> None:
-        for r in reqs:
-            r.wait(timeout)
-
-    # -- control plane -----------------------------------------------------------------------
-    @property
-    def ctrl_peers(self) -> list[int]:
-        return list(self._ctrl)
-
-    def send_ctrl(self, peer: int, payload: bytes) -> None:
-        """Send one framed control message (blocking; they are small)."""
-        if self._closed:
-            raise CommunicatorClosedError("this communicator was closed (hora.shutdown()); call hora.init()")
-        try:
-            with self._ctrl_lock:
-                self._ctrl[peer].sendall(_LEN.pack(len(payload)) + payload)
-        except KeyError:
-            raise CommunicatorClosedError(f"rank {peer} has left; no control connection to it") from None
-        except OSError as e:
-            self._lost(peer, e)
-            raise self._broken from e
-
-    def expect_close(self, peer: int) -> None:
-        """``peer`` said goodbye: stop watching its control connection (its EOF is not a failure)."""
-        sock = self._ctrl.pop(peer, None)
-        if sock is not None:
-            self._ctrl_fd.pop(sock.fileno(), None)
-            self._ctrl_gone.pop(peer, None)
-            sock.close()
-
-    def recv_ctrl(self, timeout: float | None, wake_fd: int | None = None) -> list[tuple[int, bytes]]:
-        """Wait until a control message arrives (or ``wake_fd`` is readable, or the timeout runs
-        out) and return every complete message that is ready, as ``(peer, payload)``."""
-        if self._closed:
-            raise CommunicatorClosedError("this communicator was closed")
-        if self._ctrl_gone:
-            peer = next(iter(self._ctrl_gone))
-            self._lost(peer, "control connection closed")
-            raise self._broken
-        poller = select.poll()
-        for s in self._ctrl.values():
-            poller.register(s.fileno(), _POLL_IN)
-        if wake_fd is not None:
-            poller.register(wake_fd, _POLL_IN)
-        out = []
-        ms = -1 if timeout is None else max(0, int(timeout * 1000))
-        for fd, _ev in poller.poll(ms):
-            if fd in self._ctrl_fd:
-                msg = self._read_ctrl(self._ctrl_fd[fd])
-                if msg is not None:
-                    out.append((self._ctrl_fd[fd], msg))
-        return out
-
-    def ctrl_fds(self) -> list[int]:
-        """The control connections' descriptors, for an engine that waits on them itself."""
-        return [sock.fileno() for sock in self._ctrl.values()]
-
-    def _read_ctrl(self, peer: int, during_data: bool = False) -> bytes | None:
-        sock = self._ctrl[peer]
-        try:
-            head = auth.recv_exact(sock, _LEN.size)
-            return auth.recv_exact(sock, _LEN.unpack(head)[0])
-        except (OSError, ConnectionError) as e:
-            if during_data:
-                # A peer that finished its part and shut down closes control before we have read
-                # its last data: give the data a grace period before calling the peer lost.
-                self._ctrl_gone.setdefault(peer, time.monotonic() + CTRL_GRACE)
-                return None
-            self._lost(peer, "connection closed" if isinstance(e, ConnectionError) else e)
-            raise self._broken from e
-
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for s in (*self._socks.values(), *self._ctrl.values()):
+        for s in self._socks.values():
             try:
                 s.close()
             except OSError:
                 pass
+        self.ctrl.close()
         if self._closer is not None:
             self._closer()
-
-    def abort(self, error: BaseException) -> None:
-        """Fail every pending request with ``error`` and close: peers blocked on us see EOF."""
-        self._fail_all(error)
-        self.close()
-
-    @property
-    def broken(self) -> BaseException | None:
-        return self._broken
 
     # -- machinery -------------------------------------------------------------------------
     def _make(self, peer: int, buf: np.ndarray) -> TcpRequest:
         if self._closed:
             raise CommunicatorClosedError("this communicator was closed (hora.shutdown()); call hora.init()")
-        if self._broken is not None:
-            raise self._broken
+        if self.ctrl.broken is not None:
+            raise self.ctrl.broken
         if peer not in self._socks:
-            raise ValueError(f"rank {self.rank} has no connection to rank {peer} (size {self.size})")
+            raise HoraValueError(f"rank {self.rank} has no connection to rank {peer} (size {self.size})")
         return TcpRequest(self, peer, byte_view(buf))
 
-    def _lost(self, peer: int, cause: BaseException | str) -> None:
-        what = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
-        if self._explain is not None:
-            dead, msg = self._explain(peer, what)
-        else:
-            dead, msg = peer, f"lost the connection to rank {peer} ({what}); that rank died or aborted"
-        err = PeerLostError(f"rank {self.rank}: {msg}", rank=dead)
-        if not isinstance(cause, str):
-            err.__cause__ = cause
-        self._fail_all(err)
-
     def _fail_all(self, err: BaseException) -> None:
-        if self._broken is None:
-            self._broken = err
         for q in (*self._sendq.values(), *self._recvq.values()):
             while q:
                 r = q.popleft()
-                r.error, r.done = self._broken, True
+                r.error, r.done = err, True
 
     def _pump_send(self, peer: int) -> None:
-        q, sock = self._sendq[peer], self._socks[peer]
-        while q:
-            req = q[0]
-            try:
-                n = sock.send(req.view[req.off:])
-            except BlockingIOError:
-                return
-            except OSError as e:
-                self._lost(peer, e)
-                return
-            req.off += n
-            if req.off == len(req.view):
-                req.done = True
-                q.popleft()
+        self._pump(peer, self._sendq[peer], self._socks[peer].send)
 
     def _pump_recv(self, peer: int) -> None:
-        q, sock = self._recvq[peer], self._socks[peer]
+        self._pump(peer, self._recvq[peer], self._socks[peer].recv_into)
+
+    def _pump(self, peer: int, q: collections.deque[TcpRequest], move: Callable[[memoryview], int]) -> None:
+        """Move bytes of the requests queued in ``q`` until the socket would block (``move``: the
+        socket's ``send`` or ``recv_into``; 0 bytes moved means the peer closed the connection)."""
         while q:
             req = q[0]
             try:
-                n = sock.recv_into(req.view[req.off:])
+                n = move(req.view[req.off:])
             except BlockingIOError:
                 return
             except OSError as e:
-                self._lost(peer, e)
+                self.ctrl.lost(peer, e)
                 return
             if n == 0:
-                self._lost(peer, "connection closed")
+                self.ctrl.lost(peer, "connection closed")
                 return
             req.off += n
             if req.off == len(req.view):
@@ -272,13 +151,10 @@ class TcpCommunicator:
                 any_fd = True
         if not any_fd:
             return
-        if self.on_ctrl is not None:  # control messages interrupt a data wait (abort, stall report)
-            for p, s in self._ctrl.items():
-                if p not in self._ctrl_gone:
-                    poller.register(s.fileno(), _POLL_IN)
+        ctrl_fds = self.ctrl.watch(poller)  # control messages interrupt a data wait (abort, stall report)
         events = poller.poll(timeout_ms)
         for fd, ev in events:  # data first: a peer's last bytes count before its goodbye
-            if fd in self._ctrl_fd:
+            if fd in ctrl_fds:
                 continue
             p = self._fd_peer[fd]
             if ev & (select.POLLOUT | select.POLLERR | select.POLLHUP) and self._sendq[p]:
@@ -286,16 +162,8 @@ class TcpCommunicator:
             if ev & (_POLL_IN | select.POLLERR | select.POLLHUP) and self._recvq[p]:
                 self._pump_recv(p)
             if ev & select.POLLNVAL:
-                self._lost(p, "socket closed")
-        for fd, _ev in events:
-            if fd in self._ctrl_fd and self._broken is None:
-                peer = self._ctrl_fd[fd]
-                msg = self._read_ctrl(peer, during_data=True)
-                if msg is not None and self.on_ctrl is not None:
-                    self.on_ctrl(peer, msg)
-        for peer, deadline in self._ctrl_gone.items():
-            if time.monotonic() > deadline and self._broken is None:
-                self._lost(peer, f"control connection closed {CTRL_GRACE:g} s ago")
+                self.ctrl.lost(p, "socket closed")
+        self.ctrl.service(ready=[fd for fd, _ev in events if fd in ctrl_fds])
 
     def _wait_for(self, req: TcpRequest, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -307,7 +175,7 @@ class TcpCommunicator:
             else:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"rank {self.rank}: no progress with rank {req.peer} in {timeout:g} s")
+                    raise timed_out(self.rank, req.peer, timeout)
                 ms = max(1, min(1000, int(left * 1000)))
             self._progress(ms)
 
@@ -440,7 +308,8 @@ def connect_mesh(rank: int, size: int, store: StoreClient, prefix: str, secret: 
         except HoraError:
             return peer, f"lost the connection to rank {peer} ({what}); that rank died or aborted"
 
-    return TcpCommunicator(rank, size, socks, explain=explain, closer=acceptor.close, ctrl=ctrl)
+    return TcpCommunicator(rank, size, socks, ControlPlane(rank, ctrl, explain, data=socks.values()),
+                           closer=acceptor.close)
 
 
 def _connect(addr: str, peer: int, rank: int, prefix: str, secret: bytes, timeout: float,
