@@ -49,28 +49,12 @@ class KnownFailure(AssertionError):
 
 
 # (transport, check) -> (text every failing rank's report contains, what goes wrong today)
-_PLAIN_VALUE_ERROR = ("isend/irecv_into to oneself or to a rank outside the group raise a plain ValueError "
-                      "('rank R has no connection to rank P', {where}), and so does a non-contiguous buffer "
-                      "(hora.transport.base.byte_view); the contract is HoraValueError")
-_BUILTIN_TIMEOUT = ("Request.wait(timeout) that runs out raises the builtin TimeoutError ('no progress with rank P "
-                    "in T s', {where}), not hora.base.errors.HoraTimeoutError; the request does stay usable")
-_TCP = "TcpCommunicator._make / TcpCommunicator._wait_for"
-_MPI = "MpiCommunicator._start / MpiCommunicator._wait_for"
-_ALL = ("tcp", "shm", "hierarchical", "hierarchical-netns", "mpi")
 KNOWN_FAILURES: dict[tuple[str, str], tuple[str, str]] = {
-    **{(t, "bad_arguments"): ("raised a plain ValueError, not HoraValueError",
-                              _PLAIN_VALUE_ERROR.format(where=_MPI if t == "mpi" else _TCP)) for t in _ALL},
-    **{(t, "wait_timeout"): ("raised the builtin TimeoutError, not hora's HoraTimeoutError",
-                             _BUILTIN_TIMEOUT.format(where=_MPI if t == "mpi" else _TCP)) for t in _ALL},
     ("mpi", "peer_closed"): ("did not notice within", (
         "only ranks with a TCP control connection to the closed rank notice: rank 0 does (its control connection "
         "closes, PeerLostError after CTRL_GRACE), but rank 1, blocked on a receive from rank 2 that closed, only "
         "tests MPI requests and rank 0's control socket, so wait(20) times out with the builtin TimeoutError. "
         "In a whole job rank 0's engine abort may reach it; the transport alone never tells it")),
-    ("mpi", "test_after_loss"): ("test() still False", (
-        "MpiRequest.test() only calls MPI Testsome and never services the TCP control plane, where the MPI "
-        "transport learns that a peer left: polling test() on a receive from a closed peer stays False "
-        "forever (only wait() notices, via MpiCommunicator._service_ctrl)")),
 }
 
 

@@ -15,8 +15,8 @@ of a lost peer from closing before each has noticed the loss by itself. Every wa
 transport that hangs fails the check instead of the job.
 
 The checks (:data:`CHECKS`, in order): ``identity``, ``bad_arguments``, ``views``, ``ordering``,
-``zero_length``, ``large``, ``full_duplex``, ``test_semantics``, ``wait_timeout``, ``peer_closed``,
-``test_after_loss``, ``use_after_close``; and ``peer_killed`` (:data:`KILL_CHECKS`), which SIGKILLs
+``zero_length``, ``large``, ``full_duplex``, ``wait_timeout``, ``peer_closed``,
+``use_after_close``; and ``peer_killed`` (:data:`KILL_CHECKS`), which SIGKILLs
 the last rank and so runs only where the runner tolerates a dying rank (tests/test_transport.py runs
 it on fresh processes).
 
@@ -34,7 +34,6 @@ import json
 import os
 import signal
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -163,8 +162,7 @@ def check_zero_length(comm, meet=None) -> None:
     empties = [np.zeros(0, np.uint8), np.zeros(0, np.float32), np.zeros((0, 3), np.int64)]
     for e in empties:
         for req in (comm.isend(right, e), comm.irecv_into(left, e.copy())):
-            assert req.test(), f"a zero-length {e.dtype}{e.shape} request is not complete at once"
-            req.wait(0)
+            req.wait(0)  # complete at once: a zero timeout would raise otherwise
     a, b = _pattern(1000, comm.rank, right, 0), _pattern(3, comm.rank, right, 1)
     sends = [comm.isend(right, x) for x in (empties[0], a, empties[1], b, empties[2])]
     ga, gb = np.zeros(1000, np.uint8), np.zeros(3, np.uint8)
@@ -205,35 +203,6 @@ def check_full_duplex(comm, meet=None) -> None:
         assert np.array_equal(got[p], _pattern(n, p, comm.rank, 0)), f"the exchange with rank {p} arrived wrong"
 
 
-def check_test_semantics(comm, meet=None) -> None:
-    """``test()`` is False while the data cannot have arrived (the sender waits for our go), turns
-    True once it has without ``wait`` being called, stays True, and ``wait`` then returns at once."""
-    if comm.rank > 1:
-        return  # a pair is enough; the others stay out of the way
-    if comm.rank == 1:
-        buf = np.zeros(4099, np.uint8)
-        req = comm.irecv_into(0, buf)
-        for _ in range(3):
-            assert not req.test(), "test() says a receive is complete before its sender sent anything"
-        _go(comm, 0)
-        _poll_until_done(req, "a receive whose data was sent")
-        assert req.test(), "test() went back to False after it said True"
-        req.wait(0)
-        assert np.array_equal(buf, _pattern(4099, 0, 1, 0)), "the data that test() reported arrived wrong"
-    else:
-        _await_go(comm, 1)
-        send = comm.isend(1, _pattern(4099, 0, 1, 0))
-        _poll_until_done(send, "a small send to a posted receive")
-        send.wait(0)
-
-
-def _poll_until_done(req, what: str) -> None:
-    """Call ``test()`` until it says True; the condition is what we wait for, and WAIT_S bounds it."""
-    deadline = time.monotonic() + WAIT_S
-    while not req.test():
-        assert time.monotonic() < deadline, f"test() never said True for {what} in {WAIT_S:g} s"
-
-
 def check_wait_timeout(comm, meet=None) -> None:
     """``wait(timeout)`` on a receive that cannot complete raises a timeout that is a hora error
     (``HoraTimeoutError``: also a ``TimeoutError``, and what elastic recovers from) and leaves the
@@ -261,18 +230,14 @@ def check_wait_timeout(comm, meet=None) -> None:
         comm.isend(1, _pattern(10, 0, 1, 0)).wait(WAIT_S)
 
 
-def _lose_the_last_rank(comm, meet, leave: Callable[[], None], poll: bool = False) -> None:
+def _lose_the_last_rank(comm, meet, leave: Callable[[], None]) -> None:
     """Every rank but the last posts a receive from it that will never be served (rank 0 also a
     64 MiB send it will never read), then the last rank calls ``leave`` (close, or SIGKILL itself).
     Each of those requests must then fail with ``PeerLostError`` naming the lost rank within
     LOSS_S, and so must a receive from it posted afterwards (at once or in ``wait``).
 
-    With ``poll``, each pending request is first polled with ``test()``, which must turn True
-    (the request is finished, if not successfully) without raising; ``wait`` then raises.
-
     The go messages take a detour: rank 0's stream to the last rank is full of the big send, so
     rank 0 tells rank 1, which tells the last rank once its own receive is posted."""
-    from hora.base.errors import PeerLostError
 
     victim = comm.size - 1
     if comm.rank == victim:
@@ -288,15 +253,6 @@ def _lose_the_last_rank(comm, meet, leave: Callable[[], None], poll: bool = Fals
         if comm.rank == 1:
             _await_go(comm, 0)
         _go(comm, victim)
-    if poll:
-        for what, req in pending:
-            deadline = time.monotonic() + LOSS_S
-            try:
-                while not req.test():
-                    assert time.monotonic() < deadline, f"{what}: test() still False {LOSS_S:g} s after the loss"
-            except PeerLostError as e:
-                raise AssertionError(f"{what}: test() raised {type(e).__name__} instead of returning True "
-                                     f"(wait() is where a failure is raised): {e}") from e
     attempts = [(what, lambda req=req: req.wait(LOSS_S)) for what, req in pending]
     attempts.append(("a receive posted after it left",
                      lambda: comm.irecv_into(victim, np.zeros(8, np.uint8)).wait(LOSS_S)))
@@ -330,12 +286,6 @@ def _expect_loss(comm, victim: int, attempts) -> None:
 def check_peer_closed(comm, meet=None) -> None:
     """The last rank closes its communicator while the others wait on it: each gets PeerLostError."""
     _lose_the_last_rank(comm, meet, comm.close)
-
-
-def check_test_after_loss(comm, meet=None) -> None:
-    """Like ``peer_closed``, but the survivors poll: ``test()`` on a request that failed says True
-    (finished, as a future's ``done()`` does) and leaves the error to ``wait``."""
-    _lose_the_last_rank(comm, meet, comm.close, poll=True)
 
 
 def check_peer_killed(comm, meet=None) -> None:
@@ -384,10 +334,8 @@ CHECKS: dict[str, Callable] = {
     "zero_length": check_zero_length,
     "large": check_large,
     "full_duplex": check_full_duplex,
-    "test_semantics": check_test_semantics,
     "wait_timeout": check_wait_timeout,
     "peer_closed": check_peer_closed,
-    "test_after_loss": check_test_after_loss,
     "use_after_close": check_use_after_close,
     "peer_killed": check_peer_killed,
 }
