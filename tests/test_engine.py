@@ -575,10 +575,11 @@ def _sync_calls_cross_threads(hvd):
     t = threading.Thread(target=lambda: out.setdefault("x", hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum,
                                                                            name="x")))
     t.start()
+    from hora.core.baton import CALLER
     from hora.core.basics import state
 
     deadline = time.monotonic() + 10
-    while not state().engine._driving:  # the thread drives 'x', asleep in the engine until rank 0 answers
+    while state().engine.baton.holder is not CALLER:  # the thread drives 'x', asleep until rank 0 answers
         assert time.monotonic() < deadline, "the other thread never started driving"
         time.sleep(0.001)
     out["y"] = hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum, name="y")

@@ -90,7 +90,7 @@ def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False
         fields.setdefault("dtype", dtype)
         fields.setdefault("shape", a.shape)
     full = _auto_name(name, ps)
-    req = m.Request(full, kind, ps=ps, **fields)
+    req = (m.SetRequest if kind in (m.ADD_PS, m.REMOVE_PS) else m.Request)(full, kind, ps=ps, **fields)
     handle = st.engine.handles.new(f"{kind}.{full}", finish)
     return Pending(req, handle, a, inplace, flush)
 

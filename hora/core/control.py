@@ -1,0 +1,69 @@
+"""The engine's end of the control plane: the only module of the engine that calls the communicator's
+control-plane methods (``send_ctrl``, ``recv_ctrl``, ``ctrl_fds``, ``ctrl_peers``, ``on_ctrl``,
+``expect_close``), so that a change of that interface is one edit here.
+
+Messages go out as tuples (:mod:`hora.core.messages`) and come back decoded. A goodbye (``BYE``) is
+acted on as it is read, wherever that happens (in the engine loop or in the middle of a collective):
+the peer's connection closes next, and that close must not be taken for a crash.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hora.base.errors import HoraError
+from hora.core import messages as m
+
+
+class Control:
+    """Send and receive control messages to and from peers; remember who left on purpose."""
+
+    def __init__(self, comm, size: int):
+        self._comm = comm
+        self._size = size
+        self.departed: set[int] = set()  # ranks that said goodbye (shut down on purpose)
+
+    def fds(self) -> list[int]:
+        """The descriptors the engine thread sleeps on (a closed one leaves an epoll set by itself)."""
+        return self._comm.ctrl_fds() if self._size > 1 else []
+
+    @property
+    def peers(self) -> list[int]:
+        """The ranks this one has a control connection to: everyone from rank 0, rank 0 elsewhere."""
+        return list(getattr(self._comm, "ctrl_peers", []))
+
+    def send(self, peer: int, msg: tuple) -> None:
+        self._comm.send_ctrl(peer, m.dumps(msg))
+
+    def tell(self, peers, msg: tuple) -> None:
+        """Best-effort send to each of ``peers`` still here: for news (goodbye, abort, stall shutdown)
+        whose sender is about to fail or leave anyway, so a peer already gone is no error."""
+        data = m.dumps(msg)
+        for p in peers:
+            if p in self.departed:
+                continue
+            try:
+                self._comm.send_ctrl(p, data)
+            except HoraError:
+                pass
+
+    def recv(self, timeout: float | None, wake_fd: int | None = None) -> list[tuple[int, tuple]]:
+        """Wait up to ``timeout`` s (None: for ever) for messages or for ``wake_fd`` to be readable."""
+        return [(peer, self._decode(peer, data)) for peer, data in self._comm.recv_ctrl(timeout, wake_fd)]
+
+    def poll(self) -> list[tuple[int, tuple]]:
+        """The messages already here, without waiting."""
+        return [(peer, self._decode(peer, data)) for peer, data in self._comm.recv_ctrl(0.0)]
+
+    def during_data_waits(self, fn: Callable[[int, tuple], None]) -> None:
+        """Have ``fn(peer, msg)`` called for messages that arrive while a collective waits for data
+        (where the transport offers that)."""
+        if hasattr(self._comm, "on_ctrl"):
+            self._comm.on_ctrl = lambda peer, data: fn(peer, self._decode(peer, data))
+
+    def _decode(self, peer: int, data: bytes) -> tuple:
+        msg = m.loads(data)
+        if msg[0] == m.BYE:
+            self.departed.add(msg[1])
+            self._comm.expect_close(msg[1])
+        return msg
