@@ -10,7 +10,7 @@ import itertools
 import threading
 from typing import Any, Callable
 
-from hora.base.errors import HoraValueError
+from hora.base.errors import BusyError, HoraValueError
 
 
 class Handle:
@@ -74,7 +74,8 @@ class HandleTable:
         h = self.get(hid)
         with self._lock:
             if h.waiter is not None and h.waiter != threading.get_ident():
-                raise HoraValueError(f"handle {hid} ('{h.name}') is already being waited on by another thread")
+                raise BusyError(f"handle {hid} ('{h.name}') is already being waited on by another thread; "
+                                "synchronize each handle from one thread")
             h.waiter = threading.get_ident()
         if self.drive is not None:
             self.drive(h)
