@@ -304,11 +304,9 @@ def test_stalled_lists_missing_ranks(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(coordinator.time, "monotonic", lambda: now[0])
     c = coord(3)
-    assert c.oldest() is None
     c.submit(0, req("a"))
     now[0] = 101.0
     c.submit(1, req("b"))
-    assert c.oldest() == 100.0
     now[0] = 102.5
     assert c.stalled(2.0) == [(0, "a", [1, 2])]
     assert sorted(c.stalled(1.0)) == [(0, "a", [1, 2]), (0, "b", [0, 2])]

@@ -281,6 +281,3 @@ class Coordinator:
         now = time.monotonic()
         return [(ps, name, sorted(self._required(ps) - set(e.requests)))
                 for (ps, name), e in self.table.items() if now - e.since > older_than]
-
-    def oldest(self) -> float | None:
-        return min((e.since for e in self.table.values()), default=None)
