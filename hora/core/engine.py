@@ -7,10 +7,9 @@ submitted them in. Cycles run on the engine thread, or on a caller blocked in ``
 (:mod:`hora.core.baton` says which). Rank 0's engine is also the coordinator
 (:mod:`hora.core.coordinator`, :mod:`hora.core.inline`) and the stall inspector (:mod:`hora.core.stall`).
 
-Waking: the engine thread sleeps in epoll on a wake pipe and on the control connections. A
-submission writes one byte to the pipe when the queue was empty, unless its submitter will run the
-cycle itself (a synchronous call while nobody holds the baton: it drives, or kicks the engine
-thread, see ``submit``); ``_wakes`` counts the bytes, so a cycle reads the pipe only when written.
+Waking: the engine thread sleeps in epoll on the submission queue's wake pipe
+(:mod:`hora.core.submissions`) and on the control connections, and wakes for its timers (the cycle
+time of queued or unsent requests, the stall inspector's next look); nothing polls.
 
 Failure: a lost peer, found on a data or control socket, fails every pending handle on this rank
 and is reported to rank 0, which tells every rank, so ranks blocked on healthy peers learn which
@@ -25,8 +24,7 @@ import select
 import threading
 import time
 
-from hora.base.errors import (HoraError, HoraValueError, InternalError, PeerLostError, ShutdownError,
-                              StallError)
+from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
 from hora.core import inline
 from hora.core import messages as m
 from hora.core.baton import CALLER, NOBODY, Baton
@@ -35,6 +33,7 @@ from hora.core.coordinator import Coordinator, ResponseCache
 from hora.core.execute import Executor, Pending, nbytes_of
 from hora.core.handles import Handle, HandleTable
 from hora.core.stall import StallInspector, main_stack
+from hora.core.submissions import Submissions
 
 _SPIN_S = 500e-6  # a driving caller's busy look for its response before sleeping (see Engine._spin)
 _NO_RANKS: tuple[int, ...] = ()
@@ -78,22 +77,10 @@ class Engine:
             self.cache = ResponseCache(cfg["cache_capacity"])
             self.process_sets: dict[int, tuple[int, ...]] = {0: tuple(range(self.size))}
         self._cycle_s = cfg["cycle_time"] / 1000
-        # Submission queue, by (process set, name), in submission order (under _lock). Asynchronous
-        # submissions stay queued for one cycle time from the first, so that the engine thread wakes
-        # once per batch, not once per tensor; a synchronous one, or a driving caller, takes it at once.
-        self._queue: dict[tuple[int, str], Pending] = {}
-        self._queue_since = 0.0
-        self._queue_flush = False
-        self._local: dict[tuple[int, str], Pending] = {}  # taken from the queue, not yet run (under _lock)
-        self._unsent: list[Pending] = []
+        self.subs = Submissions(self._cycle_s)
+        self._unsent: list[Pending] = []  # taken from the queue, not yet sent to the coordinator
         self._batch_start = 0.0
         self._inbox: list[tuple[int, tuple]] = []  # messages read but not yet handled, in order
-        self._wake_r, self._wake_w = os.pipe()
-        self._wakes = 0  # bytes written to the pipe and not yet read (under _lock)
-        os.set_blocking(self._wake_r, False)
-        self._lock = threading.Lock()
-        self._broken: BaseException | None = None
-        self._stopping = False
         self._leaving: ShutdownError | None = None  # set when rank 0 says goodbye
         self._ended = False  # the loop has stopped (shutdown or failure): no more cycles
         self.baton = Baton()
@@ -113,7 +100,7 @@ class Engine:
         for fd in self.control.fds():
             self._ep_ctrl.register(fd, select.EPOLLIN)  # a closed socket leaves the set by itself
         self._ep = select.epoll()
-        self._ep.register(self._wake_r, select.EPOLLIN)
+        self._ep.register(self.subs.fd, select.EPOLLIN)
         self._ep.register(self._ep_ctrl.fileno(), select.EPOLLIN)
         self.control.during_data_waits(self._on_ctrl_during_data)
         self.thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
@@ -130,51 +117,23 @@ class Engine:
 
     @property
     def broken(self) -> BaseException | None:
-        return self._broken
+        return self.subs.broken
 
     # -- caller side ---------------------------------------------------------------------------
     def submit(self, *pends: Pending) -> None:
         """Queue requests for the engine; several at once are negotiated together."""
-        with self._lock:
-            if self._broken is not None:
-                raise self._broken
-            if self._stopping:
-                raise ShutdownError("hora is shutting down; call hora.init() again")
-            keys = [(p.req.ps, p.req.name) for p in pends]
-            seen: set[tuple[int, str]] = set()
-            for key, pend in zip(keys, pends):
-                if key in self._local or key in self._queue or key in seen:
-                    raise HoraValueError(f"{pend.req.kind} '{pend.req.name}': a collective with this name is "
-                                         "already in flight on this rank; synchronize it first or use another name")
-                seen.add(key)
-            was_empty = not self._queue
-            if was_empty:
-                self._queue_since = time.monotonic()
-            flush = [p.flush for p in pends]
-            if any(flush):
-                self._queue_flush = True
-            self._queue.update(zip(keys, pends))
-            # One byte per batch: the engine drains the whole queue once woken. A synchronous caller
-            # runs the engine itself or kicks its thread (baton invariant 4), so it skips the byte
-            # while nobody holds the baton; when somebody does (the holder may be asleep waiting for a
-            # message that needs this very submission), it must wake them. The queue is filled
-            # before ``holder`` is read: a holder that took the baton since will see the queue.
-            if was_empty and (not all(flush) or self.baton.holder is not NOBODY):
-                self._wake_locked()
+        self.subs.add(pends, lambda: self.baton.holder is not NOBODY)
 
     def shutdown(self) -> None:
-        with self._lock:
-            self._stopping = True
-            self._wake_locked()
+        self.subs.stop()
         if self.thread is not threading.current_thread():
             self.thread.join(10)
-        if self._broken is None and not self.thread.is_alive():
+        if self.subs.broken is None and not self.thread.is_alive():
             self.control.tell(self.control.peers, (m.BYE, self.rank))  # a close that follows is no crash
         err = ShutdownError("hora was shut down before this collective ran; call hora.init() again")
-        self.handles.fail_all(self._broken or err)
+        self.handles.fail_all(self.subs.broken or err)
         self.baton.poke()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self.subs.close()
         self._ep.close()
         self._ep_ctrl.close()
 
@@ -190,7 +149,7 @@ class Engine:
                 due = woken or self._timeout() is not None
                 alive = self._step(block=False) if due else not self._ended
                 timeout = self._timeout()
-                idle = not self._inbox and not self._queue_due()
+                idle = not self._inbox and not self.subs.due(False)
             finally:
                 self.baton.release()  # the end of a cycle, for waiters, too
             if not alive:
@@ -215,7 +174,7 @@ class Engine:
         if handle.done:
             return
         if not self._ended and threading.current_thread() is not self.thread:
-            self.baton.wait(lambda: handle.done, lambda: self._session(handle), self._kick)
+            self.baton.wait(lambda: handle.done, lambda: self._session(handle), self.subs.kick)
         handle.wait()  # done, or the engine ended: shutdown (or the failure that ended it) fails it
 
     def _session(self, handle: Handle) -> bool:
@@ -229,35 +188,20 @@ class Engine:
             return True
         finally:
             self._ep.modify(self._ep_ctrl.fileno(), select.EPOLLIN)  # wakes it if a message waits
-            if self._inbox or self._queue or self._unsent:
+            if self._inbox or self.subs or self._unsent:
                 # work this session took in but did not finish (messages read during a data wait,
                 # other threads' submissions): the engine thread cannot see it from its epoll
-                self._kick()
-
-    def _kick(self) -> None:
-        with self._lock:
-            self._wake_locked()
-
-    def _wake_locked(self) -> None:
-        """Wake the engine thread: one byte on the wake pipe, read back in ``_take_submissions``
-        (``_lock`` held, so the count and the bytes agree)."""
-        self._wakes += 1
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:  # closed: shut down
-            pass
+                self.subs.kick()
 
     def _fail(self, e: BaseException) -> None:
         if not isinstance(e, HoraError):
             err = InternalError(f"hora's engine on rank {self.rank} failed: {type(e).__name__}: {e}")
             err.__cause__ = e
             e = err
-        with self._lock:
-            if self._broken is None:
-                self._broken = e
-        if isinstance(e, PeerLostError) and not self._stopping:
+        cause = self.subs.fail(e)
+        if isinstance(e, PeerLostError) and not self.subs.stopping:
             self._spread_abort(e)
-        self.handles.fail_all(self._broken)
+        self.handles.fail_all(cause)
 
     def _spread_abort(self, e: PeerLostError) -> None:
         """Tell rank 0 (or, on rank 0, everyone) which rank was lost, so that ranks blocked on a
@@ -269,36 +213,38 @@ class Engine:
         waits = []
         if self._unsent:
             waits.append(self._batch_start + self._cycle_s - time.monotonic())
-        if self._queue:
-            waits.append(self._queue_since + self._cycle_s - time.monotonic())
+        queued = self.subs.wait_s()
+        if queued is not None:
+            waits.append(queued)
         if self.stall is not None:
             due = self.stall.due_in()
             if due is not None:
                 waits.append(due)
         return None if not waits else max(0.0, min(waits))
 
-    def _queue_due(self) -> bool:
-        return bool(self._queue) and (self.baton.holder is CALLER or self._queue_flush
-                                      or time.monotonic() >= self._queue_since + self._cycle_s)
-
     def _cycle(self, block: bool = True) -> None:
         timeout = self._timeout() if block else 0.0
         driving = self.baton.holder is CALLER
-        if not self._inbox and not self._queue_due():
+        subs = self.subs
+        if not self._inbox and not subs.due(driving):
             if self.size > 1:
                 got = self._spin() if block and driving and (timeout is None or timeout > _SPIN_S) else []
-                if not got and not self._queue and not self._stopping:
-                    got = self.control.recv(timeout, self._wake_r)
+                if not got and not subs and not subs.stopping:
+                    got = self.control.recv(timeout, subs.fd)
                 self._inbox += got
             else:
-                select.select([self._wake_r], [], [], timeout)
-        if self._stopping:
+                select.select([subs.fd], [], [], timeout)
+        if subs.stopping:
             raise _Stop
         self.stats.cycles += 1
         tl = self.timeline
         if tl is not None and tl.mark_cycles:
             tl.cycle()
-        self._take_submissions()
+        new, since = subs.take(driving)
+        if new:
+            if not self._unsent:
+                self._batch_start = since  # the batch's cycle time started with its first submission
+            self._unsent += new
         responses: list[m.Response] = []
         while self._inbox:
             got = self._inbox
@@ -314,9 +260,7 @@ class Engine:
         for resp in responses:
             self._execute(resp)
         if self._leaving is not None:  # rank 0 said goodbye: what it sent before has run; nothing more will
-            with self._lock:
-                self._broken = self._leaving
-            self.handles.fail_all(self._leaving)
+            self.handles.fail_all(subs.fail(self._leaving, replace=True))
             raise _Stop
 
     def _spin(self) -> list[tuple[int, tuple]]:
@@ -328,24 +272,9 @@ class Engine:
         end = time.perf_counter() + _SPIN_S
         while True:
             got = self.control.poll()
-            if got or self._queue or self._stopping or time.perf_counter() > end:
+            if got or self.subs or self.subs.stopping or time.perf_counter() > end:
                 return got
             os.sched_yield()
-
-    def _take_submissions(self) -> None:
-        with self._lock:
-            if self._wakes:  # only read the pipe when something was written: a read is a system call
-                self._wakes = 0
-                os.read(self._wake_r, 4096)
-            if not self._queue_due():
-                return
-            new = list(self._queue.values())
-            self._local.update(self._queue)  # under the lock: a name is always in one of the two
-            self._queue.clear()
-            self._queue_flush = False
-        if not self._unsent:
-            self._batch_start = self._queue_since  # the batch's cycle time started with its first submission
-        self._unsent += new
 
     def _send_requests(self, driving: bool) -> None:
         flush = driving or any(p.flush for p in self._unsent)
@@ -438,7 +367,7 @@ class Engine:
         coord = self.coord
         responses, additions, evictions = coord.take(nbytes_of)
         if responses:
-            responses = inline.answer(responses, self._payloads, self._local, coord.ranks_of, self.rank,
+            responses = inline.answer(responses, self._payloads, self.subs.local, coord.ranks_of, self.rank,
                                       self.cfg["inline_threshold"])
         if not responses and not evictions:
             return []
@@ -464,11 +393,11 @@ class Engine:
     # -- running responses ---------------------------------------------------------------------
     def _execute(self, resp: m.Response) -> None:
         if resp.data is not None and len(resp.names) == 1:  # inline: only a copy out (the common case)
-            p = self._local.pop((resp.ps, resp.names[0]), None)
+            p = self.subs.local.pop((resp.ps, resp.names[0]), None)
             if p is not None:
                 self.executor.inline_result(resp, [p])
             return
-        pends = [self._local.pop((resp.ps, n), None) for n in resp.names]
+        pends = [self.subs.local.pop((resp.ps, n), None) for n in resp.names]
         kind = resp.kind
         tl = self.timeline
         if tl is not None and kind in (m.ERROR, m.BARRIER, m.JOIN, m.ADD_PS, m.REMOVE_PS):
