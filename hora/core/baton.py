@@ -49,6 +49,10 @@ class Baton:
         self.epoch = 0  # advanced by every event a waiter may wait for (invariant 3)
         self._engine_waiting = False
 
+    def held(self) -> bool:
+        """Somebody runs cycles now (read without the lock: see ``Submissions.add`` for why that is enough)."""
+        return self.holder is not NOBODY
+
     # -- the engine thread ---------------------------------------------------------------------
     def engine_take(self) -> None:
         """Block until the baton is free, then hold it (the engine thread, before a cycle)."""
@@ -88,12 +92,16 @@ class Baton:
         wakes the engine thread. Returns False when ``drive()`` did, with ``done()`` still false: the
         caller then waits for the handle itself (shutdown fails it)."""
         cond = self._cond
-        with cond:
-            self.waiters += 1
+        counted = False
         try:
             kicked = False
-            while not done():
+            while True:
                 with cond:
+                    if not counted:
+                        self.waiters += 1
+                        counted = True
+                    if done():
+                        return True
                     mine = self.holder is NOBODY and self.waiters == 1
                     if mine:
                         self.holder = CALLER
@@ -112,10 +120,10 @@ class Baton:
                 with cond:
                     while self.epoch == seen and not done():
                         cond.wait(SAFETY_NET_S)
-            return True
         finally:
-            with cond:
-                self.waiters -= 1
-                if self.waiters:  # the one left may now drive
-                    self.epoch += 1
-                    cond.notify_all()
+            if counted:
+                with cond:
+                    self.waiters -= 1
+                    if self.waiters:  # the one left may now drive
+                        self.epoch += 1
+                        cond.notify_all()

@@ -52,8 +52,9 @@ class Control:
         return [(peer, self._decode(peer, data)) for peer, data in self._comm.recv_ctrl(timeout, wake_fd)]
 
     def poll(self) -> list[tuple[int, tuple]]:
-        """The messages already here, without waiting."""
-        return [(peer, self._decode(peer, data)) for peer, data in self._comm.recv_ctrl(0.0)]
+        """The messages already here, without waiting (a driving caller's spin calls it in a loop)."""
+        got = self._comm.recv_ctrl(0.0)
+        return [(peer, self._decode(peer, data)) for peer, data in got] if got else got
 
     def during_data_waits(self, fn: Callable[[int, tuple], None]) -> None:
         """Have ``fn(peer, msg)`` called for messages that arrive while a collective waits for data

@@ -27,7 +27,7 @@ import time
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
 from hora.core import inline
 from hora.core import messages as m
-from hora.core.baton import CALLER, NOBODY, Baton
+from hora.core.baton import CALLER, Baton
 from hora.core.control import Control
 from hora.core.coordinator import Coordinator, ResponseCache
 from hora.core.execute import Executor, Pending, nbytes_of
@@ -58,6 +58,10 @@ class Stats:
 
 
 class Engine:
+    """One rank's engine. Its parts: the submission queue (``subs``), the baton (``baton``), the control
+    plane (``control``, with one handler per tag in ``_handlers``), on rank 0 the coordinator
+    (``coord``) and the stall inspector (``stall``), and the executor that runs agreed responses."""
+
     def __init__(self, comm, topo, cfg: dict, timeline=None):
         self.rank, self.size = topo.rank, topo.size
         self.cfg = cfg
@@ -115,14 +119,10 @@ class Engine:
     def timeline(self, tl) -> None:
         self.executor.timeline = tl
 
-    @property
-    def broken(self) -> BaseException | None:
-        return self.subs.broken
-
     # -- caller side ---------------------------------------------------------------------------
     def submit(self, *pends: Pending) -> None:
         """Queue requests for the engine; several at once are negotiated together."""
-        self.subs.add(pends, lambda: self.baton.holder is not NOBODY)
+        self.subs.add(pends, self.baton.held)
 
     def shutdown(self) -> None:
         self.subs.stop()
@@ -184,11 +184,12 @@ class Engine:
             while not handle.done:
                 if not self._step(block=True):
                     return False
-                self.baton.cycle_done()  # threads that came to wait since may have had their handle finished
+                if not handle.done:  # (when it is, the release that follows tells the other waiters)
+                    self.baton.cycle_done()  # threads that came to wait since may have had theirs finished
             return True
         finally:
             self._ep.modify(self._ep_ctrl.fileno(), select.EPOLLIN)  # wakes it if a message waits
-            if self._inbox or self.subs or self._unsent:
+            if self._inbox or self.subs.pending or self._unsent:
                 # work this session took in but did not finish (messages read during a data wait,
                 # other threads' submissions): the engine thread cannot see it from its epoll
                 self.subs.kick()
@@ -229,7 +230,7 @@ class Engine:
         if not self._inbox and not subs.due(driving):
             if self.size > 1:
                 got = self._spin() if block and driving and (timeout is None or timeout > _SPIN_S) else []
-                if not got and not subs and not subs.stopping:
+                if not got and not subs.pending and not subs.stopping:
                     got = self.control.recv(timeout, subs.fd)
                 self._inbox += got
             else:
@@ -250,7 +251,7 @@ class Engine:
             got = self._inbox
             self._inbox = []
             for peer, msg in got:
-                responses += self._handlers[msg[0]](peer, msg) or ()
+                responses += self._handlers.get(msg[0], self._on_unknown)(peer, msg) or ()
         if self._unsent:
             self._send_requests(driving)
         if self.coord is not None:
@@ -269,10 +270,11 @@ class Engine:
         than a round trip on the small VMs we measure on (see ``hora.transport.shm.SPIN_S``)."""
         if not self._spin_ok:
             return []
-        end = time.perf_counter() + _SPIN_S
+        poll, subs, clock, pending = self.control.poll, self.subs, time.perf_counter, self.subs.pending
+        end = clock() + _SPIN_S
         while True:
-            got = self.control.poll()
-            if got or self.subs or self.subs.stopping or time.perf_counter() > end:
+            got = poll()
+            if got or pending or subs.stopping or clock() > end:
                 return got
             os.sched_yield()
 
@@ -302,6 +304,9 @@ class Engine:
         self.stats.coordination_messages_sent += 1
 
     # -- control messages: one handler per tag (self._handlers) --------------------------------
+    def _on_unknown(self, peer: int, msg) -> None:
+        raise InternalError(f"rank {self.rank}: unknown control message {msg[0]!r} from rank {peer}")
+
     def _on_requests(self, peer: int, msg) -> None:
         self.stats.coordination_messages_received += 1
         _, rank, full, bits, payloads = msg

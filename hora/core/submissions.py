@@ -26,7 +26,7 @@ class Submissions:
     def __init__(self, cycle_s: float):
         self._cycle_s = cycle_s
         self._lock = threading.Lock()
-        self._queue: dict[tuple[int, str], Pending] = {}
+        self.pending: dict[tuple[int, str], Pending] = {}  # queued, by (set, name); read it, never write it
         self._since = 0.0  # when the oldest queued request came
         self._flush = False  # a queued request is synchronous
         self.local: dict[tuple[int, str], Pending] = {}  # taken, not yet run
@@ -35,10 +35,6 @@ class Submissions:
         self._wakes = 0  # bytes written to the pipe and not yet read
         self.broken: BaseException | None = None  # why the engine failed; later submissions raise it
         self.stopping = False  # shutdown() began: no more submissions
-
-    def __bool__(self) -> bool:
-        """Requests are queued (not yet taken)."""
-        return bool(self._queue)
 
     def add(self, pends: tuple[Pending, ...], held: Callable[[], bool]) -> None:
         """Queue ``pends`` (negotiated together). ``held()`` says whether somebody runs cycles now."""
@@ -50,17 +46,17 @@ class Submissions:
             keys = [(p.req.ps, p.req.name) for p in pends]
             seen: set[tuple[int, str]] = set()
             for key, pend in zip(keys, pends):
-                if key in self.local or key in self._queue or key in seen:
+                if key in self.local or key in self.pending or key in seen:
                     raise HoraValueError(f"{pend.req.kind} '{pend.req.name}': a collective with this name is "
                                          "already in flight on this rank; synchronize it first or use another name")
                 seen.add(key)
-            was_empty = not self._queue
+            was_empty = not self.pending
             if was_empty:
                 self._since = time.monotonic()
             flush = [p.flush for p in pends]
             if any(flush):
                 self._flush = True
-            self._queue.update(zip(keys, pends))
+            self.pending.update(zip(keys, pends))
             # One byte per batch: a cycle takes the whole queue. A synchronous caller runs the engine
             # itself or kicks its thread (baton invariant 4), so it skips the byte while nobody holds
             # the baton; when somebody does (the holder may be asleep waiting for a message that needs
@@ -86,11 +82,11 @@ class Submissions:
     def due(self, driving: bool) -> bool:
         """The queue should be taken now: a driving caller waits anyway, or it is flushed, or its cycle
         time has passed."""
-        return bool(self._queue) and (driving or self._flush or time.monotonic() >= self._since + self._cycle_s)
+        return bool(self.pending) and (driving or self._flush or time.monotonic() >= self._since + self._cycle_s)
 
     def wait_s(self) -> float | None:
         """Seconds until the queue's cycle time runs out (None: empty)."""
-        return self._since + self._cycle_s - time.monotonic() if self._queue else None
+        return self._since + self._cycle_s - time.monotonic() if self.pending else None
 
     def take(self, driving: bool) -> tuple[list[Pending], float]:
         """The queued requests if due (they become local), and when the oldest came."""
@@ -100,9 +96,9 @@ class Submissions:
                 os.read(self.fd, 4096)
             if not self.due(driving):
                 return [], 0.0
-            new = list(self._queue.values())
-            self.local.update(self._queue)  # under the lock: a name is always in one of the two
-            self._queue.clear()
+            new = list(self.pending.values())
+            self.local.update(self.pending)  # under the lock: a name is always in one of the two
+            self.pending.clear()
             self._flush = False
             return new, self._since
 
