@@ -140,11 +140,7 @@ def _after_fork_in_child() -> None:
     if st is None:
         return
     st.forked = True
-    for s in getattr(st.comm, "_socks", {}).values():
-        try:
-            s.close()  # closes the child's copy of the descriptor only; the parent's stays open
-        except OSError:
-            pass
+    st.engine.control.close_in_child()
 
 
 def state() -> _State:

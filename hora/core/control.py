@@ -1,6 +1,7 @@
 """The engine's end of the control plane: the only module of the engine that calls the communicator's
 control-plane methods (``send_ctrl``, ``recv_ctrl``, ``ctrl_fds``, ``ctrl_peers``, ``on_ctrl``,
-``expect_close``), so that a change of that interface is one edit here.
+``expect_close``, and the sockets closed in a forked child), so that a change of that interface is one
+edit here.
 
 Messages go out as tuples (:mod:`hora.core.messages`) and come back decoded. A goodbye (``BYE``) is
 acted on as it is read, wherever that happens (in the engine loop or in the middle of a collective):
@@ -61,6 +62,15 @@ class Control:
         (where the transport offers that)."""
         if hasattr(self._comm, "on_ctrl"):
             self._comm.on_ctrl = lambda peer, data: fn(peer, self._decode(peer, data))
+
+    def close_in_child(self) -> None:
+        """In a forked child: close the child's copies of the connections' descriptors (the parent's
+        stay open), so that the child can never write into the parent's streams."""
+        for s in getattr(self._comm, "_socks", {}).values():
+            try:
+                s.close()
+            except OSError:
+                pass
 
     def _decode(self, peer: int, data: bytes) -> tuple:
         msg = m.loads(data)

@@ -71,6 +71,9 @@ class HandleTable:
         return self.get(hid).done
 
     def synchronize(self, hid: int) -> Any:
+        """Wait for handle ``hid`` (running the engine meanwhile, see ``drive``) and return its result.
+        Raises the collective's error, HoraValueError for an unknown or spent handle, and BusyError
+        when another thread already waits on it (waiting twice cannot be made to mean anything)."""
         h = self.get(hid)
         with self._lock:
             if h.waiter is not None and h.waiter != threading.get_ident():

@@ -14,8 +14,14 @@ import threading
 import time
 import traceback
 
+from typing import TYPE_CHECKING
+
 from hora.base.errors import StallError
 from hora.core import messages as m
+
+if TYPE_CHECKING:
+    from hora.core.control import Control
+    from hora.core.coordinator import Coordinator
 
 log = logging.getLogger("hora")
 
@@ -24,7 +30,10 @@ CHECK_EVERY = 0.5  # s between two looks for stalled tensors: enough for thresho
 
 
 class StallInspector:
-    def __init__(self, coord, control, rank: int, size: int, warn_after: float, kill_after: float):
+    """Rank 0's watch over the coordinator's table; the engine calls :meth:`check` every cycle."""
+
+    def __init__(self, coord: Coordinator, control: Control, rank: int, size: int, warn_after: float,
+                 kill_after: float):
         self.coord, self.control, self.rank, self.size = coord, control, rank, size
         self.warn_after, self.kill_after = warn_after, kill_after
         self._reports: dict[tuple, dict] = {}  # warnings being assembled, by missing ranks
