@@ -22,6 +22,8 @@ class Control:
     def __init__(self, comm, size: int):
         self._comm = comm
         self._size = size
+        if size > 1:  # bound once: a transport that wraps the mesh finds them through __getattr__, per call
+            self._send_ctrl, self._recv_ctrl = comm.send_ctrl, comm.recv_ctrl
         self.departed: set[int] = set()  # ranks that said goodbye (shut down on purpose)
 
     def fds(self) -> list[int]:
@@ -34,7 +36,7 @@ class Control:
         return list(getattr(self._comm, "ctrl_peers", []))
 
     def send(self, peer: int, msg: tuple) -> None:
-        self._comm.send_ctrl(peer, m.dumps(msg))
+        self._send_ctrl(peer, m.dumps(msg))
 
     def tell(self, peers, msg: tuple) -> None:
         """Best-effort send to each of ``peers`` still here: for news (goodbye, abort, stall shutdown)
@@ -44,17 +46,17 @@ class Control:
             if p in self.departed:
                 continue
             try:
-                self._comm.send_ctrl(p, data)
+                self._send_ctrl(p, data)
             except HoraError:
                 pass
 
     def recv(self, timeout: float | None, wake_fd: int | None = None) -> list[tuple[int, tuple]]:
         """Wait up to ``timeout`` s (None: for ever) for messages or for ``wake_fd`` to be readable."""
-        return [(peer, self._decode(peer, data)) for peer, data in self._comm.recv_ctrl(timeout, wake_fd)]
+        return [(peer, self._decode(peer, data)) for peer, data in self._recv_ctrl(timeout, wake_fd)]
 
     def poll(self) -> list[tuple[int, tuple]]:
         """The messages already here, without waiting (a driving caller's spin calls it in a loop)."""
-        got = self._comm.recv_ctrl(0.0)
+        got = self._recv_ctrl(0.0)
         return [(peer, self._decode(peer, data)) for peer, data in got] if got else got
 
     def during_data_waits(self, fn: Callable[[int, tuple], None]) -> None:

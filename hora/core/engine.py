@@ -175,7 +175,8 @@ class Engine:
             return
         if not self._ended and threading.current_thread() is not self.thread:
             self.baton.wait(lambda: handle.done, lambda: self._session(handle), self.subs.kick)
-        handle.wait()  # done, or the engine ended: shutdown (or the failure that ended it) fails it
+        if not handle.done:  # the engine ended: shutdown (or the failure that ended it) fails the handle
+            handle.wait()
 
     def _session(self, handle: Handle) -> bool:
         """A caller holding the baton runs cycles until ``handle`` is done (False: the engine ended)."""
@@ -238,7 +239,7 @@ class Engine:
         if subs.stopping:
             raise _Stop
         self.stats.cycles += 1
-        tl = self.timeline
+        tl = self.executor.timeline
         if tl is not None and tl.mark_cycles:
             tl.cycle()
         new, since = subs.take(driving)
@@ -376,7 +377,7 @@ class Engine:
                                       self.cfg["inline_threshold"])
         if not responses and not evictions:
             return []
-        tl = self.timeline
+        tl = self.executor.timeline
         if tl is not None:
             for resp in responses:
                 for name in resp.names:
@@ -391,7 +392,7 @@ class Engine:
                 or r.kind in (m.ADD_PS, m.REMOVE_PS, m.ERROR)]
 
     def _tl_negotiate(self, req, rank: int) -> None:
-        tl = self.timeline
+        tl = self.executor.timeline
         if tl is not None:
             tl.negotiate(req.name, req.kind, rank)
 
@@ -404,7 +405,7 @@ class Engine:
             return
         pends = [self.subs.local.pop((resp.ps, n), None) for n in resp.names]
         kind = resp.kind
-        tl = self.timeline
+        tl = self.executor.timeline
         if tl is not None and kind in (m.ERROR, m.BARRIER, m.JOIN, m.ADD_PS, m.REMOVE_PS):
             for n in resp.names:
                 tl.done(n)
