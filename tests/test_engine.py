@@ -680,3 +680,18 @@ def _threads_mixing_synchronous_collectives(hvd):
 def test_threads_mixing_synchronous_collectives(n):
     assert run_hora(n, _threads_mixing_synchronous_collectives, timeout=60,
                     env={"HORA_STALL_CHECK_TIME_SECONDS": "30"}) == list(range(n))
+
+
+# --- structure ------------------------------------------------------------------------------------
+
+def test_only_the_control_module_touches_the_communicators_control_plane():
+    """The engine reaches the transport's control plane through hora/core/control.py alone, so that a
+    change of that interface is one edit there."""
+    import re
+    from pathlib import Path
+
+    core = Path(__file__).resolve().parent.parent / "hora" / "core"
+    calls = re.compile(r"\.(send_ctrl|recv_ctrl|ctrl_fds|ctrl_peers|on_ctrl|expect_close|_socks)\b")
+    found = {p.name: sorted(set(calls.findall(p.read_text()))) for p in core.glob("*.py")}
+    assert {name: c for name, c in found.items() if c and name != "control.py"} == {}
+    assert found["control.py"]
