@@ -7,9 +7,10 @@ machine::
 
     NOBODY --engine_take()--------------------------> ENGINE --release()--> NOBODY
     NOBODY --wait(), by the only waiting caller-----> CALLER --release()--> NOBODY
+    (the engine thread's engine_take() sleeps while a caller holds it; the release wakes it)
 
 Invariants. All of the baton's state is read and written under one lock, except ``holder`` read by
-the holder itself (who knows it) or by a submitter (see ``Engine.submit``).
+the holder itself (who knows it) or by a submitter (see ``Submissions.add`` for why that is enough).
 
 1. At most one holder, and only the holder runs cycles.
 2. A caller drives only when nobody holds the baton and it is the only caller waiting. With several
@@ -53,7 +54,7 @@ class Baton:
         self._engine_waiting = False
 
     def held(self) -> bool:
-        """Somebody runs cycles now (read without the lock: see ``Submissions.add`` for why that is enough)."""
+        """Somebody runs cycles now (read without the lock, by a submitter)."""
         return self.holder is not NOBODY
 
     # -- the engine thread ---------------------------------------------------------------------

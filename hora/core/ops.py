@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from hora.collectives.reduce import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, check_dtype
 from hora.base.errors import HoraValueError, NotSupportedError
+from hora.collectives.reduce import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, check_dtype
 from hora.core import messages as m
 from hora.core.basics import state
 from hora.core.execute import Pending
