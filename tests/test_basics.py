@@ -103,3 +103,62 @@ def test_topology_two_hosts():
     for r, (_, lr, ls, cr, cs) in enumerate(hosts):
         assert got[r] == {"size": 3, "rank": r, "local_size": ls, "local_rank": lr, "cross_size": cs,
                           "cross_rank": cr, "is_homogeneous": False}, f"rank {r}"
+
+
+def _dynamic_for_this_init_only(hvd):
+    import os
+
+    from hora.core.basics import state
+
+    hvd.shutdown()
+    hvd.init(process_sets="dynamic")
+    dynamic = state().dynamic
+    leaked = {k for k in os.environ if k.endswith("DYNAMIC_PROCESS_SETS")}
+    hvd.shutdown()
+    hvd.init()  # a later init without the argument is not dynamic: nothing was written to the environment
+    return dynamic, state().dynamic, leaked
+
+
+def test_init_process_sets_dynamic_sets_no_environment_variable():
+    """Children (DataLoader workers, subprocesses) inherit os.environ, so init() must not write it."""
+    assert run_hora(2, _dynamic_for_this_init_only) == [(True, False, set())] * 2
+
+
+def _forked_child_call(hvd):
+    import os
+
+    from hora.base.errors import ForkedChildError
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            hvd.rank()
+            code = 1
+        except ForkedChildError as e:
+            code = 0 if "fork" in str(e) else 2
+        except BaseException:  # noqa: BLE001 - any other error is a wrong answer
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), hvd.rank()
+
+
+def test_a_hora_call_in_a_forked_child_raises_forked_child_error():
+    assert run_hora(2, _forked_child_call) == [(0, 0), (0, 1)]
+
+
+def _adasum_refusals(hvd):
+    from hora.base.errors import NotSupportedError
+
+    x = np.ones(3, np.float32)
+    refused = []
+    for call in (lambda: hvd.allreduce(x, op=hvd.Adasum), lambda: hvd.grouped_allreduce([x], op=hvd.Adasum),
+                 lambda: hvd.reducescatter(x, op=hvd.Adasum)):
+        with pytest.raises(NotSupportedError, match="Adasum") as info:
+            call()
+        refused.append(isinstance(info.value, NotImplementedError))
+    return refused
+
+
+def test_adasum_is_refused_in_one_place_as_not_implemented():
+    assert run_hora(1, _adasum_refusals) == [[True, True, True]]

@@ -3,6 +3,7 @@ fusion, the response cache, join, process sets and the stall list."""
 
 import pytest
 
+from hora.base.errors import HoraValueError, MismatchError
 from hora.core import messages as m
 from hora.core.coordinator import Coordinator
 from hora.core.execute import nbytes_of
@@ -76,7 +77,7 @@ def test_mismatch_is_one_error_naming_tensor_ranks_and_values(other, expect):
     c.submit(1, other)
     (resp,), adds = take(c)
     assert resp.kind == "error" and resp.names == ("w",)
-    assert resp.error.startswith(expect), resp.error
+    assert resp.error.cls is MismatchError and resp.error.text.startswith(expect), resp.error
     assert adds == []  # a mismatch is not cached
     # the name is free again
     submit_all(c, req("w"))
@@ -91,7 +92,7 @@ def test_reduce_op_and_root_mismatch():
     c.submit(0, req("b", kind=m.BROADCAST, root=0))
     c.submit(1, req("b", kind=m.BROADCAST, root=2))
     c.submit(2, req("b", kind=m.BROADCAST, root=0))
-    errors = {r.names[0]: r.error for r in take(c)[0]}
+    errors = {r.names[0]: r.error.text for r in take(c)[0]}
     assert "rank 2" in errors["o"] and "rank 0" in errors["o"] and "'o'" in errors["o"]
     assert errors["b"].startswith("broadcast 'b': rank 1 sent root 2, rank 0 sent 0")
 
@@ -105,7 +106,7 @@ def test_allgather_compares_only_the_dimensions_after_the_first():
     c.submit(0, req("h", kind=m.ALLGATHER, shape=(2, 3)))
     c.submit(1, req("h", kind=m.ALLGATHER, shape=(2, 4)))
     (resp,), _ = take(c)
-    assert resp.kind == "error" and "(3,)" in resp.error and "(4,)" in resp.error
+    assert resp.kind == "error" and "(3,)" in resp.error.text and "(4,)" in resp.error.text
 
 
 def test_alltoall_gets_the_splits_matrix():
@@ -242,7 +243,7 @@ def test_only_allreduce_and_barrier_run_while_a_rank_is_joined():
     c.submit(0, req("g", kind=m.ALLGATHER))
     c.submit(0, req("barrier.1", kind=m.BARRIER, op=0, dtype="", shape=()))
     out, _ = take(c)
-    assert out[0].kind == "error" and "ranks [1] have joined" in out[0].error
+    assert out[0].kind == "error" and "ranks [1] have joined" in out[0].error.text
     assert out[1].kind == m.BARRIER
 
 
@@ -258,23 +259,41 @@ def test_join_does_not_excuse_a_rank_from_other_process_sets():
 
 def test_add_and_remove_process_sets():
     c = coord(3)
-    submit_all(c, req("process_set.1", kind=m.ADD_PS, op=0, dtype="", shape=(0, 2)))
-    submit_all(c, req("process_set.2", kind=m.ADD_PS, op=0, dtype="", shape=(0, 2)))
-    submit_all(c, req("process_set.3", kind=m.ADD_PS, op=0, dtype="", shape=(1,)))
+    submit_all(c, m.SetRequest("process_set.1", m.ADD_PS, ranks=(0, 2)))
+    submit_all(c, m.SetRequest("process_set.2", m.ADD_PS, ranks=(0, 2)))
+    submit_all(c, m.SetRequest("process_set.3", m.ADD_PS, ranks=(1,)))
     out, _ = take(c)
     assert [(r.kind, r.value) for r in out] == [(m.ADD_PS, 1), ("error", None), (m.ADD_PS, 2)]
-    assert "already exists" in out[1].error
+    assert "already exists" in out[1].error.text and out[1].error.cls is HoraValueError
     assert c.process_sets == {0: (0, 1, 2), 1: (0, 2), 2: (1,)}
     # a tensor in set 1 needs only ranks 0 and 2
     c.submit(0, req("t", ps=1))
     c.submit(2, req("t", ps=1))
     assert [r.names for r in take(c)[0]] == [("t",)]
-    submit_all(c, req("process_set.4", kind=m.REMOVE_PS, op=0, dtype="", shape=(), root=1))
-    submit_all(c, req("process_set.5", kind=m.REMOVE_PS, op=0, dtype="", shape=(), root=1))
-    submit_all(c, req("process_set.6", kind=m.REMOVE_PS, op=0, dtype="", shape=(), root=0))
+    submit_all(c, m.SetRequest("process_set.4", m.REMOVE_PS, set_id=1))
+    submit_all(c, m.SetRequest("process_set.5", m.REMOVE_PS, set_id=1))
+    submit_all(c, m.SetRequest("process_set.6", m.REMOVE_PS, set_id=0))
     out, _ = take(c)
     assert [r.kind for r in out] == [m.REMOVE_PS, "error", "error"]
     assert c.process_sets == {0: (0, 1, 2), 2: (1,)}
+
+
+def test_a_set_removed_in_a_batch_still_routes_the_work_before_its_removal():
+    """Rank 0 has one table of sets, changed when a change is agreed; the responses agreed on a set
+    before its removal, in the same batch, still reach (and run on) its ranks."""
+    c = coord(3)
+    submit_all(c, m.SetRequest("process_set.1", m.ADD_PS, ranks=(1, 2)))
+    take(c)
+    c.submit(1, req("t", ps=1))
+    c.submit(2, req("t", ps=1))
+    submit_all(c, m.SetRequest("process_set.2", m.REMOVE_PS, set_id=1))
+    out, adds, evicts = c.take(nbytes_of)
+    assert [r.kind for r in out] == [m.ALLREDUCE, m.REMOVE_PS] and 1 not in c.process_sets
+    assert c.ranks_of(1) == (1, 2)
+    assert [r.kind for r in c.share(2, out, adds, evicts)[0]] == [m.ALLREDUCE, m.REMOVE_PS]
+    assert [r.kind for r in c.share(0, out, adds, evicts)[0]] == [m.REMOVE_PS]
+    take(c)  # the next batch: the set is gone for good
+    assert c.ranks_of(1) == ()
 
 
 # --- stalls --------------------------------------------------------------------------------------------
@@ -285,11 +304,9 @@ def test_stalled_lists_missing_ranks(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(coordinator.time, "monotonic", lambda: now[0])
     c = coord(3)
-    assert c.oldest() is None
     c.submit(0, req("a"))
     now[0] = 101.0
     c.submit(1, req("b"))
-    assert c.oldest() == 100.0
     now[0] = 102.5
     assert c.stalled(2.0) == [(0, "a", [1, 2])]
     assert sorted(c.stalled(1.0)) == [(0, "a", [1, 2]), (0, "b", [0, 2])]

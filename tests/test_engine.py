@@ -5,6 +5,7 @@ Each test runs on a pool of rank processes (tests/harness.py). Counters are comp
 the code under test; knobs that are read at ``init()`` are passed as per-call environment variables.
 """
 
+import contextlib
 import time
 
 import numpy as np
@@ -30,20 +31,15 @@ def delta(before: dict, after: dict) -> dict:
 def test_poll_then_synchronize(hvd):
     big = np.arange(8 << 20, dtype=np.float32) % 7  # 32 MiB: the ring alone takes tens of ms
     keep = big.copy()
-    t0 = time.perf_counter()
     h = hvd.allreduce_async(big, op=hvd.Sum, name="big")
-    submit_s = time.perf_counter() - t0
     assert isinstance(h, int)
+    # the submission returned before the collective ran: it does not block
     assert hvd.poll(h) is False, "poll returned True right after submitting 32 MiB"
-    deadline = time.monotonic() + 30
-    while not hvd.poll(h):
-        assert time.monotonic() < deadline, "the allreduce never finished"
+    while not hvd.poll(h):  # what a training loop that polls does; the test's timeout bounds it
         time.sleep(0.001)
-    wait_s = time.perf_counter() - t0
     out = hvd.synchronize(h)
     np.testing.assert_array_equal(out, keep * hvd.size())
     np.testing.assert_array_equal(big, keep)  # out of place: the input is untouched
-    assert submit_s < wait_s / 2, f"submission blocked for {submit_s:.4f} s of {wait_s:.4f} s"
 
 
 @pytest.mark.timeout(60)
@@ -61,32 +57,32 @@ def test_second_synchronize_names_the_handle(hvd):
         hvd.synchronize(g)
 
 
+HOUR_MS = 3.6e6  # a cycle time no test outlives: whatever waits for the cycle hangs (and times out)
+
+
 @pytest.mark.timeout(60)
 @ranks(2)
 def test_synchronous_ops_do_not_wait_for_the_cycle(hvd):
-    """HORA_CYCLE_TIME=400: async requests wait to be batched, a synchronous op negotiates at once."""
+    """An hour's cycle time: async requests wait to be batched, a synchronous op negotiates at once."""
     hvd.shutdown()
     from hora.base import knobs
 
-    with knobs.override(cycle_time=400.0):
+    with knobs.override(cycle_time=HOUR_MS):
         hvd.init()
-    t0 = time.perf_counter()
     for i in range(5):
         hvd.allreduce(np.ones(4, np.float32), name=f"sync.{i}")
-    sync_s = time.perf_counter() - t0
-    assert sync_s < 1.0, f"5 synchronous allreduces took {sync_s:.2f} s with a 400 ms cycle time"
     # an async op submitted just before a synchronous one is flushed with it
     h = hvd.allreduce_async(np.ones(4, np.float32), name="async")
-    t0 = time.perf_counter()
     hvd.allreduce(np.ones(4, np.float32), name="sync.last")
-    hvd.synchronize(h)
-    assert time.perf_counter() - t0 < 0.35
+    assert hvd.synchronize(h).tolist() == [1.0] * 4
 
 
 @pytest.mark.timeout(60)
 @ranks(2, 3)
 def test_idle_engine_blocks(hvd):
     hvd.allreduce(np.ones(4, np.float32), name="warm")
+    # An idle engine has no condition to wait for, so this test measures over a window of time: the
+    # sleeps are the window (and a margin around it), not an order between threads.
     time.sleep(0.1)
     before = hvd.statistics()["cycles"]
     time.sleep(0.5)
@@ -254,9 +250,12 @@ def test_mismatch_inside_a_fused_batch_fails_only_that_tensor(hvd):
 @pytest.mark.timeout(60)
 @ranks(2, 3)
 def test_duplicate_name_in_flight_is_refused_at_submission(hvd):
+    hvd.shutdown()
+    from hora.base import knobs
+
+    with knobs.override(cycle_time=HOUR_MS):  # the first 'dup' stays here until synchronize sends it
+        hvd.init()
     r = hvd.rank()
-    if r == 1:
-        time.sleep(0.2)  # so that rank 0's first 'dup' cannot finish before its second submission
     h = hvd.allreduce_async(np.full(3, r, np.float32), op=hvd.Sum, name="dup")
     with pytest.raises(ValueError, match="'dup'"):
         hvd.allreduce_async(np.zeros(3, np.float32), name="dup")
@@ -443,8 +442,8 @@ def _uneven(hvd, counts):
         assert fused == [[active * (k + 1)] * 5 for k in range(4)], (i, fused)
     # a second round of join works too, and the engine is usable after it
     assert hvd.allreduce(np.ones(1, np.float32), op=hvd.Sum, name="after").tolist() == [n]
-    if r == 0:
-        time.sleep(0.3)
+    if r == 0:  # join last: this allreduce finishes only once every other rank has joined
+        assert hvd.allreduce(np.ones(1, np.float32), op=hvd.Sum, name="others.joined").tolist() == [1.0]
     last2 = hvd.join()
     return last, last2
 
@@ -454,7 +453,7 @@ def _uneven(hvd, counts):
 def test_join_with_uneven_batches(counts):
     n = len(counts)
     results = run_hora(n, _uneven, counts)
-    # the rank with the most batches joins last (it needs the others' zeros to finish); rank 0 slept
+    # the rank with the most batches joins last (it needs the others' zeros to finish); rank 0 waited
     assert results == [(counts.index(max(counts)), 0)] * n, results
 
 
@@ -462,7 +461,8 @@ def _joined_rank_blocks_other_collectives(hvd):
     r = hvd.rank()
     if r == 1:
         return str(hvd.join())
-    time.sleep(0.3)  # let rank 1 join first
+    # rank 1 never submits this: it finishes once rank 1 has joined (joined ranks contribute zeros)
+    assert hvd.allreduce(np.ones(1, np.float32), op=hvd.Sum, name="rank1.joined").tolist() == [hvd.size() - 1]
     errors = []
     with pytest.raises(hvd.HorovodInternalError, match=r"ranks \[1\] have joined") as info:
         hvd.allgather(np.ones(2, np.float32), name="ag")
@@ -497,6 +497,19 @@ def test_mismatch_in_a_grouped_op_fails_the_group():
 
 # --- more of the API through the engine -------------------------------------------------------------
 
+@contextlib.contextmanager
+def _no_safety_net():
+    """The baton's timed waits made an hour long: a lost wake-up hangs the test instead of costing
+    a second (see hora/core/baton.py)."""
+    from hora.core import baton
+
+    saved, baton.SAFETY_NET_S = baton.SAFETY_NET_S, 3600.0
+    try:
+        yield
+    finally:
+        baton.SAFETY_NET_S = saved
+
+
 def _in_threads(work, count: int, timeout: float) -> list:
     """Run ``work(t)`` for t in range(count) on threads at once; the threads still alive after ``timeout``."""
     import threading
@@ -526,7 +539,8 @@ def test_submissions_from_several_threads(hvd):
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    _in_threads(work, 4, 30)
+    with _no_safety_net():
+        _in_threads(work, 4, 30)
     assert not errors, errors
     assert results == {(t, i): [sum(q + i for q in range(n))] * 3 for t in range(4) for i in range(25)}
 
@@ -575,15 +589,48 @@ def _sync_calls_cross_threads(hvd):
     t = threading.Thread(target=lambda: out.setdefault("x", hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum,
                                                                            name="x")))
     t.start()
+    from hora.core.baton import CALLER
     from hora.core.basics import state
 
-    deadline = time.monotonic() + 10
-    while not state().engine._driving:  # the thread drives 'x', asleep in the engine until rank 0 answers
-        assert time.monotonic() < deadline, "the other thread never started driving"
+    while state().engine.baton.holder is not CALLER:  # the thread drives 'x', asleep until rank 0 answers
         time.sleep(0.001)
-    out["y"] = hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum, name="y")
-    t.join(10)
+    with _no_safety_net():
+        out["y"] = hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum, name="y")
+        t.join(10)
     return out["x"].tolist() + out["y"].tolist()
+
+
+def _busy_handle(hvd):
+    """A second thread synchronizing a handle that another thread waits on gets BusyError, and the
+    first is unaffected."""
+    import threading
+
+    from hora.base.errors import BusyError
+    from hora.core.basics import state
+
+    if hvd.rank() == 1:
+        hvd.allreduce(np.ones(1, np.float32), name="go")  # only once rank 0 has seen the error
+        return hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum, name="w").tolist(), ""
+    h = hvd.allreduce_async(np.ones(2, np.float32), op=hvd.Sum, name="w")
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("w", hvd.synchronize(h)))
+    t.start()
+    table = state().engine.handles
+    while table.get(h).waiter is None:  # the thread has claimed the handle
+        time.sleep(0.001)
+    with pytest.raises(BusyError) as info:
+        hvd.synchronize(h)
+    with _no_safety_net():
+        hvd.allreduce(np.ones(1, np.float32), name="go")
+        t.join(10)
+    return out["w"].tolist(), str(info.value)
+
+
+@pytest.mark.timeout(30)
+def test_a_second_thread_waiting_on_a_handle_gets_busy_error():
+    (w0, msg), (w1, _) = run_hora(2, _busy_handle, timeout=15)
+    assert w0 == w1 == [2.0, 2.0]
+    assert "already being waited on by another thread" in msg, msg
 
 
 @pytest.mark.timeout(30)
@@ -621,14 +668,30 @@ def _threads_mixing_synchronous_collectives(hvd):
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    stuck = _in_threads(work, 4, 40)
+    with _no_safety_net():
+        stuck = _in_threads(work, 4, 40)
     assert not errors, errors
     assert not stuck, "a thread is stuck"
     return r
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_threads_mixing_synchronous_collectives(n):
     assert run_hora(n, _threads_mixing_synchronous_collectives, timeout=60,
                     env={"HORA_STALL_CHECK_TIME_SECONDS": "30"}) == list(range(n))
+
+
+# --- structure ------------------------------------------------------------------------------------
+
+def test_only_the_control_module_touches_the_communicators_control_plane():
+    """The engine reaches the transport's control plane through hora/core/control.py alone, so that a
+    change of that interface is one edit there."""
+    import re
+    from pathlib import Path
+
+    core = Path(__file__).resolve().parent.parent / "hora" / "core"
+    calls = re.compile(r"\.(ctrl)\b")  # comm.ctrl, the transport's ControlPlane
+    found = {p.name: sorted(set(calls.findall(p.read_text()))) for p in core.glob("*.py")}
+    assert {name: c for name, c in found.items() if c and name != "control.py"} == {}
+    assert found["control.py"]

@@ -12,9 +12,9 @@ import atexit
 import os
 import threading
 
-from hora.base import env, knobs
+from hora.base import knobs
+from hora.base.errors import ForkedChildError, HoraValueError, NotInitializedError
 from hora.core import launchers
-from hora.base.errors import HoraError, HoraValueError, NotInitializedError
 from hora.core.launchers import Topology
 from hora.transport.base import LocalCommunicator
 
@@ -27,14 +27,14 @@ class _State:
         self.forked = False
         self.cfg = cfg
         self.dynamic = self.cfg["dynamic_process_sets"]
-        self.timeline = None
+        timeline = None
         if self.cfg["timeline"] and self.cfg["timeline"] != "DYNAMIC" and topo.rank == 0:
             from hora.core.timeline import Timeline
 
-            self.timeline = Timeline(self.cfg["timeline"], self.cfg["timeline_mark_cycles"])
+            timeline = Timeline(self.cfg["timeline"], self.cfg["timeline_mark_cycles"])
         from hora.core.engine import Engine
 
-        self.engine = Engine(comm, topo, self.cfg, self.timeline)
+        self.engine = Engine(comm, topo, self.cfg, timeline)  # holds the timeline from now on
         self.groups: dict[int, list[int]] = {}  # grouped handles
         self.barriers: dict[int, int] = {}  # barrier count per process set (names them)
         self.ps_calls = 0  # add/remove_process_set calls (names them)
@@ -45,8 +45,8 @@ class _State:
         self.comm.close()
         if self.store is not None:
             self.store.close()
-        if self.timeline is not None:
-            self.timeline.close()
+        if self.engine.timeline is not None:
+            self.engine.timeline.close()
 
 
 _state: _State | None = None
@@ -68,12 +68,12 @@ def init(comm=None, process_sets=None) -> None:
         if comm is not None:
             raise HoraValueError("init(comm=...) needs the MPI transport, which is not supported yet; "
                                  "start the job with `hora run` instead")
-        if process_sets == "dynamic":
-            os.environ["HORA_DYNAMIC_PROCESS_SETS"] = "1"
-        elif process_sets is not None and not isinstance(process_sets, (list, tuple)):
+        if process_sets is not None and process_sets != "dynamic" and not isinstance(process_sets, (list, tuple)):
             raise HoraValueError(f"init(process_sets=...) takes a list of ProcessSet or 'dynamic', "
                                  f"not {process_sets!r}")
         cfg = knobs.current()  # a bad knob fails here, before any connection is made
+        if process_sets == "dynamic":  # this initialisation only: nothing is written to the environment
+            cfg["dynamic_process_sets"] = True
         knobs.apply_log_level()
         job = launchers.detect()
         if job.topo.size == 1:
@@ -104,7 +104,7 @@ def _connect(job: launchers.Job, cfg: dict) -> _State:
     timeout = cfg["start_timeout"]
     gen = _generations[job.scope] = _generations.get(job.scope, 0) + 1
     prefix = f"{job.scope}/{gen}"
-    bind, advertise = addresses.pick(net.parse_addr(job.store_addr)[0], env.get("NETWORK_INTERFACES"))
+    bind, advertise = addresses.pick(net.parse_addr(job.store_addr)[0], cfg["network_interfaces"])
     store = StoreClient(job.store_addr, job.secret, timeout=timeout)
     try:
         comm = connect_mesh(job.topo.rank, job.topo.size, store, prefix, job.secret.encode(),
@@ -140,7 +140,7 @@ def _after_fork_in_child() -> None:
     if st is None:
         return
     st.forked = True
-    st.comm.ctrl.close_in_child()  # the child's copies of the descriptors only; the parent's stay open
+    st.engine.control.close_in_child()
 
 
 def state() -> _State:
@@ -149,9 +149,9 @@ def state() -> _State:
     if st is None:
         raise NotInitializedError("hora has not been initialized; call hora.init() first")
     if st.forked:
-        raise HoraError(f"hora was initialised in process {os.getppid()} and this process is a fork of it "
-                        "(e.g. a DataLoader worker): hora calls are not available here; "
-                        "call hora only from the training process")
+        raise ForkedChildError(f"hora was initialised in process {os.getppid()} and this process is a fork of it "
+                               "(e.g. a DataLoader worker): hora calls are not available here; "
+                               "call hora only from the training process")
     return st
 
 
@@ -209,15 +209,12 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     from hora.core.timeline import Timeline
 
     stop_timeline()
-    st.cfg["timeline_mark_cycles"] = mark_cycles
-    st.timeline = Timeline(file_path, mark_cycles)
-    st.engine.timeline = st.engine.executor.timeline = st.timeline
+    st.engine.timeline = Timeline(file_path, mark_cycles)
 
 
 def stop_timeline() -> None:
     """Stop the timeline and close its file."""
-    st = state()
-    tl, st.timeline = st.timeline, None
-    st.engine.timeline = st.engine.executor.timeline = None
+    engine = state().engine
+    tl, engine.timeline = engine.timeline, None
     if tl is not None:
         tl.close()

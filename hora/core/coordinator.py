@@ -15,9 +15,10 @@ import collections
 import dataclasses
 import time
 
+from hora.base.errors import HoraError, HoraValueError, MismatchError
 from hora.collectives.reduce import OP_NAMES
 from hora.core.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
-                                  REDUCESCATTER, REMOVE_PS, Request, Response)
+                                REDUCESCATTER, REMOVE_PS, Request, Response, error)
 
 _COMPARED = {  # fields that must agree across ranks, by op kind
     ALLREDUCE: ("op", "dtype", "shape", "pre", "post"),
@@ -27,8 +28,8 @@ _COMPARED = {  # fields that must agree across ranks, by op kind
     ALLTOALL: ("dtype", "trailing"),
     BARRIER: (),
     JOIN: (),
-    ADD_PS: ("shape",),
-    REMOVE_PS: ("root",),
+    ADD_PS: ("ranks",),
+    REMOVE_PS: ("set_id",),
 }
 
 
@@ -43,7 +44,7 @@ def _show(field: str, value) -> str:
         return OP_NAMES.get(value, str(value))
     if field == "trailing":
         return f"{value[1]}-d with dimensions after the first {value[3]}"
-    if field == "shape":
+    if field in ("shape", "ranks"):
         return str(tuple(value))
     return repr(value) if isinstance(value, str) else str(value)
 
@@ -85,12 +86,20 @@ class ResponseCache:
 
 
 class Coordinator:
+    """Rank 0's negotiation state. On rank 0 ``process_sets`` is the one table of registered sets (the
+    engine reads it too): a set exists from the moment its ``add_process_set`` is agreed and is gone
+    once its removal is. A set removed in the batch that ``take()`` returns is remembered until the
+    next ``take()``, so the responses on it that precede its removal in that batch are
+    still routed and run (:meth:`ranks_of`)."""
+
     def __init__(self, size: int, fusion_threshold: int, cache_capacity: int):
         self.size = size
         self.fusion_threshold = fusion_threshold
         self.cache = ResponseCache(cache_capacity)
         self._next_bit = 0
         self.process_sets: dict[int, tuple[int, ...]] = {0: tuple(range(size))}
+        self._removing: dict[int, tuple[int, ...]] = {}  # removals agreed since the last take()
+        self._removed: dict[int, tuple[int, ...]] = {}  # removals in the batch the last take() returned
         self._next_ps = 1
         self.table: dict[tuple[int, str], Entry] = {}
         self.ready: list[Response] = []
@@ -115,6 +124,13 @@ class Coordinator:
 
     def submit_bit(self, rank: int, bit: int) -> None:
         self.submit(rank, self.cache.lookup(bit))
+
+    def ranks_of(self, ps: int) -> tuple[int, ...]:
+        """The ranks of set ``ps`` for the batch last taken (a set it removes included)."""
+        ranks = self.process_sets.get(ps)
+        if ranks is None:
+            ranks = self._removed.get(ps) or self._removing.get(ps, ())
+        return ranks
 
     def _required(self, ps: int) -> set[int]:
         ranks = set(self.process_sets.get(ps, ()))
@@ -155,17 +171,17 @@ class Coordinator:
             req = reqs[r]
             if req.kind != first.kind:
                 return self._error(ps, name, f"'{name}': rank {r} did {req.kind}, rank {first_rank} did "
-                                             f"{first.kind}; every rank must run the same op on a name")
+                                             f"{first.kind}; every rank must run the same op on a name", first)
             for f in _COMPARED[first.kind]:
                 a, b = _field(req, f), _field(first, f)
                 if a != b:
                     label = "dimensions" if f == "trailing" else {"pre": "prescale factor", "post":
                                                                   "postscale factor"}.get(f, f)
                     return self._error(ps, name, f"{first.kind} '{name}': rank {r} sent {label} "
-                                                 f"{_show(f, a)}, rank {first_rank} sent {_show(f, b)}")
+                                                 f"{_show(f, a)}, rank {first_rank} sent {_show(f, b)}", first)
         if self.joined and ps == 0 and first.kind not in (ALLREDUCE, BARRIER):
             return self._error(ps, name, f"{first.kind} '{name}' is not supported while ranks "
-                                         f"{sorted(self.joined)} have joined (hora.join()); only allreduce is")
+                                         f"{sorted(self.joined)} have joined (hora.join()); only allreduce is", first)
         self._cache(first)
         kind = first.kind
         if kind == ALLGATHER:
@@ -175,19 +191,19 @@ class Coordinator:
             matrix = tuple(reqs[r].splits for r in self.process_sets[ps])
             return Response(kind, ps, (name,), dtype=first.dtype, shapes=(first.shape,), rows=matrix)
         if kind == ADD_PS:
-            ranks_ = tuple(first.shape)
             for pid, existing in self.process_sets.items():
-                if existing == ranks_:
-                    return self._error(ps, name, f"process set {list(ranks_)} already exists (id {pid})")
+                if existing == first.ranks:
+                    return self._error(ps, name, f"process set {list(first.ranks)} already exists (id {pid})", first)
             pid = self._next_ps
             self._next_ps += 1
-            self.process_sets[pid] = ranks_
+            self.process_sets[pid] = first.ranks
             return Response(kind, ps, (name,), value=pid)
         if kind == REMOVE_PS:
-            if first.root not in self.process_sets or first.root == 0:
-                return self._error(ps, name, f"process set id {first.root} is not registered (or is the global set)")
-            del self.process_sets[first.root]
-            return Response(kind, ps, (name,), value=first.root)
+            pid = first.set_id
+            if pid not in self.process_sets or pid == 0:
+                return self._error(ps, name, f"process set id {pid} is not registered (or is the global set)", first)
+            self._removing[pid] = self.process_sets.pop(pid)
+            return Response(kind, ps, (name,), value=pid)
         return Response(kind, ps, (name,), op=first.op, dtype=first.dtype, shapes=(first.shape,),
                         root=first.root, pre=first.pre, post=first.post,
                         joined=tuple(sorted(self.joined)) if ps == 0 and kind == ALLREDUCE else ())
@@ -213,8 +229,11 @@ class Coordinator:
         self._next_bit += 1
 
     @staticmethod
-    def _error(ps: int, name: str, msg: str) -> Response:
-        return Response("error", ps, (name,), error=msg)
+    def _error(ps: int, name: str, msg: str, first: Request) -> Response:
+        """A negotiation error: a misused process-set call is the caller's bad input, anything else
+        a mismatch between ranks."""
+        cls: type[HoraError] = HoraValueError if first.kind in (ADD_PS, REMOVE_PS) else MismatchError
+        return error(ps, name, cls, msg)
 
     # -- output --------------------------------------------------------------------------------
     def take(self, nbytes_of) -> tuple[list[Response], list[tuple[int, Request]], list[tuple[int, int]]]:
@@ -239,6 +258,7 @@ class Coordinator:
             out.append([resp])
             sizes.append(0)
         self.ready = []
+        self._removed, self._removing = self._removing, {}  # every removal agreed is in this batch
         adds, self.additions = self.additions, []
         evicts, self.evictions = self.evictions, []
         fused = [group[0] if len(group) == 1 else group[0]._replace(
@@ -246,11 +266,18 @@ class Coordinator:
             shapes=tuple(sh for r in group for sh in r.shapes)) for group in out]
         return fused, adds, evicts
 
+    def share(self, peer: int, responses: list[Response], additions: list[tuple[int, Request]],
+              evictions: list[tuple[int, int]]) -> tuple[list, list, list]:
+        """What rank ``peer`` hears of one :meth:`take`: the responses on its sets (process-set changes
+        go to everyone, since every rank keeps the table), and the cache bits of its sets."""
+        ranks_of = self.ranks_of
+        mine = [r for r in responses if peer in ranks_of(r.ps) or r.kind in (ADD_PS, REMOVE_PS)]
+        adds = [(b, q) for b, q in additions if peer in ranks_of(q.ps)]
+        evicts = [b for b, ps in evictions if peer in ranks_of(ps)]
+        return mine, adds, evicts
+
     def stalled(self, older_than: float) -> list[tuple[int, str, list[int]]]:
         """(process set, name, missing ranks) for tensors waiting longer than ``older_than`` s."""
         now = time.monotonic()
         return [(ps, name, sorted(self._required(ps) - set(e.requests)))
                 for (ps, name), e in self.table.items() if now - e.since > older_than]
-
-    def oldest(self) -> float | None:
-        return min((e.since for e in self.table.values()), default=None)

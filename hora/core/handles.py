@@ -10,7 +10,7 @@ import itertools
 import threading
 from typing import Any, Callable
 
-from hora.base.errors import HoraValueError
+from hora.base.errors import BusyError, HoraValueError
 
 
 class Handle:
@@ -71,10 +71,14 @@ class HandleTable:
         return self.get(hid).done
 
     def synchronize(self, hid: int) -> Any:
+        """Wait for handle ``hid`` (running the engine meanwhile, see ``drive``) and return its result.
+        Raises the collective's error, HoraValueError for an unknown or spent handle, and BusyError
+        when another thread already waits on it (waiting twice cannot be made to mean anything)."""
         h = self.get(hid)
         with self._lock:
             if h.waiter is not None and h.waiter != threading.get_ident():
-                raise HoraValueError(f"handle {hid} ('{h.name}') is already being waited on by another thread")
+                raise BusyError(f"handle {hid} ('{h.name}') is already being waited on by another thread; "
+                                "synchronize each handle from one thread")
             h.waiter = threading.get_ident()
         if self.drive is not None:
             self.drive(h)

@@ -50,6 +50,46 @@ def split(resp: m.Response, flags: list[bool]) -> tuple[m.Response | None, m.Res
             resp._replace(names=tuple(resp.names[i] for i in rest), shapes=tuple(resp.shapes[i] for i in rest)))
 
 
+def answer(responses: list[m.Response], payloads: dict, local: dict, ranks_of, me: int,
+           threshold: int) -> list[m.Response]:
+    """Rank 0: ``responses`` with the allreduces whose inputs are all at hand reduced here. ``payloads``
+    maps (set, name) to {rank: input} as sent with the requests; the inputs of every name answered
+    are dropped from it, used or not (this rank's threshold may be 0 while other ranks' is not).
+    ``local`` maps (set, name) to this rank's own submissions."""
+    out = []
+    for resp in responses:
+        sent = {n: payloads.pop((resp.ps, n), None) for n in resp.names}
+        if threshold <= 0 or resp.kind != m.ALLREDUCE or resp.error is not None:
+            out.append(resp)
+        else:
+            out += _answer_one(resp, sent, local, ranks_of(resp.ps), me, threshold)
+    return out
+
+
+def _answer_one(resp: m.Response, sent: dict, local: dict, ranks: tuple[int, ...], me: int,
+                threshold: int) -> list[m.Response]:
+    """``resp`` as an inline response and/or a normal one, by which of its names have every input."""
+    joined = resp.joined
+    others = [r for r in ranks if r != me and r not in joined]
+    mine_counts = me in ranks and me not in joined
+
+    def ready(name: str) -> bool:
+        got = sent[name]
+        if others and (got is None or any(r not in got for r in others)):
+            return False
+        mine = local.get((resp.ps, name)) if mine_counts else None
+        return not mine_counts or (mine is not None and mine.array is not None and mine.array.nbytes <= threshold)
+
+    def inputs(r: int, name: str):
+        if r in joined:
+            return None
+        return local[(resp.ps, name)].array if r == me else sent[name][r]
+
+    fast, slow = split(resp, [ready(n) for n in resp.names])
+    out = [] if fast is None else [m.with_data(fast, reduce(fast, ranks, inputs))]
+    return out if slow is None else out + [slow]
+
+
 def reduce(resp: m.Response, ranks: tuple[int, ...], inputs) -> bytes:
     """The result of inline response ``resp`` over process set ``ranks``: ``inputs(rank, name)`` gives
     that rank's input (bytes or array) or None for a rank contributing zeros (joined)."""

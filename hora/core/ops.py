@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 
+from hora.base.errors import HoraValueError, NotSupportedError
 from hora.collectives.reduce import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, check_dtype
 from hora.core import messages as m
 from hora.core.basics import state
-from hora.base.errors import HoraValueError
 from hora.core.execute import Pending
 from hora.core.process_sets import ProcessSet, global_process_set
 
@@ -43,9 +43,11 @@ def _auto_name(name: str | None, ps: int = 0) -> str:
         return f"noname.{next(counter)}"
 
 
-def _check_op(op: int, what: str) -> int:
+def check_op(op: int, what: str) -> int:
+    """``op`` if hora can reduce with it; the one place that refuses Adasum (bindings call it too)."""
     if op == Adasum:
-        raise NotImplementedError(f"{what}: op=Adasum is not implemented yet; use Average or Sum")
+        raise NotSupportedError(f"{what}: op=Adasum is not implemented in hora yet; use op=Average (the default) "
+                                "or Sum")
     if op not in OP_NAMES:
         raise HoraValueError(f"{what}: unknown op {op!r}; use one of "
                              + ", ".join(f"hora.{n} ({v})" for v, n in OP_NAMES.items() if v != Adasum))
@@ -90,7 +92,7 @@ def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False
         fields.setdefault("dtype", dtype)
         fields.setdefault("shape", a.shape)
     full = _auto_name(name, ps)
-    req = m.Request(full, kind, ps=ps, **fields)
+    req = (m.SetRequest if kind in (m.ADD_PS, m.REMOVE_PS) else m.Request)(full, kind, ps=ps, **fields)
     handle = st.engine.handles.new(f"{kind}.{full}", finish)
     return Pending(req, handle, a, inplace, flush)
 
@@ -151,7 +153,7 @@ def allreduce_async(array, op: int = Average, prescale_factor: float = 1.0, post
                     name: str | None = None, process_set: ProcessSet = global_process_set, *,
                     _flush: bool = False) -> int:
     """Start an allreduce of ``array``; ``synchronize`` returns a new array."""
-    _check_op(op, "allreduce")
+    check_op(op, "allreduce")
     return _submit(m.ALLREDUCE, array, name, process_set, flush=_flush, op=op, pre=float(prescale_factor),
                    post=float(postscale_factor))
 
@@ -160,7 +162,7 @@ def allreduce_async_(array: np.ndarray, op: int = Average, prescale_factor: floa
                      postscale_factor: float = 1.0, name: str | None = None,
                      process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
     """Start an in-place allreduce; ``synchronize`` returns ``array``, reduced."""
-    _check_op(op, "allreduce_")
+    check_op(op, "allreduce_")
     return _submit(m.ALLREDUCE, array, name, process_set, inplace=True, flush=_flush, op=op,
                    pre=float(prescale_factor), post=float(postscale_factor))
 
@@ -206,7 +208,7 @@ def grouped_allreduce_async(arrays, op: int = Average, prescale_factor: float = 
 
 
 def _reduce_fields(op, pre, post, what) -> dict:
-    return {"op": _check_op(op, what), "pre": float(pre), "post": float(post)}
+    return {"op": check_op(op, what), "pre": float(pre), "post": float(post)}
 
 
 def grouped_allreduce_async_(arrays, op: int = Average, prescale_factor: float = 1.0,
@@ -309,7 +311,7 @@ def alltoall(array, splits=None, name: str | None = None, process_set: ProcessSe
 def reducescatter_async(array, op: int = Average, name: str | None = None,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0, *, _flush: bool = False) -> int:
-    _check_op(op, "reducescatter")
+    check_op(op, "reducescatter")
     return _submit(m.REDUCESCATTER, array, name, process_set, flush=_flush, op=op, pre=float(prescale_factor),
                    post=float(postscale_factor))
 

@@ -91,7 +91,7 @@ def register(ps: ProcessSet, at_init: bool = False) -> ProcessSet:
         raise HoraValueError(f"{ps}: ranks {bad or '[]'} are not ranks of this job (size {st.topo.size})")
     st.ps_calls += 1
     pid = ops.synchronize(ops._submit(m.ADD_PS, None, f"process_set.{st.ps_calls}", global_process_set,
-                                      flush=True, shape=tuple(ps.ranks)))
+                                      flush=True, ranks=tuple(ps.ranks)))
     ps.process_set_id = pid
     return ps
 
@@ -113,6 +113,6 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     st.ps_calls += 1
     ops.synchronize(ops._submit(m.REMOVE_PS, None, f"process_set.{st.ps_calls}", global_process_set,
-                                flush=True, root=pid))
+                                flush=True, set_id=pid))
     process_set.process_set_id = None
     return True

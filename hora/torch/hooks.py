@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from hora.base.errors import HoraValueError
-from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
+from hora.core.ops import Average, check_op
 from hora.core.process_sets import global_process_set
 from hora.torch import mpi_ops
 from hora.torch.compression import Compression
@@ -33,10 +33,7 @@ class AllreduceState:
     __slots__ = ("op", "prescale_factor", "postscale_factor", "process_set")
 
     def __init__(self, op=Average, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
-        if op == Adasum:
-            raise NotImplementedError("op=Adasum is not implemented in hora yet; use hvd.Average or hvd.Sum")
-        if op not in (Average, Sum, Min, Max, Product):
-            raise HoraValueError(f"AllreduceState: unknown op {op!r}; use hvd.Average, Sum, Min, Max or Product")
+        check_op(op, "AllreduceState")
         for name, v in (("prescale_factor", prescale_factor), ("postscale_factor", postscale_factor)):
             if not math.isfinite(float(v)):
                 raise HoraValueError(f"AllreduceState: {name}={v!r} must be a finite number")

@@ -15,9 +15,9 @@ import warnings
 
 import torch
 
-from hora.base import env
+from hora.base import knobs
 from hora.base.errors import HoraValueError
-from hora.core.ops import Adasum, Average
+from hora.core.ops import Average, check_op
 from hora.core.process_sets import global_process_set
 from hora.torch import hooks, mpi_ops
 from hora.torch.compression import Compression
@@ -61,7 +61,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._hook_handles = []
         # as in Horovod: no hooks for a world of one, unless elastic training may grow it
-        active = process_set.included() and (process_set.size() > 1 or env.get("ELASTIC") == "1")
+        active = process_set.included() and (process_set.size() > 1 or knobs.value("elastic"))
         if active:
             for p in self._requires_update:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(self._hora_hook))
@@ -226,9 +226,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     >>> opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
     ...                                named_parameters=model.named_parameters())
     """
-    if op == Adasum:
-        raise NotImplementedError("DistributedOptimizer(op=Adasum) is not implemented in hora yet; "
-                                  "use op=hvd.Average (the default) or hvd.Sum")
+    check_op(op, "DistributedOptimizer")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise HoraValueError(f"gradient_predivide_factor={gradient_predivide_factor} only works with "
                              "op=hvd.Average (it splits the averaging before and after the sum)")

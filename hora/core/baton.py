@@ -1,0 +1,133 @@
+"""The baton: which thread runs the engine's cycles, the engine thread or a waiting caller.
+
+A caller blocked in ``synchronize()`` runs engine cycles itself instead of sleeping until the engine
+thread has run them and woken it: that hand-off costs two thread switches per collective, the
+largest part of a small one (benchmarks/README.md). The baton decides who may, as a small state
+machine::
+
+    NOBODY --engine_take()--------------------------> ENGINE --release()--> NOBODY
+    NOBODY --wait(), by the only waiting caller-----> CALLER --release()--> NOBODY
+    (the engine thread's engine_take() sleeps while a caller holds it; the release wakes it)
+
+Invariants. All of the baton's state is read and written under one lock, except ``holder`` read by
+the holder itself (who knows it) or by a submitter (see ``Submissions.add`` for why that is enough).
+
+1. At most one holder, and only the holder runs cycles.
+2. A caller drives only when nobody holds the baton and it is the only caller waiting. With several
+   waiters the engine thread serves them all (batching their messages, as it does asynchronous
+   work), and a waiter never blocks on the baton: a driver may be waiting for a collective that
+   needs another waiter's next submission, which that waiter makes only once it has returned (the
+   four-thread deadlock fixed in ce7fec8).
+3. Every event a waiter can be waiting for advances ``epoch`` and notifies, under the lock: the end
+   of a cycle (handles may have finished), a release (the baton is free), a waiter leaving (the
+   one left may now drive) and ``poke`` (handles finished outside any cycle, at shutdown). A waiter
+   reads ``epoch`` in the same critical section in which it found it may not drive, and sleeps
+   only while ``epoch`` is unchanged and its handle not done. So no wake-up is lost.
+4. When the baton is free and callers wait, the engine thread must be awake to serve them: the
+   waiter that finds the baton free but may not take it kicks the engine thread (once per wait;
+   from then on the work it waits for wakes the engine thread: control messages and submissions).
+
+Every timed wait below uses ``SAFETY_NET_S``, a safety net for a flaw in this reasoning only; the
+tests set it to an hour, so that a lost wake-up shows up as a hang rather than as latency.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+NOBODY, ENGINE, CALLER = "nobody", "engine", "caller"
+SAFETY_NET_S = 1.0
+
+
+class Baton:
+    __slots__ = ("_lock", "_cond", "holder", "waiters", "epoch", "_engine_waiting")
+
+    def __init__(self) -> None:
+        # ``with self._lock`` holds the condition too (it is the condition's lock) and costs less than
+        # ``with self._cond``, a Python-level call: these run several times per collective
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self.holder = NOBODY
+        self.waiters = 0  # callers inside wait()
+        self.epoch = 0  # advanced by every event a waiter may wait for (invariant 3)
+        self._engine_waiting = False
+
+    def held(self) -> bool:
+        """Somebody runs cycles now (read without the lock, by a submitter)."""
+        return self.holder is not NOBODY
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def engine_take(self) -> None:
+        """Block until the baton is free, then hold it (the engine thread, before a cycle)."""
+        with self._lock:
+            while self.holder is not NOBODY:
+                self._engine_waiting = True
+                self._cond.wait(SAFETY_NET_S)
+            self._engine_waiting = False
+            self.holder = ENGINE
+
+    # -- the holder ----------------------------------------------------------------------------
+    def cycle_done(self) -> None:
+        """The holder finished a cycle: waiters look at their handles again."""
+        with self._lock:
+            self.epoch += 1
+            if self.waiters > (self.holder is CALLER):  # a driving caller is a waiter itself
+                self._cond.notify_all()
+
+    def release(self) -> None:
+        with self._lock:
+            self.holder = NOBODY
+            self.epoch += 1
+            if self.waiters or self._engine_waiting:
+                self._cond.notify_all()
+
+    def poke(self) -> None:
+        """Handles finished outside any cycle (failed at shutdown): waiters look again."""
+        with self._lock:
+            self.epoch += 1
+            self._cond.notify_all()
+
+    # -- a caller ------------------------------------------------------------------------------
+    def wait(self, done: Callable[[], bool], drive: Callable[[], bool], kick: Callable[[], None]) -> bool:
+        """Return once ``done()``: meanwhile run ``drive()`` holding the baton whenever invariant 2
+        allows (it runs cycles until ``done()``, calling ``cycle_done`` after each, and returns False
+        once the engine can run no more cycles), else sleep until an event (invariant 3). ``kick()``
+        wakes the engine thread. Returns False when ``drive()`` did, with ``done()`` still false: the
+        caller then waits for the handle itself (shutdown fails it)."""
+        cond, lock = self._cond, self._lock
+        counted = False
+        try:
+            kicked = False
+            while True:
+                with lock:
+                    if not counted:
+                        self.waiters += 1
+                        counted = True
+                    if done():
+                        return True
+                    mine = self.holder is NOBODY and self.waiters == 1
+                    if mine:
+                        self.holder = CALLER
+                    else:
+                        idle, seen = self.holder is NOBODY, self.epoch
+                if mine:
+                    try:
+                        if not drive():
+                            return done()
+                    finally:
+                        self.release()
+                    continue
+                if idle and not kicked:  # invariant 4
+                    kick()
+                    kicked = True
+                with lock:
+                    while self.epoch == seen and not done():
+                        cond.wait(SAFETY_NET_S)
+        finally:
+            if counted:
+                with lock:
+                    self.waiters -= 1
+                    if self.waiters:  # the one left may now drive
+                        self.epoch += 1
+                        cond.notify_all()

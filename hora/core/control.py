@@ -1,0 +1,74 @@
+"""The engine's end of the control plane: the only module of the engine that uses the transport's
+:class:`hora.transport.control.ControlPlane` (``comm.ctrl``), so that a change of that interface is one
+edit here.
+
+Messages go out as tuples (:mod:`hora.core.messages`) and come back decoded. A goodbye (``BYE``) is
+acted on as it is read, wherever that happens (in the engine loop or in the middle of a collective):
+the peer's connection closes next, and that close must not be taken for a crash.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hora.base.errors import HoraError
+from hora.core import messages as m
+
+
+class Control:
+    """Send and receive control messages to and from peers; remember who left on purpose."""
+
+    def __init__(self, comm, size: int):
+        self._ctrl = comm.ctrl  # every communicator has one; a world of one rank's has no peers
+        self._send_ctrl, self._recv_ctrl = self._ctrl.send, self._ctrl.receive  # bound once: the hot path
+        self.departed: set[int] = set()  # ranks that said goodbye (shut down on purpose)
+
+    def fds(self) -> list[int]:
+        """The descriptors the engine thread sleeps on (a closed one leaves an epoll set by itself)."""
+        return self._ctrl.fds()
+
+    @property
+    def peers(self) -> list[int]:
+        """The ranks this one has a control connection to: everyone from rank 0, rank 0 elsewhere."""
+        return list(self._ctrl.peers)
+
+    def send(self, peer: int, msg: tuple) -> None:
+        self._send_ctrl(peer, m.dumps(msg))
+
+    def tell(self, peers, msg: tuple) -> None:
+        """Best-effort send to each of ``peers`` still here: for news (goodbye, abort, stall shutdown)
+        whose sender is about to fail or leave anyway, so a peer already gone is no error."""
+        data = m.dumps(msg)
+        for p in peers:
+            if p in self.departed:
+                continue
+            try:
+                self._send_ctrl(p, data)
+            except HoraError:
+                pass
+
+    def recv(self, timeout: float | None, wake_fd: int | None = None) -> list[tuple[int, tuple]]:
+        """Wait up to ``timeout`` s (None: for ever) for messages or for ``wake_fd`` to be readable."""
+        return [(peer, self._decode(peer, data)) for peer, data in self._recv_ctrl(timeout, wake_fd)]
+
+    def poll(self) -> list[tuple[int, tuple]]:
+        """The messages already here, without waiting (a driving caller's spin calls it in a loop)."""
+        got = self._recv_ctrl(0.0)
+        return [(peer, self._decode(peer, data)) for peer, data in got] if got else got
+
+    def during_data_waits(self, fn: Callable[[int, tuple], None]) -> None:
+        """Have ``fn(peer, msg)`` called for messages that arrive while a collective waits for data
+        (every transport's data waits service the control plane)."""
+        self._ctrl.on_message = lambda peer, data: fn(peer, self._decode(peer, data))
+
+    def close_in_child(self) -> None:
+        """In a forked child: close the child's copies of the connections' descriptors (the parent's
+        stay open), so that the child can never write into the parent's streams."""
+        self._ctrl.close_in_child()
+
+    def _decode(self, peer: int, data: bytes) -> tuple:
+        msg = m.loads(data)
+        if msg[0] == m.BYE:
+            self.departed.add(msg[1])
+            self._ctrl.expect_close(msg[1])
+        return msg
