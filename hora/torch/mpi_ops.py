@@ -427,11 +427,17 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
 
 
 def _scatter_grad(grads, args):
-    """The gradient of a reducescatter: the gathered gradients, scaled as the forward pass scaled."""
+    """The gradient of a reducescatter, by Horovod's rule: the allgather of the incoming gradients times the
+    set's size for Sum (nothing for Average) and times the prescale and postscale factors.
+
+    This is not the Jacobian's transpose (that would be ``pre * post`` for Sum and also divide by the size
+    for Average); it is what Horovod computes, and scripts and tests written for Horovod depend on it:
+    with gradient ones at np=2, Sum gives 2 and Average gives 1.
+    """
     op, pre, post, ps = args
     if op not in (Average, Sum):
         raise NotImplementedError(f"reducescatter: no gradient for op {op!r}; only Average and Sum have one")
-    scale = pre * post / (ps.size() if op == Average else 1)
+    scale = (ps.size() if op == Sum else 1) * pre * post
     return [g * scale if scale != 1.0 else g for g in grouped_allgather(list(grads), process_set=ps)]
 
 
