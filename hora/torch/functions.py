@@ -83,6 +83,7 @@ def _initialise_state(optimizer) -> None:
     cls = type(optimizer)
     step = getattr(cls, "_hora_base_step", None)  # a DistributedOptimizer: step without communicating
     saved = [(p, p.detach().clone(), p.grad) for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+
     def zero(p):
         z = torch.zeros_like(p)
         return z.to_sparse() if isinstance(optimizer, torch.optim.SparseAdam) else z
