@@ -195,13 +195,13 @@ def test_autograd_follows_horovods_rules():
         out = hvd.alltoall(a)
         (out * (r + 1)).sum().backward()
         assert a.grad.view(-1).tolist() == [1.0, 1.0, 2.0, 2.0]
-        # reducescatter: the gathered gradient, scaled like the forward pass
+        # reducescatter: the gathered gradient, times the set's size for Sum (Horovod's rule)
         s = torch.ones(4, 1, requires_grad=True)
         (hvd.reducescatter(s, op=hvd.Sum) * (r + 1)).sum().backward()
-        assert s.grad.view(-1).tolist() == [1.0, 1.0, 2.0, 2.0]
+        assert s.grad.view(-1).tolist() == [2.0, 2.0, 4.0, 4.0]
         s.grad = None
         (hvd.reducescatter(s) * (r + 1)).sum().backward()
-        assert s.grad.view(-1).tolist() == [0.5, 0.5, 1.0, 1.0]
+        assert s.grad.view(-1).tolist() == [1.0, 1.0, 2.0, 2.0]
         # grouped forms
         g1, g2 = torch.ones(2, requires_grad=True), torch.ones(1, requires_grad=True)
         o1, o2 = hvd.grouped_allreduce([g1, g2], op=hvd.Sum)
@@ -212,7 +212,7 @@ def test_autograd_follows_horovods_rules():
         assert h.grad.tolist() == [2.0] * (r + 1)
         q = torch.ones(2, 1, requires_grad=True)
         hvd.grouped_reducescatter([q], op=hvd.Sum)[0].sum().backward()
-        assert q.grad.view(-1).tolist() == [1.0, 1.0]
+        assert q.grad.view(-1).tolist() == [2.0, 2.0]
         # compression keeps the graph: fp16 on the wire, float32 gradient
         c = torch.ones(2, requires_grad=True)
         hvd.allreduce(c, op=hvd.Sum, compression=hvd.Compression.fp16).sum().backward()

@@ -74,13 +74,22 @@ def _fill(x, tensors: list):
 
 def _initialise_state(optimizer) -> None:
     """Give an optimizer without state its state by one step on zero gradients (Horovod does the same),
-    then put parameters and gradients back as they were: that step must not move the model."""
+    then put the parameters back: that step must not move the model (with weight decay it would).
+
+    As in Horovod, every parameter that requires a gradient keeps the zero gradient it was given when it
+    had none (Horovod's own tests broadcast ``p.grad`` right after this call; a parameter that requires no
+    gradient keeps ``None``). A gradient that was there already is put back rather than zeroed.
+    """
     cls = type(optimizer)
     step = getattr(cls, "_hora_base_step", None)  # a DistributedOptimizer: step without communicating
     saved = [(p, p.detach().clone(), p.grad) for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+    def zero(p):
+        z = torch.zeros_like(p)
+        return z.to_sparse() if isinstance(optimizer, torch.optim.SparseAdam) else z
+
     for p, _, _ in saved:
-        zero = torch.zeros_like(p)
-        p.grad = zero.to_sparse() if isinstance(optimizer, torch.optim.SparseAdam) else zero
+        p.grad = zero(p)
     if step is not None:
         step(optimizer)
     else:
@@ -88,7 +97,7 @@ def _initialise_state(optimizer) -> None:
     with torch.no_grad():
         for p, data, grad in saved:
             p.copy_(data)
-            p.grad = grad
+            p.grad = zero(p) if grad is None else grad  # fresh: the step may have written into its gradient
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None) -> None:

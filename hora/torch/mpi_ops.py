@@ -13,6 +13,7 @@ modified until its handle is synchronized: the engine reads it when the collecti
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -260,18 +261,42 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
-    """Reduce a sparse COO tensor by allgathering its indices and values; returns a function that waits
-    and returns the combined sparse tensor (values divided by the set size for Average)."""
+    """Reduce a sparse COO tensor without densifying it; returns a function that waits and returns the
+    result, a coalesced sparse tensor of ``tensor``'s size (duplicate indices summed, then the values
+    divided by the set's size for Average).
+
+    Every rank's indices and values travel in one allgather named ``name``, each row being one nonzero's
+    index (its int64 bytes read as the values' dtype) followed by its values. One collective rather than
+    Horovod's two (``name.indices``, ``name.values``) means a rank that reduces this gradient dense instead
+    (it had no gradient to give) meets a mismatch error on the same name rather than waiting forever for
+    names it never submits; the allgather also checks that the ranks agree on dtype and row width.
+    """
     if op not in (Average, Sum):
         raise HoraValueError(f"sparse_allreduce_async: op {op!r} is not supported; use hvd.Average or hvd.Sum")
-    indices = allgather_async(tensor._indices().t().contiguous(), f"{name}.indices", process_set)
-    values = allgather_async(tensor._values(), f"{name}.values", process_set)
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        got = tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise HoraValueError(f"sparse_allreduce_async: expected a sparse COO tensor, got {got}; use allreduce "
+                             "for dense tensors")
+    t = tensor.detach()
+    values = t._values()
+    if 8 % values.element_size():
+        raise HoraValueError(f"sparse_allreduce_async: values of type {values.dtype} are not supported")
+    shape, dense = values.shape[1:], math.prod(values.shape[1:])
+    index_cols = t.sparse_dim() * 8 // values.element_size()
+    indices = t._indices().t().clone(memory_format=torch.contiguous_format)  # unit last stride, for view()
+    rows = torch.cat([indices.view(values.dtype),
+                      values.contiguous().reshape(values.shape[0], dense)], dim=1)
+    handle = allgather_async(rows, name, process_set)
 
     def wait():
-        v, i = synchronize(values), synchronize(indices)
+        got = synchronize(handle)
+        indices = got[:, :index_cols].contiguous().view(torch.int64).t()
+        out = torch.sparse_coo_tensor(indices, got[:, index_cols:].reshape(-1, *shape), t.size(),
+                                      check_invariants=True).coalesce()
         if op == Average:
-            v = v / process_set.size()
-        return torch.sparse_coo_tensor(i.t(), v, tensor.size())
+            out = torch.sparse_coo_tensor(out.indices(), out.values() / process_set.size(), t.size(),
+                                          is_coalesced=True)
+        return out
     return wait
 
 
@@ -427,11 +452,17 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
 
 
 def _scatter_grad(grads, args):
-    """The gradient of a reducescatter: the gathered gradients, scaled as the forward pass scaled."""
+    """The gradient of a reducescatter, by Horovod's rule: the allgather of the incoming gradients times the
+    set's size for Sum (nothing for Average) and times the prescale and postscale factors.
+
+    This is not the Jacobian's transpose (that would be ``pre * post`` for Sum and also divide by the size
+    for Average); it is what Horovod computes, and scripts and tests written for Horovod depend on it:
+    with gradient ones at np=2, Sum gives 2 and Average gives 1.
+    """
     op, pre, post, ps = args
     if op not in (Average, Sum):
         raise NotImplementedError(f"reducescatter: no gradient for op {op!r}; only Average and Sum have one")
-    scale = pre * post / (ps.size() if op == Average else 1)
+    scale = (ps.size() if op == Sum else 1) * pre * post
     return [g * scale if scale != 1.0 else g for g in grouped_allgather(list(grads), process_set=ps)]
 
 

@@ -47,6 +47,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._parameter_names = _names(named_parameters, self.param_groups)
         self.backward_passes_per_step = backward_passes_per_step
         self.op, self.process_set, self.sparse_as_dense = op, process_set, sparse_as_dense
+        self._sparse_dims: dict = {}  # parameter -> sparse_dim of its last sparse gradient
         self._compression = compression
         pre, post = (1.0 / gradient_predivide_factor, gradient_predivide_factor) if op == Average else (1.0, 1.0)
         self._comm_state = hooks.AllreduceState(op, pre, post, process_set)
@@ -93,9 +94,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         dense, sparse = [], []
         for p in params:
             if p.grad is None:
-                p.grad = torch.zeros_like(p)
+                p.grad = self._zeros(p)
             if p.grad.is_sparse and self.sparse_as_dense:
-                p.grad = p.grad.to_dense()
+                p.grad = _densify(p.grad)
+            if p.grad.is_sparse:
+                self._sparse_dims[p] = p.grad.sparse_dim()
             (sparse if p.grad.is_sparse else dense).append(p)
         parts = [("sparse", p, mpi_ops.sparse_allreduce_async(p.grad, self._parameter_names[p], self.op,
                                                               self.process_set)) for p in sparse]
@@ -103,6 +106,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             bucket = [(self._parameter_names[p], p.grad) for p in dense]
             parts.append(("dense", None, self._comm_hook(self._comm_state, bucket)))
         return parts
+
+    def _zeros(self, p: torch.Tensor) -> torch.Tensor:
+        """The zero gradient of a parameter that got none on this rank, in the layout the other ranks use:
+        sparse (no nonzeros) for a parameter whose gradients have been sparse and for every parameter of
+        SparseAdam (which refuses dense ones), dense otherwise. A dense zero where the others send sparse
+        rows would be a different collective (a mismatch error), and SparseAdam would refuse it."""
+        sparse_dim = self._sparse_dims.get(p, 1 if isinstance(self, torch.optim.SparseAdam) else None)
+        if sparse_dim is None or self.sparse_as_dense:
+            return torch.zeros_like(p)
+        return torch.zeros_like(p).to_sparse(sparse_dim)
 
     # -- public methods --------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -170,6 +183,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._ready.clear()
         for p in self._delay:
             self._delay[p] = self.backward_passes_per_step
+
+
+def _densify(grad: torch.Tensor) -> torch.Tensor:
+    """``grad.to_dense()``, through values with ordinary strides: torch (2.13, CPU) densifies a sparse
+    tensor whose values have stride 0 as zeros, and an embedding's gradient for a single looked-up row
+    has such values (the expanded gradient of ``sum``)."""
+    values = grad._values().clone(memory_format=torch.contiguous_format)
+    return torch.sparse_coo_tensor(grad._indices(), values, grad.shape, check_invariants=False).to_dense()
 
 
 def _names(named_parameters, param_groups) -> dict:
