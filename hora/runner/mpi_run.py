@@ -37,6 +37,7 @@ from typing import IO, Any, Callable
 
 from hora.base import contract
 from hora.runner import hosts as hostlib
+from hora.runner import reaper
 from hora.runner.cli_args import UsageError
 from hora.runner.flags import env_for
 from hora.runner.spawn import Output, _die_with_parent, pump_lines
@@ -211,6 +212,8 @@ def run_mpi(values: dict[str, Any], command: list[str], noops: list[str],
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+        if reaper.claimed():  # `hora run --mpi`: what the ranks orphaned was adopted by us; mpirun is gone
+            reaper.Tracker(reaper.new_mark()).kill_all()
         for t in threads:
             t.join(5)
         output.close()

@@ -1,0 +1,153 @@
+"""No process of a job survives its teardown (issue 11, item 9): a normal end, a failed rank, SIGTERM of
+the launcher, SIGKILL of the launcher; on this machine and over ssh on the namespace hosts.
+
+Each rank leaves behind what real jobs leave: a child in its own group (``sleep``), a grandchild that
+called ``setsid`` and whose parent exited (so it was orphaned, outside every rank's group and session),
+and one that did the same and ignores SIGTERM. Every pid is recorded in a file; after the teardown each
+must be gone (or a zombie) within 5 s, polled through /proc against a deadline. Real processes only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hora.runner import reaper
+from test_multihost import cluster  # noqa: F401 - the namespace hosts fixture
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+WITHIN = 5.0  # s: the requirement
+
+# argv: scratch dir, how the job ends ("end", "fail", "term", "kill")
+WORKER = r"""
+import os, signal, subprocess, sys, time
+d, how = sys.argv[1], sys.argv[2]
+r = int(os.environ["HORA_RANK"])
+child = subprocess.Popen(["sleep", "1000"])  # stays in the rank's group
+# an intermediate that starts a setsid grandchild and exits: the grandchild is an orphan in its own session
+DETACH = ("import os, signal, subprocess, sys; stubborn = sys.argv[2] == '1'; "
+          "p = subprocess.Popen([sys.executable, '-c', 'import os, signal, time; os.setsid(); "
+          "signal.signal(signal.SIGTERM, signal.SIG_IGN) if %s else None; time.sleep(1000)'] "
+          "if stubborn else ['sleep', '1000'], start_new_session=not stubborn); "
+          "open(sys.argv[1], 'w').write(str(p.pid))")
+pids = [os.getpid(), child.pid]
+for stubborn in ("0", "1"):
+    f = f"{d}/gc.{r}.{stubborn}"
+    subprocess.run([sys.executable, "-c", DETACH % (stubborn == "1"), f, stubborn], check=True)
+    pids.append(int(open(f).read()))
+with open(f"{d}/pids.{r}.tmp", "w") as f:
+    f.write(" ".join(map(str, pids)))
+os.rename(f"{d}/pids.{r}.tmp", f"{d}/pids.{r}")
+print("ready", r, flush=True)
+if how == "end":
+    sys.exit(0)
+if how == "fail" and r == 1:
+    sys.exit(3)
+time.sleep(1000)
+"""
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(extra or {})
+    return env
+
+
+def _alive(pid: int) -> bool:
+    p = reaper.snapshot_one(pid)
+    return p is not None and p.alive
+
+
+def _recorded(d: Path, n: int, proc: subprocess.Popen, timeout: float = 30) -> list[int]:
+    """Every pid the ``n`` ranks recorded, once all have."""
+    deadline = time.monotonic() + timeout
+    while len(list(d.glob("pids.*[0-9]"))) < n:
+        if proc.poll() is not None and len(list(d.glob("pids.*[0-9]"))) < n:
+            out, err = proc.communicate()
+            pytest.fail(f"the job ended before its ranks were ready ({proc.returncode}):\n{out}\n{err}")
+        assert time.monotonic() < deadline, "the ranks did not get ready"
+        time.sleep(0.05)
+    pids = [int(x) for f in sorted(d.glob("pids.*[0-9]")) for x in f.read_text().split()]
+    assert len(pids) == 4 * n
+    return pids
+
+
+def _run_teardown(cmd: list[str], env: dict[str, str], d: Path, n: int, how: str) -> None:
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        pids = _recorded(d, n, proc)
+        event = time.monotonic()  # "end" and "fail": the ranks end (or fail) as soon as they are ready
+        if how == "term":
+            proc.send_signal(signal.SIGTERM)
+        elif how == "kill":
+            os.kill(proc.pid, signal.SIGKILL)
+        deadline = event + WITHIN  # polled while the launcher runs: its own exit is no part of the measure
+        while any(_alive(p) for p in pids):
+            left = [p for p in pids if _alive(p)]
+            assert time.monotonic() < deadline, f"{how}: still there {WITHIN:g} s after the teardown began: {left}"
+            time.sleep(0.05)
+        print(f"{how}: every process gone {time.monotonic() - event:.2f} s after the teardown began")
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    expect = {"end": 0, "fail": 3, "term": 143, "kill": -signal.SIGKILL}[how]
+    assert proc.returncode == expect, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["end", "fail", "term", "kill"])
+def test_no_process_survives_a_local_teardown(tmp_path, how):
+    cmd = [PY, "-m", "hora.runner", "run", "-np", "2", PY, "-c", WORKER, str(tmp_path), how]
+    _run_teardown(cmd, _env(), tmp_path, 2, how)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["end", "fail", "term", "kill"])
+def test_no_process_survives_a_teardown_over_ssh(cluster, tmp_path, how):  # noqa: F811
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    cmd = [PY, "-m", "hora.runner", "run", "-H", "hora-a:1,hora-b:1", PY, str(worker), str(tmp_path), how]
+    _run_teardown(cmd, _env(cluster.env()), tmp_path, 2, how)
+    deadline = time.monotonic() + WITHIN  # and the bootstraps and their keepers have gone too
+    while any(cluster.strays(h) for h in ("hora-a", "hora-b")):
+        assert time.monotonic() < deadline, {h: cluster.strays(h) for h in ("hora-a", "hora-b")}
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(30)
+def test_tracker_finds_a_marked_process_and_what_it_started(tmp_path):
+    """The keeper's view: no tree to go by, only the mark, and the unmarked children of marked processes."""
+    mark = reaper.new_mark()
+    code = ("import os, subprocess, sys; c = subprocess.Popen(['sleep', '1000'], env={}, start_new_session=True); "
+            "print(c.pid, flush=True); os.execvp('sleep', ['sleep', '1000'])")
+    p = subprocess.Popen([PY, "-c", code], env={**os.environ, reaper.MARK: mark}, stdout=subprocess.PIPE, text=True)
+    try:
+        scrubbed = int(p.stdout.readline())  # no environment at all: found as the marked one's child
+        other = subprocess.Popen(["sleep", "1000"], env={**os.environ, reaper.MARK: reaper.new_mark()})
+        try:
+            found = {q.pid for q in reaper.Tracker(mark, adopt=False).strays()}
+            assert found == {p.pid, scrubbed}, found
+            assert sorted(reaper.Tracker(mark, adopt=False).kill_all()) == sorted([p.pid, scrubbed])
+            assert p.wait(10) == -signal.SIGKILL
+            deadline = time.monotonic() + WITHIN
+            while _alive(scrubbed):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert other.poll() is None  # another job's mark: not ours
+        finally:
+            other.kill()
+            other.wait()
+    finally:
+        p.kill()
+        p.wait()
