@@ -97,6 +97,7 @@ def _run_teardown(cmd: list[str], env: dict[str, str], d: Path, n: int, how: str
             time.sleep(0.05)
         print(f"{how}: every process gone {time.monotonic() - event:.2f} s after the teardown began")
         out, err = proc.communicate(timeout=30)
+        print(f"{how}: the launcher exited {time.monotonic() - event:.2f} s after it began")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -122,6 +123,27 @@ def test_no_process_survives_a_teardown_over_ssh(cluster, tmp_path, how):  # noq
     deadline = time.monotonic() + WITHIN  # and the bootstraps and their keepers have gone too
     while any(cluster.strays(h) for h in ("hora-a", "hora-b")):
         assert time.monotonic() < deadline, {h: cluster.strays(h) for h in ("hora-a", "hora-b")}
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+def test_an_orphan_without_environment_is_found_through_the_subreaper(tmp_path):
+    """No mark and no parent to go by: ``hora run`` adopted it (a child subreaper), so it is the job's. (Were
+    the launcher SIGKILLed, this one would escape: see hora/runner/reaper.py.)"""
+    code = ("import os, subprocess, sys; d = sys.argv[1]; subprocess.run([sys.executable, '-c', "
+            "'import subprocess, sys; p = subprocess.Popen([\"sleep\", \"1000\"], env={}, start_new_session=True); "
+            "open(sys.argv[1], \"w\").write(str(p.pid))', f'{d}/pid'], check=True)")
+    proc = subprocess.Popen([PY, "-m", "hora.runner", "run", "-np", "1", PY, "-c", code, str(tmp_path)], cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    pid = int((tmp_path / "pid").read_text())
+    deadline = time.monotonic() + WITHIN
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"the orphan {pid} is still there"
         time.sleep(0.05)
 
 

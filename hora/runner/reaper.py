@@ -127,7 +127,8 @@ def _marked(pid: int, needle: bytes) -> bool:
 class Tracker:
     """The processes of one job on this host, besides the ranks themselves (``roots``, which their
     starter holds as Popen objects and signals by group): everything below a root, everything carrying
-    or below ``mark``, and, when this process is a subreaper that hora claimed, every orphan it adopted.
+    or below ``mark``, and, when this process is a subreaper that hora claimed, every orphan it adopted
+    that started after the first rank.
     ``exclude``: our own helpers (the keeper, ssh clients), which are never the job's, nor is anything
     below them."""
 
@@ -150,6 +151,13 @@ class Tracker:
     def _is_root(self, p: Proc) -> bool:
         return self.roots.get(p.pid, -1) == p.start
 
+    def _adopted(self, p: Proc) -> bool:
+        """An orphan re-parented to us since the first rank started: the job's, though it kept no trace
+        of where it came from. (Not one from before, e.g. an ssh ControlPersist master left by the host
+        check: that is meant to outlive us.)"""
+        starts = [s for s in self.roots.values() if s is not None]
+        return self.adopt and p.ppid == self.me and bool(starts) and p.start >= min(starts)
+
     def _is_marked(self, p: Proc) -> bool:
         key = (p.pid, p.start)
         hit = self._marks.get(key)
@@ -170,7 +178,7 @@ class Tracker:
                 if p is None or pid in self.exclude or pid in (self.me, 0, 1):
                     found = False
                     break
-                if self._is_root(p) or self._is_marked(p) or (self.adopt and p.ppid == self.me):
+                if self._is_root(p) or self._is_marked(p) or self._adopted(p):
                     found = True
                     break
                 chain.append(pid)
