@@ -173,3 +173,23 @@ def test_tracker_finds_a_marked_process_and_what_it_started(tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+@pytest.mark.timeout(60)
+def test_the_launcher_reaps_orphans_it_adopts_during_the_job():
+    """A subreaper inherits its descendants' orphans, and their exit statuses: a long job whose ranks
+    double-fork short-lived helpers must not pile up zombies."""
+    code = r"""if 1:
+        import os, subprocess, sys, time
+        kid = "import subprocess; print(subprocess.Popen(['sleep', '0.2']).pid)"
+        pid = int(subprocess.run([sys.executable, "-c", kid], capture_output=True, text=True).stdout)
+        deadline = time.monotonic() + 20
+        while os.path.exists(f"/proc/{pid}"):  # a zombie keeps its /proc entry until its parent reaps it
+            if time.monotonic() > deadline:
+                sys.exit(f"{pid} was not reaped")
+            time.sleep(0.05)
+        print("reaped", pid)"""
+    r = subprocess.run([PY, "-m", "hora.runner", "run", "-np", "1", PY, "-c", code], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=40)
+    assert r.returncode == 0, r.stderr
+    assert "reaped" in r.stdout
