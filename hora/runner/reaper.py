@@ -245,8 +245,11 @@ class Keeper:
         try:
             # -I: the standard library only, and not this file's directory on the path; own session:
             # a signal to the starter's group (a Ctrl-C, a killpg) does not reach it
+            # no stdout/stderr of the starter's: whoever reads those (a terminal, a caller's pipe) is not
+            # kept waiting on us; "/": no directory is kept busy by us
             self.proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), "keep", mark],
-                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                         cwd="/", start_new_session=True)
         except OSError:
             self.proc = None
 
