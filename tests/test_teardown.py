@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 
 from hora.runner import reaper
-from test_multihost import cluster  # noqa: F401 - the namespace hosts fixture
+from hora.runner import remote as proto
+from test_multihost import _bootstrap, _frames, cluster  # noqa: F401 - cluster: the namespace hosts fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 WITHIN = 5.0  # s: the requirement
 
-# argv: scratch dir, how the job ends ("end", "fail", "term", "kill")
+# argv: scratch dir, how the job ends ("end", "fail"; the launcher gets "int", "term" or "kill")
 WORKER = r"""
 import os, signal, subprocess, sys, time
 d, how = sys.argv[1], sys.argv[2]
@@ -87,7 +88,9 @@ def _run_teardown(cmd: list[str], env: dict[str, str], d: Path, n: int, how: str
     try:
         pids = _recorded(d, n, proc)
         event = time.monotonic()  # "end" and "fail": the ranks end (or fail) as soon as they are ready
-        if how == "term":
+        if how == "int":  # Ctrl-C
+            proc.send_signal(signal.SIGINT)
+        elif how == "term":
             proc.send_signal(signal.SIGTERM)
         elif how == "kill":
             os.kill(proc.pid, signal.SIGKILL)
@@ -103,12 +106,12 @@ def _run_teardown(cmd: list[str], env: dict[str, str], d: Path, n: int, how: str
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-    expect = {"end": 0, "fail": 3, "term": 143, "kill": -signal.SIGKILL}[how]
+    expect = {"end": 0, "fail": 3, "int": 130, "term": 143, "kill": -signal.SIGKILL}[how]
     assert proc.returncode == expect, err
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("how", ["end", "fail", "term", "kill"])
+@pytest.mark.parametrize("how", ["end", "fail", "int", "term", "kill"])
 def test_no_process_survives_a_local_teardown(tmp_path, how):
     cmd = [PY, "-m", "hora.runner", "run", "-np", "2", PY, "-c", WORKER, str(tmp_path), how]
     _run_teardown(cmd, _env(), tmp_path, 2, how)
@@ -127,7 +130,7 @@ def test_no_process_survives_a_teardown_under_mpirun(tmp_path, how):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("how", ["end", "fail", "term", "kill"])
+@pytest.mark.parametrize("how", ["end", "fail", "int", "term", "kill"])
 def test_no_process_survives_a_teardown_over_ssh(cluster, tmp_path, how):  # noqa: F811
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
@@ -206,3 +209,23 @@ def test_the_launcher_reaps_orphans_it_adopts_during_the_job():
                        capture_output=True, text=True, timeout=40)
     assert r.returncode == 0, r.stderr
     assert "reaped" in r.stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_bootstrap_leaves_nothing_behind(tmp_path):
+    """The bootstrap SIGKILLed (not just its launcher gone): its ranks die with it, its keeper takes the rest."""
+    spec = {"v": proto.VERSION, "cwd": str(tmp_path), "command": [PY, "-c", WORKER, str(tmp_path), "wait"],
+            "ranks": [{"rank": r, "env": {"HORA_RANK": str(r)}} for r in (0, 1)]}
+    p = _bootstrap(spec)
+    try:
+        _frames(p, lambda g: sum(1 for k, _, _ in g if k == proto.OUT) == 2)  # both ranks said ready
+        pids = [int(x) for f in sorted(tmp_path.glob("pids.*[0-9]")) for x in f.read_text().split()]
+        assert len(pids) == 8
+        p.kill()
+        killed = time.monotonic()
+        while any(_alive(q) for q in pids):
+            assert time.monotonic() - killed < WITHIN, [q for q in pids if _alive(q)]
+            time.sleep(0.05)
+    finally:
+        p.kill()
+        p.wait()
