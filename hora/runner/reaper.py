@@ -2,19 +2,20 @@
 
 Process groups are not enough: a rank's child that calls ``setsid`` (a daemonising data loader, a
 ``nohup``-ed helper) leaves its group and session, and ``PR_SET_PDEATHSIG`` on a rank reaches the rank
-alone, not what it started. So each host's starter — the launcher (``hora run``) and the remote
-bootstrap (:mod:`hora.runner.remote`) — knows its job's processes in two ways that survive both:
+alone, not what it started. So each host's starter — the launcher (``hora run``, also around mpirun)
+and the remote bootstrap (:mod:`hora.runner.remote`) — knows its job's processes in ways that survive both:
 
-- **The tree.** It makes itself a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``, Linux), so a
-  descendant whose parent dies is re-parented to it instead of to init, and stays in its subtree; every
-  process below a rank is the job's, whatever its session or group. (Only where the process is ours to
-  change: ``hora run`` and the bootstrap are; a user's process calling ``hora.run()`` is not.)
+- **The tree.** Every process below a rank is the job's, whatever its session or group.
+- **The subreaper.** The starter makes itself a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``,
+  Linux), so a process whose parent dies is re-parented to it instead of to init; an orphan it adopted
+  after the first rank started is the job's, even one that kept no other trace. (Only where the process
+  is ours to change: ``hora run`` and the bootstrap are; a user's process calling ``hora.run()`` is not.)
 - **The mark.** Each rank starts with ``HORA_JOB_MARK=<random token>`` in its environment (one token per
   job and host, not a secret), which its children inherit; ``/proc/PID/environ`` shows it however far a
   process wandered from the tree.
 
 :class:`Tracker` walks ``/proc/*/stat`` (pid, parent, group, state) and takes a process as the job's
-when it is below a rank, below or carrying the mark, or (subreaper only) adopted by us. Teardown
+when it is below a rank, below or carrying the mark, or adopted by us as above. Teardown
 signals those with the ranks' groups, and at the end :meth:`Tracker.kill_all` stops them with SIGSTOP
 until a scan finds no new one (a stopped process cannot fork, so the set stops growing), then SIGKILLs
 them all, and reaps the ones adopted by us.
@@ -39,12 +40,12 @@ import secrets
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import Iterable
 
 MARK = "HORA_JOB_MARK"  # set by the starter in each rank's environment; read only from /proc here
 PR_SET_CHILD_SUBREAPER = 36
-PR_GET_CHILD_SUBREAPER = 37
 _LINUX = sys.platform.startswith("linux")
 _claimed = False  # hora made this process a subreaper: orphans adopted by it belong to its job
 
@@ -222,8 +223,18 @@ class Tracker:
                 stopped[p.pid] = p
         for pid in stopped:
             _send(pid, signal.SIGKILL)
-        self.reap()
+        if stopped and self.adopt:  # what we adopted is ours to reap once it is dead, which takes a moment
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and not all(_dead(p) for p in stopped.values()):
+                time.sleep(0.01)
+            self.reap()
         return sorted(stopped)
+
+
+def _dead(p: Proc) -> bool:
+    """``p`` is gone or a zombie (its pid may name another process by now)."""
+    now = snapshot_one(p.pid)
+    return now is None or not now.alive or now.start != p.start
 
 
 def _send(pid: int, sig: int) -> None:
