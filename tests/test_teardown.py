@@ -229,3 +229,46 @@ def test_a_killed_bootstrap_leaves_nothing_behind(tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+def _marked_with(mark: bytes) -> list[int]:
+    found = []
+    for pid in reaper.snapshot():
+        try:
+            if b"\0" + mark + b"\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes() and _alive(pid):
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["term", "kill"])
+def test_a_leftover_that_keeps_forking_is_stopped_too(tmp_path, how):
+    """A setsid leftover that ignores SIGTERM and starts a new setsid process every 50 ms: the final sweep
+    freezes before it kills, so nothing new appears behind it. Checked by the job's mark: nothing that
+    carries it is left."""
+    spawner = ("import os, signal, subprocess, sys, time; os.setsid(); signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+               "open(sys.argv[1], 'w').close()\nwhile True:\n    subprocess.Popen(['sleep', '1000'], "
+               "start_new_session=True); time.sleep(0.05)")
+    code = (f"import os, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {spawner!r}, "
+            f"sys.argv[1] + '/spawning']); print(os.environ[{reaper.MARK!r}], flush=True); time.sleep(1000)")
+    proc = subprocess.Popen([PY, "-m", "hora.runner", "run", "-np", "1", PY, "-c", code, str(tmp_path)], cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        mark = proc.stdout.readline().split(":", 1)[1].strip()
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "spawning").exists() or len(_marked_with(f"{reaper.MARK}={mark}".encode())) < 5:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM if how == "term" else signal.SIGKILL)
+        event = time.monotonic()
+        while left := _marked_with(f"{reaper.MARK}={mark}".encode()):
+            assert time.monotonic() - event < WITHIN, f"{len(left)} processes with the mark are left"
+            time.sleep(0.05)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
