@@ -51,6 +51,8 @@ print("ready", r, flush=True)
 if how == "end":
     sys.exit(0)
 if how == "fail" and r == 1:
+    while len([f for f in os.listdir(d) if f.startswith("pids.") and not f.endswith(".tmp")]) < 2:
+        time.sleep(0.05)  # every rank has recorded its pids: then fail
     sys.exit(3)
 time.sleep(1000)
 """
