@@ -25,7 +25,7 @@ from typing import Any
 
 from hora.base import contract
 from hora.runner import hosts as hostlib
-from hora.runner import ssh
+from hora.runner import reaper, ssh
 from hora.runner.cli_args import UsageError, format_help, no_effect, parse, suggest
 from hora.runner.config_file import load as load_config
 from hora.runner.flags import env_for
@@ -216,10 +216,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> None:
-    """Console-script entry point ``hora``."""
+    """Console-script entry point ``hora``. The process is the launcher's own, so it becomes a child
+    subreaper: whatever a rank orphans stays findable below it (:mod:`hora.runner.reaper`)."""
+    reaper.become_subreaper()
     sys.exit(main())
 
 
 def run_commandline() -> None:
     """horovodrun's entry point: ``sys.argv`` holds run flags directly (no ``run`` subcommand)."""
+    reaper.become_subreaper()
     sys.exit(run_cli(sys.argv[1:]))

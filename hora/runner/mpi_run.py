@@ -37,6 +37,7 @@ from typing import IO, Any, Callable
 
 from hora.base import contract
 from hora.runner import hosts as hostlib
+from hora.runner import reaper
 from hora.runner.cli_args import UsageError
 from hora.runner.flags import env_for
 from hora.runner.spawn import Output, _die_with_parent, pump_lines
@@ -184,12 +185,18 @@ def run_mpi(values: dict[str, Any], command: list[str], noops: list[str],
         for n in noops:
             _say(f"  ignored {n}")
     output = Output(values.get("output_filename"), bool(values.get("prefix_timestamp")))
+    # mpirun stops the ranks; what they started outside their groups is ours (hora.runner.reaper): the ranks
+    # on this host inherit the mark from mpirun, and the keeper sweeps it should we die
+    mark = reaper.new_mark()
+    keeper = reaper.Keeper(mark)
     try:
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,  # mpirun stops
-                                stderr=subprocess.PIPE, preexec_fn=_die_with_parent(signal.SIGTERM))  # the ranks
+        proc = subprocess.Popen(cmd, env={**env, reaper.MARK: mark}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, preexec_fn=_die_with_parent(signal.SIGTERM))
     except OSError as e:
+        keeper.close()
         _say(f"cannot start {mpirun}: {e.strerror or e}")
         return 127
+    tracker = reaper.Tracker(mark, roots=[proc.pid], exclude=[keeper.pid] if keeper.pid else [])
     threads = [threading.Thread(target=_relay, args=(output, pipe, name), daemon=True, name=f"hora-mpi-{name}")
                for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
     for t in threads:
@@ -211,9 +218,11 @@ def run_mpi(values: dict[str, Any], command: list[str], noops: list[str],
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+        tracker.kill_all()  # mpirun is gone: what is left of the job here goes now
         for t in threads:
             t.join(5)
         output.close()
+        keeper.close()
     if got:
         _say(f"interrupted by {signal.Signals(got[0]).name}; mpirun stopped the ranks")
         return 128 + got[0]

@@ -17,10 +17,14 @@ local workers do), relays their output line by line, and reports each exit once 
 is drained. On ``stop``, on end of input (the launcher exited, or was killed: ssh then closes the
 channel), on SIGTERM/SIGHUP, or when the launcher has been silent for ``launcher_timeout`` seconds
 (its host became unreachable), it signals every worker group with SIGTERM, then SIGKILL after
-``term_grace`` seconds, and exits. So no hora process outlives the launcher on any host.
+``term_grace`` seconds, and exits. What the ranks started outside their groups (``setsid``) goes the
+same way: the bootstrap is a child subreaper, marks its ranks' environment, and sweeps both before it
+exits; its keeper sweeps the mark should the bootstrap itself be killed (:mod:`hora.runner.reaper`).
+So no hora process outlives the launcher on any host.
 
-Standard library only, besides :mod:`hora.runner.spawn` (the output pump and process-group helpers) and
-what it stands on (:mod:`hora.base`): this runs before anything is known about the remote Python.
+Standard library only, besides :mod:`hora.runner.spawn` (the output pump and process-group helpers),
+:mod:`hora.runner.reaper` and what they stand on (:mod:`hora.base`): this runs before anything is known
+about the remote Python.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ import threading
 import time
 from typing import IO, Any
 
-from hora.runner.spawn import READER_JOIN, TERM_GRACE, _die_with_parent, _group_alive, _signal_group, pump_lines
+from hora.runner import reaper
+from hora.runner.spawn import (READER_JOIN, REAP_EVERY, TERM_GRACE, _die_with_parent, _group_alive, pump_lines,
+                               signal_job)
 
 VERSION = 1
 # frames, bootstrap -> launcher
@@ -43,6 +49,10 @@ OUT, ERR, STARTED, EXIT, ALIVE, NOTE = range(1, 7)
 FRAME = struct.Struct("!BiI")
 HEARTBEAT = 1.0  # s between heartbeats, both ways
 LAUNCHER_TIMEOUT = 30.0  # s of launcher silence after which the workers are stopped (its host is gone)
+# s a rank's pipes get to drain before its exit is reported: its last lines are in the pipe when it exits,
+# so this is plenty; a process it left behind may hold the pipes open for good, and what that prints
+# follows the exit (still relayed, up to the teardown, which drains every pipe before the bootstrap exits)
+DRAIN = 0.5
 _POLL = 0.05
 
 
@@ -101,10 +111,15 @@ class Bootstrap:
         self.launcher_timeout = float(spec.get("launcher_timeout", LAUNCHER_TIMEOUT))
         self.procs: dict[int, subprocess.Popen] = {}
         self.waiters: list[threading.Thread] = []
+        self.pumps: list[threading.Thread] = []
+        self.sent: dict[int, float] = {}  # signal -> when signal_all first sent it (its grace runs from then)
         self.stop = threading.Event()
         self.last_heard = time.monotonic()
         self.why = ""
         self.signalled = 0  # set by the signal handler, acted on by run()'s loop (no locks in a handler)
+        self.mark = reaper.new_mark()  # this host's own: the launcher's keeper sweeps only its own ranks
+        self.tracker = reaper.Tracker(self.mark)
+        self.keeper: reaper.Keeper | None = None
 
     def note(self, text: str) -> None:
         self.send(NOTE, -1, text.encode())
@@ -122,10 +137,14 @@ class Bootstrap:
         cwd = self._cwd()
         preexec = _die_with_parent()
         failed: list[tuple[int, int, str]] = []
+        self.keeper = reaper.Keeper(self.mark)  # before the ranks: it covers their whole lives
+        if self.keeper.pid is not None:
+            self.tracker.exclude.add(self.keeper.pid)
         for r in self.spec["ranks"]:
             rank = int(r["rank"])
             env = dict(os.environ)
             env.update(r["env"])
+            env[reaper.MARK] = self.mark
             try:
                 # threads start only after every fork (see spawn.LocalJob._start_all)
                 self.procs[rank] = subprocess.Popen(
@@ -133,6 +152,8 @@ class Bootstrap:
                     stderr=subprocess.PIPE, start_new_session=True, preexec_fn=preexec)
             except OSError as e:
                 failed.append((rank, 127 if isinstance(e, FileNotFoundError) else 126, e.strerror or str(e)))
+            else:
+                self.tracker.add_root(self.procs[rank].pid)
         for rank, code, why in failed:
             self.send(ERR, rank, f"hora: cannot start {self.command[0]!r}: {why}\n".encode())
             self.send(EXIT, rank, struct.pack("!i", code))
@@ -142,6 +163,7 @@ class Bootstrap:
                      for kind, pipe in ((OUT, proc.stdout), (ERR, proc.stderr))]
             for t in pumps:
                 t.start()
+            self.pumps += pumps
             w = threading.Thread(target=self._wait, args=(rank, proc, pumps), daemon=True)
             w.start()
             self.waiters.append(w)
@@ -151,8 +173,9 @@ class Bootstrap:
 
     def _wait(self, rank: int, proc: subprocess.Popen, pumps: list[threading.Thread]) -> None:
         code = proc.wait()
-        for t in pumps:  # the rank's last lines go out before its exit status
-            t.join(READER_JOIN)
+        deadline = time.monotonic() + DRAIN  # the rank's last lines go out before its exit status
+        for t in pumps:
+            t.join(max(0.0, deadline - time.monotonic()))
         self.send(EXIT, rank, struct.pack("!i", code))
 
     def heartbeat(self) -> None:
@@ -180,33 +203,46 @@ class Bootstrap:
             self.stop.set()
 
     def signal_all(self, sig: int) -> None:
-        for proc in self.procs.values():
-            _signal_group(proc.pid, sig)
+        self.sent.setdefault(sig, time.monotonic())
+        signal_job([p.pid for p in self.procs.values()], self.tracker, sig)
 
-    def _live(self) -> list[subprocess.Popen]:
-        return [p for p in self.procs.values() if p.poll() is None or _group_alive(p.pid)]
+    def _live(self, snap: dict[int, reaper.Proc]) -> list[subprocess.Popen]:
+        return [p for p in self.procs.values() if p.poll() is None or _group_alive(p.pid, snap)]
 
     def run(self, stdin: IO[bytes]) -> int:
         self.start()
         threading.Thread(target=self.heartbeat, daemon=True).start()
         threading.Thread(target=self.listen, args=(stdin,), daemon=True).start()
+        reaped = time.monotonic()
         while not self.stop.wait(0.2):
             if self.signalled:
                 self.shutdown(f"signal {self.signalled}")
             elif time.monotonic() - self.last_heard > self.launcher_timeout:
                 self.shutdown(f"no word from the launcher for {self.launcher_timeout:g} s")
-        # stop every group, including groups of ranks that finished but left children behind
+            elif time.monotonic() - reaped >= REAP_EVERY:
+                self.tracker.reap()  # orphans adopted during the job
+                reaped = time.monotonic()
+        # stop every group, including groups of ranks that finished but left children behind, and every
+        # process that left its rank's group
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            targets = self._live()
-            if not targets:
+            snap = reaper.snapshot()
+            targets = self._live(snap)
+            if not targets and not self.tracker.strays(snap):
                 break
-            for p in targets:
-                _signal_group(p.pid, sig)
-            deadline = time.monotonic() + self.term_grace
-            while time.monotonic() < deadline and self._live():
+            signal_job([p.pid for p in targets], self.tracker, sig, snap)
+            # a SIGTERM the launcher had us send already counts: the grace runs from the first one
+            deadline = self.sent.setdefault(sig, time.monotonic()) + self.term_grace
+            while time.monotonic() < deadline:
+                snap = reaper.snapshot()
+                if not self._live(snap) and not self.tracker.strays(snap):
+                    break
                 time.sleep(_POLL)
-        for w in self.waiters:
-            w.join(1.0)
+        self.tracker.kill_all()
+        deadline = time.monotonic() + READER_JOIN  # every pipe's writers are gone: drain what is left
+        for t in [*self.pumps, *self.waiters]:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if self.keeper is not None:
+            self.keeper.close()
         return 0
 
 
@@ -226,6 +262,7 @@ def main() -> int:
     except ValueError as e:
         sender.send(NOTE, -1, f"bad job description from the launcher: {e}".encode())
         return 2
+    reaper.become_subreaper()  # this process is ours: whatever the ranks orphan stays below it
     boot = Bootstrap(spec, sender)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: setattr(boot, "signalled", signum))

@@ -4,10 +4,14 @@ and stop them all on failure.
 Each worker is a session (and process group) leader, so stopping a rank reaches whatever it started
 too (data loaders, shell pipelines). The first worker to fail is the root cause we report; the others
 usually fail *because* of it (lost peer), so they are stopped, not blamed. Nothing outlives the job:
-every group is signalled until it is empty, including groups of ranks that finished cleanly but left
-children behind. Remote workers are the same to the supervisor: their host's bootstrap
-(:mod:`hora.runner.remote`) reports their pids, output and exits, and does the signalling there. A
-remote host that goes silent (link down, host dead) is itself a root cause, reported by name.
+at every end (success, a failed rank, a signal to the launcher) every group is signalled until it is
+empty, including groups of ranks that finished cleanly but left children behind, and so is every
+process that left its rank's group or session (found by :mod:`hora.runner.reaper`: the launcher is a
+child subreaper, and each rank's environment carries the job's mark); a launcher killed by SIGKILL
+takes its ranks with it (``PR_SET_PDEATHSIG``) and its keeper process sweeps what they started.
+Remote workers are the same to the supervisor: their host's bootstrap (:mod:`hora.runner.remote`)
+reports their pids, output and exits, and does the signalling and sweeping there. A remote host that
+goes silent (link down, host dead) is itself a root cause, reported by name.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from hora.runner import reaper
 from hora.runner.hosts import Slot
 
 TERM_GRACE = 3.0  # s a worker gets to exit after SIGTERM before SIGKILL
@@ -33,6 +38,7 @@ TAIL_LINES = 10  # output lines of the failed rank quoted in the report
 READER_JOIN = 2.0  # s to wait for a worker's output pipes to drain after it is gone
 HOST_LOST_CODE = 255  # exit status when a remote host is the root cause (as ssh's own)
 SUSPECT_SILENCE = 3.0  # s: a host this quiet when a rank fails is taken as the cause of that failure
+REAP_EVERY = 1.0  # s between collections of orphans adopted by a subreaper launcher (else: zombies)
 _POLL = 0.05
 
 
@@ -97,8 +103,9 @@ def _die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     return preexec
 
 
-def _group_alive(pgid: int) -> bool:
-    """True while the process group has a member that is not a zombie."""
+def _group_alive(pgid: int, snap: dict[int, reaper.Proc] | None = None) -> bool:
+    """True while the process group has a member that is not a zombie (``snap``: a
+    :func:`reaper.snapshot` to look in, taken now when not given)."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -106,19 +113,10 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     # killpg also "succeeds" on zombies nobody has reaped yet; look closer where /proc allows
-    try:
-        pids = [p for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
+    snap = reaper.snapshot() if snap is None else snap
+    if not snap:
         return True
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
-            return True
-    return False
+    return any(p.pgid == pgid and p.alive for p in snap.values())
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -126,6 +124,21 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def signal_job(groups: list[int], tracker: reaper.Tracker, sig: int,
+               snap: dict[int, reaper.Proc] | None = None) -> None:
+    """``sig`` to each of ``groups`` (the ranks') and to every stray of ``tracker`` outside them (what
+    left its rank's group or session), once each."""
+    snap = reaper.snapshot() if snap is None else snap
+    for g in groups:
+        _signal_group(g, sig)
+    for p in tracker.strays(snap):
+        if p.pgid not in groups:
+            try:
+                os.kill(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def pump_lines(pipe: IO[bytes], on_line: Callable[[bytes], None]) -> None:
@@ -227,6 +240,10 @@ class LocalJob:
         self._exits: queue.Queue[Worker] = queue.Queue()
         self._signal: int | None = None
         self._finish_lock = threading.Lock()
+        # this job's processes on this host besides the ranks: found by tree and mark (hora.runner.reaper)
+        self.mark = reaper.new_mark()
+        self.tracker = reaper.Tracker(self.mark)
+        self.keeper: reaper.Keeper | None = None
 
     # --- signals: the handler only records; the main loop acts (no locks taken in a handler)
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -255,12 +272,18 @@ class LocalJob:
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)  # type: ignore[arg-type]
+            if self.keeper is not None:
+                self.keeper.close()  # it sweeps the mark once more, and exits
             self.output.close()
 
     def _start_all(self) -> None:
         preexec = _die_with_parent()
         remote_hosts = self.remote.hosts if self.remote is not None else set()
         by_host: dict[str, list[tuple[Worker, dict[str, str]]]] = {}
+        if any(slot.host not in remote_hosts for slot in self.slots):  # first: it covers the ranks' lives
+            self.keeper = reaper.Keeper(self.mark)
+            if self.keeper.pid is not None:
+                self.tracker.exclude.add(self.keeper.pid)
         # start every process (workers here, ssh for the other hosts) before any thread of ours:
         # preexec_fn runs between fork and exec, which is only safe while no other thread can hold a lock
         for slot, env in zip(self.slots, self.envs):
@@ -269,13 +292,16 @@ class LocalJob:
             if slot.host in remote_hosts:
                 by_host.setdefault(slot.host, []).append((w, env))
                 continue
-            w.proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, start_new_session=True, preexec_fn=preexec)
+            w.proc = subprocess.Popen(self.command, env={**env, reaper.MARK: self.mark}, stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                      preexec_fn=preexec)
             w.pid = w.proc.pid
+            self.tracker.add_root(w.pid)
         for host, members in by_host.items():
             session = self.remote.session(host, self.command, members, self)
             self.sessions.append(session)
             session.start(preexec)
+            self.tracker.exclude.add(session.proc.pid)  # ssh: stopped through its session, not swept
         for w in self.workers:
             for stream in ("stdout", "stderr"):  # every rank gets its files, even a silent one
                 self.output.file_for(w.rank, stream)
@@ -304,7 +330,7 @@ class LocalJob:
 
     def _supervise(self) -> Result:
         finished = 0
-        last = time.monotonic()
+        last = reaped = time.monotonic()
         while finished < len(self.workers):
             if self._signal is not None:
                 sig = self._signal
@@ -317,6 +343,9 @@ class LocalJob:
                     s.touch()
                 s.check_alive()
             last = now
+            if self.tracker.adopt and now - reaped >= REAP_EVERY:
+                self.tracker.reap()  # orphans adopted during the job: no zombie piles up on a long run
+                reaped = now
             try:
                 w = self._exits.get(timeout=_POLL)
             except queue.Empty:
@@ -351,23 +380,26 @@ class LocalJob:
             steps.append((signal.SIGTERM, TERM_GRACE))
         steps.append((signal.SIGKILL, TERM_GRACE))
 
-        def live() -> list[Worker]:
+        def live(snap: dict[int, reaper.Proc]) -> list[Worker]:
             # remote groups (and children left behind there) are their bootstrap's job once we close it
             return [w for w in self.workers if not w.done.is_set()
-                    or (w.proc is not None and _group_alive(w.proc.pid))]
+                    or (w.proc is not None and _group_alive(w.proc.pid, snap))]
 
         for sig, grace in steps:
-            targets = live()
-            if not targets:
+            snap = reaper.snapshot()
+            targets = live(snap)
+            if not targets and not self.tracker.strays(snap):
                 break
-            for w in targets:
-                if w.proc is not None:
-                    _signal_group(w.proc.pid, sig)
-            for s in {id(w.session): w.session for w in targets if w.session is not None}.values():
+            signal_job([w.proc.pid for w in targets if w.proc is not None], self.tracker, sig, snap)
+            for s in self.sessions:  # every host: one whose ranks are done may still have their leftovers
                 s.signal(sig)
             deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and live():
+            while time.monotonic() < deadline:
+                snap = reaper.snapshot()
+                if not live(snap) and not self.tracker.strays(snap):
+                    break
                 time.sleep(_POLL)
+        self.tracker.kill_all()  # whatever was born during the graces, or is stopped and deaf to them
         for s in self.sessions:
             s.close()  # end of input: the bootstrap stops whatever is left there and exits
         for w in self.workers:
