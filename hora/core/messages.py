@@ -95,7 +95,7 @@ class Response(NamedTuple):
     pre: float = 1.0
     post: float = 1.0
     rows: tuple = ()  # allgather: per name, dim 0 of every rank; alltoall: the splits matrix
-    joined: tuple = ()  # ranks contributing zeros (allreduce under join)
+    joined: tuple = ()  # allreduce under join: joined ranks that never submitted it (they send the op's identity)
     value: object = None  # join: last rank to join; add/remove_process_set: the set's id
     data: bytes | None = None  # allreduce of small tensors: the result, computed by the coordinator (inline)
 

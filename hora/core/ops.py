@@ -33,14 +33,32 @@ _groups = itertools.count()
 _name_lock = threading.Lock()
 
 
-def _auto_name(name: str | None, ps: int = 0) -> str:
+def _auto_name(name: str | None, ps: int = 0, prefix: str = "noname") -> str:
     """Unnamed ops are numbered in submission order within their process set, so the ranks of a
-    set match them by that order (an unnamed op on a subset does not shift the global numbering)."""
+    set match them by that order (an unnamed op on a subset does not shift the global numbering).
+
+    The numbers restart at every completed ``join()``, under a new epoch (``noname.<epoch>.<n>``):
+    while a rank has joined, the others run unnamed allreduces and barriers that it never submits
+    (and allgathers that fail) and so take numbers it does not, and without the restart the ranks'
+    numbering would disagree for good after the join, a hang on the next unnamed op. A join's
+    completion is the one point that every rank passes with all of its own earlier submissions
+    numbered, so that is where the numbering is made equal again."""
     if name is not None:
         return str(name)
     with _name_lock:  # the counters live in the initialisation: every rank starts from 0 at init()
-        counter = state().names.setdefault(ps, itertools.count())
-        return f"noname.{next(counter)}"
+        names = state().names
+        counter = names.setdefault((prefix, ps), itertools.count())
+        epoch = names.get("epoch", 0)
+        n = next(counter)
+    return f"{prefix}.{n}" if epoch == 0 else f"{prefix}.{epoch}.{n}"
+
+
+def _new_epoch(st) -> None:
+    """Every rank has passed a join: the automatic names restart (see :func:`_auto_name`)."""
+    with _name_lock:
+        epoch = st.names.get("epoch", 0) + 1
+        st.names.clear()
+        st.names["epoch"] = epoch
 
 
 def check_op(op: int, what: str) -> int:
@@ -341,15 +359,16 @@ def grouped_reducescatter(arrays, op: int = Average, name: str | None = None,
 # -- barrier, join ---------------------------------------------------------------------------------
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every rank of the process set has called barrier()."""
-    st = state()
-    n = st.barriers[process_set.process_set_id] = st.barriers.get(process_set.process_set_id, 0) + 1
-    synchronize(_submit(m.BARRIER, None, f"barrier.{n}", process_set, flush=True))
+    ps = _ps_id(process_set, state(), "barrier")
+    synchronize(_submit(m.BARRIER, None, _auto_name(None, ps, "barrier"), process_set, flush=True))
 
 
 def join(device: int = -1) -> int:
     """Declare that this rank has no more data: until every rank has joined, it takes part in other
     ranks' allreduces with zeros. Returns the last rank to join, the same on every rank."""
-    return synchronize(_submit(m.JOIN, None, "join", global_process_set, flush=True))
+    last = synchronize(_submit(m.JOIN, None, "join", global_process_set, flush=True))
+    _new_epoch(state())
+    return last
 
 
 # -- objects -------------------------------------------------------------------------------------
