@@ -217,3 +217,34 @@ def test_bad_input_is_refused_at_submission_on_every_rank(n):
     assert "scale factors must be finite" in msgs["prescale nan"]
     assert "broadcast view" in msgs["16 GiB broadcast view"] and "16.0 GiB" in msgs["16 GiB broadcast view"]
     assert "root_rank" in msgs["root bool"]
+
+
+def _bad_input_on_one_rank(hvd, case):
+    """Rank 1 alone passes bad input: it raises HoraValueError at once, the others a MismatchError that
+    names it (not a wait until the stall shutdown), and unnamed ops stay in step afterwards."""
+    from hora.base.errors import HoraValueError
+
+    r, n = hvd.rank(), hvd.size()
+    x = np.ones(2 * n, np.float32)
+    calls = {
+        "none": lambda bad: hvd.allreduce(None if bad else x, op=hvd.Sum),
+        "nan": lambda bad: hvd.allreduce(x, prescale_factor=float("nan") if bad else 1.0),
+        "splits": lambda bad: hvd.alltoall(x, splits=[1.5, 0.5] + [2.0] * (n - 2) if bad else [2] * n),
+        "root": lambda bad: hvd.broadcast(x, root_rank=n if bad else 0, name="named"),
+        "view": lambda bad: hvd.allgather(np.broadcast_to(x[:1], (1 << 32,)) if bad else x),
+    }
+    expected = HoraValueError if r == 1 else hvd.MismatchError
+    with pytest.raises(expected) as info:
+        calls[case](r == 1)
+    if r != 1:
+        assert "rank 1 refused its input at submission: HoraValueError" in str(info.value), info.value
+    assert hvd.allreduce(np.full(3, r, np.float32), op=hvd.Sum).tolist() == [sum(range(n))] * 3
+    return type(info.value).__name__
+
+
+@pytest.mark.timeout(90)
+@SIZES
+@pytest.mark.parametrize("case", ["none", "nan", "splits", "root", "view"])
+def test_bad_input_on_one_rank_fails_the_others_at_once(n, case):
+    out = run_hora(n, _bad_input_on_one_rank, case, env=INLINE, timeout=20)
+    assert out[1] == "HoraValueError" and {o for i, o in enumerate(out) if i != 1} == {"MismatchError"}

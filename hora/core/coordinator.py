@@ -19,7 +19,7 @@ import time
 from hora.base.errors import HoraError, HoraValueError, MismatchError
 from hora.collectives.reduce import OP_NAMES
 from hora.core.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
-                                REDUCESCATTER, REMOVE_PS, Request, Response, error)
+                                REDUCESCATTER, REMOVE_PS, Refusal, Request, Response, error)
 
 _COMPARED = {  # fields that must agree across ranks, by op kind
     ALLREDUCE: ("op", "dtype", "shape", "pre", "post"),
@@ -168,6 +168,11 @@ class Coordinator:
         ranks = list(reqs)
         first_rank, first = ranks[0], reqs[ranks[0]]
         same = all(req == first for req in reqs.values())  # the usual case, checked in C
+        if not same or type(first) is Refusal:
+            for r, req in reqs.items():
+                if type(req) is Refusal:
+                    return error(ps, name, MismatchError, f"{req.kind} '{name}': rank {r} refused its input at "
+                                                          f"submission: {req.reason}")
         for r in ([] if same else ranks[1:]):
             req = reqs[r]
             if req.kind != first.kind:

@@ -70,6 +70,19 @@ class SetRequest(NamedTuple):
     cacheable = False
 
 
+class Refusal(NamedTuple):
+    """A rank refused its own input for collective ``name`` at submission (and raised there): its
+    peers, which did submit, get an error naming it and why, instead of waiting for it. Sent under
+    the name the collective would have had, so that rank's automatic names stay in step too."""
+
+    name: str
+    kind: str
+    reason: str
+    ps: int = 0
+    group: tuple | None = None
+    cacheable = False
+
+
 class Failure(NamedTuple):
     """Why a response is an error: the exception class every rank raises, and its message. The class
     itself travels (pickled by name), so no rank guesses it from the text."""

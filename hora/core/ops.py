@@ -8,6 +8,8 @@ return a new array owned by the caller and never touch their input; in-place for
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import math
 import threading
@@ -15,11 +17,12 @@ import time
 
 import numpy as np
 
-from hora.base.errors import HoraValueError, NotSupportedError
+from hora.base.errors import HoraError, HoraValueError, NotSupportedError
 from hora.collectives.reduce import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, check_dtype
 from hora.core import messages as m
 from hora.core.basics import state
 from hora.core.execute import Pending
+from hora.core.handles import Handle
 from hora.core.process_sets import ProcessSet, global_process_set
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "allreduce_", "allreduce_async",
@@ -91,8 +94,46 @@ def _ps_id(process_set: ProcessSet, st, what: str) -> int:
 def _submit(kind: str, array, name, process_set, inplace=False, flush=False, finish=None, **fields) -> int:
     st = state()
     pend = _prepare(st, kind, array, name, process_set, inplace, flush, finish, **fields)
-    st.engine.submit(pend)
+    try:
+        st.engine.submit(pend)
+    except HoraValueError as e:
+        e.hora_named = True  # refused after its name was taken (a duplicate): no peer is told (see _refusing)
+        raise
     return pend.handle.id
+
+
+def _refusing(kind: str):
+    """Decorate a public ``*_async`` function: when it refuses its caller's input, the rank's peers are
+    told (:class:`messages.Refusal`) under the name the collective would have had, so that they raise
+    a MismatchError naming this rank at once rather than wait for it until the stall shutdown; the
+    caller gets its HoraValueError unchanged. When every rank refuses, nobody waits for anything."""
+    def deco(fn):
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except (HoraValueError, NotSupportedError) as e:
+                if not getattr(e, "hora_named", False):
+                    _tell_peers(kind, sig, args, kwargs, e)
+                raise
+        return wrapper
+    return deco
+
+
+def _tell_peers(kind: str, sig, args, kwargs, err: Exception) -> None:
+    try:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        st = state()
+        ps = _ps_id(bound.arguments["process_set"], st, kind)
+        full = _auto_name(bound.arguments["name"], ps)
+        req = m.Refusal(full, kind, f"{type(err).__name__}: {err}"[:500], ps)
+        # flush=False: nobody will drive this one, so the engine thread must be woken for it
+        st.engine.submit(Pending(req, Handle(0, f"{kind}.{full}"), None))
+    except (HoraError, TypeError):  # no set, no engine or the name in flight: nothing a peer waits for
+        pass
 
 
 def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False, finish=None,
@@ -225,6 +266,7 @@ def _group_name(name, i, n):
 
 
 # -- allreduce -----------------------------------------------------------------------------------
+@_refusing(m.ALLREDUCE)
 def allreduce_async(array, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     name: str | None = None, process_set: ProcessSet = global_process_set, *,
                     _flush: bool = False) -> int:
@@ -233,6 +275,7 @@ def allreduce_async(array, op: int = Average, prescale_factor: float = 1.0, post
                    **_reduce_fields(op, prescale_factor, postscale_factor, "allreduce"))
 
 
+@_refusing(m.ALLREDUCE)
 def allreduce_async_(array: np.ndarray, op: int = Average, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, name: str | None = None,
                      process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
@@ -309,6 +352,7 @@ def grouped_allreduce_(arrays, op: int = Average, prescale_factor: float = 1.0, 
 
 
 # -- allgather -----------------------------------------------------------------------------------
+@_refusing(m.ALLGATHER)
 def allgather_async(array, name: str | None = None, process_set: ProcessSet = global_process_set, *,
                     _flush: bool = False) -> int:
     """Start an allgather; ``synchronize`` returns every rank's rows concatenated in rank order."""
@@ -329,12 +373,14 @@ def grouped_allgather(arrays, name: str | None = None, process_set: ProcessSet =
 
 
 # -- broadcast -----------------------------------------------------------------------------------
+@_refusing(m.BROADCAST)
 def broadcast_async(array, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
     return _submit(m.BROADCAST, array, name, process_set, flush=_flush,
                    root=_root(root_rank, process_set, "broadcast"))
 
 
+@_refusing(m.BROADCAST)
 def broadcast_async_(array: np.ndarray, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
     return _submit(m.BROADCAST, array, name, process_set, inplace=True, flush=_flush,
@@ -354,6 +400,7 @@ def broadcast_(array: np.ndarray, root_rank: int, name: str | None = None,
 
 
 # -- alltoall ------------------------------------------------------------------------------------
+@_refusing(m.ALLTOALL)
 def alltoall_async(array, splits=None, name: str | None = None,
                    process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
     st = state()
@@ -403,6 +450,7 @@ def alltoall(array, splits=None, name: str | None = None, process_set: ProcessSe
 
 
 # -- reducescatter -------------------------------------------------------------------------------
+@_refusing(m.REDUCESCATTER)
 def reducescatter_async(array, op: int = Average, name: str | None = None,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0, *, _flush: bool = False) -> int:
