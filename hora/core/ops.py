@@ -116,24 +116,31 @@ def _refusing(kind: str):
                 return fn(*args, **kwargs)
             except (HoraValueError, NotSupportedError) as e:
                 if not getattr(e, "hora_named", False):
-                    _tell_peers(kind, sig, args, kwargs, e)
+                    try:
+                        bound = sig.bind(*args, **kwargs)
+                    except TypeError:
+                        raise e from None
+                    bound.apply_defaults()
+                    refused(kind, e, bound.arguments["name"], bound.arguments["process_set"])
                 raise
         return wrapper
     return deco
 
 
-def _tell_peers(kind: str, sig, args, kwargs, err: Exception) -> None:
+def refused(kind: str, err: Exception, name: str | None = None,
+            process_set: ProcessSet = global_process_set) -> None:
+    """Tell this rank's peers that it refused its input for a ``kind`` collective named ``name`` (None:
+    the next automatic name) with ``err``, which the caller then raises. The core's ``*_async``
+    functions call it themselves; a binding that refuses an input before reaching them calls it too."""
     try:
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
         st = state()
-        ps = _ps_id(bound.arguments["process_set"], st, kind)
-        full = _auto_name(bound.arguments["name"], ps)
+        ps = _ps_id(process_set, st, kind)
+        full = _auto_name(name, ps)
         req = m.Refusal(full, kind, f"{type(err).__name__}: {err}"[:500], ps)
         # flush=False: nobody will drive this one, so the engine thread must be woken for it
         st.engine.submit(Pending(req, Handle(0, f"{kind}.{full}"), None))
-    except (HoraError, TypeError):  # no set, no engine or the name in flight: nothing a peer waits for
-        pass
+    except HoraError:  # not initialised, no such set, the engine failed or the name is in flight:
+        pass  # there is nothing a peer could be waiting for under that name
 
 
 def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False, finish=None,
