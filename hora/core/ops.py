@@ -147,7 +147,7 @@ def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False
              **fields) -> Pending:
     """The pending collective for one submission. Every check of the caller's input is made here, on
     the rank that made it and before the name is taken, so bad input raises at once in the caller and
-    never reaches the engine (nor shifts the automatic names of this rank)."""
+    never reaches the engine (only a notice that it was refused does, see :func:`_refusing`)."""
     ps = _ps_id(process_set, st, kind)
     a = None
     if kind in _DATA_KINDS:
