@@ -37,6 +37,23 @@ def reducer(op: int) -> Reducer:
     return reduce
 
 
+def fill_identity(buf: np.ndarray, op: int) -> None:
+    """Fill ``buf`` with ``op``'s neutral element: what a rank that has joined (``hora.join()``)
+    contributes, so that the result is the reduction over the ranks that did not join. Zero for
+    Sum and Average (Horovod's joined ranks send zeros, and Average still divides by the full size);
+    the largest value for Min, the smallest for Max and one for Product, where Horovod's zeros would
+    give a meaningless result (the Max of -2 and -3 would be 0). The caller must not prescale it."""
+    if op == Min or op == Max:
+        kind = buf.dtype.kind
+        if kind in "iu":
+            info = np.iinfo(buf.dtype)
+            buf.fill(info.max if op == Min else info.min)
+        else:
+            buf.fill(np.inf if op == Min else -np.inf)
+    else:
+        buf.fill(1 if op == Product else 0)
+
+
 def scale(buf: np.ndarray, factor: float) -> None:
     """Multiply ``buf`` by ``factor`` in place, with Horovod's precision rules."""
     if factor == 1.0 or buf.size == 0:

@@ -2,11 +2,12 @@
 
 Pure logic, no I/O (the engine feeds it messages and sends what it returns), so its rules can be
 read in one place: a tensor is ready when every rank of its process set has submitted it (joined
-ranks excepted, they contribute zeros to allreduces); the submissions must agree on everything but
-the data (else every rank gets the same error naming the ranks and both values); grouped tensors
-wait for their whole group; ready allreduces with the same dtype, op, scaling and process set are
-fused up to the threshold; and signatures seen before get a bit in the response cache so that in
-steady state ranks send small integers instead of descriptions.
+ranks excepted: they contribute the op's neutral element to allreduces, zeros for Sum and Average);
+the submissions must agree on everything but the data (else every rank gets the same error naming
+the ranks and both values); grouped tensors wait for their whole group; ready allreduces with the
+same dtype, op, scaling and process set are fused up to the threshold; and signatures seen before
+get a bit in the response cache so that in steady state ranks send small integers instead of
+descriptions.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from hora.base.errors import HoraError, HoraValueError, MismatchError
 from hora.collectives.reduce import OP_NAMES
 from hora.core.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
-                                REDUCESCATTER, REMOVE_PS, Request, Response, error)
+                                REDUCESCATTER, REMOVE_PS, Refusal, Request, Response, error)
 
 _COMPARED = {  # fields that must agree across ranks, by op kind
     ALLREDUCE: ("op", "dtype", "shape", "pre", "post"),
@@ -167,6 +168,11 @@ class Coordinator:
         ranks = list(reqs)
         first_rank, first = ranks[0], reqs[ranks[0]]
         same = all(req == first for req in reqs.values())  # the usual case, checked in C
+        if not same or type(first) is Refusal:
+            for r, req in reqs.items():
+                if type(req) is Refusal:
+                    return error(ps, name, MismatchError, f"{req.kind} '{name}': rank {r} refused its input at "
+                                                          f"submission: {req.reason}")
         for r in ([] if same else ranks[1:]):
             req = reqs[r]
             if req.kind != first.kind:
@@ -204,9 +210,12 @@ class Coordinator:
                 return self._error(ps, name, f"process set id {pid} is not registered (or is the global set)", first)
             self._removing[pid] = self.process_sets.pop(pid)
             return Response(kind, ps, (name,), value=pid)
+        # the ranks that contribute the op's neutral element: those joined that never submitted this
+        # tensor. A rank that submitted it before joining contributes its data, like any other (its
+        # handle is still waited on; counting it as joined gave a wrong sum on the inline path)
+        joined = tuple(r for r in sorted(self.joined) if r not in reqs) if ps == 0 and kind == ALLREDUCE else ()
         return Response(kind, ps, (name,), op=first.op, dtype=first.dtype, shapes=(first.shape,),
-                        root=first.root, pre=first.pre, post=first.post,
-                        joined=tuple(sorted(self.joined)) if ps == 0 and kind == ALLREDUCE else ())
+                        root=first.root, pre=first.pre, post=first.post, joined=joined)
 
     def _cache(self, req: Request) -> None:
         """Give ``req`` a bit (evicting the least recently used entry when full). Auto-named ops

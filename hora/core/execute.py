@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from hora.collectives import exchange, ring
-from hora.collectives.reduce import Average, reducer, scale
+from hora.collectives.reduce import Average, fill_identity, reducer, scale
 from hora.core import messages as m
 from hora.core.handles import Handle
 from hora.transport.base import SubCommunicator
@@ -156,15 +156,16 @@ class Executor:
         names = resp.names
         if len(names) == 1:
             p = pends[0]
-            src = None
-            if p is None:  # joined rank: contribute zeros
-                buf = np.zeros(counts[0], dtype)
+            src, pre = None, resp.pre
+            if p is None:  # joined rank: the op's neutral element, never prescaled (see fill_identity)
+                buf, pre = np.empty(counts[0], dtype), 1.0
+                fill_identity(buf, resp.op)
             elif p.inplace:
                 buf = p.array.reshape(-1)
             else:
                 buf, src = np.empty(counts[0], dtype), p.array.reshape(-1)
             self._tl(names, op_name, True)
-            allreduce_flat(comm, buf, resp.op, resp.pre, resp.post, self.scratch, src=src)
+            allreduce_flat(comm, buf, resp.op, pre, resp.post, self.scratch, src=src)
             self._tl(names, op_name, False)
             if p is not None:
                 p.handle.complete(p.array if p.inplace else buf.reshape(p.array.shape))
@@ -174,16 +175,21 @@ class Executor:
             self.fusion = np.empty(total * dtype.itemsize, np.uint8)
         fb = self.fusion[:total * dtype.itemsize].view(dtype)
         self._tl(names, "MEMCPY_IN_FUSION_BUFFER", True)
+        # a joined rank's parts hold the op's neutral element, which must not be prescaled: when there
+        # are any, the other parts are prescaled here, one by one, and the buffer as a whole is not
+        joined = any(p is None for p in pends)
         off = 0
         for p, c in zip(pends, counts):
             if p is None:
-                fb[off:off + c] = 0
+                fill_identity(fb[off:off + c], resp.op)
             else:
                 fb[off:off + c] = p.array.reshape(-1)
+                if joined:
+                    scale(fb[off:off + c], resp.pre)
             off += c
         self._tl(names, "MEMCPY_IN_FUSION_BUFFER", False)
         self._tl(names, op_name, True)
-        allreduce_flat(comm, fb, resp.op, resp.pre, resp.post, self.scratch)
+        allreduce_flat(comm, fb, resp.op, 1.0 if joined else resp.pre, resp.post, self.scratch)
         self._tl(names, op_name, False)
         self.stats.tensors_fused += len(names)
         self.stats.bytes_fused += total * dtype.itemsize

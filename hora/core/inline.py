@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from hora.collectives.reduce import Average, reducer, scale
+from hora.collectives.reduce import Average, fill_identity, reducer, scale
 from hora.core import messages as m
 from hora.core.execute import Pending, dtype_of
 
@@ -92,20 +92,22 @@ def _answer_one(resp: m.Response, sent: dict, local: dict, ranks: tuple[int, ...
 
 def reduce(resp: m.Response, ranks: tuple[int, ...], inputs) -> bytes:
     """The result of inline response ``resp`` over process set ``ranks``: ``inputs(rank, name)`` gives
-    that rank's input (bytes or array) or None for a rank contributing zeros (joined)."""
+    that rank's input (bytes or array) or None for a rank that joined without submitting the tensor
+    (it contributes the op's neutral element, :func:`hora.collectives.reduce.fill_identity`)."""
     dtype = dtype_of(resp.dtype)
     combine = reducer(resp.op)
     acc = None
     for r in ranks:
         parts = [inputs(r, n) for n in resp.names]
-        if any(p is None for p in parts):
-            x = np.zeros(sum(math.prod(s) for s in resp.shapes), dtype)
+        if any(p is None for p in parts):  # a joined rank: the op's neutral element, not prescaled
+            x = np.empty(sum(math.prod(s) for s in resp.shapes), dtype)
+            fill_identity(x, resp.op)
         else:
             flat = [np.frombuffer(p, dtype) if isinstance(p, bytes) else p.reshape(-1) for p in parts]
             x = flat[0] if len(flat) == 1 else np.concatenate(flat)
-        if acc is None or resp.pre != 1.0:
-            x = np.array(x)  # a copy: inputs (a caller's array, a message) are never written
-            scale(x, resp.pre)
+            if acc is None or resp.pre != 1.0:
+                x = np.array(x)  # a copy: inputs (a caller's array, a message) are never written
+                scale(x, resp.pre)
         if acc is None:
             acc = x
         else:

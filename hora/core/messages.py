@@ -70,6 +70,19 @@ class SetRequest(NamedTuple):
     cacheable = False
 
 
+class Refusal(NamedTuple):
+    """A rank refused its own input for collective ``name`` at submission (and raised there): its
+    peers, which did submit, get an error naming it and why, instead of waiting for it. Sent under
+    the name the collective would have had, so that rank's automatic names stay in step too."""
+
+    name: str
+    kind: str
+    reason: str
+    ps: int = 0
+    group: tuple | None = None
+    cacheable = False
+
+
 class Failure(NamedTuple):
     """Why a response is an error: the exception class every rank raises, and its message. The class
     itself travels (pickled by name), so no rank guesses it from the text."""
@@ -95,7 +108,7 @@ class Response(NamedTuple):
     pre: float = 1.0
     post: float = 1.0
     rows: tuple = ()  # allgather: per name, dim 0 of every rank; alltoall: the splits matrix
-    joined: tuple = ()  # ranks contributing zeros (allreduce under join)
+    joined: tuple = ()  # allreduce under join: joined ranks that never submitted it (they send the op's identity)
     value: object = None  # join: last rank to join; add/remove_process_set: the set's id
     data: bytes | None = None  # allreduce of small tensors: the result, computed by the coordinator (inline)
 

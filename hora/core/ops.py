@@ -8,17 +8,21 @@ return a new array owned by the caller and never touch their input; in-place for
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
+import math
 import threading
 import time
 
 import numpy as np
 
-from hora.base.errors import HoraValueError, NotSupportedError
+from hora.base.errors import HoraError, HoraValueError, NotSupportedError
 from hora.collectives.reduce import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, check_dtype
 from hora.core import messages as m
 from hora.core.basics import state
 from hora.core.execute import Pending
+from hora.core.handles import Handle
 from hora.core.process_sets import ProcessSet, global_process_set
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "allreduce_", "allreduce_async",
@@ -33,14 +37,32 @@ _groups = itertools.count()
 _name_lock = threading.Lock()
 
 
-def _auto_name(name: str | None, ps: int = 0) -> str:
+def _auto_name(name: str | None, ps: int = 0, prefix: str = "noname") -> str:
     """Unnamed ops are numbered in submission order within their process set, so the ranks of a
-    set match them by that order (an unnamed op on a subset does not shift the global numbering)."""
+    set match them by that order (an unnamed op on a subset does not shift the global numbering).
+
+    The numbers restart at every completed ``join()``, under a new epoch (``noname.<epoch>.<n>``):
+    while a rank has joined, the others run unnamed allreduces and barriers that it never submits
+    (and allgathers that fail) and so take numbers it does not, and without the restart the ranks'
+    numbering would disagree for good after the join, a hang on the next unnamed op. A join's
+    completion is the one point that every rank passes with all of its own earlier submissions
+    numbered, so that is where the numbering is made equal again."""
     if name is not None:
         return str(name)
     with _name_lock:  # the counters live in the initialisation: every rank starts from 0 at init()
-        counter = state().names.setdefault(ps, itertools.count())
-        return f"noname.{next(counter)}"
+        names = state().names
+        counter = names.setdefault((prefix, ps), itertools.count())
+        epoch = names.get("epoch", 0)
+        n = next(counter)
+    return f"{prefix}.{n}" if epoch == 0 else f"{prefix}.{epoch}.{n}"
+
+
+def _new_epoch(st) -> None:
+    """Every rank has passed a join: the automatic names restart (see :func:`_auto_name`)."""
+    with _name_lock:
+        epoch = st.names.get("epoch", 0) + 1
+        st.names.clear()
+        st.names["epoch"] = epoch
 
 
 def check_op(op: int, what: str) -> int:
@@ -55,6 +77,9 @@ def check_op(op: int, what: str) -> int:
 
 
 def _ps_id(process_set: ProcessSet, st, what: str) -> int:
+    if not isinstance(process_set, ProcessSet):
+        raise HoraValueError(f"{what}: process_set must be a hora.ProcessSet, got {type(process_set).__name__}; "
+                             "register one with hora.add_process_set([...]) and pass what it returns")
     pid = process_set.process_set_id
     ranks = st.engine.process_sets.get(pid) if pid is not None else None
     if ranks is None:
@@ -69,22 +94,71 @@ def _ps_id(process_set: ProcessSet, st, what: str) -> int:
 def _submit(kind: str, array, name, process_set, inplace=False, flush=False, finish=None, **fields) -> int:
     st = state()
     pend = _prepare(st, kind, array, name, process_set, inplace, flush, finish, **fields)
-    st.engine.submit(pend)
+    try:
+        st.engine.submit(pend)
+    except HoraValueError as e:
+        e.hora_named = True  # refused after its name was taken (a duplicate): no peer is told (see _refusing)
+        raise
     return pend.handle.id
+
+
+def _refusing(kind: str):
+    """Decorate a public ``*_async`` function: when it refuses its caller's input, the rank's peers are
+    told (:class:`messages.Refusal`) under the name the collective would have had, so that they raise
+    a MismatchError naming this rank at once rather than wait for it until the stall shutdown; the
+    caller gets its HoraValueError unchanged. When every rank refuses, nobody waits for anything."""
+    def deco(fn):
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except (HoraValueError, NotSupportedError) as e:
+                if not getattr(e, "hora_named", False):
+                    try:
+                        bound = sig.bind(*args, **kwargs)
+                    except TypeError:
+                        raise e from None
+                    bound.apply_defaults()
+                    refused(kind, e, bound.arguments["name"], bound.arguments["process_set"])
+                raise
+        return wrapper
+    return deco
+
+
+def refused(kind: str, err: Exception, name: str | None = None,
+            process_set: ProcessSet = global_process_set) -> None:
+    """Tell this rank's peers that it refused its input for a ``kind`` collective named ``name`` (None:
+    the next automatic name) with ``err``, which the caller then raises. The core's ``*_async``
+    functions call it themselves; a binding that refuses an input before reaching them calls it too."""
+    try:
+        st = state()
+        ps = _ps_id(process_set, st, kind)
+        full = _auto_name(name, ps)
+        req = m.Refusal(full, kind, f"{type(err).__name__}: {err}"[:500], ps)
+        # flush=False: nobody will drive this one, so the engine thread must be woken for it
+        st.engine.submit(Pending(req, Handle(0, f"{kind}.{full}"), None))
+    except HoraError:  # not initialised, no such set, the engine failed or the name is in flight:
+        pass  # there is nothing a peer could be waiting for under that name
 
 
 def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False, finish=None,
              **fields) -> Pending:
+    """The pending collective for one submission. Every check of the caller's input is made here, on
+    the rank that made it and before the name is taken, so bad input raises at once in the caller and
+    never reaches the engine (only a notice that it was refused does, see :func:`_refusing`)."""
     ps = _ps_id(process_set, st, kind)
     a = None
-    if array is not None:
-        a = array if type(array) is np.ndarray else np.asarray(array)
+    if kind in _DATA_KINDS:
+        a = array if type(array) is np.ndarray else _as_array(array, kind, inplace)
         dtype = check_dtype(a.dtype, kind)
         if kind in (m.ALLGATHER, m.ALLTOALL, m.REDUCESCATTER) and a.ndim == 0:
             raise HoraValueError(f"{kind}: a scalar has no first dimension; reshape it to (1,)")
         if inplace and not a.flags.writeable:
             raise HoraValueError(f"{kind}_: the array is read-only; use the out-of-place {kind}()")
         if not a.flags.c_contiguous:
+            _check_copy(a, kind)
             user = a
             a = np.ascontiguousarray(a)
             if inplace:
@@ -97,6 +171,55 @@ def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False
     return Pending(req, handle, a, inplace, flush)
 
 
+_DATA_KINDS = frozenset({m.ALLREDUCE, m.ALLGATHER, m.BROADCAST, m.ALLTOALL, m.REDUCESCATTER})
+# A view with a zero stride (np.broadcast_to, torch's expand) is copied to contiguous memory before
+# it is sent. Up to this size that copy is harmless; past it a few bytes of data would turn into a
+# huge allocation (a 16 GiB copy of a 4-byte array), so such views are refused with the way out.
+_EXPAND_LIMIT = 256 << 20
+
+
+def _as_array(array, kind: str, inplace: bool) -> np.ndarray:
+    """``array`` as a NumPy array, or a HoraValueError that says what to pass instead."""
+    if array is None:
+        raise HoraValueError(f"{kind}: got None; pass a NumPy array (or a number or list NumPy can convert)")
+    if inplace and not isinstance(array, np.ndarray):
+        raise HoraValueError(f"{kind}_: got {type(array).__name__}; the in-place form writes its result into a "
+                             f"NumPy array, so pass one (or use the out-of-place {kind}(), which returns it)")
+    try:
+        a = np.asarray(array)
+    except Exception as e:  # noqa: BLE001 - whatever NumPy refuses, the caller learns why
+        raise HoraValueError(f"{kind}: cannot make a NumPy array of the {type(array).__name__} given: {e}") from e
+    if a.dtype.kind == "O":
+        raise HoraValueError(f"{kind}: a {type(array).__name__} is not an array of numbers (NumPy makes it an "
+                             "array of Python objects); pass a NumPy array of a numeric dtype, or use "
+                             "broadcast_object / allgather_object for Python objects")
+    return a
+
+
+def _check_copy(a: np.ndarray, kind: str) -> None:
+    """Refuse a zero-stride view whose contiguous copy would be huge (see ``_EXPAND_LIMIT``)."""
+    if a.nbytes <= _EXPAND_LIMIT or not any(st == 0 and d > 1 for st, d in zip(a.strides, a.shape)):
+        return
+    held = a.itemsize * math.prod(d for st, d in zip(a.strides, a.shape) if st != 0)
+    raise HoraValueError(f"{kind}: the array is a broadcast view (a zero stride, as np.broadcast_to or "
+                         f"torch.expand make) of shape {a.shape}: {held} bytes of data that hora would have to "
+                         f"copy into {a.nbytes / (1 << 30):.1f} GiB; hora refuses such copies over "
+                         f"{_EXPAND_LIMIT >> 20} MiB. Run the collective on the small array and broadcast its "
+                         "result (e.g. np.broadcast_to(hora.allreduce(x), shape)), or pass a real array")
+
+
+def _factor(value, label: str, what: str) -> float:
+    """A scale factor as a float; NaN and infinities are refused here, since they make every element
+    NaN or infinite (and NaN, being unequal to itself, cannot be checked across ranks)."""
+    try:
+        f = float(value)
+    except (TypeError, ValueError) as e:
+        raise HoraValueError(f"{what}: {label} {value!r} is not a number") from e
+    if not math.isfinite(f):
+        raise HoraValueError(f"{what}: {label} is {f}; scale factors must be finite numbers")
+    return f
+
+
 def _copy_back(user: np.ndarray, finish):
     def done(result):
         user[...] = result
@@ -106,8 +229,9 @@ def _copy_back(user: np.ndarray, finish):
 
 def _root(root_rank, process_set, what) -> int:
     st = state()
-    ranks = st.engine.process_sets.get(process_set.process_set_id, ())
-    if not isinstance(root_rank, (int, np.integer)) or int(root_rank) not in ranks:
+    ranks = st.engine.process_sets[_ps_id(process_set, st, what)]
+    if isinstance(root_rank, (bool, np.bool_)) or not isinstance(root_rank, (int, np.integer)) \
+            or int(root_rank) not in ranks:
         raise HoraValueError(f"{what}: root_rank {root_rank!r} is not a rank of the process set (ranks "
                              f"{list(ranks)}); root_rank is a global rank")
     return int(root_rank)
@@ -149,22 +273,22 @@ def _group_name(name, i, n):
 
 
 # -- allreduce -----------------------------------------------------------------------------------
+@_refusing(m.ALLREDUCE)
 def allreduce_async(array, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     name: str | None = None, process_set: ProcessSet = global_process_set, *,
                     _flush: bool = False) -> int:
     """Start an allreduce of ``array``; ``synchronize`` returns a new array."""
-    check_op(op, "allreduce")
-    return _submit(m.ALLREDUCE, array, name, process_set, flush=_flush, op=op, pre=float(prescale_factor),
-                   post=float(postscale_factor))
+    return _submit(m.ALLREDUCE, array, name, process_set, flush=_flush,
+                   **_reduce_fields(op, prescale_factor, postscale_factor, "allreduce"))
 
 
+@_refusing(m.ALLREDUCE)
 def allreduce_async_(array: np.ndarray, op: int = Average, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, name: str | None = None,
                      process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
     """Start an in-place allreduce; ``synchronize`` returns ``array``, reduced."""
-    check_op(op, "allreduce_")
-    return _submit(m.ALLREDUCE, array, name, process_set, inplace=True, flush=_flush, op=op,
-                   pre=float(prescale_factor), post=float(postscale_factor))
+    return _submit(m.ALLREDUCE, array, name, process_set, inplace=True, flush=_flush,
+                   **_reduce_fields(op, prescale_factor, postscale_factor, "allreduce_"))
 
 
 def allreduce(array, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -190,8 +314,11 @@ def _grouped(kind: str, arrays, name, flush, process_set, inplace=False, **field
     """Submit several tensors as one unit: negotiated together (in one message), released together
     and fused together. A named group keeps the same id every step, so it hits the response cache."""
     st = state()
+    if arrays is None or isinstance(arrays, (np.ndarray, str, bytes)) or not hasattr(arrays, "__iter__"):
+        raise HoraValueError(f"grouped_{kind}: expected a list of arrays, got {type(arrays).__name__}; use "
+                             f"{kind}() for one array, or wrap it in a list")
     arrays = list(arrays)
-    pid = process_set.process_set_id
+    pid = _ps_id(process_set, st, f"grouped_{kind}")
     gid = (str(name) if name is not None else f"group.{_auto_name(None, pid)}", len(arrays))
     pends = [_prepare(st, kind, a, _group_name(name, i, len(arrays)), process_set, inplace, flush, group=gid,
                       **fields) for i, a in enumerate(arrays)]
@@ -208,7 +335,8 @@ def grouped_allreduce_async(arrays, op: int = Average, prescale_factor: float = 
 
 
 def _reduce_fields(op, pre, post, what) -> dict:
-    return {"op": check_op(op, what), "pre": float(pre), "post": float(post)}
+    return {"op": check_op(op, what), "pre": _factor(pre, "prescale_factor", what),
+            "post": _factor(post, "postscale_factor", what)}
 
 
 def grouped_allreduce_async_(arrays, op: int = Average, prescale_factor: float = 1.0,
@@ -231,6 +359,7 @@ def grouped_allreduce_(arrays, op: int = Average, prescale_factor: float = 1.0, 
 
 
 # -- allgather -----------------------------------------------------------------------------------
+@_refusing(m.ALLGATHER)
 def allgather_async(array, name: str | None = None, process_set: ProcessSet = global_process_set, *,
                     _flush: bool = False) -> int:
     """Start an allgather; ``synchronize`` returns every rank's rows concatenated in rank order."""
@@ -251,12 +380,14 @@ def grouped_allgather(arrays, name: str | None = None, process_set: ProcessSet =
 
 
 # -- broadcast -----------------------------------------------------------------------------------
+@_refusing(m.BROADCAST)
 def broadcast_async(array, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
     return _submit(m.BROADCAST, array, name, process_set, flush=_flush,
                    root=_root(root_rank, process_set, "broadcast"))
 
 
+@_refusing(m.BROADCAST)
 def broadcast_async_(array: np.ndarray, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
     return _submit(m.BROADCAST, array, name, process_set, inplace=True, flush=_flush,
@@ -276,10 +407,12 @@ def broadcast_(array: np.ndarray, root_rank: int, name: str | None = None,
 
 
 # -- alltoall ------------------------------------------------------------------------------------
+@_refusing(m.ALLTOALL)
 def alltoall_async(array, splits=None, name: str | None = None,
                    process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
-    a = np.asarray(array)
-    n = len(state().engine.process_sets.get(process_set.process_set_id, ())) or 1
+    st = state()
+    n = len(st.engine.process_sets[_ps_id(process_set, st, m.ALLTOALL)])
+    a = array if type(array) is np.ndarray else _as_array(array, m.ALLTOALL, False)
     if a.ndim == 0:
         raise HoraValueError("alltoall: a scalar cannot be split; give an array with a first dimension")
     if splits is None:
@@ -289,12 +422,28 @@ def alltoall_async(array, splits=None, name: str | None = None,
         rows = (a.shape[0] // n,) * n
         finish = _first
     else:
-        rows = tuple(int(x) for x in np.asarray(splits).reshape(-1))
+        rows = _splits(splits, n)
         if len(rows) != n or min(rows, default=0) < 0 or sum(rows) != a.shape[0]:
             raise HoraValueError(f"alltoall: splits {list(rows)} must have one non-negative entry per rank ({n}) "
                                  f"summing to the first dimension {a.shape[0]}")
         finish = None
     return _submit(m.ALLTOALL, a, name, process_set, flush=_flush, finish=finish, splits=rows)
+
+
+def _splits(splits, n: int) -> tuple[int, ...]:
+    """``splits`` as a tuple of ints: a 1-D sequence of whole numbers (floats that are not whole are
+    refused, not truncated: a truncated split would send rows to the wrong rank)."""
+    try:
+        s = np.asarray(splits)
+    except Exception as e:  # noqa: BLE001
+        raise HoraValueError(f"alltoall: splits {splits!r} is not a sequence of integers: {e}") from e
+    if s.ndim != 1 or s.dtype.kind not in "iuf":
+        raise HoraValueError(f"alltoall: splits must be a 1-D sequence of integers, one per rank ({n}); "
+                             f"got {splits!r}")
+    if s.dtype.kind == "f" and not (np.isfinite(s).all() and (s == np.floor(s)).all()):
+        raise HoraValueError(f"alltoall: splits {s.tolist()} are not whole numbers; pass integers (hora does not "
+                             "round them)")
+    return tuple(int(x) for x in s)
 
 
 def _first(result):
@@ -308,12 +457,12 @@ def alltoall(array, splits=None, name: str | None = None, process_set: ProcessSe
 
 
 # -- reducescatter -------------------------------------------------------------------------------
+@_refusing(m.REDUCESCATTER)
 def reducescatter_async(array, op: int = Average, name: str | None = None,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0, *, _flush: bool = False) -> int:
-    check_op(op, "reducescatter")
-    return _submit(m.REDUCESCATTER, array, name, process_set, flush=_flush, op=op, pre=float(prescale_factor),
-                   post=float(postscale_factor))
+    return _submit(m.REDUCESCATTER, array, name, process_set, flush=_flush,
+                   **_reduce_fields(op, prescale_factor, postscale_factor, "reducescatter"))
 
 
 def reducescatter(array, op: int = Average, name: str | None = None, process_set: ProcessSet = global_process_set,
@@ -341,15 +490,18 @@ def grouped_reducescatter(arrays, op: int = Average, name: str | None = None,
 # -- barrier, join ---------------------------------------------------------------------------------
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every rank of the process set has called barrier()."""
-    st = state()
-    n = st.barriers[process_set.process_set_id] = st.barriers.get(process_set.process_set_id, 0) + 1
-    synchronize(_submit(m.BARRIER, None, f"barrier.{n}", process_set, flush=True))
+    ps = _ps_id(process_set, state(), "barrier")
+    synchronize(_submit(m.BARRIER, None, _auto_name(None, ps, "barrier"), process_set, flush=True))
 
 
 def join(device: int = -1) -> int:
     """Declare that this rank has no more data: until every rank has joined, it takes part in other
-    ranks' allreduces with zeros. Returns the last rank to join, the same on every rank."""
-    return synchronize(_submit(m.JOIN, None, "join", global_process_set, flush=True))
+    ranks' allreduces with the op's neutral element (zeros for Sum and Average, as in Horovod; for Min,
+    Max and Product the result is then the reduction over the ranks that did not join). Returns the
+    last rank to join, the same on every rank."""
+    last = synchronize(_submit(m.JOIN, None, "join", global_process_set, flush=True))
+    _new_epoch(state())
+    return last
 
 
 # -- objects -------------------------------------------------------------------------------------

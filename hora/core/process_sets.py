@@ -89,8 +89,7 @@ def register(ps: ProcessSet, at_init: bool = False) -> ProcessSet:
     bad = [r for r in ps.ranks if not 0 <= r < st.topo.size]
     if bad or not ps.ranks:
         raise HoraValueError(f"{ps}: ranks {bad or '[]'} are not ranks of this job (size {st.topo.size})")
-    st.ps_calls += 1
-    pid = ops.synchronize(ops._submit(m.ADD_PS, None, f"process_set.{st.ps_calls}", global_process_set,
+    pid = ops.synchronize(ops._submit(m.ADD_PS, None, ops._auto_name(None, 0, "process_set"), global_process_set,
                                       flush=True, ranks=tuple(ps.ranks)))
     ps.process_set_id = pid
     return ps
@@ -111,8 +110,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     pid = process_set.process_set_id
     if pid is None or pid == 0 or pid not in st.engine.process_sets:
         return False
-    st.ps_calls += 1
-    ops.synchronize(ops._submit(m.REMOVE_PS, None, f"process_set.{st.ps_calls}", global_process_set,
+    ops.synchronize(ops._submit(m.REMOVE_PS, None, ops._auto_name(None, 0, "process_set"), global_process_set,
                                 flush=True, set_id=pid))
     process_set.process_set_id = None
     return True
