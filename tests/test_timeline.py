@@ -157,10 +157,12 @@ def test_a_reader_never_sees_a_torn_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(timeline, "FLUSH_EVERY", 3600.0)  # only our flush() calls write
     path = tmp_path / "torn.json"
-    torn, seen = [], []
+    torn, seen, last = [], [], [""]
 
     def check():
         text = path.read_text()
+        assert text.startswith(last[0]), "the writer changed bytes it had written: it must only append"
+        last[0] = text
         seen.append(len(text))
         try:
             _parse_live(text)
@@ -197,6 +199,11 @@ def test_a_reader_never_sees_a_torn_file(tmp_path, monkeypatch):
     finally:
         tl.close()
         monkeypatch.undo()
+    closed = path.read_text()
+    tl.start("late", "TCP_ALLREDUCE")  # an engine thread that still held the timeline: dropped, harmlessly
+    tl.flush()
+    tl.close()
+    assert path.read_text() == closed
     assert len(_events(path)) > 1000
     assert len([n for n in seen if n % timeline.PAGE == 0]) > 10, "the writes crossed few page boundaries"
     assert not torn, torn[:3]
@@ -316,3 +323,25 @@ def test_timeline_dynamic_waits_for_start_timeline(tmp_path):
     path = str(tmp_path / "DYNAMIC")
     assert run(2, _dynamic_value, path, env={"HORA_TIMELINE": "DYNAMIC", **BATCH_ENV}) == [True, True]
     _check(_events(path), "d", mark_cycles=False)
+
+
+def _horovod_torch_check(path):
+    """Horovod's own timeline test, through hora.torch, with its ``time.sleep(0.1)`` turned into a poll."""
+    import torch
+
+    torch.set_num_threads(1)
+    import hora.torch as hvd
+
+    hvd.init()
+    hvd.allreduce(torch.tensor([1.0, 2.0, 3.0]), name="test_allreduce")
+    if hvd.rank() == 0:
+        _wait_text(path, ("allreduce.test_allreduce", "NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START"))
+    hvd.barrier()
+    return hvd.rank()
+
+
+@pytest.mark.timeout(120)
+def test_horovods_timeline_test_through_hora_torch(tmp_path):
+    path = str(tmp_path / "hvd.json")
+    env = {"HOROVOD_TIMELINE": path, "HOROVOD_TIMELINE_MARK_CYCLES": "1"}
+    assert run(2, _horovod_torch_check, path, env=env) == [0, 1]
