@@ -205,7 +205,7 @@ def _create(path: str, head: bytes) -> int:
         os.write(fd, head)
         return fd
     tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask, as open() does
     try:
         os.write(fd, head)
         os.replace(tmp, path)
