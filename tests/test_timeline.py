@@ -1,7 +1,9 @@
-"""The Chrome-trace timeline: written by rank 0, loadable while the job runs, with Horovod's activities."""
+"""The Chrome-trace timeline: written by rank 0 as events happen, loadable while the job runs (adding the
+closing bracket if it is missing), never replaced under a reader, with Horovod's activities and names."""
 
 import json
 import os
+import threading
 import time
 
 import numpy as np
@@ -14,8 +16,18 @@ BATCH_ENV = {"HORA_CYCLE_TIME": "50", "HORA_TRANSPORT": "tcp", "HORA_INLINE_THRE
 
 
 def _events(path):
+    """The events of a closed timeline: a complete JSON array."""
     with open(path) as f:
         return json.load(f)
+
+
+def _parse_live(text):
+    """The events of a timeline read at any moment: the text loads as it is or with a ``]`` added (Chrome's
+    trace format allows it to be missing). Raises if neither loads: a torn file."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return json.loads(text + "]")
 
 
 def _names_by_tensor(events):
@@ -42,15 +54,18 @@ def _check(events, tag, mark_cycles):
     assert events[0]["name"] == "process_name" and events[0]["args"]["name"] == "hora"
     by = _names_by_tensor(events)
     for i in range(4):
-        seq = by[f"{tag}.fused.{i}"]
+        seq = by[f"allreduce.{tag}.fused.{i}"]
         assert seq[0] == "NEGOTIATE_ALLREDUCE", seq
         assert sorted(x for x in seq if x.isdigit()) == ["0", "1"], seq  # a tick per rank as it became ready
         acts = [x for x in seq if not x.isdigit()]
         assert acts == ["NEGOTIATE_ALLREDUCE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "TCP_ALLREDUCE",
                         "MEMCPY_OUT_FUSION_BUFFER"], seq
-    assert [x for x in by[f"{tag}.single"] if not x.isdigit()] == ["NEGOTIATE_ALLREDUCE", "QUEUE", "TCP_ALLREDUCE"]
-    assert [x for x in by[f"{tag}.bcast"] if not x.isdigit()] == ["NEGOTIATE_BROADCAST", "QUEUE", "TCP_BROADCAST"]
-    assert [x for x in by[f"{tag}.gather"] if not x.isdigit()] == ["NEGOTIATE_ALLGATHER", "QUEUE", "TCP_ALLGATHER"]
+    assert [x for x in by[f"allreduce.{tag}.single"] if not x.isdigit()] == ["NEGOTIATE_ALLREDUCE", "QUEUE",
+                                                                             "TCP_ALLREDUCE"]
+    assert [x for x in by[f"broadcast.{tag}.bcast"] if not x.isdigit()] == ["NEGOTIATE_BROADCAST", "QUEUE",
+                                                                            "TCP_BROADCAST"]
+    assert [x for x in by[f"allgather.{tag}.gather"] if not x.isdigit()] == ["NEGOTIATE_ALLGATHER", "QUEUE",
+                                                                             "TCP_ALLGATHER"]
     cycles = [e for e in events if e.get("name") == "CYCLE_START"]
     assert bool(cycles) == mark_cycles, len(cycles)
     stamps = [e["ts"] for e in events if "ts" in e]
@@ -58,19 +73,14 @@ def _check(events, tag, mark_cycles):
 
 
 def _wait_for_event(path, tensor, activity):
-    """Read the timeline until ``activity`` of ``tensor`` is in it (the writer flushes at least every
-    second); every read that finds more than the opening bracket must load."""
+    """Read the timeline until ``activity`` of ``tensor`` is in it (the caller's timeout bounds the wait);
+    every read must load, with a ``]`` added at most."""
     while True:
-        try:
-            with open(path) as f:
-                text = f.read()
-        except FileNotFoundError:
-            text = ""
-        if len(text) > 2:  # before the first flush the file holds only "[\n"
-            events = json.loads(text)
-            if activity in _names_by_tensor(events).get(tensor, []):
-                return events
-        time.sleep(0.05)
+        with open(path) as f:  # it exists from init() on, holding at least "["
+            events = _parse_live(f.read())
+        if activity in _names_by_tensor(events).get(tensor, []):
+            return events
+        time.sleep(0.01)
 
 
 def _read_mid_run(hvd, path):
@@ -78,7 +88,7 @@ def _read_mid_run(hvd, path):
     _some_work(hvd, "a")
     hvd.barrier()
     if r == 1:  # rank 0 is blocked in the next barrier: the job is running while we read
-        events = _wait_for_event(path, "a.gather", "TCP_ALLGATHER")  # the last activity of _some_work
+        events = _wait_for_event(path, "allgather.a.gather", "TCP_ALLGATHER")  # the last activity of _some_work
         _check(events, "a", mark_cycles=True)
     hvd.barrier()
     _some_work(hvd, "b")
@@ -127,8 +137,9 @@ def test_small_tensors_are_reduced_inline(tmp_path):
     path = str(tmp_path / "inline.json")
     assert run_hora(2, _small_and_large, env={"HORA_TIMELINE": path, "HORA_TRANSPORT": "tcp"}) == [0, 1]
     by = _names_by_tensor(_events(path))
-    assert [x for x in by["small"] if not x.isdigit()] == ["NEGOTIATE_ALLREDUCE", "QUEUE", "INLINE_ALLREDUCE"]
-    assert [x for x in by["large"] if not x.isdigit()] == ["NEGOTIATE_ALLREDUCE", "QUEUE", "TCP_ALLREDUCE"]
+    assert [x for x in by["allreduce.small"] if not x.isdigit()] == ["NEGOTIATE_ALLREDUCE", "QUEUE",
+                                                                     "INLINE_ALLREDUCE"]
+    assert [x for x in by["allreduce.large"] if not x.isdigit()] == ["NEGOTIATE_ALLREDUCE", "QUEUE", "TCP_ALLREDUCE"]
 
 
 @pytest.mark.timeout(60)
@@ -139,55 +150,129 @@ def test_every_span_ends(tmp_path):
 
 
 def test_a_reader_never_sees_a_torn_file(tmp_path, monkeypatch):
-    """Whatever a reader catches between any two of the writer's system calls must load. To make the race
-    deterministic, every write to the file is done in two halves and the file is loaded in between."""
+    """Whatever a reader catches while a write extends the file must load, with a ``]`` added at most.
+    Linux makes such a write visible page by page; to make the race deterministic, every write is split
+    at each 4 KiB boundary of the file and the file is loaded in between."""
     import hora.core.timeline as timeline
 
     monkeypatch.setattr(timeline, "FLUSH_EVERY", 3600.0)  # only our flush() calls write
     path = tmp_path / "torn.json"
-    torn = []
+    torn, seen, last = [], [], [""]
 
     def check():
         text = path.read_text()
-        if len(text) > 2:  # before the first flush the file holds only "[\n"
-            try:
-                json.loads(text)
-            except json.JSONDecodeError as e:
-                torn.append((len(text), str(e)))
+        assert text.startswith(last[0]), "the writer changed bytes it had written: it must only append"
+        last[0] = text
+        seen.append(len(text))
+        try:
+            _parse_live(text)
+        except json.JSONDecodeError as e:
+            torn.append((len(text), str(e), text[-80:]))
 
-    real_pwrite, real_write = os.pwrite, os.write
-
-    def pwrite(fd, data, offset):
-        half = len(data) // 2
-        n = real_pwrite(fd, data[:half], offset)
-        check()
-        return n + real_pwrite(fd, data[half:], offset + half)
+    real_write = os.write
 
     def write(fd, data):
-        half = len(data) // 2
-        n = real_write(fd, data[:half])
-        check()
-        return n + real_write(fd, data[half:])
+        data = bytes(data)
+        at = os.fstat(fd).st_size
+        done = 0
+        while done < len(data):
+            step = min(len(data) - done, timeline.PAGE - (at + done) % timeline.PAGE)
+            done += real_write(fd, data[done:done + step])
+            if fd == tl_fd[0]:
+                check()
+        return done
 
-    monkeypatch.setattr(timeline.os, "pwrite", pwrite)
+    tl_fd = [None]
     monkeypatch.setattr(timeline.os, "write", write)
     tl = timeline.Timeline(str(path))
+    tl_fd[0] = tl._fd
     try:
         for _ in range(3):
-            for i in range(50):
-                name = f"t{i}"
+            for i in range(60):
+                name = f"layer{i}.{'weight' if i % 2 else 'bias'}" + "x" * (i * 7 % 50)  # names of many lengths
                 tl.negotiate(name, "allreduce", 0)
                 tl.negotiate(name, "allreduce", 1)
                 tl.negotiate_end(name)
                 tl.start(name, "TCP_ALLREDUCE")
                 tl.end(name, "TCP_ALLREDUCE")
             tl.flush()
-            check()
     finally:
-        monkeypatch.undo()
         tl.close()
-    assert len(_events(path)) > 500
+        monkeypatch.undo()
+    closed = path.read_text()
+    tl.start("late", "TCP_ALLREDUCE")  # an engine thread that still held the timeline: dropped, harmlessly
+    tl.flush()
+    tl.close()
+    assert path.read_text() == closed
+    assert len(_events(path)) > 1000
+    assert len([n for n in seen if n % timeline.PAGE == 0]) > 10, "the writes crossed few page boundaries"
     assert not torn, torn[:3]
+
+
+def _live(hvd, path, steps):
+    """Horovod's check: an allreduce named test_allreduce is in the file (with its negotiation and, when
+    cycles are marked, a CYCLE_START) shortly after, while the job runs. Then a reader thread on rank 1
+    loads the file over and over while both ranks keep reducing: every read must load (with a ``]`` added
+    at most), and the path must stay the same file all along."""
+    r = hvd.rank()
+    hvd.allreduce(np.ones(3, np.float32), name="test_allreduce")
+    if r == 0:
+        _wait_text(path, ("allreduce.test_allreduce", "NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START"))
+    hvd.barrier()
+    reads, bad, stop = [0, 0], [], threading.Event()
+
+    def reader():
+        with open(path) as held:  # a reader that keeps the file open sees what readers by path see
+            ino = os.fstat(held.fileno()).st_ino
+            while not stop.is_set():
+                with open(path) as f:
+                    text = f.read()
+                    if os.fstat(f.fileno()).st_ino != ino:
+                        bad.append("the file was replaced")
+                try:
+                    _parse_live(text)
+                except json.JSONDecodeError as e:
+                    bad.append(f"{len(text)} bytes do not load: {e}: ...{text[-60:]!r}")
+                reads[0] += 1
+                reads[1] = max(reads[1], len(text))
+
+    thread = threading.Thread(target=reader) if r == 1 else None
+    if thread:
+        thread.start()
+    for i in range(steps):
+        hvd.allreduce(np.full(64, i, np.float32), name=f"step.{i % 20}")
+    # on a slow machine, go on until rank 1 has read the file many times while the job ran
+    while hvd.allreduce(np.array([r == 1 and reads[0] < 50], np.int32), op=hvd.Sum, name="more")[0]:
+        pass
+    if thread:
+        stop.set()
+        thread.join()
+    hvd.allreduce(np.ones(1, np.float32), name="done")
+    return reads[0], reads[1], bad
+
+
+def _wait_text(path, needles):
+    """Read ``path`` until it contains every needle (the test's timeout bounds the wait); it must load."""
+    while True:
+        with open(path) as f:
+            text = f.read()
+        if all(n in text for n in needles):
+            _parse_live(text)
+            return
+        time.sleep(0.005)
+
+
+@pytest.mark.timeout(90)
+def test_timeline_is_live(tmp_path):
+    path = str(tmp_path / "live.json")
+    env = {"HOROVOD_TIMELINE": path, "HOROVOD_TIMELINE_MARK_CYCLES": "1"}
+    (_, _, _), (reads, longest, bad) = run_hora(2, _live, path, 300, env=env)
+    assert not bad, bad[:3]
+    assert reads >= 50 and longest > 2 * 4096
+    events = _events(path)  # after shutdown: complete
+    by = _names_by_tensor(events)
+    assert [x for x in by["allreduce.test_allreduce"] if not x.isdigit()][0] == "NEGOTIATE_ALLREDUCE"
+    assert "allreduce.done" in by
 
 
 def _start_stop(hvd, path, mark_cycles):
@@ -216,7 +301,7 @@ def test_start_and_stop_timeline_without_the_environment_variable(tmp_path, mark
     events = _events(path)
     _check(events, "s", mark_cycles)
     by = _names_by_tensor(events)
-    assert "before" not in by and "after" not in by
+    assert "allreduce.before" not in by and "allreduce.after" not in by
 
 
 def _dynamic_value(path):
@@ -238,3 +323,25 @@ def test_timeline_dynamic_waits_for_start_timeline(tmp_path):
     path = str(tmp_path / "DYNAMIC")
     assert run(2, _dynamic_value, path, env={"HORA_TIMELINE": "DYNAMIC", **BATCH_ENV}) == [True, True]
     _check(_events(path), "d", mark_cycles=False)
+
+
+def _horovod_torch_check(path):
+    """Horovod's own timeline test, through hora.torch, with its ``time.sleep(0.1)`` turned into a poll."""
+    import torch
+
+    torch.set_num_threads(1)
+    import hora.torch as hvd
+
+    hvd.init()
+    hvd.allreduce(torch.tensor([1.0, 2.0, 3.0]), name="test_allreduce")
+    if hvd.rank() == 0:
+        _wait_text(path, ("allreduce.test_allreduce", "NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START"))
+    hvd.barrier()
+    return hvd.rank()
+
+
+@pytest.mark.timeout(120)
+def test_horovods_timeline_test_through_hora_torch(tmp_path):
+    path = str(tmp_path / "hvd.json")
+    env = {"HOROVOD_TIMELINE": path, "HOROVOD_TIMELINE_MARK_CYCLES": "1"}
+    assert run(2, _horovod_torch_check, path, env=env) == [0, 1]

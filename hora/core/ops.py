@@ -505,28 +505,123 @@ def join(device: int = -1) -> int:
 
 
 # -- objects -------------------------------------------------------------------------------------
+# An object travels as a record: a status byte, its length (8 bytes) and the pickled bytes, or, when
+# pickling failed, the error's text. Every rank takes part in every collective below whatever happened
+# on it, so a rank that cannot pickle or unpickle raises its own exception, its peers raise an
+# InternalError naming it and its cause, and the next collective finds every rank in step.
+_OK, _FAILED = 0, 1
+_HEADER = 9
+_ERROR_TEXT = 500  # characters of a failing rank's error sent to its peers
+
+
+def _record(status: int, body: bytes) -> np.ndarray:
+    return np.frombuffer(bytes([status]) + len(body).to_bytes(8, "little") + body, np.uint8)
+
+
+def _records(data: np.ndarray) -> list[tuple[int, memoryview]]:
+    """The records of an allgather of records, in rank order (views into ``data``, not copies)."""
+    raw, out, i = memoryview(data), [], 0
+    while i < len(raw):
+        n = int.from_bytes(raw[i + 1:i + _HEADER], "little")
+        out.append((raw[i], raw[i + _HEADER:i + _HEADER + n]))
+        i += _HEADER + n
+    return out
+
+
+def _describe(doing: str, e: BaseException) -> bytes:
+    return f"{doing}: {type(e).__name__}: {e}"[:_ERROR_TEXT].encode("utf-8", "replace")
+
+
+def _pickle(obj) -> tuple[bytes, Exception | None]:
+    """(the pickled bytes, None), or (the error's text, the error) when ``obj`` cannot be pickled."""
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(obj), None
+    except Exception as e:  # whatever __reduce__ or a member's pickling raised; BaseException goes by
+        return _describe("pickle its object", e), e
+
+
+def _part(name: str | None, part: str) -> str | None:
+    return None if name is None else f"{name}.{part}"
+
+
+def _failure(what: str, failed: dict):
+    """The error for a rank whose peers ``failed`` (global rank -> what went wrong there)."""
+    from hora.base.errors import InternalError
+
+    named = "; ".join(f"rank {r} could not {bytes(t).decode('utf-8', 'replace')}" for r, t in failed.items())
+    return InternalError(f"{what}: {named} (that rank raised the error itself; hora is still usable)")
+
+
+def _agree(what: str, err: Exception | None, text: bytes, name: str | None, process_set: ProcessSet,
+           ranks: tuple[int, ...]) -> None:
+    """After unpickling: raise on every rank if it failed on any (``err``, described by ``text``, is this
+    rank's failure). The common case costs one small allreduce of a flag (rank 0 reduces it inline); the
+    error texts travel only when a flag is set."""
+    flag = allreduce(np.array([err is not None], np.int32), op=Sum, name=_part(name, "status"),
+                     process_set=process_set)
+    if not flag[0]:
+        return
+    texts = allgather(_record(_FAILED if err is not None else _OK, text), _part(name, "errors"), process_set)
+    if err is not None:
+        raise err
+    raise _failure(what, {r: t for r, (s, t) in zip(ranks, _records(texts)) if s == _FAILED})
+
+
 def broadcast_object(obj=None, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set):
-    """Return ``root_rank``'s ``obj`` (anything cloudpickle can serialise) on every rank."""
+    """Return ``root_rank``'s ``obj`` (anything cloudpickle can serialise) on every rank.
+
+    If the root cannot pickle ``obj`` it raises that error and every other rank raises an
+    :class:`InternalError` naming the root and the error; if a rank cannot unpickle it, that rank
+    raises its error and the others an InternalError naming it. hora stays usable either way."""
     import cloudpickle
 
     st = state()
+    root_rank = _root(root_rank, process_set, "broadcast_object")
     is_root = st.topo.rank == root_rank
-    base = name or "broadcast_object"
-    payload = np.frombuffer(cloudpickle.dumps(obj), np.uint8) if is_root else None
-    length = broadcast(np.array([0 if payload is None else payload.size], np.int64), root_rank,
-                       None if name is None else f"{base}.len", process_set)
-    data = payload if is_root else np.empty(int(length[0]), np.uint8)
-    data = broadcast(data, root_rank, None if name is None else f"{base}.data", process_set)
-    return obj if is_root else cloudpickle.loads(data.tobytes())
+    body, err = _pickle(obj) if is_root else (b"", None)
+    header = np.array([err is not None, len(body)], np.int64)
+    header = broadcast(header, root_rank, _part(name, "len"), process_set)
+    data = np.frombuffer(body, np.uint8) if is_root else np.empty(int(header[1]), np.uint8)
+    data = broadcast(data, root_rank, _part(name, "data"), process_set)
+    if header[0]:
+        if is_root:
+            raise err
+        raise _failure("broadcast_object", {root_rank: data})
+    result, err, text = obj, None, b""
+    if not is_root:
+        try:
+            result = cloudpickle.loads(data.tobytes())
+        except Exception as e:
+            err, text = e, _describe(f"unpickle the object from rank {root_rank}", e)
+    _agree("broadcast_object", err, text, name, process_set, st.engine.process_sets[process_set.process_set_id])
+    return result
 
 
 def allgather_object(obj, name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
-    """Return the list of every rank's ``obj``, in rank order."""
+    """Return the list of every rank's ``obj``, in rank order.
+
+    A rank that cannot pickle its ``obj`` (or unpickle another's) raises that error; the others raise
+    an :class:`InternalError` naming it and the error. hora stays usable either way."""
     import cloudpickle
 
-    payload = np.frombuffer(cloudpickle.dumps(obj), np.uint8)
-    data = allgather(payload, name and f"{name}.data", process_set)
-    lengths = allgather(np.array([payload.size], np.int64), name and f"{name}.len", process_set)
-    offsets = [0] + [int(x) for x in np.cumsum(lengths)]
-    return [cloudpickle.loads(data[offsets[i]:offsets[i + 1]].tobytes()) for i in range(len(lengths))]
+    body, err = _pickle(obj)
+    data = allgather(_record(_FAILED if err is not None else _OK, body), _part(name, "data"), process_set)
+    records = _records(data)
+    ranks = state().engine.process_sets[process_set.process_set_id]
+    failed = {r: b for r, (s, b) in zip(ranks, records) if s == _FAILED}
+    if failed:
+        if err is not None:
+            raise err
+        raise _failure("allgather_object", failed)
+    out, err, text = [], None, b""
+    for r, (_, b) in zip(ranks, records):
+        try:
+            out.append(cloudpickle.loads(b))
+        except Exception as e:
+            err, text = e, _describe(f"unpickle the object from rank {r}", e)
+            break
+    _agree("allgather_object", err, text, name, process_set, ranks)
+    return out
