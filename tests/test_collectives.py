@@ -533,3 +533,58 @@ def test_mpi_failures_are_transport_errors_that_elastic_recovers_from():
     finally:
         a.close()
         b.close()
+
+
+class _SilentMPI:
+    """Just enough of mpi4py for MpiCommunicator, with requests that never complete (a peer that is
+    gone: MPI without ULFM never says so)."""
+
+    SUM = MIN = MAX = PROD = BYTE = object()
+
+    class Exception(Exception):
+        pass
+
+    class Request:
+        @staticmethod
+        def Testsome(reqs):
+            return []
+
+    class _Pending:
+        def Cancel(self):
+            pass
+
+    class Comm:
+        def Isend(self, *args):
+            return _SilentMPI._Pending()
+
+        Irecv = Isend
+
+        def Free(self):
+            pass
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("goodbye", [True, False], ids=["closed", "died"])
+def test_mpi_wait_learns_of_a_peer_that_left_from_the_idle_mesh(goodbye, monkeypatch):
+    """A rank blocked on an MPI receive from a peer that closed its communicator (a goodbye on the
+    mesh's idle data connection) or died (EOF without one) raises PeerLostError naming it once the
+    grace for in-flight messages has passed, though MPI itself never completes or fails the request;
+    a receive posted afterwards is refused at once."""
+    from hora.base.errors import PeerLostError
+    from hora.transport import mpi
+
+    monkeypatch.setattr(mpi, "LEFT_GRACE", 0.2)
+    a, b = _mesh_pair()
+    ma, mb = (mpi.MpiCommunicator(t, _SilentMPI.Comm(), _SilentMPI) for t in (a, b))
+    try:
+        pending = mb.irecv_into(0, np.zeros(8, np.uint8))
+        (ma if goodbye else a).close()  # the TCP mesh's own close says no goodbye: as if the process died
+        with pytest.raises(PeerLostError) as lost:
+            pending.wait(10)
+        assert lost.value.rank == 0 and "rank 0" in str(lost.value)
+        assert ("closed its communicator" if goodbye else "without a goodbye") in str(lost.value)
+        with pytest.raises(PeerLostError):
+            mb.irecv_into(0, np.zeros(8, np.uint8))
+    finally:
+        ma.close()
+        mb.close()

@@ -85,6 +85,12 @@ class TcpCommunicator(CommunicatorBase):
             self._pump_recv(peer)
         return req
 
+    def links(self) -> dict[int, socket.socket]:
+        """The data connections by peer, for a transport that moves its data another way (MPI) and
+        keeps them only to learn that a peer left: such a transport never calls ``isend`` or
+        ``irecv_into`` here, so any byte or EOF on them is news of the peer's end."""
+        return dict(self._socks)
+
     def close(self) -> None:
         if self._closed:
             return
