@@ -15,15 +15,11 @@ delegates all of that to it and moves collective data with MPI instead:
   data wait exactly as on the TCP transport. An MPI failure is a :class:`TransportError`.
 * A peer's end: MPI (without ULFM) never reports a peer that closed or died, and only rank 0 has a
   control connection to every rank, so a rank blocked on a receive from another would wait forever.
-  The mesh's data connections carry no data here, and every rank has one to every other: a closing
-  rank sends a goodbye on each (:data:`GOODBYE`), a dying one's kernel closes them, and the wait
-  watches them (:meth:`MpiCommunicator._watch_links`). A wait that still involves a peer
-  :data:`LEFT_GRACE` s after its end (its last messages may still be in flight in MPI) fails with
-  :class:`PeerLostError` naming it; after a death without a goodbye every wait fails, as on TCP.
-* ``native_allreduce`` (only with ``HORA_MPI_ALLREDUCE=native``) runs MPI's own ``Iallreduce``; by
-  default hora's ring runs over MPI point-to-point, which measured faster (see docs and
-  ``benchmarks/mpi_allreduce.py``). float16 and bfloat16 have no MPI reduction: they are reduced in
-  float32 and rounded once (bitwise what the ring gives at np=2).
+  But every rank has a mesh data connection to every other, idle here, which the peer's close (or
+  its kernel, when it dies) ends: the wait watches them for that end without reading anything
+  (:meth:`MpiCommunicator._watch_links`; a caller may still run the plain ring over ``mesh``), and a
+  request that still involves the peer :data:`LEFT_GRACE` s later (its last messages may still be in
+  flight in MPI) fails with :class:`PeerLostError` naming it.
 
 Threads: MPI is initialised by the first ``from mpi4py import MPI`` (mpi4py asks for
 ``MPI_THREAD_MULTIPLE``; ``HORA_MPI_THREADS_DISABLE=1`` asks for ``MPI_THREAD_SERIALIZED``, the least
@@ -36,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import socket
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -56,7 +53,6 @@ log = logging.getLogger("hora.transport")
 _SPIN = 0.05  # s of busy polling after the last completion before waits back off to 1 ms naps
 _CTRL_EVERY = 0.002  # s between looks at the control plane while spinning
 _MAX_PIECE = 1 << 30  # MPI counts are C ints
-GOODBYE = b"B"  # what a closing rank sends on each idle link of the mesh before it closes them
 LEFT_GRACE = CTRL_GRACE  # s a wait involving a peer that left goes on: its last messages may be in flight
 
 
@@ -127,7 +123,7 @@ class MpiCommunicator(CommunicatorBase):
         self.rank, self.size, self.ctrl = mesh.rank, mesh.size, mesh.ctrl
         self._links = mesh.links()  # peer -> the mesh's data connection, idle: only news of its end comes
         self._link_peer = {s.fileno(): p for p, s in self._links.items()}
-        self._left: dict[int, tuple[float, str, bool]] = {}  # peer -> (deadline, what was seen, said goodbye)
+        self._left: dict[int, tuple[float, str]] = {}  # peer -> (deadline of its grace, what was seen)
         self._pending: set[MpiRequest] = set()
         self._broken: BaseException | None = None
         self._closed = False
@@ -206,42 +202,41 @@ class MpiCommunicator(CommunicatorBase):
                 os.sched_yield()  # lets the peer (and our own main thread) run on a busy machine
 
     def _watch_links(self) -> None:
-        """Take news of peers' ends from the idle links (a goodbye: it closed its communicator; EOF or
-        a reset without one: its process died), and call a peer lost once it has been gone for
-        ``LEFT_GRACE`` s if a pending request involves it, or if it died."""
+        """Take note of peers whose mesh connection ended, and call one lost once it has been gone for
+        ``LEFT_GRACE`` s while a pending request involves it."""
         watched = [(p, s) for p, s in self._links.items() if p not in self._left]
         if watched:
             poller = select.poll()
             for _p, s in watched:
                 poller.register(s.fileno(), select.POLLIN | select.POLLPRI)
             for fd, _ev in poller.poll(0):
-                self._read_link(self._link_peer[fd])
+                self._peek_link(self._link_peer[fd])
         if not self._left or self.ctrl.broken is not None:
             return
         now = time.monotonic()
-        for peer, (deadline, what, bye) in list(self._left.items()):
-            if now >= deadline and (not bye or any(r.peer in (peer, -1) for r in self._pending)):
+        for peer, (deadline, what) in list(self._left.items()):
+            if now >= deadline and any(r.peer in (peer, -1) for r in self._pending):
                 self.ctrl.lost(peer, what)  # fails every pending request, here and on the mesh
                 return
 
-    def _read_link(self, peer: int) -> None:
+    def _peek_link(self, peer: int) -> None:
         try:
-            news = self._links[peer].recv(64)
+            head = self._links[peer].recv(1, socket.MSG_PEEK)  # never consume: the bytes may be the mesh's
         except BlockingIOError:
             return
         except OSError as e:
-            news = f"{type(e).__name__}: {e}".encode()
-        if news[:1] == GOODBYE:
-            what, bye = "it closed its communicator while this rank still had transfers with it", True
+            what = f"its connection failed ({type(e).__name__}: {e})"
         else:
-            what, bye = "its connections closed without a goodbye", False
-        self._left[peer] = (time.monotonic() + LEFT_GRACE, what, bye)
+            if head:
+                return  # data of someone running the plain ring over the mesh: not news of an end
+            what = "its connection closed: it closed its communicator or its process died"
+        self._left[peer] = (time.monotonic() + LEFT_GRACE, what)
 
     def _refuse_left(self, peer: int | None) -> None:
         """A new request with ``peer`` (None: every peer) once it has been gone for ``LEFT_GRACE`` s
         is refused as a lost peer, at once."""
         now = time.monotonic()
-        for p, (deadline, what, _bye) in self._left.items():
+        for p, (deadline, what) in self._left.items():
             if (peer is None or p == peer) and now >= deadline:
                 raise self.ctrl.lost(p, what)
 
@@ -287,11 +282,6 @@ class MpiCommunicator(CommunicatorBase):
             self.mesh.close()
             return
         self._closed = True
-        for s in self._links.values():  # the news every peer's wait watches for (see _watch_links)
-            try:
-                s.send(GOODBYE)
-            except OSError:
-                pass
         if self._pending:
             self._fail_all(CommunicatorClosedError("this communicator was closed"))
         else:
