@@ -205,3 +205,32 @@ def test_every_registered_transport_is_checked():
     from hora.transport.registry import TRANSPORTS
 
     assert set(TRANSPORTS) <= {*POOL, "mpi"}, f"no conformance case for {sorted(set(TRANSPORTS) - {*POOL, 'mpi'})}"
+
+
+@pytest.mark.timeout(30)
+def test_start_up_timeouts_are_hora_timeouts():
+    """A key that never appears, a rank that never connects, a store nobody serves: each start-up
+    wait that runs out raises HoraTimeoutError (a HorovodInternalError and a TimeoutError), naming
+    what it waited for."""
+    import socket
+
+    from hora.base.errors import HoraTimeoutError, HorovodInternalError
+    from hora.transport import auth
+    from hora.transport.store import StoreClient, StoreServer, StoreTimeout
+    from hora.transport.tcp import connect_mesh
+
+    secret = auth.new_secret()
+    with StoreServer(secret) as server:
+        store = StoreClient(server.address, secret)
+        with pytest.raises(StoreTimeout, match="'nobody/sets/this'") as e:
+            store.get("nobody/sets/this", timeout=0.1)
+        assert isinstance(e.value, HoraTimeoutError) and isinstance(e.value, TimeoutError)
+        with pytest.raises(HoraTimeoutError, match=r"ranks \[1\] did not connect") as e:
+            connect_mesh(0, 2, store, "alone/0", secret.encode(), timeout=0.3)
+        assert isinstance(e.value, HorovodInternalError)
+        store.close()
+    with socket.socket() as free:  # a port nobody listens on
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    with pytest.raises(HoraTimeoutError, match="cannot reach the hora store"):
+        StoreClient(f"127.0.0.1:{port}", secret, timeout=0.2)

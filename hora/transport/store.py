@@ -180,9 +180,9 @@ class StoreClient:
                 self._sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
                 break
             except OSError as e:
-                if time.monotonic() >= deadline:
-                    raise HoraError(f"cannot reach the hora store at {addr}: {e}; is the launcher "
-                                    "running and HORA_STORE_ADDR right?") from e
+                if time.monotonic() >= deadline:  # a start-up timeout, like StoreTimeout
+                    raise HoraTimeoutError(f"cannot reach the hora store at {addr} within {timeout:g} s: {e}; "
+                                           "is the launcher running and HORA_STORE_ADDR right?") from e
                 time.sleep(0.05)
         net.tune(self._sock)
         auth.connect_handshake(self._sock, secret_b)
