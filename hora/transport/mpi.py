@@ -20,6 +20,10 @@ delegates all of that to it and moves collective data with MPI instead:
   (:meth:`MpiCommunicator._watch_links`; a caller may still run the plain ring over ``mesh``), and a
   request that still involves the peer :data:`LEFT_GRACE` s later (its last messages may still be in
   flight in MPI) fails with :class:`PeerLostError` naming it.
+* ``native_allreduce`` (only with ``HORA_MPI_ALLREDUCE=native``) runs MPI's own ``Iallreduce``; by
+  default hora's ring runs over MPI point-to-point, which measured faster (see docs and
+  ``benchmarks/mpi_allreduce.py``). float16 and bfloat16 have no MPI reduction: they are reduced in
+  float32 and rounded once (bitwise what the ring gives at np=2).
 
 Threads: MPI is initialised by the first ``from mpi4py import MPI`` (mpi4py asks for
 ``MPI_THREAD_MULTIPLE``; ``HORA_MPI_THREADS_DISABLE=1`` asks for ``MPI_THREAD_SERIALIZED``, the least

@@ -4,7 +4,9 @@ Setup: each rank listens on an ephemeral port, publishes ``host:port`` in the re
 connects to every lower rank and accepts every higher one. Each connection proves knowledge of the
 job secret both ways (:mod:`hora.transport.auth`) and names the connecting rank and the job
 generation, so a stale or foreign connection is dropped with a log line while setup goes on. The
-listener stays open for the life of the communicator, refusing latecomers the same way.
+listener stays open for the life of the communicator, refusing latecomers the same way; its
+handshakes all run at once in one thread (:mod:`hora.transport.acceptor`), so a silent stranger
+delays no rank.
 
 Data: requests queue per peer and progress inside ``wait`` (poll on the sockets that have work),
 so a ring step sends and receives at once. OS errors are translated here, once, into
@@ -29,7 +31,6 @@ from hora.transport.acceptor import Acceptor
 from hora.transport.base import CommunicatorBase, PendingRequest, byte_view, timed_out
 from hora.transport.control import ControlPlane
 from hora.transport.store import StoreClient
-
 
 _POLL_IN = select.POLLIN | select.POLLPRI
 
@@ -87,8 +88,8 @@ class TcpCommunicator(CommunicatorBase):
 
     def links(self) -> dict[int, socket.socket]:
         """The data connections by peer, for a transport that moves its data another way (MPI) and
-        keeps them only to learn that a peer left: such a transport never calls ``isend`` or
-        ``irecv_into`` here, so any byte or EOF on them is news of the peer's end."""
+        watches them only for their end, which tells it that a peer closed or died: it must never read
+        from them (a caller may still run the plain ring over this mesh)."""
         return dict(self._socks)
 
     def close(self) -> None:
