@@ -7,6 +7,7 @@ few seconds; the job must keep making progress meanwhile and finish with correct
 """
 
 import os
+import resource
 import socket
 import struct
 import threading
@@ -196,10 +197,14 @@ def test_silent_flood_delays_neither_start_nor_end(monkeypatch):
     from hora.transport.tcp import connect_mesh
 
     monkeypatch.setattr(auth, "HANDSHAKE_TIMEOUT", 600.0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # both ends of 400 connections live here
+    if soft != resource.RLIM_INFINITY and soft < 4 * FLOOD + 512:
+        want = 4 * FLOOD + 512 if hard == resource.RLIM_INFINITY else min(hard, 4 * FLOOD + 512)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     secret = auth.new_secret()
     server = StoreServer(secret)
     host, port = server.address.rsplit(":", 1)
-    silent = _silent_flood((host, int(port)), FLOOD)
+    silent: list[socket.socket] = []
     errors, comms = [], {}
 
     def rank(r: int) -> None:
@@ -221,6 +226,7 @@ def test_silent_flood_delays_neither_start_nor_end(monkeypatch):
 
     threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
     try:
+        silent += _silent_flood((host, int(port)), FLOOD)
         threads[0].start()
         watcher = StoreClient(server.address, secret)
         h0, p0 = watcher.get("flood/0/addr/0", timeout=30).decode().rsplit(":", 1)  # rank 0's port is up
@@ -244,6 +250,7 @@ def test_silent_flood_delays_neither_start_nor_end(monkeypatch):
         for s in silent:
             s.close()
         server.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 @pytest.mark.timeout(30)
