@@ -79,10 +79,10 @@ def _hora_worker(sizes, budget, reps):
         a = np.zeros(nbytes // 4, np.float32)
         out["engine"][nbytes] = time_collective(lambda a=a: hora.allreduce_(a, op=hora.Sum, name="bench"),
                                                 agree_max, barrier, budget, reps)
-        hook, comm.on_ctrl = comm.on_ctrl, None
+        hook, comm.ctrl.on_message = comm.ctrl.on_message, None
         out["direct"][nbytes] = time_collective(lambda a=a: direct(a), direct_agree,
                                                 lambda: direct(np.zeros(1, np.float32)), budget, reps)
-        comm.on_ctrl = hook
+        comm.ctrl.on_message = hook
     if hora.rank() == 0:
         print("RESULT " + json.dumps(out), flush=True)
     hora.shutdown()

@@ -49,7 +49,7 @@ def worker(sizes: list[int], budget: float, reps: int) -> None:
     hora.init()
     comm = basics.state().comm
     assert getattr(comm, "name", "") == "HIERARCHICAL", f"the job is not hierarchical: {type(comm).__name__}"
-    comm.on_ctrl = None  # direct use from this thread: the idle engine keeps its hands off the sockets
+    comm.ctrl.on_message = None  # direct use from this thread: the idle engine keeps its hands off the sockets
     scratch, add = ring.Scratch(), reducer(Sum)
 
     def flat(a):

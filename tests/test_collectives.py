@@ -533,3 +533,62 @@ def test_mpi_failures_are_transport_errors_that_elastic_recovers_from():
     finally:
         a.close()
         b.close()
+
+
+class _SilentMPI:
+    """Just enough of mpi4py for MpiCommunicator, with requests that never complete (a peer that is
+    gone: MPI without ULFM never says so)."""
+
+    SUM = MIN = MAX = PROD = BYTE = object()
+
+    class Exception(Exception):
+        pass
+
+    class Request:
+        @staticmethod
+        def Testsome(reqs):
+            return []
+
+    class _Pending:
+        def Cancel(self):
+            pass
+
+    class Comm:
+        def Isend(self, *args):
+            return _SilentMPI._Pending()
+
+        Irecv = Isend
+
+        def Free(self):
+            pass
+
+
+@pytest.mark.timeout(20)
+def test_mpi_wait_learns_of_a_peer_that_left_from_the_idle_mesh(monkeypatch):
+    """A rank blocked on an MPI receive from a peer that closed (or died: its kernel closes the same
+    connections) raises PeerLostError naming it once the grace for in-flight messages has passed,
+    though MPI itself never completes or fails the request; a receive posted afterwards is refused at
+    once. Bytes of the plain ring over the mesh, unread when the wait looks, are left where they are."""
+    from hora.base.errors import HoraTimeoutError, PeerLostError
+    from hora.transport import mpi
+
+    monkeypatch.setattr(mpi, "LEFT_GRACE", 0.2)
+    a, b = _mesh_pair()
+    ma, mb = (mpi.MpiCommunicator(t, _SilentMPI.Comm(), _SilentMPI) for t in (a, b))
+    try:
+        x, y = np.arange(6, dtype=np.int64), np.zeros(6, np.int64)
+        a.isend(1, x).wait(5)  # on the mesh, unread by rank 1 while its MPI wait watches the connection
+        with pytest.raises(HoraTimeoutError):
+            mb.irecv_into(0, np.zeros(8, np.uint8)).wait(0.5)
+        b.irecv_into(0, y).wait(5)
+        assert y.tolist() == x.tolist(), "the MPI wait consumed the mesh's bytes"
+        pending = mb.irecv_into(0, np.zeros(8, np.uint8))
+        ma.close()
+        with pytest.raises(PeerLostError) as lost:
+            pending.wait(10)
+        assert lost.value.rank == 0 and "rank 0" in str(lost.value) and "connection closed" in str(lost.value)
+        with pytest.raises(PeerLostError):
+            mb.irecv_into(0, np.zeros(8, np.uint8))
+    finally:
+        ma.close()
+        mb.close()

@@ -113,7 +113,7 @@ def _direct(hvd):
     from hora.core import basics
 
     comm = basics.state().comm
-    comm.on_ctrl = None
+    comm.ctrl.on_message = None
     return comm
 
 
@@ -124,7 +124,7 @@ def _shm_vs_ring(hvd, cases):
     from hora.transport import shm
 
     n, r = hvd.size(), hvd.rank()
-    hook = basics.state().comm.on_ctrl
+    hook = basics.state().comm.ctrl.on_message
     comm = _direct(hvd)
     assert type(comm).__name__ == "ShmCommunicator", type(comm)
     group = comm.group
@@ -150,14 +150,14 @@ def _shm_vs_ring(hvd, cases):
             res.update(ok=False, detail=f"{steps} steps for {nbytes} bytes, expected {want}")
         out[f"{dtype}[{count}] op={op}"] = res
     assert shm.CHUNK_BYTES == group.chunk
-    comm.on_ctrl = hook
+    comm.ctrl.on_message = hook
     # the engine reaches the same paths: a small and a large allreduce through hora.allreduce (a
     # tensor under the engine's inline threshold is reduced by rank 0 in rank order: the same bits)
     for count in (shm_ops.SMALL_BYTES >> 2, (shm.CHUNK_BYTES >> 2) + 5):
         x = make(r, "float32", count, 9, Sum)
         direct = x.copy()
         _direct(hvd).native_allreduce(direct, Sum)
-        comm.on_ctrl = hook
+        comm.ctrl.on_message = hook
         res = verdict("float32", Sum, n, hvd.allreduce(x, op=hvd.Sum, name=f"fast.{count}"), direct)
         res["ok"] = res["exact"]  # the engine adds nothing to a Sum: bitwise what the direct call gives
         out[f"engine float32[{count}]"] = res

@@ -7,6 +7,7 @@ few seconds; the job must keep making progress meanwhile and finish with correct
 """
 
 import os
+import resource
 import socket
 import struct
 import threading
@@ -147,3 +148,142 @@ def test_strangers_are_dropped_and_the_job_completes():
         codes = job.wait(30)
         assert codes == [0] * n, f"exit codes {codes}:\n{job.output(0)}\n{job.output(1)}"
         assert all(job.report(r)["iterations"] >= 3 for r in range(n))
+
+
+# --- a flood of silent connections delays nobody ---------------------------------------------------
+
+FLOOD = 200  # silent connections per port
+
+
+def _silent_flood(addr: tuple[str, int], n: int) -> list[socket.socket]:
+    """``n`` connections to ``addr`` that read the acceptor's hello (so each is in a handshake, past
+    the accept backlog) and then say nothing."""
+    from hora.transport import auth
+
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection(addr, timeout=30)
+        socks.append(s)
+    for s in socks:
+        hello = b""
+        while len(hello) < 5 + auth.NONCE:
+            got = s.recv(5 + auth.NONCE - len(hello))
+            assert got, "the acceptor closed a silent connection before its handshake deadline"
+            hello += got
+    return socks
+
+
+def _unanswered(s: socket.socket) -> bool:
+    """Nothing more from the other end, and no EOF: it still waits for our handshake."""
+    s.setblocking(False)
+    try:
+        s.recv(1)  # b"": closed; bytes: it answered a handshake we never sent
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_silent_flood_delays_neither_start_nor_end(monkeypatch):
+    """200 silent connections to the store and 200 to rank 0's data port, each past the accept backlog
+    and inside its handshake, do not hold up a 2-rank mesh: it connects, moves data and closes (rank 0
+    with the silent ones still on its port), and the store closes, while every silent connection is
+    still open and unanswered. Their handshake deadline is set far beyond the test's timeout, so a
+    start or an end that waited on any of them would not finish at all."""
+    from hora.transport import auth
+    from hora.transport.store import StoreClient, StoreServer
+    from hora.transport.tcp import connect_mesh
+
+    monkeypatch.setattr(auth, "HANDSHAKE_TIMEOUT", 600.0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # both ends of 400 connections live here
+    if soft != resource.RLIM_INFINITY and soft < 4 * FLOOD + 512:
+        want = 4 * FLOOD + 512 if hard == resource.RLIM_INFINITY else min(hard, 4 * FLOOD + 512)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    secret = auth.new_secret()
+    server = StoreServer(secret)
+    host, port = server.address.rsplit(":", 1)
+    silent: list[socket.socket] = []
+    errors, comms = [], {}
+
+    def rank(r: int) -> None:
+        try:
+            store = StoreClient(server.address, secret)
+            if r == 1:
+                store.get("test/flooded", timeout=30)
+            comm = connect_mesh(r, 2, store, "flood/0", secret.encode(), timeout=30)
+            x = np.arange(1000, dtype=np.float64) + r
+            y = np.zeros_like(x)
+            recv, send = comm.irecv_into(1 - r, y), comm.isend(1 - r, x)
+            recv.wait(30)
+            send.wait(30)
+            assert np.array_equal(y, np.arange(1000) + 1 - r)
+            comms[r] = comm
+            store.close()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    try:
+        silent += _silent_flood((host, int(port)), FLOOD)
+        threads[0].start()
+        watcher = StoreClient(server.address, secret)
+        h0, p0 = watcher.get("flood/0/addr/0", timeout=30).decode().rsplit(":", 1)  # rank 0's port is up
+        watcher.close()
+        silent += _silent_flood((h0, int(p0)), FLOOD)
+        server.set("test/flooded", b"1")
+        threads[1].start()
+        for t in threads:
+            t.join(40)
+        assert not errors, errors
+        assert sorted(comms) == [0, 1], "a rank did not finish"
+        # the mesh came up and moved data while every silent connection was inside its handshake
+        assert sum(_unanswered(s) for s in silent) == len(silent), "a silent connection was answered or dropped"
+        for r in (1, 0):  # the ranks' end: rank 0 closes its port with 200 handshakes pending on it
+            comms[r].close()
+        assert all(dropped_by_peer(s, DROP_S) for s in silent[FLOOD:]), "rank 0's close left a stranger connected"
+        assert sum(_unanswered(s) for s in silent[:FLOOD]) == FLOOD, "the store dropped a stranger early"
+        server.close()  # the launcher's end
+        assert all(dropped_by_peer(s, DROP_S) for s in silent[:FLOOD]), "the store's close left a stranger connected"
+    finally:
+        for s in silent:
+            s.close()
+        server.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.timeout(30)
+def test_handshake_slots_are_bounded(monkeypatch):
+    """A flood larger than the acceptor's slots cannot exhaust descriptors: the oldest handshakes are
+    dropped to make room, and a real client arriving after the flood still gets through."""
+    from hora.transport import auth
+    from hora.transport.acceptor import Acceptor
+
+    monkeypatch.setattr(auth, "HANDSHAKE_TIMEOUT", 600.0)
+    secret = auth.new_secret().encode()
+    ready = []
+    got_one = threading.Event()
+
+    def on_ready(sock, ident, addr):
+        ready.append(ident)
+        sock.close()
+        got_one.set()
+
+    listener = socket.create_server(("127.0.0.1", 0), backlog=socket.SOMAXCONN)
+    acceptor = Acceptor(listener, secret, on_ready, "test port", max_pending=8)
+    silent = []
+    try:
+        silent = _silent_flood(acceptor.address, 8)  # fills every slot
+        silent += [socket.create_connection(acceptor.address, timeout=30) for _ in range(22)]
+        client = socket.create_connection(acceptor.address, timeout=30)
+        auth.connect_handshake(client, secret, ident=b"a real client")
+        client.close()
+        assert got_one.wait(10) and ready == [b"a real client"]
+        # every arrival after the first 8 evicted the oldest: the first 23 went, at most 7 are left
+        assert all(dropped_by_peer(s, DROP_S) for s in silent[:23]), "an evicted handshake is still open"
+        assert sum(_unanswered(s) for s in silent[23:]) <= 7
+    finally:
+        for s in silent:
+            s.close()
+        acceptor.close()

@@ -5,9 +5,10 @@
   topology, which is all the transport looks at), as in tests/test_hierarchical.py.
 * ``peer_killed`` SIGKILLs a rank, so it runs on fresh processes (harness.spawn_job).
 * mpi runs the whole suite in one ``mpirun -np 3`` job (skipped without Open MPI and mpi4py, failed
-  under CI), and so does hierarchical across two network-namespace hosts through ``hora run`` over
-  ssh (tests/netns.py; skipped without root, ``ip netns`` or sshd). Under those launchers a dying
-  rank ends the whole job, so ``peer_killed`` runs on the pool transports only.
+  under CI), and ``peer_killed`` in a second one, with Open MPI's recovery on so that a dying rank
+  does not end the job; hierarchical runs the suite across two network-namespace hosts through
+  ``hora run`` over ssh (tests/netns.py; skipped without root, ``ip netns`` or sshd), where a dying
+  rank ends the whole job, so ``peer_killed`` does not run there.
 
 A check that a transport fails today is marked ``xfail(strict=True)`` in :data:`KNOWN_FAILURES`
 with what happens; once the transport is fixed the case passes, strict xfail turns that into a
@@ -48,14 +49,8 @@ class KnownFailure(AssertionError):
     case is a plain AssertionError, which its ``xfail(raises=KnownFailure)`` does not excuse)."""
 
 
-# (transport, check) -> (text every failing rank's report contains, what goes wrong today)
-KNOWN_FAILURES: dict[tuple[str, str], tuple[str, str]] = {
-    ("mpi", "peer_closed"): ("did not notice within", (
-        "only ranks with a TCP control connection to the closed rank notice: rank 0 does (its control connection "
-        "closes, PeerLostError after CTRL_GRACE), but rank 1, blocked on a receive from rank 2 that closed, only "
-        "tests MPI requests and rank 0's control socket, so wait(20) times out with the builtin TimeoutError. "
-        "In a whole job rank 0's engine abort may reach it; the transport alone never tells it")),
-}
+# (transport, check) -> (text every failing rank's report contains, what goes wrong today); none today
+KNOWN_FAILURES: dict[tuple[str, str], tuple[str, str]] = {}
 
 
 def _cases(transports, checks):
@@ -135,12 +130,12 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def mpi_results(tmp_path_factory):
+def _mpirun_suite(out_dir: Path, checks: tuple[str, ...] = (), extra: dict[str, str] | None = None
+                  ) -> tuple[str, dict[int, dict | None]]:
+    """Run the suite's ``checks`` (all of DEFAULT_CHECKS when empty) in one ``mpirun -np 3`` job."""
     need_mpi()
-    out_dir = tmp_path_factory.mktemp("mpi-conformance")
-    proc = subprocess.Popen([MPIRUN, "-np", str(MPI_RANKS), sys.executable, str(SCRIPT), str(out_dir), "mpi"],
-                            env=mpi_env(), cwd=TESTS.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen([MPIRUN, "-np", str(MPI_RANKS), sys.executable, str(SCRIPT), str(out_dir), "mpi", *checks],
+                            env=mpi_env(extra), cwd=TESTS.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=JOB_TIMEOUT)
@@ -154,11 +149,26 @@ def mpi_results(tmp_path_factory):
     return out, _read_results(out_dir, MPI_RANKS)
 
 
+@pytest.fixture(scope="module")
+def mpi_results(tmp_path_factory):
+    return _mpirun_suite(tmp_path_factory.mktemp("mpi-conformance"))
+
+
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
 @pytest.mark.parametrize("transport, check", _cases(["mpi"], DEFAULT_CHECKS))
 def test_conformance_under_mpirun(transport, check, mpi_results):
     out, results = mpi_results
     _judge(results, transport, check, list(range(MPI_RANKS)), f"mpi under mpirun -np {MPI_RANKS}", out)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+@pytest.mark.parametrize("transport, check", _cases(["mpi"], KILL_CHECKS))
+def test_conformance_under_mpirun_killed_peer(transport, check, tmp_path):
+    """Open MPI ends the whole job when a rank dies, unless its recovery is on (then the others go on,
+    and leave without MPI_Finalize, which would wait for the dead rank: transport_check.job_main)."""
+    out, results = _mpirun_suite(tmp_path, (check,), {"OMPI_MCA_orte_enable_recovery": "1"})
+    assert results[MPI_RANKS - 1] is None, f"the victim (rank {MPI_RANKS - 1}) reported instead of dying:\n{out}"
+    _judge(results, transport, check, list(range(MPI_RANKS - 1)), f"mpi under mpirun -np {MPI_RANKS}", out)
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +205,32 @@ def test_every_registered_transport_is_checked():
     from hora.transport.registry import TRANSPORTS
 
     assert set(TRANSPORTS) <= {*POOL, "mpi"}, f"no conformance case for {sorted(set(TRANSPORTS) - {*POOL, 'mpi'})}"
+
+
+@pytest.mark.timeout(30)
+def test_start_up_timeouts_are_hora_timeouts():
+    """A key that never appears, a rank that never connects, a store nobody serves: each start-up
+    wait that runs out raises HoraTimeoutError (a HorovodInternalError and a TimeoutError), naming
+    what it waited for."""
+    import socket
+
+    from hora.base.errors import HoraTimeoutError, HorovodInternalError
+    from hora.transport import auth
+    from hora.transport.store import StoreClient, StoreServer, StoreTimeout
+    from hora.transport.tcp import connect_mesh
+
+    secret = auth.new_secret()
+    with StoreServer(secret) as server:
+        store = StoreClient(server.address, secret)
+        with pytest.raises(StoreTimeout, match="'nobody/sets/this'") as e:
+            store.get("nobody/sets/this", timeout=0.1)
+        assert isinstance(e.value, HoraTimeoutError) and isinstance(e.value, TimeoutError)
+        with pytest.raises(HoraTimeoutError, match=r"ranks \[1\] did not connect") as e:
+            connect_mesh(0, 2, store, "alone/0", secret.encode(), timeout=0.3)
+        assert isinstance(e.value, HorovodInternalError)
+        store.close()
+    with socket.socket() as free:  # a port nobody listens on
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    with pytest.raises(HoraTimeoutError, match="cannot reach the hora store"):
+        StoreClient(f"127.0.0.1:{port}", secret, timeout=0.2)

@@ -129,7 +129,7 @@ def direct_comm():
     unset for the rest of the call: a data wait would otherwise read the control connections that the idle
     engine thread polls too (two readers tear messages)."""
     c = comm()
-    c.on_ctrl = None
+    c.ctrl.on_message = None
     return c
 
 

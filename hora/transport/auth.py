@@ -4,7 +4,7 @@ Both sides prove they know the secret before any data moves: the acceptor sends 
 the connector answers with its own nonce, a small identity blob and an HMAC over both nonces and
 the blob; the acceptor checks it and answers with an HMAC of its own over the same material (with a
 different label, so a reflected answer is useless). A silent, garbled or wrong peer fails within
-``timeout`` seconds and is dropped by the caller with a log line.
+``HANDSHAKE_TIMEOUT`` seconds and is dropped by the acceptor with a log line.
 """
 
 from __future__ import annotations
@@ -48,27 +48,59 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def accept_handshake(sock: socket.socket, secret: bytes, timeout: float = HANDSHAKE_TIMEOUT) -> bytes:
-    """Server side: authenticate the connector and return the identity blob it sent."""
-    try:
-        sock.settimeout(timeout)
-        nonce_s = os.urandom(NONCE)
-        sock.sendall(b"HORA1" + nonce_s)
-        head = recv_exact(sock, NONCE + 4)
-        nonce_c, (n,) = head[:NONCE], struct.unpack("!I", head[NONCE:])
+class AcceptHandshake:
+    """The acceptor's side of one handshake, fed by whatever the connection delivers, so that one
+    thread can run many of them at once (:mod:`hora.transport.acceptor`): a silent or slow client
+    then holds a slot, never the others' turn.
+
+    ``out`` holds bytes to send (the hello at first, the answer once the connector proved itself);
+    :meth:`received` takes bytes read from the connection and raises :class:`AuthenticationError`
+    when they are wrong. ``ident`` is the connector's identity blob once it is proved; ``done`` when
+    the answer has gone out too.
+    """
+
+    __slots__ = ("_secret", "_nonce", "_got", "out", "ident")
+
+    def __init__(self, secret: bytes):
+        self._secret = secret
+        self._nonce = os.urandom(NONCE)
+        self._got = bytearray()
+        self.out = bytearray(b"HORA1" + self._nonce)
+        self.ident: bytes | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.ident is not None and not self.out
+
+    def missing(self) -> int:
+        """How many more bytes the connector must send before the next step (0 once proved)."""
+        if self.ident is not None:
+            return 0
+        head = NONCE + 4
+        if len(self._got) < head:
+            return head - len(self._got)
+        return head + self._ident_len() + MAC - len(self._got)
+
+    def _ident_len(self) -> int:
+        (n,) = struct.unpack("!I", self._got[NONCE:NONCE + 4])
         if n > _MAX_IDENT:
             raise AuthenticationError(f"identity of {n} bytes is too long")
-        ident = recv_exact(sock, n) if n else b""
-        mac = recv_exact(sock, MAC)
-        if not hmac.compare_digest(mac, _mac(secret, b"connector", nonce_s, nonce_c, ident)):
+        return n
+
+    def received(self, data: bytes) -> None:
+        """Take ``data`` from the connector; once its nonce, identity and HMAC are in, check them."""
+        if len(data) > self.missing():  # it may not speak before our answer: nothing valid does
+            raise AuthenticationError("the connector sent more than a handshake before it was answered")
+        self._got += data
+        if self.missing() or self.ident is not None:
+            return
+        nonce_c, n = bytes(self._got[:NONCE]), self._ident_len()
+        ident = bytes(self._got[NONCE + 4:NONCE + 4 + n])
+        mac = bytes(self._got[NONCE + 4 + n:])
+        if not hmac.compare_digest(mac, _mac(self._secret, b"connector", self._nonce, nonce_c, ident)):
             raise AuthenticationError("wrong HMAC (peer does not know the job secret)")
-        sock.sendall(_mac(secret, b"acceptor", nonce_s, nonce_c, ident))
-        sock.settimeout(None)
-        return ident
-    except AuthenticationError:
-        raise
-    except (OSError, ConnectionError) as e:
-        raise AuthenticationError(f"handshake failed: {e}") from e
+        self.ident = ident
+        self.out += _mac(self._secret, b"acceptor", self._nonce, nonce_c, ident)
 
 
 def connect_handshake(sock: socket.socket, secret: bytes, ident: bytes = b"",

@@ -97,16 +97,6 @@ class CommunicatorBase(NativeOps):
     def op_transports(self) -> dict[str, str]:
         return {k: self.name for k in OPS}
 
-    @property
-    def on_ctrl(self) -> Callable[[int, bytes], None] | None:
-        """The control plane's handler for messages read during a data wait (``ctrl.on_message``);
-        code that drives a communicator from its own thread sets it to None."""
-        return self.ctrl.on_message
-
-    @on_ctrl.setter
-    def on_ctrl(self, fn: Callable[[int, bytes], None] | None) -> None:
-        self.ctrl.on_message = fn
-
     def native_group(self, ranks: tuple[int, ...]) -> NativeOps | None:
         """Native collectives among ``ranks`` (a process set; collective over them), or None."""
         return None

@@ -52,7 +52,8 @@ class ControlPlane:
         self._subscribers: list[Callable[[BaseException], None]] = []
         self._broken: BaseException | None = None
         self._closed = False
-        # the engine's handler for a message read during a data wait; None: leave messages unread
+        # the engine's handler for a message read during a data wait; None: leave messages unread (code
+        # that drives a communicator from a thread of its own sets None, so only the engine reads them)
         self.on_message: Callable[[int, bytes], None] | None = None
 
     # -- messages --------------------------------------------------------------------------------

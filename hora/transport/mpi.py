@@ -13,6 +13,13 @@ delegates all of that to it and moves collective data with MPI instead:
 * ``wait`` drives MPI progress with ``Testsome`` and, between tests, services the control plane
   (``ctrl.service``), so an abort from rank 0 or a peer whose control connection closed interrupts a
   data wait exactly as on the TCP transport. An MPI failure is a :class:`TransportError`.
+* A peer's end: MPI (without ULFM) never reports a peer that closed or died, and only rank 0 has a
+  control connection to every rank, so a rank blocked on a receive from another would wait forever.
+  But every rank has a mesh data connection to every other, idle here, which the peer's close (or
+  its kernel, when it dies) ends: the wait watches them for that end without reading anything
+  (:meth:`MpiCommunicator._watch_links`; a caller may still run the plain ring over ``mesh``), and a
+  request that still involves the peer :data:`LEFT_GRACE` s later (its last messages may still be in
+  flight in MPI) fails with :class:`PeerLostError` naming it.
 * ``native_allreduce`` (only with ``HORA_MPI_ALLREDUCE=native``) runs MPI's own ``Iallreduce``; by
   default hora's ring runs over MPI point-to-point, which measured faster (see docs and
   ``benchmarks/mpi_allreduce.py``). float16 and bfloat16 have no MPI reduction: they are reduced in
@@ -28,8 +35,11 @@ from __future__ import annotations
 
 import logging
 import os
+import select
+import socket
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,12 +47,17 @@ from hora.base import knobs
 from hora.base.errors import CommunicatorClosedError, HoraError, HoraValueError, TransportError
 from hora.transport import base
 from hora.transport.base import CommunicatorBase, PendingRequest, timed_out
+from hora.transport.control import CTRL_GRACE
+
+if TYPE_CHECKING:
+    from hora.transport.tcp import TcpCommunicator
 
 log = logging.getLogger("hora.transport")
 
 _SPIN = 0.05  # s of busy polling after the last completion before waits back off to 1 ms naps
 _CTRL_EVERY = 0.002  # s between looks at the control plane while spinning
 _MAX_PIECE = 1 << 30  # MPI counts are C ints
+LEFT_GRACE = CTRL_GRACE  # s a wait involving a peer that left goes on: its last messages may be in flight
 
 
 def load_mpi():
@@ -107,9 +122,12 @@ class MpiCommunicator(CommunicatorBase):
 
     name = "mpi"
 
-    def __init__(self, mesh: CommunicatorBase, mpi_comm, MPI, native: bool = False):
+    def __init__(self, mesh: TcpCommunicator, mpi_comm, MPI, native: bool = False):
         self.mesh, self._c, self._MPI = mesh, mpi_comm, MPI
         self.rank, self.size, self.ctrl = mesh.rank, mesh.size, mesh.ctrl
+        self._links = mesh.links()  # peer -> the mesh's data connection, idle: only news of its end comes
+        self._link_peer = {s.fileno(): p for p, s in self._links.items()}
+        self._left: dict[int, tuple[float, str]] = {}  # peer -> (deadline of its grace, what was seen)
         self._pending: set[MpiRequest] = set()
         self._broken: BaseException | None = None
         self._closed = False
@@ -131,6 +149,7 @@ class MpiCommunicator(CommunicatorBase):
             raise self.broken
         if not 0 <= peer < self.size or peer == self.rank:
             raise HoraValueError(f"rank {self.rank} has no connection to rank {peer} (size {self.size})")
+        self._refuse_left(peer)
         MPI = self._MPI
         post = self._c.Isend if send else self._c.Irecv
         try:
@@ -178,12 +197,52 @@ class MpiCommunicator(CommunicatorBase):
                 raise timed_out(self.rank, req.peer, timeout)
             napping = now - last > _SPIN
             if napping or now >= next_ctrl:
-                self.ctrl.service(0.001 if napping else 0.0)  # a failure there fails req (subscribed)
+                self._watch_links()  # a peer's end fails req (subscribed), as does a failure in:
+                self.ctrl.service(0.001 if napping else 0.0)
                 next_ctrl = time.monotonic() + _CTRL_EVERY
                 if req.done:
                     return
             else:
                 os.sched_yield()  # lets the peer (and our own main thread) run on a busy machine
+
+    def _watch_links(self) -> None:
+        """Take note of peers whose mesh connection ended, and call one lost once it has been gone for
+        ``LEFT_GRACE`` s while a pending request involves it."""
+        watched = [(p, s) for p, s in self._links.items() if p not in self._left]
+        if watched:
+            poller = select.poll()
+            for _p, s in watched:
+                poller.register(s.fileno(), select.POLLIN | select.POLLPRI)
+            for fd, _ev in poller.poll(0):
+                self._peek_link(self._link_peer[fd])
+        if not self._left or self.ctrl.broken is not None:
+            return
+        now = time.monotonic()
+        for peer, (deadline, what) in list(self._left.items()):
+            if now >= deadline and any(r.peer in (peer, -1) for r in self._pending):
+                self.ctrl.lost(peer, what)  # fails every pending request, here and on the mesh
+                return
+
+    def _peek_link(self, peer: int) -> None:
+        try:
+            head = self._links[peer].recv(1, socket.MSG_PEEK)  # never consume: the bytes may be the mesh's
+        except BlockingIOError:
+            return
+        except OSError as e:
+            what = f"its connection failed ({type(e).__name__}: {e})"
+        else:
+            if head:
+                return  # data of someone running the plain ring over the mesh: not news of an end
+            what = "its connection closed: it closed its communicator or its process died"
+        self._left[peer] = (time.monotonic() + LEFT_GRACE, what)
+
+    def _refuse_left(self, peer: int | None) -> None:
+        """A new request with ``peer`` (None: every peer) once it has been gone for ``LEFT_GRACE`` s
+        is refused as a lost peer, at once."""
+        now = time.monotonic()
+        for p, (deadline, what) in self._left.items():
+            if (peer is None or p == peer) and now >= deadline:
+                raise self.ctrl.lost(p, what)
 
     def _fail_all(self, err: BaseException) -> None:
         if self._broken is None:
@@ -210,6 +269,7 @@ class MpiCommunicator(CommunicatorBase):
             work = flat.astype(np.float32)
         elif flat.dtype == np.bool_:
             raise HoraValueError("allreduce of bool is not supported")
+        self._refuse_left(None)
         MPI = self._MPI
         try:
             req = self._c.Iallreduce(MPI.IN_PLACE, work, self._ops[op])

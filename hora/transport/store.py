@@ -18,8 +18,9 @@ import struct
 import threading
 import time
 
-from hora.base.errors import HoraError, HoraValueError
+from hora.base.errors import HoraError, HoraTimeoutError, HoraValueError
 from hora.transport import auth, net
+from hora.transport.acceptor import Acceptor
 
 log = logging.getLogger("hora.store")
 
@@ -29,8 +30,9 @@ _U32 = struct.Struct("!I")
 _MAX_VALUE = 64 << 20
 
 
-class StoreTimeout(HoraError):
-    """A key did not appear in the store within the timeout."""
+class StoreTimeout(HoraTimeoutError):
+    """A key did not appear in the store within the timeout (a start-up timeout: a hora error, also a
+    ``TimeoutError``)."""
 
 
 def _send_frame(sock: socket.socket, tag: int, key: bytes, value: bytes) -> None:
@@ -61,15 +63,14 @@ class StoreServer:
         self._data: dict[bytes, bytes] = {}
         self._cond = threading.Condition()
         self._closed = False
-        self._listener = socket.create_server((host, port), backlog=128)
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
-        self._acceptor = threading.Thread(target=self._accept_loop, name="hora-store", daemon=True)
-        self._acceptor.start()
+        listener = socket.create_server((host, port), backlog=socket.SOMAXCONN)
+        self._acceptor = Acceptor(listener, self._secret, self._serve_new, "hora store")
 
     @property
     def address(self) -> str:
-        host, port = self._listener.getsockname()[:2]
+        host, port = self._acceptor.address[:2]
         return f"{host}:{port}"
 
     def __enter__(self) -> "StoreServer":
@@ -85,17 +86,12 @@ class StoreServer:
             self._closed = True
             self._cond.notify_all()
             conns = list(self._conns)
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
+        self._acceptor.close()  # unfinished handshakes are dropped, not waited for
         for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._acceptor.join(5)
         for t in list(self._threads):
             t.join(5)
 
@@ -109,31 +105,22 @@ class StoreServer:
         with self._cond:
             return self._data.get(key.encode())
 
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, peer = self._listener.accept()
-            except OSError:
+    def _serve_new(self, sock: socket.socket, ident: bytes, peer) -> None:
+        """An authenticated client (the acceptor's ``on_ready``): serve it on a thread of its own,
+        since a GET may wait long for its key."""
+        net.tune(sock)
+        with self._cond:
+            if self._closed:
+                sock.close()
                 return
-            with self._cond:
-                if self._closed:
-                    sock.close()
-                    return
-                self._threads = [t for t in self._threads if t.is_alive()]
-                t = threading.Thread(target=self._serve, args=(sock, peer), name="hora-store-conn",
-                                     daemon=True)
-                self._threads.append(t)
-                self._conns.add(sock)
-            t.start()
+            self._threads = [t for t in self._threads if t.is_alive()]
+            t = threading.Thread(target=self._serve, args=(sock,), name="hora-store-conn", daemon=True)
+            self._threads.append(t)
+            self._conns.add(sock)
+        t.start()
 
-    def _serve(self, sock: socket.socket, peer) -> None:
+    def _serve(self, sock: socket.socket) -> None:
         try:
-            net.tune(sock)
-            try:
-                auth.accept_handshake(sock, self._secret)
-            except Exception as e:  # noqa: BLE001 - any failure means: drop this client
-                log.warning("hora store: dropped connection from %s:%s: %s", peer[0], peer[1], e)
-                return
             while True:
                 try:
                     op, key, value = _recv_frame(sock)
@@ -193,9 +180,9 @@ class StoreClient:
                 self._sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
                 break
             except OSError as e:
-                if time.monotonic() >= deadline:
-                    raise HoraError(f"cannot reach the hora store at {addr}: {e}; is the launcher "
-                                    "running and HORA_STORE_ADDR right?") from e
+                if time.monotonic() >= deadline:  # a start-up timeout, like StoreTimeout
+                    raise HoraTimeoutError(f"cannot reach the hora store at {addr} within {timeout:g} s: {e}; "
+                                           "is the launcher running and HORA_STORE_ADDR right?") from e
                 time.sleep(0.05)
         net.tune(self._sock)
         auth.connect_handshake(self._sock, secret_b)

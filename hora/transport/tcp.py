@@ -4,7 +4,9 @@ Setup: each rank listens on an ephemeral port, publishes ``host:port`` in the re
 connects to every lower rank and accepts every higher one. Each connection proves knowledge of the
 job secret both ways (:mod:`hora.transport.auth`) and names the connecting rank and the job
 generation, so a stale or foreign connection is dropped with a log line while setup goes on. The
-listener stays open for the life of the communicator, refusing latecomers the same way.
+listener stays open for the life of the communicator, refusing latecomers the same way; its
+handshakes all run at once in one thread (:mod:`hora.transport.acceptor`), so a silent stranger
+delays no rank.
 
 Data: requests queue per peer and progress inside ``wait`` (poll on the sockets that have work),
 so a ring step sends and receives at once. OS errors are translated here, once, into
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import logging
 import select
 import socket
 import threading
@@ -24,13 +25,12 @@ from typing import Callable
 
 import numpy as np
 
-from hora.base.errors import CommunicatorClosedError, HoraError, HoraValueError
+from hora.base.errors import CommunicatorClosedError, HoraError, HoraTimeoutError, HoraValueError
 from hora.transport import auth, net
+from hora.transport.acceptor import Acceptor
 from hora.transport.base import CommunicatorBase, PendingRequest, byte_view, timed_out
 from hora.transport.control import ControlPlane
 from hora.transport.store import StoreClient
-
-log = logging.getLogger("hora.transport")
 
 _POLL_IN = select.POLLIN | select.POLLPRI
 
@@ -85,6 +85,12 @@ class TcpCommunicator(CommunicatorBase):
         if len(q) == 1:
             self._pump_recv(peer)
         return req
+
+    def links(self) -> dict[int, socket.socket]:
+        """The data connections by peer, for a transport that moves its data another way (MPI) and
+        watches them only for their end, which tells it that a peer closed or died: it must never read
+        from them (a caller may still run the plain ring over this mesh)."""
+        return dict(self._socks)
 
     def close(self) -> None:
         if self._closed:
@@ -180,61 +186,37 @@ class TcpCommunicator(CommunicatorBase):
             self._progress(ms)
 
 
-class _Acceptor:
-    """Accepts connections on the data port for the communicator's whole life.
-
-    During setup it hands authenticated sockets from the expected higher ranks to ``setup``;
-    anything else (wrong secret, garbage, silence, a stale generation, a duplicate) is dropped
-    with a log line.
+class _MeshPort:
+    """What the data port accepts, for the communicator's whole life (:class:`Acceptor` runs the
+    handshakes): during setup, the authenticated connections of the expected ranks, collected for
+    :meth:`wait_all`; anything else (a stale generation, a duplicate, a latecomer, an identity that is
+    no rank of this job) is dropped with a log line.
     """
 
     def __init__(self, listener: socket.socket, secret: bytes, rank: int, size: int, gen: str):
-        self.listener, self.secret, self.rank, self.size, self.gen = listener, secret, rank, size, gen
+        self.rank, self.gen = rank, gen
         self.expected = {(p, "d") for p in range(rank + 1, size)}
         if rank == 0:
             self.expected |= {(p, "c") for p in range(1, size)}
         self.socks: dict[tuple[int, str], socket.socket] = {}
         self.cond = threading.Condition()
         self.closed = False
-        self.workers: list[threading.Thread] = []
-        self.thread = threading.Thread(target=self._loop, name="hora-accept", daemon=True)
-        self.thread.start()
+        self.acceptor = Acceptor(listener, secret, self._claim, f"hora rank {rank}: data port")
 
-    def _loop(self) -> None:
-        while True:
-            try:
-                sock, peer = self.listener.accept()
-            except OSError:
-                return
-            with self.cond:
-                if self.closed:
-                    sock.close()
-                    return
-                self.workers = [t for t in self.workers if t.is_alive()]
-                t = threading.Thread(target=self._handshake, args=(sock, peer), daemon=True,
-                                     name="hora-handshake")
-                self.workers.append(t)
-            t.start()
-
-    def _handshake(self, sock: socket.socket, peer) -> None:
-        try:
-            ident = auth.accept_handshake(sock, self.secret).decode("ascii", "replace")
-            parts = ident.split("|")
-            if len(parts) != 4 or not parts[0].isdigit() or not parts[2].isdigit() or parts[3] not in "dc":
-                raise HoraError(f"malformed identity {ident[:80]!r} (expected rank|generation|rank|channel)")
-            src, gen, dst, chan = parts
-            key = (int(src), chan)
-            if gen != self.gen or int(dst) != self.rank:
-                raise HoraError(f"connection for generation {gen} rank {dst}, expected {self.gen} rank {self.rank}")
-            with self.cond:
-                if self.closed or key not in self.expected or key in self.socks:
-                    raise HoraError(f"unexpected connection claiming rank {src} ({chan})")
-                self.socks[key] = sock
-                self.cond.notify_all()
-        except Exception as e:  # noqa: BLE001 - any failure means: drop this connection
-            log.warning("hora rank %d: dropped connection on data port from %s:%s: %s",
-                        self.rank, peer[0], peer[1], e)
-            sock.close()
+    def _claim(self, sock: socket.socket, ident_b: bytes, peer) -> None:
+        ident = ident_b.decode("ascii", "replace")
+        parts = ident.split("|")
+        if len(parts) != 4 or not parts[0].isdigit() or not parts[2].isdigit() or parts[3] not in "dc":
+            raise HoraError(f"malformed identity {ident[:80]!r} (expected rank|generation|rank|channel)")
+        src, gen, dst, chan = parts
+        key = (int(src), chan)
+        if gen != self.gen or int(dst) != self.rank:
+            raise HoraError(f"connection for generation {gen} rank {dst}, expected {self.gen} rank {self.rank}")
+        with self.cond:
+            if self.closed or key not in self.expected or key in self.socks:
+                raise HoraError(f"unexpected connection claiming rank {src} ({chan})")
+            self.socks[key] = sock
+            self.cond.notify_all()
 
     def wait_all(self, timeout: float) -> dict[tuple[int, str], socket.socket]:
         deadline = time.monotonic() + timeout
@@ -243,24 +225,15 @@ class _Acceptor:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted({p for p, _ in self.expected - set(self.socks)})
-                    raise HoraError(f"rank {self.rank}: ranks {missing} did not connect within {timeout:g} s; "
-                                    "did they start? (raise --start-timeout if they are slow)")
+                    raise HoraTimeoutError(f"rank {self.rank}: ranks {missing} did not connect within {timeout:g} s; "
+                                           "did they start? (raise --start-timeout if they are slow)")
                 self.cond.wait(left)
             return dict(self.socks)
 
     def close(self) -> None:
         with self.cond:
             self.closed = True
-            leftover = [s for p, s in self.socks.items()]
-        try:
-            self.listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.listener.close()
-        self.thread.join(5)
-        for t in self.workers:
-            t.join(auth.HANDSHAKE_TIMEOUT + 1)
-        del leftover
+        self.acceptor.close()
 
 
 def connect_mesh(rank: int, size: int, store: StoreClient, prefix: str, secret: bytes,
@@ -270,9 +243,9 @@ def connect_mesh(rank: int, size: int, store: StoreClient, prefix: str, secret: 
 
     ``prefix`` names this job generation in the store (e.g. ``"job1/3"``); every rank must use the same.
     """
-    listener = socket.create_server((bind_host, 0), backlog=max(16, size))
+    listener = socket.create_server((bind_host, 0), backlog=socket.SOMAXCONN)
     port = listener.getsockname()[1]
-    acceptor = _Acceptor(listener, secret, rank, size, prefix)
+    acceptor = _MeshPort(listener, secret, rank, size, prefix)
     try:
         store.set(f"{prefix}/addr/{rank}", f"{advertise_host or bind_host}:{port}".encode())
         socks: dict[int, socket.socket] = {}
@@ -324,5 +297,6 @@ def _connect(addr: str, peer: int, rank: int, prefix: str, secret: bytes, timeou
         except (OSError, HoraError) as e:
             retry = isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ETIMEDOUT)
             if not retry or time.monotonic() >= deadline:
-                raise HoraError(f"rank {rank}: cannot connect to rank {peer} at {addr}: {e}") from e
+                kind = HoraTimeoutError if retry else HoraError  # still refused at the deadline: not up in time
+                raise kind(f"rank {rank}: cannot connect to rank {peer} at {addr}: {e}") from e
             time.sleep(0.05)

@@ -1,0 +1,185 @@
+"""The one accept loop of every hora port (the store's, each rank's data port).
+
+One thread accepts connections and runs every handshake (:class:`hora.transport.auth.AcceptHandshake`)
+at once on non-blocking sockets in a selector, each with its own deadline, and hands each connection
+that proved itself to ``on_ready(sock, ident, addr)``. So a client that says nothing, or trickles
+bytes, holds one slot until its deadline and never the others' turn: before this, a flood of silent
+connections filled the small accept backlog and made real ranks wait for SYN retries (``init`` ~4.7 s
+later), and closing a port waited for each silent handshake thread to time out (the job's end ~4 s
+later). Now the accept queue drains at once and :meth:`Acceptor.close` never waits on a stranger.
+
+The slots are bounded (``max_pending``, far above any job's own connections at start-up) so a flood
+cannot exhaust the process's descriptors: when they are full the oldest handshake is dropped, which
+is a stranger's unless real ranks took longer than a flood of strangers arriving after them.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import selectors
+import socket
+import threading
+import time
+from typing import Callable
+
+from hora.base.errors import AuthenticationError
+from hora.transport import auth
+
+log = logging.getLogger("hora.transport")
+
+MAX_PENDING = 256  # handshakes in progress at once, per port
+_READ_BYTES = 4096
+
+OnReady = Callable[[socket.socket, bytes, tuple], None]
+
+
+class _Pending:
+    __slots__ = ("sock", "addr", "shake", "deadline")
+
+    def __init__(self, sock: socket.socket, addr: tuple, shake: auth.AcceptHandshake, deadline: float):
+        self.sock, self.addr, self.shake, self.deadline = sock, addr, shake, deadline
+
+
+class Acceptor:
+    """Accept on ``listener`` until :meth:`close`, authenticating with ``secret``.
+
+    ``on_ready(sock, ident, addr)`` runs on the acceptor's thread for each connection that proved it
+    knows the secret (``sock`` blocking again, ``ident`` the identity it sent); it must not block, and
+    an exception from it drops the connection with a log line, as does a failed or late handshake.
+    ``label`` names the port in those lines ("hora store", "hora rank 3: data port").
+    """
+
+    def __init__(self, listener: socket.socket, secret: bytes, on_ready: OnReady, label: str,
+                 max_pending: int = MAX_PENDING):
+        self.listener, self._secret, self._on_ready, self._label = listener, secret, on_ready, label
+        self._max = max_pending
+        self._pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()  # oldest first
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        listener.setblocking(False)
+        self._sel.register(listener, selectors.EVENT_READ)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="hora-accept", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> tuple:
+        return self.listener.getsockname()
+
+    def close(self) -> None:
+        """Stop accepting, close the listener and drop every unfinished handshake, without waiting
+        for any of them."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if self._thread is not threading.current_thread():
+            self._thread.join(5)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._closed:
+                timeout = None
+                if self._pending:
+                    timeout = max(0.0, next(iter(self._pending.values())).deadline - time.monotonic())
+                for key, mask in self._sel.select(timeout):
+                    if key.fileobj is self.listener:
+                        self._accept()
+                    elif key.fileobj is not self._wake_r:
+                        self._step(key.data, mask)
+                self._expire()
+        finally:
+            for p in list(self._pending.values()):
+                self._drop(p, None)
+            self._sel.close()
+            for s in (self.listener, self._wake_r, self._wake_w):
+                s.close()
+
+    def _accept(self) -> None:
+        """Take every connection waiting in the backlog (it never fills while strangers talk slowly)."""
+        while True:
+            try:
+                sock, addr = self.listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # out of descriptors: make room by dropping the oldest stranger, or back off
+                    if self._pending:
+                        self._drop(next(iter(self._pending.values())), "dropped to make room (out of descriptors)")
+                    else:
+                        time.sleep(0.05)
+                    return
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
+                    continue
+                return  # the listener was closed
+            if len(self._pending) >= self._max:
+                self._drop(next(iter(self._pending.values())), f"more than {self._max} handshakes at once")
+            sock.setblocking(False)
+            p = _Pending(sock, addr, auth.AcceptHandshake(self._secret), time.monotonic() + auth.HANDSHAKE_TIMEOUT)
+            self._pending[sock.fileno()] = p
+            self._sel.register(sock, selectors.EVENT_WRITE, p)
+            self._step(p, selectors.EVENT_WRITE)  # the hello fits in an empty socket buffer
+
+    def _step(self, p: _Pending, mask: int) -> None:
+        """Move the handshake ``p`` on as far as its socket allows."""
+        try:
+            if mask & selectors.EVENT_WRITE and p.shake.out:
+                n = p.sock.send(p.shake.out)
+                del p.shake.out[:n]
+            if mask & selectors.EVENT_READ:
+                data = p.sock.recv(min(_READ_BYTES, max(1, p.shake.missing())))
+                if not data:
+                    raise AuthenticationError("connection closed during handshake")
+                p.shake.received(data)
+        except BlockingIOError:
+            pass
+        except (OSError, AuthenticationError) as e:
+            self._drop(p, e if isinstance(e, AuthenticationError) else f"handshake failed: {e}")
+            return
+        if p.shake.done:
+            self._finish(p)
+            return
+        events = (selectors.EVENT_WRITE if p.shake.out else 0) | (selectors.EVENT_READ if p.shake.missing() else 0)
+        self._sel.modify(p.sock, events, p)
+
+    def _finish(self, p: _Pending) -> None:
+        self._forget(p)
+        try:
+            p.sock.setblocking(True)
+            self._on_ready(p.sock, p.shake.ident, p.addr)
+        except Exception as e:  # noqa: BLE001 - any failure means: drop this connection
+            self._log(p, e)
+            p.sock.close()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._pending:
+            p = next(iter(self._pending.values()))  # deadlines come in the order of arrival
+            if p.deadline > now:
+                return
+            self._drop(p, f"no handshake within {auth.HANDSHAKE_TIMEOUT:g} s")
+
+    def _forget(self, p: _Pending) -> None:
+        self._pending.pop(p.sock.fileno(), None)
+        try:
+            self._sel.unregister(p.sock)
+        except (KeyError, ValueError):
+            pass
+
+    def _drop(self, p: _Pending, why) -> None:
+        self._forget(p)
+        if why is not None:
+            self._log(p, why)
+        p.sock.close()
+
+    def _log(self, p: _Pending, why) -> None:
+        log.warning("%s: dropped connection from %s:%s: %s", self._label, p.addr[0], p.addr[1], why)
