@@ -61,6 +61,11 @@ class Control:
         (every transport's data waits service the control plane)."""
         self._ctrl.on_message = lambda peer, data: fn(peer, self._decode(peer, data))
 
+    def watch_data_waits(self, fn: Callable[[int, object, Callable[[], str]], None]) -> None:
+        """Have every transport's data wait call ``fn(peer, progress, describe)`` as it goes (the
+        stall watch over the data phase, :class:`hora.core.stall.DataWatch`)."""
+        self._ctrl.on_wait = fn
+
     def close_in_child(self) -> None:
         """In a forked child: close the child's copies of the connections' descriptors (the parent's
         stay open), so that the child can never write into the parent's streams."""

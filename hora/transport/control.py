@@ -27,6 +27,7 @@ from hora.transport import auth
 _POLL_IN = select.POLLIN | select.POLLPRI
 _LEN = struct.Struct("!I")
 CTRL_GRACE = 3.0  # s a data wait goes on after a peer's control connection closed
+HEARTBEAT_S = 0.25  # a data wait services the plane at least this often (the stall watch's resolution)
 
 Explain = Callable[[int, str], tuple[int, str]]
 
@@ -54,6 +55,8 @@ class ControlPlane:
         self._closed = False
         # the engine's handler for a message read during a data wait; None: leave messages unread
         self.on_message: Callable[[int, bytes], None] | None = None
+        # the engine's heartbeat in data waits, ``on_wait(peer, progress, describe)``: see :meth:`service`
+        self.on_wait: Callable[[int, object, Callable[[], str]], None] | None = None
 
     # -- messages --------------------------------------------------------------------------------
     @property
@@ -118,13 +121,19 @@ class ControlPlane:
             poller.register(fd, _POLL_IN)
         return fds
 
-    def service(self, timeout: float = 0.0, ready: Iterable[int] | None = None) -> None:
+    def service(self, timeout: float = 0.0, ready: Iterable[int] | None = None,
+                waiting: tuple[int, object, Callable[[], str]] | None = None) -> None:
         """What every transport does for the control plane while it waits for data: read the messages
         that arrived and hand each to ``on_message`` (which may raise: an abort or a stall report ends
         the wait with that error), and call a peer lost once its connection has been closed for
         ``CTRL_GRACE`` s. ``ready`` are the descriptors the caller's own poll found readable (see
         :meth:`watch`); without it this polls for up to ``timeout`` s (sleeping that long when there
-        is nothing to watch)."""
+        is nothing to watch).
+
+        ``waiting = (peer, progress, describe)`` says whom the wait is for (a global rank), a token
+        that changes whenever bytes or steps move, and how to describe the peer's state; it goes to
+        ``on_wait``, the engine's stall watch over the data phase, which may raise a StallError. A
+        transport calls this at least every ``HEARTBEAT_S`` while it waits."""
         if ready is None:
             poller = select.poll()
             self.watch(poller)
@@ -141,6 +150,8 @@ class ControlPlane:
             for peer, deadline in list(self._gone.items()):
                 if now > deadline and self._broken is None:
                     self.lost(peer, f"control connection closed {CTRL_GRACE:g} s ago")
+        if waiting is not None and self.on_wait is not None and self._broken is None:
+            self.on_wait(*waiting)
 
     def _read(self, peer: int, during_data: bool = False) -> bytes | None:
         sock = self._conns[peer]
