@@ -32,7 +32,7 @@ from hora.core.control import Control
 from hora.core.coordinator import Coordinator, ResponseCache
 from hora.core.execute import Executor, Pending, nbytes_of
 from hora.core.handles import Handle, HandleTable
-from hora.core.stall import DataWatch, StallInspector, main_stack
+from hora.core.stall import LONE_GRACE, DataWatch, StallInspector, main_stack
 from hora.core.submissions import Submissions
 
 _SPIN_S = 500e-6  # a driving caller's busy look for its response before sleeping (see Engine._spin)
@@ -116,6 +116,11 @@ class Engine:
         self._ep.register(self._ep_ctrl.fileno(), select.EPOLLIN)
         self.control.during_data_waits(self._on_ctrl_during_data)
         self._running: m.Response | None = None  # the response being executed (named in stall reports)
+        # Elsewhere than on rank 0: work sent for negotiation and no word from rank 0 for this long means
+        # rank 0 is frozen (its inspector would have shut a stall down by then); 0: never
+        self._quiet_s = (cfg["stall_shutdown_time"] + LONE_GRACE if self.rank != 0 and self.size > 1
+                         and cfg["stall_shutdown_time"] > 0 and not cfg["stall_check_disable"] else 0.0)
+        self._heard = time.monotonic()  # the last message from rank 0 (or when work began to wait for one)
         if not cfg["stall_check_disable"] and self.size > 1:
             self.control.watch_data_waits(DataWatch(self.rank, self.control, cfg["stall_check_time"],
                                                     cfg["stall_shutdown_time"], self._what, self.stall).on_wait)
@@ -282,6 +287,8 @@ class Engine:
             due = self.stall.due_in()
             if due is not None:
                 waits.append(due)
+        if self._quiet_s and self.subs.local:
+            waits.append(self._heard + self._quiet_s - time.monotonic())
         return None if not waits else max(0.0, min(waits))
 
     def _cycle(self, block: bool = True) -> None:
@@ -298,6 +305,8 @@ class Engine:
                         got = self.control.poll()
                     else:
                         got = self.control.recv(timeout, subs.fd)
+                if got:
+                    self._heard = time.monotonic()
                 self._inbox += got
             else:
                 select.select([subs.fd], [], [], timeout)
@@ -309,6 +318,8 @@ class Engine:
             tl.cycle()
         new, since = subs.take(driving)
         if new:
+            if self._quiet_s and len(subs.local) == len(new):  # nothing waited for rank 0 until now
+                self._heard = time.monotonic()
             if not self._unsent:
                 self._batch_start = since  # the batch's cycle time started with its first submission
             self._unsent += new
@@ -320,6 +331,10 @@ class Engine:
                 responses += self._handlers.get(msg[0], self._on_unknown)(peer, msg) or ()
         if self._unsent:
             self._send_requests(driving)
+        if self._quiet_s and subs.local and time.monotonic() - self._heard > self._quiet_s:
+            raise StallError(f"stall shutdown: rank {self.rank} has waited {self._quiet_s:g} s for rank 0 (the "
+                             "coordinator) to answer, which would have shut a stall down by now; is rank 0 "
+                             "frozen (stopped, swapping, stuck in a system call)?")
         if self.coord is not None:
             if self.stall is not None:
                 self.stall.check()
@@ -452,6 +467,7 @@ class Engine:
     def _on_ctrl_during_data(self, peer: int, msg) -> None:
         """A message read while a collective waits for data: urgent ones are handled at once (they may
         fail the collective), the rest wait for the next cycle, in order."""
+        self._heard = time.monotonic()
         if msg[0] in m.URGENT:
             self._handlers[msg[0]](peer, msg)
         else:
