@@ -154,3 +154,33 @@ def test_a_peer_frozen_in_the_data_phase_is_named_and_fails_the_job(transport, n
         if r != victim:
             assert f"rank {victim} made no progress" in res[r]["error"], res
             assert res[r]["after"] >= 3, res
+
+
+@pytest.mark.timeout(30)
+def test_the_gate_runs_handlers_only_at_safe_points():
+    """In-process: what the engine's main-thread driver relies on (hora.core.baton.InterruptGate)."""
+    from hora.core.baton import GATE
+
+    calls = []
+    old = signal.signal(signal.SIGUSR1, lambda s, f: calls.append(s))
+    try:
+        GATE._scanned = -1e9  # look for handlers now
+        GATE.enter()
+        signal.raise_signal(signal.SIGUSR1)
+        assert calls == []  # deferred: the main thread is inside the engine
+        GATE.check()
+        assert calls == [signal.SIGUSR1]  # run at the safe point
+        signal.raise_signal(signal.SIGINT)  # deferred, then raised in the blocking call, marked as the caller's
+        with pytest.raises(KeyboardInterrupt) as info:
+            GATE.blocking(time.sleep, 0)
+        assert info.value is GATE.raised
+        signal.raise_signal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C while one waits is not deferred
+            signal.raise_signal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):  # and the first runs when the caller leaves the engine
+            GATE.leave()
+    finally:
+        GATE.leave()
+        GATE.restore()
+        signal.signal(signal.SIGUSR1, old)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # unwrapped again
