@@ -254,6 +254,7 @@ class Engine:
         """This engine can run no more collectives: fail its handles and later submissions with ``e``
         and tell every peer at once (through rank 0), unless ``e`` is news a peer sent."""
         told = getattr(e, "_hora_told", False)
+        what = str(e) if isinstance(e, HoraError) else f"{type(e).__name__}: {e}"
         if not isinstance(e, HoraError):
             err = InternalError(f"hora's engine on rank {self.rank} failed: {type(e).__name__}: {e}")
             err.__cause__ = e
@@ -265,7 +266,7 @@ class Engine:
             elif isinstance(e, StallError):
                 self.control.tell(self.control.peers, (m.STALL_FATAL, str(e)))
             elif not isinstance(e, ShutdownError):
-                text = (f"rank {self.rank}: the engine of rank {self.rank} failed ({e}); it can run no more "
+                text = (f"rank {self.rank}: the engine of rank {self.rank} failed ({what}); it can run no more "
                         "collectives")
                 self.control.tell(self.control.peers, (m.ABORT, self.rank, text))
         self.handles.fail_all(cause)
