@@ -13,8 +13,16 @@ time of queued or unsent requests, the stall inspector's next look); nothing pol
 
 Failure: a lost peer, found on a data or control socket, fails every pending handle on this rank
 and is reported to rank 0, which tells every rank, so ranks blocked on healthy peers learn which
-rank died within milliseconds. Sockets stay open until ``shutdown`` so that no healthy rank
-mistakes a failing one for a dead one.
+rank died within milliseconds. Any other failure of an engine (a bug, a stall it detected, a forced
+interrupt) is told the same way, naming this rank and the cause, so no peer waits for a rank whose
+engine is gone while its process lives on. Sockets stay open until ``shutdown`` so that no healthy
+rank mistakes a failing one for a dead one.
+
+Interrupts: an exception a signal handler raises in the main thread while it drives (Ctrl-C) is the
+caller's, never the engine's; see :mod:`hora.core.baton`. A peer frozen inside a collective's data
+phase is watched by :class:`hora.core.stall.DataWatch`, whichever thread runs the engine; one frozen
+before it answers negotiation is rank 0's stall inspector's, and a frozen rank 0 is noticed by the
+ranks waiting for its answer (``_quiet_s``).
 """
 
 from __future__ import annotations

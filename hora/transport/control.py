@@ -7,6 +7,10 @@ transport uses this one object, ``comm.ctrl``: the engine sends and receives neg
 through it, and a transport blocked in a data wait calls :meth:`ControlPlane.service` so that an
 abort or a stall report from rank 0 still reaches the engine (``on_message``) and ends the wait.
 
+Data waits also give the engine a heartbeat (``on_wait``, through :meth:`ControlPlane.service`): whom
+they wait for and whether anything moved, so that a peer frozen in the middle of a collective is
+noticed whichever thread waits.
+
 It also holds the one failure state of the job's connections: the first :meth:`lost` peer (or
 :meth:`fail`) makes ``broken`` an error that every transport built on the mesh raises, and each
 transport subscribes to fail its own pending requests at that moment.
