@@ -134,10 +134,16 @@ def _a_peer_freezes_in_the_data_phase(hvd, victim):
             hvd.allreduce(x, name="frozen")
         mark("victim done")
         return {"error": str(info.value)}
+    import logging
+
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("hora").addHandler(handler)
     t0 = time.monotonic()
     with pytest.raises(hvd.StallError) as info:
         hvd.allreduce(x, name="frozen")
-    out = {"error": str(info.value), "after": time.monotonic() - t0}
+    out = {"error": str(info.value), "after": time.monotonic() - t0, "warnings": warnings}
     mark(f"failed/{r}")
     wait_mark("victim done")
     return out
@@ -153,7 +159,13 @@ def test_a_peer_frozen_in_the_data_phase_is_named_and_fails_the_job(transport, n
     for r in range(n):
         if r != victim:
             assert f"rank {victim} made no progress" in res[r]["error"], res
+            assert "'frozen'" in res[r]["error"], res
             assert res[r]["after"] >= 3, res
+    # warned first, naming the peer a rank waits for and what is known of it (shm: its pid and state)
+    warned = [w for r in range(n) if r != victim for w in res[r]["warnings"] if "no data from rank" in w]
+    assert any(f"no data from rank {victim}" in w for w in warned), res
+    if transport == "shm":
+        assert any("pid" in w for w in warned), warned
 
 
 @pytest.mark.timeout(30)

@@ -281,7 +281,8 @@ class ShmGroup:
         """What the shared header says of group rank ``p``, for a stall warning."""
         w = self._word[p]
         state = {_ACTIVE: "active", _CLOSED: "shut down", _ABORTED: "aborted"}.get(int(self._hdr[w + _STATE]), "?")
-        return (f"pid {int(self._hdr[w + _PID])}, {state}, at step {int(self._hdr[w])} of the shared segment "
+        pid = int(self._hdr[w + _PID])
+        return (f"pid {pid} {_proc_state(pid)}, {state} in the shared segment at step {int(self._hdr[w])} "
                 f"(this rank waits for step {step})")
 
     def _lost(self, p: int, why: str) -> None:
@@ -351,6 +352,17 @@ class ShmGroup:
             self._mm.close()
         except BufferError:  # a view still lives (e.g. in a traceback); the GC unmaps it later
             pass
+
+
+def _proc_state(pid: int) -> str:
+    """What the kernel says process ``pid`` (on this host) is doing, e.g. "stopped" after SIGSTOP."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            code = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "(gone)"
+    return {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped (SIGSTOP?)",
+            "t": "stopped by a debugger", "Z": "exited (zombie)"}.get(code, f"state {code}")
 
 
 # --- setup ------------------------------------------------------------------------------------------

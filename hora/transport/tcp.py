@@ -167,7 +167,7 @@ class TcpCommunicator(CommunicatorBase):
             if ev & select.POLLNVAL:
                 self.ctrl.lost(p, "socket closed")
         w = None
-        if waiting is not None:  # for the engine's stall watch: whom we wait for, and whether bytes moved
+        if waiting is not None and not events:  # a quiet poll: tell the engine's stall watch whom we wait for
             w = (waiting.peer, (id(waiting), waiting.off, self._moved), lambda: self._describe(waiting))
         self.ctrl.service(ready=[fd for fd, _ev in events if fd in ctrl_fds], waiting=w)
 
