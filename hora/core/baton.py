@@ -73,7 +73,10 @@ class _Deferring:
 
     def __call__(self, signum: int, frame: Any) -> Any:
         g = GATE
-        if not g.deferring or g.open or (signum == signal.SIGINT and any(p[1] == signum for p in g.pending)):
+        if not g.deferring or g.open:
+            return self.orig(signum, frame)
+        if signum == signal.SIGINT and any(p[1] == signum for p in g.pending):  # the second one stands for both
+            g.pending = [p for p in g.pending if p[1] != signum]
             return self.orig(signum, frame)
         g.pending.append((self.orig, signum, frame))
         return None
