@@ -47,9 +47,11 @@ class Control:
             except HoraError:
                 pass
 
-    def recv(self, timeout: float | None, wake_fd: int | None = None) -> list[tuple[int, tuple]]:
-        """Wait up to ``timeout`` s (None: for ever) for messages or for ``wake_fd`` to be readable."""
-        return [(peer, self._decode(peer, data)) for peer, data in self._recv_ctrl(timeout, wake_fd)]
+    def recv(self, timeout: float | None, wake_fd: int | None = None,
+             window: Callable | None = None) -> list[tuple[int, tuple]]:
+        """Wait up to ``timeout`` s (None: for ever) for messages or for ``wake_fd`` to be readable;
+        ``window`` runs the wait itself (see :meth:`ControlPlane.receive`)."""
+        return [(peer, self._decode(peer, data)) for peer, data in self._recv_ctrl(timeout, wake_fd, window)]
 
     def poll(self) -> list[tuple[int, tuple]]:
         """The messages already here, without waiting (a driving caller's spin calls it in a loop)."""

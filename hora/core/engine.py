@@ -308,12 +308,8 @@ class Engine:
             if self.size > 1:
                 got = self._spin() if block and driving and (timeout is None or timeout > _SPIN_S) else []
                 if not got and not subs.pending and not subs.stopping:
-                    if driving and self._window is not None and block:
-                        # the main thread sleeps in a safe point (a handler may raise there), then reads
-                        self._window(self._sleep_for_ctrl, timeout)
-                        got = self.control.poll()
-                    else:
-                        got = self.control.recv(timeout, subs.fd)
+                    # a driving main thread sleeps in a safe point: a signal handler may raise there
+                    got = self.control.recv(timeout, subs.fd, self._window if driving else None)
                 if got:
                     self._heard = time.monotonic()
                 self._inbox += got
@@ -353,13 +349,6 @@ class Engine:
         if self._leaving is not None:  # rank 0 said goodbye: what it sent before has run; nothing more will
             self.handles.fail_all(subs.fail(self._leaving, replace=True))
             raise _Stop
-
-    def _sleep_for_ctrl(self, timeout: float | None) -> None:
-        """Sleep until a control message or a submission may be there (or ``timeout`` s)."""
-        poller = select.poll()
-        for fd in (*self.control.fds(), self.subs.fd):
-            poller.register(fd, select.POLLIN | select.POLLPRI)
-        poller.poll(-1 if timeout is None else max(0, int(timeout * 1000 + 0.999)))
 
     def _spin(self) -> list[tuple[int, tuple]]:
         """A driving caller looks for control messages without sleeping for up to ``_SPIN_S``, giving

@@ -84,9 +84,12 @@ class ControlPlane:
         except OSError as e:
             raise self.lost(peer, e) from e
 
-    def receive(self, timeout: float | None, wake_fd: int | None = None) -> list[tuple[int, bytes]]:
+    def receive(self, timeout: float | None, wake_fd: int | None = None,
+                window: Callable | None = None) -> list[tuple[int, bytes]]:
         """Wait until a message arrives (or ``wake_fd`` is readable, or the timeout runs out) and
-        return every complete message that is ready, as ``(peer, payload)``."""
+        return every complete message that is ready, as ``(peer, payload)``. ``window(fn, *args)``,
+        if given, runs the blocking poll (the engine's safe point for interrupts: around the wait
+        only, never around the reads)."""
         if self._closed:
             raise CommunicatorClosedError("this communicator was closed")
         if self._gone:
@@ -98,7 +101,7 @@ class ControlPlane:
             poller.register(wake_fd, _POLL_IN)
         out = []
         ms = -1 if timeout is None else max(0, int(timeout * 1000))
-        for fd, _ev in poller.poll(ms):
+        for fd, _ev in poller.poll(ms) if window is None else window(poller.poll, ms):
             peer = self._fd.get(fd)
             if peer is not None:
                 msg = self._read(peer)
