@@ -346,6 +346,8 @@ class Engine:
             responses = self._coordinate()
         for resp in responses:
             self._execute(resp)
+        if responses and self._quiet_s:  # time this rank spent running them is no silence of rank 0's
+            self._heard = time.monotonic()
         if self._leaving is not None:  # rank 0 said goodbye: what it sent before has run; nothing more will
             self.handles.fail_all(subs.fail(self._leaving, replace=True))
             raise _Stop
