@@ -132,6 +132,9 @@ def shutdown() -> None:
     if st is None or st.forked:
         return
     st.close()
+    from hora.core.baton import GATE
+
+    GATE.restore()  # the users' own signal handlers, unwrapped (see hora.core.baton)
 
 
 def _after_fork_in_child() -> None:

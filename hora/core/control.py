@@ -47,9 +47,11 @@ class Control:
             except HoraError:
                 pass
 
-    def recv(self, timeout: float | None, wake_fd: int | None = None) -> list[tuple[int, tuple]]:
-        """Wait up to ``timeout`` s (None: for ever) for messages or for ``wake_fd`` to be readable."""
-        return [(peer, self._decode(peer, data)) for peer, data in self._recv_ctrl(timeout, wake_fd)]
+    def recv(self, timeout: float | None, wake_fd: int | None = None,
+             window: Callable | None = None) -> list[tuple[int, tuple]]:
+        """Wait up to ``timeout`` s (None: for ever) for messages or for ``wake_fd`` to be readable;
+        ``window`` runs the wait itself (see :meth:`ControlPlane.receive`)."""
+        return [(peer, self._decode(peer, data)) for peer, data in self._recv_ctrl(timeout, wake_fd, window)]
 
     def poll(self) -> list[tuple[int, tuple]]:
         """The messages already here, without waiting (a driving caller's spin calls it in a loop)."""
@@ -60,6 +62,11 @@ class Control:
         """Have ``fn(peer, msg)`` called for messages that arrive while a collective waits for data
         (every transport's data waits service the control plane)."""
         self._ctrl.on_message = lambda peer, data: fn(peer, self._decode(peer, data))
+
+    def watch_data_waits(self, fn: Callable[[int, object, Callable[[], str]], None]) -> None:
+        """Have every transport's data wait call ``fn(peer, progress, describe)`` as it goes (the
+        stall watch over the data phase, :class:`hora.core.stall.DataWatch`)."""
+        self._ctrl.on_wait = fn
 
     def close_in_child(self) -> None:
         """In a forked child: close the child's copies of the connections' descriptors (the parent's

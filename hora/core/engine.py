@@ -13,8 +13,16 @@ time of queued or unsent requests, the stall inspector's next look); nothing pol
 
 Failure: a lost peer, found on a data or control socket, fails every pending handle on this rank
 and is reported to rank 0, which tells every rank, so ranks blocked on healthy peers learn which
-rank died within milliseconds. Sockets stay open until ``shutdown`` so that no healthy rank
-mistakes a failing one for a dead one.
+rank died within milliseconds. Any other failure of an engine (a bug, a stall it detected, a forced
+interrupt) is told the same way, naming this rank and the cause, so no peer waits for a rank whose
+engine is gone while its process lives on. Sockets stay open until ``shutdown`` so that no healthy
+rank mistakes a failing one for a dead one.
+
+Interrupts: an exception a signal handler raises in the main thread while it drives (Ctrl-C) is the
+caller's, never the engine's; see :mod:`hora.core.baton`. A peer frozen inside a collective's data
+phase is watched by :class:`hora.core.stall.DataWatch`, whichever thread runs the engine; one frozen
+before it answers negotiation is rank 0's stall inspector's, and a frozen rank 0 is noticed by the
+ranks waiting for its answer (``_quiet_s``).
 """
 
 from __future__ import annotations
@@ -27,20 +35,27 @@ import time
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
 from hora.core import inline
 from hora.core import messages as m
-from hora.core.baton import CALLER, Baton
+from hora.core.baton import CALLER, GATE, Baton
 from hora.core.control import Control
 from hora.core.coordinator import Coordinator, ResponseCache
 from hora.core.execute import Executor, Pending, nbytes_of
 from hora.core.handles import Handle, HandleTable
-from hora.core.stall import StallInspector, main_stack
+from hora.core.stall import LONE_GRACE, DataWatch, StallInspector, main_stack
 from hora.core.submissions import Submissions
 
 _SPIN_S = 500e-6  # a driving caller's busy look for its response before sleeping (see Engine._spin)
 _NO_RANKS: tuple[int, ...] = ()
+_MAIN = threading.main_thread()  # the only thread whose engine work a signal handler can interrupt
 
 
 class _Stop(Exception):
     pass
+
+
+def _told(e: BaseException) -> BaseException:
+    """Mark ``e`` as news that peers have (or are being) told: the failure it causes is not spread again."""
+    e._hora_told = True
+    return e
 
 
 class Stats:
@@ -88,13 +103,14 @@ class Engine:
         self._leaving: ShutdownError | None = None  # set when rank 0 says goodbye
         self._ended = False  # the loop has stopped (shutdown or failure): no more cycles
         self.baton = Baton()
+        self._window = None  # the interrupt gate's safe point while the main thread drives (else None)
         # no busy look when this host's ranks outnumber its cores: the spinner would take the core of
         # the rank it waits for
         self._spin_ok = getattr(topo, "local_size", self.size) <= len(os.sched_getaffinity(0))
         # one handler per control message tag; those in m.URGENT also run in the middle of a collective
         self._handlers = {m.REQUESTS: self._on_requests, m.RESPONSES: self._on_responses, m.ABORT: self._on_abort,
                           m.STACK_QUERY: self._on_stack_query, m.STACK_REPLY: self._on_stack_reply,
-                          m.STALL_FATAL: self._on_stall_fatal, m.BYE: self._on_bye}
+                          m.STALL_FATAL: self._on_stall_fatal, m.BYE: self._on_bye, m.DATA_STALL: self._on_data_stall}
         self.handles.drive = self._drive
         # The engine thread sleeps in epoll on the wake pipe and on a nested epoll holding the control
         # connections. A driving caller switches the nested one off for its session: otherwise every
@@ -107,6 +123,15 @@ class Engine:
         self._ep.register(self.subs.fd, select.EPOLLIN)
         self._ep.register(self._ep_ctrl.fileno(), select.EPOLLIN)
         self.control.during_data_waits(self._on_ctrl_during_data)
+        self._running: m.Response | None = None  # the response being executed (named in stall reports)
+        # Elsewhere than on rank 0: work sent for negotiation and no word from rank 0 for this long means
+        # rank 0 is frozen (its inspector would have shut a stall down by then); 0: never
+        self._quiet_s = (cfg["stall_shutdown_time"] + LONE_GRACE if self.rank != 0 and self.size > 1
+                         and cfg["stall_shutdown_time"] > 0 and not cfg["stall_check_disable"] else 0.0)
+        self._heard = time.monotonic()  # the last message from rank 0 (or when work began to wait for one)
+        if not cfg["stall_check_disable"] and self.size > 1:
+            self.control.watch_data_waits(DataWatch(self.rank, self.control, cfg["stall_check_time"],
+                                                    cfg["stall_shutdown_time"], self._what, self.stall).on_wait)
         self.thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
         self.thread.start()
 
@@ -140,6 +165,15 @@ class Engine:
     # -- who runs cycles -----------------------------------------------------------------------
     def _run(self) -> None:
         """The engine thread: wait for work without the baton, then run a cycle with it."""
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - outside a cycle (epoll, timers): still no silent death
+            if not self._ended:
+                self._ended = True
+                self._fail(e)
+                self.baton.poke()
+
+    def _loop(self) -> None:
         woken = True
         while True:
             self.baton.engine_take()
@@ -165,30 +199,59 @@ class Engine:
         except _Stop:
             self._ended = True
         except BaseException as e:  # noqa: BLE001 - every failure ends in failed handles, never a hang
+            if e is GATE.raised and self._window is not None:
+                raise  # the driving caller's own exception, let through at a safe point: the engine is intact
             self._ended = True
             self._fail(e)
+            if self._window is not None and not isinstance(e, Exception):
+                raise  # e.g. a second Ctrl-C in a data phase: the engine had to fail, the caller gets its own
         return not self._ended
 
     def _drive(self, handle: Handle) -> None:
-        """Wait for ``handle``, running the engine in the calling thread when the baton allows."""
+        """Wait for ``handle``, running the engine in the calling thread when the baton allows. In the
+        main thread, signal handlers are deferred meanwhile (:class:`hora.core.baton.InterruptGate`):
+        one that raises does so at a safe point, and the caller gets its exception while the engine
+        thread carries on with the work."""
         if handle.done:
             return
-        if not self._ended and threading.current_thread() is not self.thread:
-            self.baton.wait(lambda: handle.done, lambda: self._session(handle), self.subs.kick)
-        if not handle.done:  # the engine ended: shutdown (or the failure that ended it) fails the handle
-            handle.wait()
+        if threading.current_thread() is not _MAIN:
+            self._wait(handle, None)
+            return
+        try:
+            GATE.enter()
+            self._wait(handle, GATE.blocking)
+        except BaseException:
+            self.subs.kick()  # the engine thread takes over what this caller was doing (if anything)
+            raise
+        finally:
+            GATE.leave()  # handlers deferred until now run here, in the caller
 
-    def _session(self, handle: Handle) -> bool:
-        """A caller holding the baton runs cycles until ``handle`` is done (False: the engine ended)."""
+    def _wait(self, handle: Handle, window) -> None:
+        if not self._ended and threading.current_thread() is not self.thread:
+            self.baton.wait(lambda: handle.done, lambda: self._session(handle, window), self.subs.kick, window)
+        if not handle.done:  # the engine ended: shutdown (or the failure that ended it) fails the handle
+            if window is None:
+                handle.wait()
+            else:
+                window(handle.wait)
+
+    def _session(self, handle: Handle, window=None) -> bool:
+        """A caller holding the baton runs cycles until ``handle`` is done (False: the engine ended).
+        ``window``: the interrupt gate's safe point (the main thread), used between cycles and in the
+        wait for negotiation."""
         self._ep.modify(self._ep_ctrl.fileno(), 0)
+        self._window = window
         try:
             while not handle.done:
+                if window is not None and GATE.pending:
+                    GATE.check()  # between cycles: nothing is half done
                 if not self._step(block=True):
                     return False
                 if not handle.done:  # (when it is, the release that follows tells the other waiters)
                     self.baton.cycle_done()  # threads that came to wait since may have had theirs finished
             return True
         finally:
+            self._window = None
             self._ep.modify(self._ep_ctrl.fileno(), select.EPOLLIN)  # wakes it if a message waits
             if self._inbox or self.subs.pending or self._unsent:
                 # work this session took in but did not finish (messages read during a data wait,
@@ -196,13 +259,24 @@ class Engine:
                 self.subs.kick()
 
     def _fail(self, e: BaseException) -> None:
+        """This engine can run no more collectives: fail its handles and later submissions with ``e``
+        and tell every peer at once (through rank 0), unless ``e`` is news a peer sent."""
+        told = getattr(e, "_hora_told", False)
+        what = str(e) if isinstance(e, HoraError) else f"{type(e).__name__}: {e}"
         if not isinstance(e, HoraError):
             err = InternalError(f"hora's engine on rank {self.rank} failed: {type(e).__name__}: {e}")
             err.__cause__ = e
             e = err
         cause = self.subs.fail(e)
-        if isinstance(e, PeerLostError) and not self.subs.stopping:
-            self._spread_abort(e)
+        if not told and not self.subs.stopping:
+            if isinstance(e, PeerLostError):
+                self._spread_abort(e)
+            elif isinstance(e, StallError):
+                self.control.tell(self.control.peers, (m.STALL_FATAL, str(e)))
+            elif not isinstance(e, ShutdownError):
+                text = (f"rank {self.rank}: the engine of rank {self.rank} failed ({what}); it can run no more "
+                        "collectives")
+                self.control.tell(self.control.peers, (m.ABORT, self.rank, text))
         self.handles.fail_all(cause)
 
     def _spread_abort(self, e: PeerLostError) -> None:
@@ -222,6 +296,8 @@ class Engine:
             due = self.stall.due_in()
             if due is not None:
                 waits.append(due)
+        if self._quiet_s and self.subs.local:
+            waits.append(self._heard + self._quiet_s - time.monotonic())
         return None if not waits else max(0.0, min(waits))
 
     def _cycle(self, block: bool = True) -> None:
@@ -232,7 +308,10 @@ class Engine:
             if self.size > 1:
                 got = self._spin() if block and driving and (timeout is None or timeout > _SPIN_S) else []
                 if not got and not subs.pending and not subs.stopping:
-                    got = self.control.recv(timeout, subs.fd)
+                    # a driving main thread sleeps in a safe point: a signal handler may raise there
+                    got = self.control.recv(timeout, subs.fd, self._window if driving else None)
+                if got:
+                    self._heard = time.monotonic()
                 self._inbox += got
             else:
                 select.select([subs.fd], [], [], timeout)
@@ -244,6 +323,8 @@ class Engine:
             tl.cycle()
         new, since = subs.take(driving)
         if new:
+            if self._quiet_s and len(subs.local) == len(new):  # nothing waited for rank 0 until now
+                self._heard = time.monotonic()
             if not self._unsent:
                 self._batch_start = since  # the batch's cycle time started with its first submission
             self._unsent += new
@@ -255,12 +336,18 @@ class Engine:
                 responses += self._handlers.get(msg[0], self._on_unknown)(peer, msg) or ()
         if self._unsent:
             self._send_requests(driving)
+        if self._quiet_s and subs.local and time.monotonic() - self._heard > self._quiet_s:
+            raise StallError(f"stall shutdown: rank {self.rank} has waited {self._quiet_s:g} s for rank 0 (the "
+                             "coordinator) to answer, which would have shut a stall down by now; is rank 0 "
+                             "frozen (stopped, swapping, stuck in a system call)?")
         if self.coord is not None:
             if self.stall is not None:
                 self.stall.check()
             responses = self._coordinate()
         for resp in responses:
             self._execute(resp)
+        if responses and self._quiet_s:  # time this rank spent running them is no silence of rank 0's
+            self._heard = time.monotonic()
         if self._leaving is not None:  # rank 0 said goodbye: what it sent before has run; nothing more will
             self.handles.fail_all(subs.fail(self._leaving, replace=True))
             raise _Stop
@@ -273,10 +360,13 @@ class Engine:
             return []
         poll, subs, clock, pending = self.control.poll, self.subs, time.perf_counter, self.subs.pending
         end = clock() + _SPIN_S
+        gate = GATE if self._window is not None else None
         while True:
             got = poll()
             if got or pending or subs.stopping or clock() > end:
                 return got
+            if gate is not None and gate.pending:
+                gate.check()  # nothing read, nothing changed yet: a safe point
             os.sched_yield()
 
     def _send_requests(self, driving: bool) -> None:
@@ -330,10 +420,10 @@ class Engine:
         return responses
 
     def _on_abort(self, peer: int, msg) -> None:
-        _, dead, text = msg
+        _, dead, text = msg[:3]
         if self.coord is not None:  # rank 0 passes the news on to everyone else
             self._spread_abort(PeerLostError(text, rank=dead))
-        raise PeerLostError(f"rank {self.rank}: {text.split(': ', 1)[-1]}", rank=dead)
+        raise _told(PeerLostError(f"rank {self.rank}: {text.split(': ', 1)[-1]}", rank=dead))
 
     def _on_stack_query(self, peer: int, msg) -> None:
         self.control.send(0, (m.STACK_REPLY, self.rank, main_stack()))
@@ -343,7 +433,21 @@ class Engine:
             self.stall.on_reply(msg[1], msg[2])
 
     def _on_stall_fatal(self, peer: int, msg) -> None:
-        raise StallError(msg[1])
+        """The stall shutdown: from rank 0's inspector, or (to rank 0, which passes it on) from a rank
+        that waited too long for a peer's data."""
+        if self.coord is not None:
+            self.control.tell([p for p in self.control.peers if p != peer], msg)
+        raise _told(StallError(msg[1]))
+
+    def _on_data_stall(self, peer: int, msg) -> None:
+        if self.stall is not None:
+            self.stall.on_data_wait(*msg[1:])
+
+    def _what(self) -> str:
+        r = self._running
+        if r is None:
+            return "a collective"
+        return f"{r.kind} " + ", ".join(f"'{n}'" for n in r.names[:5]) + (" ..." if len(r.names) > 5 else "")
 
     def _on_bye(self, peer: int, msg) -> None:
         """Rank ``msg[1]`` shut down on purpose (its connection's close is already expected, see
@@ -363,6 +467,7 @@ class Engine:
     def _on_ctrl_during_data(self, peer: int, msg) -> None:
         """A message read while a collective waits for data: urgent ones are handled at once (they may
         fail the collective), the rest wait for the next cycle, in order."""
+        self._heard = time.monotonic()
         if msg[0] in m.URGENT:
             self._handlers[msg[0]](peer, msg)
         else:
@@ -382,7 +487,10 @@ class Engine:
             for resp in responses:
                 for name in resp.names:
                     tl.negotiate_end(name)
+        departed = self.control.departed
         for peer in range(1, self.size):
+            if peer in departed:  # it shut down: the errors for it have nobody to go to
+                continue
             mine, adds, evicts = coord.share(peer, responses, additions, evictions)
             if mine or adds or evicts:
                 self.control.send(peer, (m.RESPONSES, mine, adds, evicts))
@@ -422,9 +530,10 @@ class Engine:
         ranks = self.coord.ranks_of(resp.ps) if self.coord is not None else self.process_sets.get(resp.ps, _NO_RANKS)
         if kind not in (m.ADD_PS, m.REMOVE_PS, m.JOIN) and self.rank not in ranks:
             return
+        self._running = resp
         try:
             self.executor.run(resp, pends, ranks)
-        except PeerLostError:
+        except (PeerLostError, StallError):  # the job's failure, not this tensor's: the engine ends
             raise
         except (HoraError, ValueError) as e:  # a local problem with this tensor only
             for p in pends:

@@ -80,9 +80,14 @@ class HandleTable:
                 raise BusyError(f"handle {hid} ('{h.name}') is already being waited on by another thread; "
                                 "synchronize each handle from one thread")
             h.waiter = threading.get_ident()
-        if self.drive is not None:
-            self.drive(h)
-        h.wait()
+        try:
+            if self.drive is not None:
+                self.drive(h)
+            h.wait()
+        except BaseException:  # interrupted (Ctrl-C): the handle stays valid, for any thread to wait on
+            with self._lock:
+                h.waiter = None
+            raise
         with self._lock:
             self._handles.pop(hid, None)
         if h.error is not None:

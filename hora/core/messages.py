@@ -32,9 +32,10 @@ RESPONSES = "P"  # coordinator -> rank: (tag, [Response...], [(bit, signature)..
 ABORT = "A"  # either way: (tag, dead_rank or None, message)
 STACK_QUERY = "T"  # coordinator -> rank: (tag,)
 STACK_REPLY = "S"  # rank -> coordinator: (tag, rank, text)
-STALL_FATAL = "E"  # coordinator -> rank: (tag, report)
+STALL_FATAL = "E"  # coordinator -> rank, or a rank that gave up on a peer's data -> coordinator: (tag, report)
 BYE = "B"  # either way: (tag, rank) this rank shuts down on purpose
-URGENT = frozenset({ABORT, STACK_QUERY, STALL_FATAL})  # handled at once, even in the middle of a collective
+DATA_STALL = "W"  # rank -> coordinator: (tag, rank, peer, seconds, peer's state, collective) no data from peer
+URGENT = frozenset({ABORT, STACK_QUERY, STALL_FATAL, DATA_STALL})  # handled at once, even in a collective
 
 
 class Request(NamedTuple):

@@ -1,9 +1,19 @@
-"""The stall inspector (rank 0): tensors some ranks submitted and others did not.
+"""The stall inspector (rank 0): tensors some ranks submitted and others did not; and every rank's
+watch over the data phase of a collective (:class:`DataWatch`).
 
 After ``stall_check_time`` s it asks the missing ranks for their main thread's stack and warns once
 per tensor, naming the tensors, the missing ranks and what they are doing; after
 ``stall_shutdown_time`` s (0: never) it tells every rank to fail its pending work with a
 :class:`StallError` carrying the last warning, and fails its own.
+
+The data phase: a rank inside a collective waits in its transport, whichever thread runs the engine,
+and the transport calls :meth:`DataWatch.on_wait` every few hundred ms with the peer it waits for and
+a token of progress. A peer that moves nothing for ``stall_check_time`` s is warned about (with what
+the transport knows of it) and reported to rank 0, again every ``REPORT_EVERY`` s while it lasts. Rank
+0 knows from the reports who waits for whom, so the rank to blame is the end of that chain (in a ring,
+the frozen rank's right neighbour waits for it, the next one for the neighbour): after
+``stall_shutdown_time`` s it fails every rank with a StallError naming it. A rank whose reports go
+unanswered (rank 0 itself is the frozen one) gives up ``LONE_GRACE`` s later on its own.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ import threading
 import time
 import traceback
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from hora.base.errors import StallError
 from hora.core import messages as m
@@ -27,6 +37,9 @@ log = logging.getLogger("hora")
 
 REPORT_WAIT = 2.0  # s rank 0 waits for stack replies before warning without them
 CHECK_EVERY = 0.5  # s between two looks for stalled tensors: enough for thresholds of seconds
+REPORT_EVERY = 1.0  # s between two reports of one data wait to rank 0
+STALE_S = 3.0  # rank 0 forgets a reported data wait not repeated for this long (it made progress)
+LONE_GRACE = 2.0  # s past the shutdown time a rank waits for rank 0's verdict before its own
 
 
 class StallInspector:
@@ -40,12 +53,50 @@ class StallInspector:
         self._next_check = 0.0
         self._last_report: str | None = None  # the latest warning, carried by the stall shutdown
         self._fatal_sent = False
+        # reported data waits: rank -> (peer, since, last heard, peer's state, collective)
+        self._waits: dict[int, tuple[int, float, float, str, str]] = {}
 
     def due_in(self) -> float | None:
         """Seconds until the next look is due, or None while nothing is waiting."""
-        if not (self.coord.table or self._reports):
+        if not (self.coord.table or self._reports or self._waits):
             return None
         return max(0.0, self._next_check - time.monotonic())
+
+    def on_data_wait(self, rank: int, peer: int, waited: float, state: str, what: str) -> None:
+        """Rank ``rank`` has had no data from ``peer`` for ``waited`` s inside ``what`` (a report, or
+        rank 0's own :class:`DataWatch`)."""
+        now = time.monotonic()
+        if rank != self.rank and rank not in self._waits:
+            log.warning("hora: rank %d has had no data from rank %d for %.1f s in %s (rank %d: %s)",
+                        rank, peer, waited, what, peer, state)
+        self._waits[rank] = (peer, now - waited, now, state, what)
+
+    def data_verdict(self) -> None:
+        """Fail every rank (StallError) once a reported data wait has lasted the shutdown time, naming
+        the rank at the end of the chain of waits."""
+        if not self._waits or self.kill_after <= 0 or self._fatal_sent:
+            return
+        now = time.monotonic()
+        for r in [r for r, w in self._waits.items() if now - w[2] > STALE_S]:
+            del self._waits[r]
+        due = [(r, w) for r, w in self._waits.items() if now - w[1] >= self.kill_after]
+        if not due:
+            return
+        rank, (peer, since, _, state, what) = due[0]
+        chain, culprit = [rank], peer
+        while culprit in self._waits and culprit not in chain:  # that rank waits for another one
+            chain.append(culprit)
+            _, _, _, state, _ = self._waits[culprit]
+            culprit = self._waits[culprit][0]
+        waiting = sorted(r for r, w in self._waits.items() if w[0] == culprit)
+        text = (f"stall shutdown after {self.kill_after:g} s: rank {culprit} made no progress inside {what}; "
+                f"ranks {waiting} waited for its data (rank {culprit}: {state}). Is it frozen (stopped, "
+                "swapping, stuck in a system call)?")
+        self._fatal_sent = True
+        self.control.tell(range(1, self.size), (m.STALL_FATAL, text))
+        err = StallError(text)
+        err._hora_told = True
+        raise err
 
     def on_reply(self, rank: int, stack: str) -> None:
         """A missing rank's answer to a stack query."""
@@ -77,6 +128,7 @@ class StallInspector:
                 del self._reports[key]
                 self._last_report = _text(rep, self.warn_after)
                 log.warning("%s", self._last_report)
+        self.data_verdict()
         if self.kill_after > 0 and not self._fatal_sent:
             stalled = self.coord.stalled(self.kill_after)
             if stalled:
@@ -85,7 +137,51 @@ class StallInspector:
                 text = f"stall shutdown after {self.kill_after:g} s: {text}"
                 self._fatal_sent = True
                 self.control.tell(range(1, self.size), (m.STALL_FATAL, text))
-                raise StallError(text)
+                err = StallError(text)
+                err._hora_told = True  # every rank was just told
+                raise err
+
+
+class DataWatch:
+    """Every rank's watch over its transport's data waits (see the module docstring). ``what()``
+    names the collective running; ``inspector`` is rank 0's :class:`StallInspector` (None elsewhere)."""
+
+    def __init__(self, rank: int, control: Control, warn_after: float, kill_after: float,
+                 what: Callable[[], str], inspector: StallInspector | None = None):
+        self.rank, self.control, self.what, self.inspector = rank, control, what, inspector
+        self.warn_after, self.kill_after = warn_after, kill_after
+        self._peer: int | None = None
+        self._token: object = None
+        self._since = 0.0
+        self._warned = False
+        self._next_report = 0.0
+
+    def on_wait(self, peer: int, progress: object, describe: Callable[[], str]) -> None:
+        """The transport waits for ``peer``; ``progress`` changes whenever anything moved. Raises a
+        StallError when this rank gives up (rank 0: the verdict; elsewhere: no verdict came)."""
+        now = time.monotonic()
+        if progress != self._token or peer != self._peer:
+            self._peer, self._token, self._since, self._warned = peer, progress, now, False
+            return
+        waited = now - self._since
+        if waited < self.warn_after:
+            return
+        if not self._warned:
+            self._warned = True
+            log.warning("hora rank %d: no data from rank %d for %.1f s in %s (rank %d: %s)",
+                        self.rank, peer, waited, self.what(), peer, describe())
+        if now >= self._next_report:
+            self._next_report = now + REPORT_EVERY
+            if self.inspector is not None:
+                self.inspector.on_data_wait(self.rank, peer, waited, describe(), self.what())
+            else:
+                self.control.tell([0], (m.DATA_STALL, self.rank, peer, waited, describe(), self.what()))
+        if self.inspector is not None:
+            self.inspector.data_verdict()
+        elif self.kill_after > 0 and waited >= self.kill_after + LONE_GRACE:
+            raise StallError(f"stall shutdown after {waited:.0f} s: rank {peer} made no progress inside "
+                             f"{self.what()} (rank {peer}: {describe()}), and rank 0 gave no verdict; "
+                             "is it frozen (stopped, swapping, stuck in a system call)?")
 
 
 def main_stack() -> str:

@@ -93,7 +93,10 @@ class Submissions:
         with self._lock:
             if self._wakes:  # only read the pipe when something was written: a read is a system call
                 self._wakes = 0
-                os.read(self.fd, 4096)
+                try:
+                    os.read(self.fd, 4096)
+                except BlockingIOError:  # a writer was interrupted between counting and writing
+                    pass
             if not self.due(driving):
                 return [], 0.0
             new = list(self.pending.values())

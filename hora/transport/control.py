@@ -7,6 +7,10 @@ transport uses this one object, ``comm.ctrl``: the engine sends and receives neg
 through it, and a transport blocked in a data wait calls :meth:`ControlPlane.service` so that an
 abort or a stall report from rank 0 still reaches the engine (``on_message``) and ends the wait.
 
+Data waits also give the engine a heartbeat (``on_wait``, through :meth:`ControlPlane.service`): whom
+they wait for and whether anything moved, so that a peer frozen in the middle of a collective is
+noticed whichever thread waits.
+
 It also holds the one failure state of the job's connections: the first :meth:`lost` peer (or
 :meth:`fail`) makes ``broken`` an error that every transport built on the mesh raises, and each
 transport subscribes to fail its own pending requests at that moment.
@@ -27,6 +31,7 @@ from hora.transport import auth
 _POLL_IN = select.POLLIN | select.POLLPRI
 _LEN = struct.Struct("!I")
 CTRL_GRACE = 3.0  # s a data wait goes on after a peer's control connection closed
+HEARTBEAT_S = 0.25  # a data wait services the plane at least this often (the stall watch's resolution)
 
 Explain = Callable[[int, str], tuple[int, str]]
 
@@ -55,6 +60,8 @@ class ControlPlane:
         # the engine's handler for a message read during a data wait; None: leave messages unread (code
         # that drives a communicator from a thread of its own sets None, so only the engine reads them)
         self.on_message: Callable[[int, bytes], None] | None = None
+        # the engine's heartbeat in data waits, ``on_wait(peer, progress, describe)``: see :meth:`service`
+        self.on_wait: Callable[[int, object, Callable[[], str]], None] | None = None
 
     # -- messages --------------------------------------------------------------------------------
     @property
@@ -78,9 +85,12 @@ class ControlPlane:
         except OSError as e:
             raise self.lost(peer, e) from e
 
-    def receive(self, timeout: float | None, wake_fd: int | None = None) -> list[tuple[int, bytes]]:
+    def receive(self, timeout: float | None, wake_fd: int | None = None,
+                window: Callable | None = None) -> list[tuple[int, bytes]]:
         """Wait until a message arrives (or ``wake_fd`` is readable, or the timeout runs out) and
-        return every complete message that is ready, as ``(peer, payload)``."""
+        return every complete message that is ready, as ``(peer, payload)``. ``window(fn, *args)``,
+        if given, runs the blocking poll (the engine's safe point for interrupts: around the wait
+        only, never around the reads)."""
         if self._closed:
             raise CommunicatorClosedError("this communicator was closed")
         if self._gone:
@@ -92,7 +102,7 @@ class ControlPlane:
             poller.register(wake_fd, _POLL_IN)
         out = []
         ms = -1 if timeout is None else max(0, int(timeout * 1000))
-        for fd, _ev in poller.poll(ms):
+        for fd, _ev in poller.poll(ms) if window is None else window(poller.poll, ms):
             peer = self._fd.get(fd)
             if peer is not None:
                 msg = self._read(peer)
@@ -119,13 +129,19 @@ class ControlPlane:
             poller.register(fd, _POLL_IN)
         return fds
 
-    def service(self, timeout: float = 0.0, ready: Iterable[int] | None = None) -> None:
+    def service(self, timeout: float = 0.0, ready: Iterable[int] | None = None,
+                waiting: tuple[int, object, Callable[[], str]] | None = None) -> None:
         """What every transport does for the control plane while it waits for data: read the messages
         that arrived and hand each to ``on_message`` (which may raise: an abort or a stall report ends
         the wait with that error), and call a peer lost once its connection has been closed for
         ``CTRL_GRACE`` s. ``ready`` are the descriptors the caller's own poll found readable (see
         :meth:`watch`); without it this polls for up to ``timeout`` s (sleeping that long when there
-        is nothing to watch)."""
+        is nothing to watch).
+
+        ``waiting = (peer, progress, describe)`` says whom the wait is for (a global rank), a token
+        that changes whenever bytes or steps move, and how to describe the peer's state; it goes to
+        ``on_wait``, the engine's stall watch over the data phase, which may raise a StallError. A
+        transport calls this at least every ``HEARTBEAT_S`` while it waits."""
         if ready is None:
             poller = select.poll()
             self.watch(poller)
@@ -142,6 +158,8 @@ class ControlPlane:
             for peer, deadline in list(self._gone.items()):
                 if now > deadline and self._broken is None:
                     self.lost(peer, f"control connection closed {CTRL_GRACE:g} s ago")
+        if waiting is not None and self.on_wait is not None and self._broken is None:
+            self.on_wait(*waiting)
 
     def _read(self, peer: int, during_data: bool = False) -> bytes | None:
         sock = self._conns[peer]

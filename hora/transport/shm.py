@@ -244,7 +244,7 @@ class ShmGroup:
                 seen = int(hdr[w])
                 if (seen - step) & _MASK < _HALF:
                     return
-                self._check(step)
+                self._check(step, p)
                 if flag is not None:
                     flags[flag] = 1  # before FUTEX_WAIT re-reads the word (it fences): p will wake us
                 _futex(addr, _FUTEX_WAIT, seen - (1 << 32) if seen >= _HALF else seen, _TIMEOUT_P)
@@ -252,15 +252,22 @@ class ShmGroup:
             if flag is not None and self._hdr8 is not None:
                 flags[flag] = 0
 
-    def _check(self, step: int) -> None:
-        """Raise if this wait can no longer finish: we closed, the mesh saw a failure, a rank that has
-        not reached ``step`` shut down or died, or the control plane brought an abort."""
+    def _check(self, step: int, waiting_for: int) -> None:
+        """Raise if this wait (for group rank ``waiting_for`` to reach ``step``) can no longer finish:
+        we closed, the mesh saw a failure, a rank that has not reached ``step`` shut down or died, the
+        control plane brought an abort, or the engine's stall watch gave up on the peer."""
         if self._closed:
             raise CommunicatorClosedError("this communicator was closed while a shared-memory collective ran")
         ctrl = self.ctrl
         if ctrl is not None and ctrl.broken is not None:
             raise ctrl.broken
         hdr = self._hdr
+        if ctrl is not None:  # first: news on the control plane (an abort) says why a peer left
+            q = waiting_for  # abort, stall report, stack query: as during a TCP data wait; and the stall watch
+            ctrl.service(0.0, waiting=(self.members[q], (q, step, int(hdr[self._word[q]])),
+                                       lambda: self._describe(q, step)))
+            if ctrl.broken is not None:
+                raise ctrl.broken
         for p in self.others:
             state = int(hdr[self._word[p] + _STATE])
             if state != _ACTIVE and (int(hdr[self._word[p]]) - step) & _MASK >= _HALF:
@@ -269,10 +276,14 @@ class ShmGroup:
             p = self._watch[fd]
             if (int(hdr[self._word[p]]) - step) & _MASK >= _HALF:
                 self._lost(p, f"its process (pid {int(hdr[self._word[p] + _PID])}) exited")
-        if ctrl is not None:
-            ctrl.service(0.0)  # abort, stall report, stack query: as during a TCP data wait
-            if ctrl.broken is not None:
-                raise ctrl.broken
+
+    def _describe(self, p: int, step: int) -> str:
+        """What the shared header says of group rank ``p``, for a stall warning."""
+        w = self._word[p]
+        state = {_ACTIVE: "active", _CLOSED: "shut down", _ABORTED: "aborted"}.get(int(self._hdr[w + _STATE]), "?")
+        pid = int(self._hdr[w + _PID])
+        return (f"pid {pid} {_proc_state(pid)}, {state} in the shared segment at step {int(self._hdr[w])} "
+                f"(this rank waits for step {step})")
 
     def _lost(self, p: int, why: str) -> None:
         g = self.members[p]
@@ -341,6 +352,17 @@ class ShmGroup:
             self._mm.close()
         except BufferError:  # a view still lives (e.g. in a traceback); the GC unmaps it later
             pass
+
+
+def _proc_state(pid: int) -> str:
+    """What the kernel says process ``pid`` (on this host) is doing, e.g. "stopped" after SIGSTOP."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            code = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "(gone)"
+    return {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped (SIGSTOP?)",
+            "t": "stopped by a debugger", "Z": "exited (zombie)"}.get(code, f"state {code}")
 
 
 # --- setup ------------------------------------------------------------------------------------------

@@ -29,10 +29,11 @@ from hora.base.errors import CommunicatorClosedError, HoraError, HoraTimeoutErro
 from hora.transport import auth, net
 from hora.transport.acceptor import Acceptor
 from hora.transport.base import CommunicatorBase, PendingRequest, byte_view, timed_out
-from hora.transport.control import ControlPlane
+from hora.transport.control import HEARTBEAT_S, ControlPlane
 from hora.transport.store import StoreClient
 
 _POLL_IN = select.POLLIN | select.POLLPRI
+_HEARTBEAT_MS = int(HEARTBEAT_S * 1000)
 
 
 class TcpRequest(PendingRequest):
@@ -63,6 +64,7 @@ class TcpCommunicator(CommunicatorBase):
         self._recvq: dict[int, collections.deque[TcpRequest]] = {p: collections.deque() for p in socks}
         self._closer = closer
         self._closed = False
+        self._moved = 0  # bytes moved in either direction (the stall watch's token of progress)
         ctrl.subscribe(self._fail_all)
 
     # -- public point-to-point -------------------------------------------------------------
@@ -143,11 +145,12 @@ class TcpCommunicator(CommunicatorBase):
                 self.ctrl.lost(peer, "connection closed")
                 return
             req.off += n
+            self._moved += n
             if req.off == len(req.view):
                 req.done = True
                 q.popleft()
 
-    def _progress(self, timeout_ms: int) -> None:
+    def _progress(self, timeout_ms: int, waiting: TcpRequest | None = None) -> None:
         poller = select.poll()
         any_fd = False
         for p, s in self._socks.items():
@@ -169,7 +172,14 @@ class TcpCommunicator(CommunicatorBase):
                 self._pump_recv(p)
             if ev & select.POLLNVAL:
                 self.ctrl.lost(p, "socket closed")
-        self.ctrl.service(ready=[fd for fd, _ev in events if fd in ctrl_fds])
+        w = None
+        if waiting is not None and not events:  # a quiet poll: tell the engine's stall watch whom we wait for
+            w = (waiting.peer, (id(waiting), waiting.off, self._moved), lambda: self._describe(waiting))
+        self.ctrl.service(ready=[fd for fd, _ev in events if fd in ctrl_fds], waiting=w)
+
+    def _describe(self, req: TcpRequest) -> str:
+        kind = "receive from" if req in self._recvq.get(req.peer, ()) else "send to"
+        return f"{req.off} of {len(req.view)} bytes of a {kind} it moved so far over TCP"
 
     def _wait_for(self, req: TcpRequest, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -177,13 +187,13 @@ class TcpCommunicator(CommunicatorBase):
             if self._closed:
                 raise CommunicatorClosedError("this communicator was closed while a request was pending")
             if deadline is None:
-                ms = 1000
+                ms = _HEARTBEAT_MS
             else:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise timed_out(self.rank, req.peer, timeout)
-                ms = max(1, min(1000, int(left * 1000)))
-            self._progress(ms)
+                ms = max(1, min(_HEARTBEAT_MS, int(left * 1000)))
+            self._progress(ms, req)
 
 
 class _MeshPort:
