@@ -131,14 +131,19 @@ def signal_job(groups: list[int], tracker: reaper.Tracker, sig: int,
     """``sig`` to each of ``groups`` (the ranks') and to every stray of ``tracker`` outside them (what
     left its rank's group or session), once each."""
     snap = reaper.snapshot() if snap is None else snap
-    for g in groups:
-        _signal_group(g, sig)
-    for p in tracker.strays(snap):
-        if p.pgid not in groups:
-            try:
-                os.kill(p.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+    # A stopped process (SIGSTOP, a debugger, Ctrl-Z) acts on a catchable signal only once continued, so
+    # SIGCONT follows it, as a shell's `kill` does for stopped jobs; otherwise a frozen rank would sit out
+    # the whole SIGTERM grace and teardown would wait for the SIGKILL.
+    sigs = (sig,) if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCONT) else (sig, signal.SIGCONT)
+    for s in sigs:
+        for g in groups:
+            _signal_group(g, s)
+        for p in tracker.strays(snap):
+            if p.pgid not in groups:
+                try:
+                    os.kill(p.pid, s)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
 
 def pump_lines(pipe: IO[bytes], on_line: Callable[[bytes], None]) -> None:
