@@ -4,7 +4,7 @@ that hora.torch refuses before it reaches the core is an error on every rank at 
 The script, tests/scripts/horovod_style_torch.py, asserts its own results (join with allreduce, allgather
 and broadcast; reducescatter gradients; optimizer-state broadcast with parameters that have no gradient;
 SparseAdam over a sparse embedding; the timeline read while the job runs) and prints one line per rank.
-A grouped op refused on one rank still leaves its peers waiting: a strict xfail says why.
+A grouped op refused on one rank is an error on every rank too.
 """
 
 import json
@@ -115,13 +115,20 @@ def _grouped_refusal():
         hvd.grouped_allreduce([torch.ones(2), second], name="group")
     except (ValueError, hvd.MismatchError) as e:
         first = type(e).__name__
-    hvd.allreduce(torch.ones(2), name="next")  # a script carries on
+    assert hvd.allreduce(torch.ones(2), name="next", op=hvd.Sum).tolist() == [2.0, 2.0]  # a script carries on
+    import numpy as np
+
+    import hora
+
+    # unnamed, and refused by the core's grouped op (its second member is None) rather than by hora.torch
+    with pytest.raises(hvd.MismatchError if r else ValueError, match="rank 0 refused" if r else "got None"):
+        hora.grouped_allreduce([np.ones(1), np.ones(1) if r else None])
+    assert hvd.grouped_allreduce([torch.ones(1), torch.ones(2)], op=hvd.Sum)[1].tolist() == [2.0, 2.0]
     return first
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="a grouped op refused on one rank is not told to its peers (neither here "
-                   "nor in the core's ops._grouped: a Refusal carries no group id, so the coordinator cannot "
-                   "release the members as one group); the peers wait until the stall shutdown")
 def test_a_grouped_input_refused_on_one_rank_raises_on_every_rank():
-    assert run(2, _grouped_refusal, timeout=15) == ["HoraValueError", "MismatchError"]
+    """As above for a grouped op: every member is refused under the group's id, so the peers' group
+    fails whole and at once, and the next (named and unnamed) collectives work."""
+    assert run(2, _grouped_refusal, timeout=30) == ["HoraValueError", "MismatchError"]

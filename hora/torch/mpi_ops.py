@@ -57,9 +57,8 @@ def _array(tensor: torch.Tensor, what: str, name: str | None = None,
     An input refused here never reaches the core, whose ``*_async`` functions would tell the peers; so
     they are told from here (:func:`hora.core.ops.refused`, under the ``name`` and ``process_set`` the
     collective would have had): they raise a MismatchError naming this rank at once instead of waiting
-    for it until the stall shutdown, and this rank's automatic names stay in step with theirs. A grouped
-    op (``what`` starts with ``grouped_``) tells nobody yet: its members would have to be refused under
-    the group's id, which the core's ``_grouped`` does not do either."""
+    for it until the stall shutdown, and this rank's automatic names stay in step with theirs. For a
+    grouped op (``what`` starts with ``grouped_``) :func:`_grouped_arrays` tells them."""
     try:
         return _view(tensor, what)
     except HoraValueError as e:
@@ -225,16 +224,22 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
                                   ctx)
 
 
-def _grouped_arrays(tensors, what):
+def _grouped_arrays(tensors, what, name=None, process_set=global_process_set):
+    """The tensors as a list, their NumPy views and host copies; a refusal tells the peers (as
+    :func:`_array` does) under every member's name and the group's id."""
     tensors = list(tensors)
-    pairs = [_array(t, what) for t in tensors]
+    try:
+        pairs = [_array(t, what) for t in tensors]
+    except HoraValueError as e:
+        _core.refused_group(what.removeprefix("grouped_").rstrip("_"), e, len(tensors), name, process_set)
+        raise
     return tensors, [a for a, _ in pairs], [h for _, h in pairs]
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set) -> int:
     """Allreduce several tensors as one unit; ``synchronize`` returns a list of new tensors."""
-    tensors, arrays, _ = _grouped_arrays(tensors, "grouped_allreduce")
+    tensors, arrays, _ = _grouped_arrays(tensors, "grouped_allreduce", name, process_set)
     h = _core.grouped_allreduce_async(arrays, _op(op, average, "grouped_allreduce_async"), prescale_factor,
                                       postscale_factor, name, process_set)
     return _keep(h, _each([_new(t) for t in tensors]))
@@ -243,7 +248,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> int:
     """In-place grouped allreduce; ``synchronize`` returns the list of given tensors, reduced."""
-    tensors, arrays, hosts = _grouped_arrays(tensors, "grouped_allreduce_")
+    tensors, arrays, hosts = _grouped_arrays(tensors, "grouped_allreduce_", name, process_set)
     h = _core.grouped_allreduce_async_(arrays, _op(op, average, "grouped_allreduce_async_"), prescale_factor,
                                        postscale_factor, name, process_set)
     return _keep(h, _each([_filled(t, host) for t, host in zip(tensors, hosts)]))
@@ -259,7 +264,7 @@ class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, name, prescale_factor, postscale_factor, process_set, *tensors):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        _, arrays, _ = _grouped_arrays(tensors, "grouped_allreduce")
+        _, arrays, _ = _grouped_arrays(tensors, "grouped_allreduce", name, process_set)
         out = _core.grouped_allreduce(arrays, op, prescale_factor, postscale_factor, name, process_set)
         return tuple(_tensor(a, t.device) for a, t in zip(out, tensors))
 
@@ -353,7 +358,7 @@ def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
-    tensors, arrays, _ = _grouped_arrays(tensors, "grouped_allgather")
+    tensors, arrays, _ = _grouped_arrays(tensors, "grouped_allgather", name, process_set)
     return _keep(_core.grouped_allgather_async(arrays, name, process_set), _each([_new(t) for t in tensors]))
 
 
@@ -361,7 +366,7 @@ class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, process_set, *tensors):
         ctx.rows, ctx.process_set = [t.shape[0] for t in tensors], process_set
-        _, arrays, _ = _grouped_arrays(tensors, "grouped_allgather")
+        _, arrays, _ = _grouped_arrays(tensors, "grouped_allgather", name, process_set)
         return tuple(_tensor(a, t.device) for a, t in zip(_core.grouped_allgather(arrays, name, process_set),
                                                            tensors))
 
@@ -511,7 +516,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> int:
-    tensors, arrays, _ = _grouped_arrays(tensors, "grouped_reducescatter")
+    tensors, arrays, _ = _grouped_arrays(tensors, "grouped_reducescatter", name, process_set)
     h = _core.grouped_reducescatter_async(arrays, op, name, process_set, prescale_factor, postscale_factor)
     return _keep(h, _each([_new(t) for t in tensors]))
 
@@ -520,7 +525,7 @@ class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        _, arrays, _ = _grouped_arrays(tensors, "grouped_reducescatter")
+        _, arrays, _ = _grouped_arrays(tensors, "grouped_reducescatter", name, process_set)
         out = _core.grouped_reducescatter(arrays, op, name, process_set, prescale_factor, postscale_factor)
         return tuple(_tensor(a, t.device) for a, t in zip(out, tensors))
 
