@@ -128,19 +128,35 @@ def _refusing(kind: str):
 
 
 def refused(kind: str, err: Exception, name: str | None = None,
-            process_set: ProcessSet = global_process_set) -> None:
+            process_set: ProcessSet = global_process_set, group: tuple | None = None) -> None:
     """Tell this rank's peers that it refused its input for a ``kind`` collective named ``name`` (None:
     the next automatic name) with ``err``, which the caller then raises. The core's ``*_async``
-    functions call it themselves; a binding that refuses an input before reaching them calls it too."""
+    functions call it themselves; a binding that refuses an input before reaching them calls it too
+    (:func:`refused_group` for a grouped op). ``group``: the group id of a grouped op's member."""
     try:
         st = state()
         ps = _ps_id(process_set, st, kind)
         full = _auto_name(name, ps)
-        req = m.Refusal(full, kind, f"{type(err).__name__}: {err}"[:500], ps)
+        req = m.Refusal(full, kind, f"{type(err).__name__}: {err}"[:500], ps, group)
         # flush=False: nobody will drive this one, so the engine thread must be woken for it
         st.engine.submit(Pending(req, Handle(0, f"{kind}.{full}"), None))
     except HoraError:  # not initialised, no such set, the engine failed or the name is in flight:
         pass  # there is nothing a peer could be waiting for under that name
+
+
+def refused_group(kind: str, err: Exception, n: int, name: str | None = None,
+                  process_set: ProcessSet = global_process_set, *, gid: tuple | None = None,
+                  taken: tuple = ()) -> None:
+    """:func:`refused` for a grouped ``kind`` of ``n`` tensors: every member is refused under the name it
+    would have had and the group's id, so that the coordinator releases the group whole, as an error on
+    every rank, and this rank takes the automatic names its peers take. ``gid`` and ``taken`` (the names
+    of the first members) are given when they were already taken."""
+    try:
+        gid = gid or _group_id(name, _ps_id(process_set, state(), kind), n)
+    except HoraError:
+        return
+    for i in range(n):
+        refused(kind, err, taken[i] if i < len(taken) else _group_name(name, i, n), process_set, gid)
 
 
 def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False, finish=None,
@@ -268,6 +284,11 @@ def _group(handles: list[int]) -> int:
     return gid
 
 
+def _group_id(name, ps: int, n: int) -> tuple:
+    """A grouped op's id: its name, or the next automatic one, and the number of its members."""
+    return (str(name) if name is not None else f"group.{_auto_name(None, ps)}", n)
+
+
 def _group_name(name, i, n):
     return None if name is None else f"{name}.{i}" if n > 1 else str(name)
 
@@ -319,9 +340,15 @@ def _grouped(kind: str, arrays, name, flush, process_set, inplace=False, **field
                              f"{kind}() for one array, or wrap it in a list")
     arrays = list(arrays)
     pid = _ps_id(process_set, st, f"grouped_{kind}")
-    gid = (str(name) if name is not None else f"group.{_auto_name(None, pid)}", len(arrays))
-    pends = [_prepare(st, kind, a, _group_name(name, i, len(arrays)), process_set, inplace, flush, group=gid,
-                      **fields) for i, a in enumerate(arrays)]
+    gid = _group_id(name, pid, len(arrays))
+    pends: list[Pending] = []
+    try:
+        for i, a in enumerate(arrays):
+            pends.append(_prepare(st, kind, a, _group_name(name, i, len(arrays)), process_set, inplace, flush,
+                                  group=gid, **fields))
+    except (HoraValueError, NotSupportedError) as e:
+        refused_group(kind, e, len(arrays), name, process_set, gid=gid, taken=tuple(p.req.name for p in pends))
+        raise
     st.engine.submit(*pends)
     return _group([p.handle.id for p in pends])
 

@@ -50,8 +50,24 @@ def shutdown() -> None:
 
 
 # -- tensors <-> arrays --------------------------------------------------------------------------
-def _array(tensor: torch.Tensor, what: str) -> tuple[np.ndarray, torch.Tensor | None]:
-    """A NumPy view of ``tensor``'s memory, and the host copy when the tensor lives on another device."""
+def _array(tensor: torch.Tensor, what: str, name: str | None = None,
+           process_set: ProcessSet = global_process_set) -> tuple[np.ndarray, torch.Tensor | None]:
+    """A NumPy view of ``tensor``'s memory, and the host copy when the tensor lives on another device.
+
+    An input refused here never reaches the core, whose ``*_async`` functions would tell the peers; so
+    they are told from here (:func:`hora.core.ops.refused`, under the ``name`` and ``process_set`` the
+    collective would have had): they raise a MismatchError naming this rank at once instead of waiting
+    for it until the stall shutdown, and this rank's automatic names stay in step with theirs. For a
+    grouped op (``what`` starts with ``grouped_``) :func:`_grouped_arrays` tells them."""
+    try:
+        return _view(tensor, what)
+    except HoraValueError as e:
+        if not what.startswith("grouped_"):
+            _core.refused(what.rstrip("_"), e, name, process_set)
+        raise
+
+
+def _view(tensor, what: str) -> tuple[np.ndarray, torch.Tensor | None]:
     if not isinstance(tensor, torch.Tensor):
         raise HoraValueError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
@@ -154,7 +170,7 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set) -> int:
     """Start an allreduce; ``synchronize`` returns a new tensor. The input must stay unmodified until then."""
-    a, _ = _array(tensor, "allreduce")
+    a, _ = _array(tensor, "allreduce", name, process_set)
     h = _core.allreduce_async(a, _op(op, average, "allreduce_async"), prescale_factor, postscale_factor, name,
                               process_set)
     return _keep(h, _new(tensor))
@@ -163,7 +179,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set) -> int:
     """Start an in-place allreduce; ``synchronize`` returns ``tensor``, reduced."""
-    a, host = _array(tensor, "allreduce_")
+    a, host = _array(tensor, "allreduce_", name, process_set)
     h = _core.allreduce_async_(a, _op(op, average, "allreduce_async_"), prescale_factor, postscale_factor, name,
                                process_set)
     return _keep(h, _filled(tensor, host))
@@ -172,7 +188,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set) -> torch.Tensor:
     """In-place allreduce (not autograd-aware); returns ``tensor``."""
-    a, host = _array(tensor, "allreduce_")
+    a, host = _array(tensor, "allreduce_", name, process_set)
     _core.allreduce_(a, _op(op, average, "allreduce_"), prescale_factor, postscale_factor, name, process_set)
     return _filled(tensor, host)(None)
 
@@ -183,7 +199,7 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, name, prescale_factor, postscale_factor, process_set):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        a, _ = _array(tensor, "allreduce")
+        a, _ = _array(tensor, "allreduce", name, process_set)
         return _tensor(_core.allreduce(a, op, prescale_factor, postscale_factor, name, process_set), tensor.device)
 
     @staticmethod
@@ -201,21 +217,29 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     tensor([3.])
     """
     op = _op(op, average, "allreduce")
+    if not isinstance(tensor, torch.Tensor):  # refused (and the peers told) before a compressor trips on it
+        _array(tensor, "allreduce", name, process_set)
     c, ctx = compression.compress(tensor)
     return compression.decompress(_Allreduce.apply(c, op, name, prescale_factor, postscale_factor, process_set),
                                   ctx)
 
 
-def _grouped_arrays(tensors, what):
+def _grouped_arrays(tensors, what, name=None, process_set=global_process_set):
+    """The tensors as a list, their NumPy views and host copies; a refusal tells the peers (as
+    :func:`_array` does) under every member's name and the group's id."""
     tensors = list(tensors)
-    pairs = [_array(t, what) for t in tensors]
+    try:
+        pairs = [_array(t, what) for t in tensors]
+    except HoraValueError as e:
+        _core.refused_group(what.removeprefix("grouped_").rstrip("_"), e, len(tensors), name, process_set)
+        raise
     return tensors, [a for a, _ in pairs], [h for _, h in pairs]
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set) -> int:
     """Allreduce several tensors as one unit; ``synchronize`` returns a list of new tensors."""
-    tensors, arrays, _ = _grouped_arrays(tensors, "grouped_allreduce")
+    tensors, arrays, _ = _grouped_arrays(tensors, "grouped_allreduce", name, process_set)
     h = _core.grouped_allreduce_async(arrays, _op(op, average, "grouped_allreduce_async"), prescale_factor,
                                       postscale_factor, name, process_set)
     return _keep(h, _each([_new(t) for t in tensors]))
@@ -224,7 +248,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> int:
     """In-place grouped allreduce; ``synchronize`` returns the list of given tensors, reduced."""
-    tensors, arrays, hosts = _grouped_arrays(tensors, "grouped_allreduce_")
+    tensors, arrays, hosts = _grouped_arrays(tensors, "grouped_allreduce_", name, process_set)
     h = _core.grouped_allreduce_async_(arrays, _op(op, average, "grouped_allreduce_async_"), prescale_factor,
                                        postscale_factor, name, process_set)
     return _keep(h, _each([_filled(t, host) for t, host in zip(tensors, hosts)]))
@@ -240,7 +264,7 @@ class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, name, prescale_factor, postscale_factor, process_set, *tensors):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        _, arrays, _ = _grouped_arrays(tensors, "grouped_allreduce")
+        _, arrays, _ = _grouped_arrays(tensors, "grouped_allreduce", name, process_set)
         out = _core.grouped_allreduce(arrays, op, prescale_factor, postscale_factor, name, process_set)
         return tuple(_tensor(a, t.device) for a, t in zip(out, tensors))
 
@@ -293,16 +317,16 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         indices = got[:, :index_cols].contiguous().view(torch.int64).t()
         out = torch.sparse_coo_tensor(indices, got[:, index_cols:].reshape(-1, *shape), t.size(),
                                       check_invariants=True).coalesce()
-        if op == Average:
+        if op == Average:  # the indices of a coalesced tensor: checking them again would only cost (and warn)
             out = torch.sparse_coo_tensor(out.indices(), out.values() / process_set.size(), t.size(),
-                                          is_coalesced=True)
+                                          is_coalesced=True, check_invariants=False)
         return out
     return wait
 
 
 # -- allgather -----------------------------------------------------------------------------------
 def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
-    a, _ = _array(tensor, "allgather")
+    a, _ = _array(tensor, "allgather", name, process_set)
     return _keep(_core.allgather_async(a, name, process_set), _new(tensor))
 
 
@@ -317,8 +341,8 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, name, process_set):
+        a, _ = _array(tensor, "allgather", name, process_set)
         ctx.rows, ctx.process_set = tensor.shape[0], process_set
-        a, _ = _array(tensor, "allgather")
         return _tensor(_core.allgather(a, name, process_set), tensor.device)
 
     @staticmethod
@@ -334,7 +358,7 @@ def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
-    tensors, arrays, _ = _grouped_arrays(tensors, "grouped_allgather")
+    tensors, arrays, _ = _grouped_arrays(tensors, "grouped_allgather", name, process_set)
     return _keep(_core.grouped_allgather_async(arrays, name, process_set), _each([_new(t) for t in tensors]))
 
 
@@ -342,7 +366,7 @@ class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, process_set, *tensors):
         ctx.rows, ctx.process_set = [t.shape[0] for t in tensors], process_set
-        _, arrays, _ = _grouped_arrays(tensors, "grouped_allgather")
+        _, arrays, _ = _grouped_arrays(tensors, "grouped_allgather", name, process_set)
         return tuple(_tensor(a, t.device) for a, t in zip(_core.grouped_allgather(arrays, name, process_set),
                                                            tensors))
 
@@ -359,18 +383,18 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set) -> lis
 
 # -- broadcast -----------------------------------------------------------------------------------
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
-    a, _ = _array(tensor, "broadcast")
+    a, _ = _array(tensor, "broadcast", name, process_set)
     return _keep(_core.broadcast_async(a, root_rank, name, process_set), _new(tensor))
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
-    a, host = _array(tensor, "broadcast_")
+    a, host = _array(tensor, "broadcast_", name, process_set)
     return _keep(_core.broadcast_async_(a, root_rank, name, process_set), _filled(tensor, host))
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
     """In-place broadcast from global rank ``root_rank`` (not autograd-aware); returns ``tensor``."""
-    a, host = _array(tensor, "broadcast_")
+    a, host = _array(tensor, "broadcast_", name, process_set)
     _core.broadcast_(a, root_rank, name, process_set)
     return _filled(tensor, host)(None)
 
@@ -381,7 +405,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root_rank, ctx.process_set = root_rank, process_set
-        a, _ = _array(tensor, "broadcast")
+        a, _ = _array(tensor, "broadcast", name, process_set)
         return _tensor(_core.broadcast(a, root_rank, name, process_set), tensor.device)
 
     @staticmethod
@@ -415,7 +439,7 @@ def _pair(like):
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
     """Start an alltoall; ``synchronize`` returns ``(out, received_splits)``."""
-    a, _ = _array(tensor, "alltoall")
+    a, _ = _array(tensor, "alltoall", name, process_set)
     return _keep(_core.alltoall_async(a, _splits(tensor, splits, process_set), name, process_set), _pair(tensor))
 
 
@@ -424,7 +448,7 @@ class _Alltoall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
-        a, _ = _array(tensor, "alltoall")
+        a, _ = _array(tensor, "alltoall", name, process_set)
         out, received = _pair(tensor)(_core.alltoall(a, _splits(tensor, splits, process_set), name, process_set))
         ctx.received, ctx.process_set = received, process_set
         if splits is None:
@@ -446,7 +470,7 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 # -- reducescatter -------------------------------------------------------------------------------
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0) -> int:
-    a, _ = _array(tensor, "reducescatter")
+    a, _ = _array(tensor, "reducescatter", name, process_set)
     return _keep(_core.reducescatter_async(a, op, name, process_set, prescale_factor, postscale_factor),
                  _new(tensor))
 
@@ -470,7 +494,7 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        a, _ = _array(tensor, "reducescatter")
+        a, _ = _array(tensor, "reducescatter", name, process_set)
         return _tensor(_core.reducescatter(a, op, name, process_set, prescale_factor, postscale_factor),
                        tensor.device)
 
@@ -483,6 +507,8 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
                   prescale_factor=1.0, postscale_factor=1.0) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks and return this rank's rows of the result (the lowest ranks get
     one extra row when dim 0 does not divide evenly). Autograd-aware."""
+    if not isinstance(tensor, torch.Tensor):  # as in allreduce()
+        _array(tensor, "reducescatter", name, process_set)
     c, ctx = compression.compress(tensor)
     return compression.decompress(_Reducescatter.apply(c, name, op, process_set, prescale_factor,
                                                        postscale_factor), ctx)
@@ -490,7 +516,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> int:
-    tensors, arrays, _ = _grouped_arrays(tensors, "grouped_reducescatter")
+    tensors, arrays, _ = _grouped_arrays(tensors, "grouped_reducescatter", name, process_set)
     h = _core.grouped_reducescatter_async(arrays, op, name, process_set, prescale_factor, postscale_factor)
     return _keep(h, _each([_new(t) for t in tensors]))
 
@@ -499,7 +525,7 @@ class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        _, arrays, _ = _grouped_arrays(tensors, "grouped_reducescatter")
+        _, arrays, _ = _grouped_arrays(tensors, "grouped_reducescatter", name, process_set)
         out = _core.grouped_reducescatter(arrays, op, name, process_set, prescale_factor, postscale_factor)
         return tuple(_tensor(a, t.device) for a, t in zip(out, tensors))
 
