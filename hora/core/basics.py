@@ -132,9 +132,9 @@ def shutdown() -> None:
     if st is None or st.forked:
         return
     st.close()
-    from hora.core.baton import GATE
+    from hora.core.interrupts import GATE
 
-    GATE.restore()  # the users' own signal handlers, unwrapped (see hora.core.baton)
+    GATE.restore()  # the users' own signal handlers, unwrapped (see hora.core.interrupts)
 
 
 def _after_fork_in_child() -> None:

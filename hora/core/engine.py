@@ -35,7 +35,8 @@ import time
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
 from hora.core import inline
 from hora.core import messages as m
-from hora.core.baton import CALLER, GATE, Baton
+from hora.core.baton import CALLER, Baton
+from hora.core.interrupts import GATE
 from hora.core.control import Control
 from hora.core.coordinator import Coordinator, ResponseCache
 from hora.core.execute import Executor, Pending, nbytes_of
@@ -209,7 +210,7 @@ class Engine:
 
     def _drive(self, handle: Handle) -> None:
         """Wait for ``handle``, running the engine in the calling thread when the baton allows. In the
-        main thread, signal handlers are deferred meanwhile (:class:`hora.core.baton.InterruptGate`):
+        main thread, signal handlers are deferred meanwhile (:class:`hora.core.interrupts.InterruptGate`):
         one that raises does so at a safe point, and the caller gets its exception while the engine
         thread carries on with the work."""
         if handle.done:
