@@ -33,7 +33,7 @@ import netns
 import transport_check
 from test_hierarchical import _envs as two_host_envs
 from test_mpi import MPIRUN, env as mpi_env, need_mpi
-from test_multihost import CI, _finish, _launch
+from test_multihost import _finish, _launch
 from transport_check import DEFAULT_CHECKS, KILL_CHECKS
 
 TESTS = Path(__file__).resolve().parent
@@ -173,13 +173,7 @@ def test_conformance_under_mpirun_killed_peer(transport, check, tmp_path):
 
 @pytest.fixture(scope="module")
 def netns_results(tmp_path_factory):
-    why = netns.missing()
-    if why:
-        (pytest.fail if CI else pytest.skip)(f"no namespace hosts: {why}")
-    try:
-        cluster = netns.make_cluster(2)
-    except RuntimeError as e:
-        (pytest.fail if CI else pytest.skip)(f"no namespace hosts: {e}")
+    cluster = netns.cluster_or_skip(2)
     out_dir = tmp_path_factory.mktemp("netns-conformance")
     try:
         proc = _launch(cluster, out_dir, NETNS_HOSTS, SCRIPT, "hierarchical")
