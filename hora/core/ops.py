@@ -95,11 +95,21 @@ def _submit(kind: str, array, name, process_set, inplace=False, flush=False, fin
     st = state()
     pend = _prepare(st, kind, array, name, process_set, inplace, flush, finish, **fields)
     try:
-        st.engine.submit(pend)
+        _submit_or_discard(st, pend)
     except HoraValueError as e:
         e.hora_named = True  # refused after its name was taken (a duplicate): no peer is told (see _refusing)
         raise
     return pend.handle.id
+
+
+def _submit_or_discard(st, *pends: Pending) -> None:
+    """Queue ``pends``; when the queue refuses them (a duplicate name, hora shut down or failed) their
+    handles, which the caller never gets, leave the handle table."""
+    try:
+        st.engine.submit(*pends)
+    except BaseException:
+        st.engine.handles.discard(*(p.handle.id for p in pends))
+        raise
 
 
 def _refusing(kind: str):
@@ -272,9 +282,30 @@ def synchronize(handle: int):
     """Wait for ``handle`` and return what the synchronous form returns; the handle is then spent."""
     st = state()
     if handle in st.groups:
-        members = st.groups.pop(handle)
-        return [st.engine.handles.synchronize(h) for h in members]
+        return _synchronize_group(st, handle)
     return st.engine.handles.synchronize(handle)
+
+
+def _synchronize_group(st, handle: int) -> list:
+    """A group's results. When a member fails (a group refused on a peer fails whole), the members
+    after it are forgotten too, since the caller can no longer reach them; an interrupt while the first
+    member is waited on leaves the group intact, to be waited on again."""
+    members = st.groups[handle]
+    out = []
+    try:
+        for h in members:
+            out.append(st.engine.handles.synchronize(h))
+    except Exception:
+        st.groups.pop(handle, None)
+        st.engine.handles.discard(*members[len(out):])
+        raise
+    except BaseException:
+        if out:  # members already spent: the group cannot be waited on again
+            st.groups.pop(handle, None)
+            st.engine.handles.discard(*members[len(out):])
+        raise
+    st.groups.pop(handle, None)
+    return out
 
 
 def _group(handles: list[int]) -> int:
@@ -346,10 +377,13 @@ def _grouped(kind: str, arrays, name, flush, process_set, inplace=False, **field
         for i, a in enumerate(arrays):
             pends.append(_prepare(st, kind, a, _group_name(name, i, len(arrays)), process_set, inplace, flush,
                                   group=gid, **fields))
-    except (HoraValueError, NotSupportedError) as e:
-        refused_group(kind, e, len(arrays), name, process_set, gid=gid, taken=tuple(p.req.name for p in pends))
+    except BaseException as e:  # the members made so far never reach the caller: their handles go
+        st.engine.handles.discard(*(p.handle.id for p in pends))
+        if isinstance(e, (HoraValueError, NotSupportedError)):
+            refused_group(kind, e, len(arrays), name, process_set, gid=gid,
+                          taken=tuple(p.req.name for p in pends))
         raise
-    st.engine.submit(*pends)
+    _submit_or_discard(st, *pends)
     return _group([p.handle.id for p in pends])
 
 
