@@ -279,7 +279,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set) -> list:
     """Allreduce a list of tensors as one unit (negotiated and fused together); autograd-aware."""
     op = _op(op, average, "grouped_allreduce")
-    pairs = [compression.compress(t) for t in tensors]
+    pairs = _compressed(tensors, compression, "grouped_allreduce", name, process_set)
     out = _GroupedAllreduce.apply(op, name, prescale_factor, postscale_factor, process_set, *[c for c, _ in pairs])
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(out, pairs)]
 
@@ -295,16 +295,13 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     (it had no gradient to give) meets a mismatch error on the same name rather than waiting forever for
     names it never submits; the allgather also checks that the ranks agree on dtype and row width.
     """
-    if op not in (Average, Sum):
-        raise HoraValueError(f"sparse_allreduce_async: op {op!r} is not supported; use hvd.Average or hvd.Sum")
-    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
-        got = tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise HoraValueError(f"sparse_allreduce_async: expected a sparse COO tensor, got {got}; use allreduce "
-                             "for dense tensors")
+    try:
+        _check_sparse(tensor, op)
+    except HoraValueError as e:  # the peers wait on the allgather under ``name``: they are told, as in _array
+        _core.refused("allgather", e, name, process_set)
+        raise
     t = tensor.detach()
     values = t._values()
-    if 8 % values.element_size():
-        raise HoraValueError(f"sparse_allreduce_async: values of type {values.dtype} are not supported")
     shape, dense = values.shape[1:], math.prod(values.shape[1:])
     index_cols = t.sparse_dim() * 8 // values.element_size()
     indices = t._indices().t().clone(memory_format=torch.contiguous_format)  # unit last stride, for view()
@@ -322,6 +319,28 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
                                           is_coalesced=True, check_invariants=False)
         return out
     return wait
+
+
+def _check_sparse(tensor, op) -> None:
+    """Every check of sparse_allreduce_async's input, in one place so that one ``except`` tells the peers."""
+    if op not in (Average, Sum):
+        raise HoraValueError(f"sparse_allreduce_async: op {op!r} is not supported; use hvd.Average or hvd.Sum")
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        got = tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise HoraValueError(f"sparse_allreduce_async: expected a sparse COO tensor, got {got}; use allreduce "
+                             "for dense tensors")
+    if 8 % tensor._values().element_size():
+        raise HoraValueError(f"sparse_allreduce_async: values of type {tensor.dtype} are not supported")
+
+
+def _compressed(tensors, compression, what: str, name, process_set) -> list:
+    """``compression.compress`` of each tensor, once every one is known to be a tensor: a compressor
+    would fail on anything else with an AttributeError that tells neither the caller nor the peers
+    (who would wait until the stall shutdown); so a non-tensor is refused first, the peers told."""
+    tensors = list(tensors)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        _grouped_arrays(tensors, what, name, process_set)  # raises the HoraValueError, after telling them
+    return [compression.compress(t) for t in tensors]
 
 
 # -- allgather -----------------------------------------------------------------------------------
@@ -536,7 +555,7 @@ class _GroupedReducescatter(torch.autograd.Function):
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0) -> list:
-    pairs = [compression.compress(t) for t in tensors]
+    pairs = _compressed(tensors, compression, "grouped_reducescatter", name, process_set)
     out = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
                                       *[c for c, _ in pairs])
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(out, pairs)]
