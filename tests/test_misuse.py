@@ -258,6 +258,8 @@ def _bad_input_on_one_rank(hvd, case):
         "view": lambda bad: hvd.allgather(np.broadcast_to(x[:1], (1 << 32,)) if bad else x),
         # the member before the refused one has its handle made already: it must not stay in the table
         "grouped": lambda bad: hvd.grouped_allreduce([x, None if bad else x, x], op=hvd.Sum),
+        "grouped nan": lambda bad: hvd.grouped_allreduce([x, x], prescale_factor=float("nan") if bad else 1.0),
+        "grouped op": lambda bad: hvd.grouped_reducescatter([x], op=17 if bad else hvd.Sum, name="g"),
     }
     expected = HoraValueError if r == 1 else hvd.MismatchError
     table = _handles()
@@ -273,7 +275,7 @@ def _bad_input_on_one_rank(hvd, case):
 
 @pytest.mark.timeout(90)
 @SIZES
-@pytest.mark.parametrize("case", ["none", "nan", "splits", "root", "view", "grouped"])
+@pytest.mark.parametrize("case", ["none", "nan", "splits", "root", "view", "grouped", "grouped nan", "grouped op"])
 def test_bad_input_on_one_rank_fails_the_others_at_once(n, case):
     out = run_hora(n, _bad_input_on_one_rank, case, env=INLINE, timeout=20)
     assert out[1] == "HoraValueError" and {o for i, o in enumerate(out) if i != 1} == {"MismatchError"}

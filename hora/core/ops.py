@@ -362,9 +362,12 @@ def allreduce_(array: np.ndarray, op: int = Average, prescale_factor: float = 1.
                                         _flush=True))
 
 
-def _grouped(kind: str, arrays, name, flush, process_set, inplace=False, **fields) -> int:
+def _grouped(kind: str, arrays, name, flush, process_set, inplace=False, reduce: tuple | None = None,
+             **fields) -> int:
     """Submit several tensors as one unit: negotiated together (in one message), released together
-    and fused together. A named group keeps the same id every step, so it hits the response cache."""
+    and fused together. A named group keeps the same id every step, so it hits the response cache.
+    ``reduce``: the arguments of :func:`_reduce_fields`, checked here so that a refused op or scale
+    factor tells the peers, as a refused member does."""
     st = state()
     if arrays is None or isinstance(arrays, (np.ndarray, str, bytes)) or not hasattr(arrays, "__iter__"):
         raise HoraValueError(f"grouped_{kind}: expected a list of arrays, got {type(arrays).__name__}; use "
@@ -374,6 +377,8 @@ def _grouped(kind: str, arrays, name, flush, process_set, inplace=False, **field
     gid = _group_id(name, pid, len(arrays))
     pends: list[Pending] = []
     try:
+        if reduce is not None:
+            fields.update(_reduce_fields(*reduce))
         for i, a in enumerate(arrays):
             pends.append(_prepare(st, kind, a, _group_name(name, i, len(arrays)), process_set, inplace, flush,
                                   group=gid, **fields))
@@ -391,8 +396,8 @@ def grouped_allreduce_async(arrays, op: int = Average, prescale_factor: float = 
                             postscale_factor: float = 1.0, name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     """Allreduce several arrays as one unit (negotiated together, fused together)."""
-    return _grouped(m.ALLREDUCE, arrays, name, False, process_set, **_reduce_fields(op, prescale_factor,
-                                                                                   postscale_factor, "allreduce"))
+    return _grouped(m.ALLREDUCE, arrays, name, False, process_set,
+                    reduce=(op, prescale_factor, postscale_factor, "allreduce"))
 
 
 def _reduce_fields(op, pre, post, what) -> dict:
@@ -404,19 +409,19 @@ def grouped_allreduce_async_(arrays, op: int = Average, prescale_factor: float =
                              postscale_factor: float = 1.0, name: str | None = None,
                              process_set: ProcessSet = global_process_set) -> int:
     return _grouped(m.ALLREDUCE, arrays, name, False, process_set, inplace=True,
-                    **_reduce_fields(op, prescale_factor, postscale_factor, "allreduce_"))
+                    reduce=(op, prescale_factor, postscale_factor, "allreduce_"))
 
 
 def grouped_allreduce(arrays, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
     return synchronize(_grouped(m.ALLREDUCE, arrays, name, True, process_set,
-                                **_reduce_fields(op, prescale_factor, postscale_factor, "allreduce")))
+                                reduce=(op, prescale_factor, postscale_factor, "allreduce")))
 
 
 def grouped_allreduce_(arrays, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
     return synchronize(_grouped(m.ALLREDUCE, arrays, name, True, process_set, inplace=True,
-                                **_reduce_fields(op, prescale_factor, postscale_factor, "allreduce_")))
+                                reduce=(op, prescale_factor, postscale_factor, "allreduce_")))
 
 
 # -- allgather -----------------------------------------------------------------------------------
@@ -538,14 +543,14 @@ def grouped_reducescatter_async(arrays, op: int = Average, name: str | None = No
                                 process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
     return _grouped(m.REDUCESCATTER, arrays, name, False, process_set,
-                    **_reduce_fields(op, prescale_factor, postscale_factor, "reducescatter"))
+                    reduce=(op, prescale_factor, postscale_factor, "reducescatter"))
 
 
 def grouped_reducescatter(arrays, op: int = Average, name: str | None = None,
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list:
     return synchronize(_grouped(m.REDUCESCATTER, arrays, name, True, process_set,
-                                **_reduce_fields(op, prescale_factor, postscale_factor, "reducescatter")))
+                                reduce=(op, prescale_factor, postscale_factor, "reducescatter")))
 
 
 # -- barrier, join ---------------------------------------------------------------------------------
