@@ -157,6 +157,11 @@ def _late_refusals():
             [torch.ones(2), [1.0, 2.0]] if bad else two, name=name, compression=fp16),
         "grouped_reducescatter": lambda bad, name: hvd.grouped_reducescatter(
             [None, torch.ones(2)] if bad else two, name=name, compression=fp16, op=hvd.Sum),
+        # Horovod's deprecated average= together with op= is refused before the core
+        "average and op": lambda bad, name: hvd.allreduce(torch.ones(2), average=True if bad else None,
+                                                          op=hvd.Sum, name=name),
+        "grouped average and op": lambda bad, name: hvd.synchronize(hvd.grouped_allreduce_async(
+            two, average=True if bad else None, op=hvd.Sum, name=name)),
     }
     seen, table = [], basics.state().engine.handles
     for i, (what, call) in enumerate(cases.items()):
@@ -175,13 +180,14 @@ def _late_refusals():
 
 @pytest.mark.timeout(90)
 def test_late_torch_refusals_reach_the_peers_and_leave_no_handle():
-    """sparse_allreduce_async given a dense tensor or an op it cannot do, and grouped_allreduce /
-    grouped_reducescatter with fp16 compression and a non-tensor in the list: the rank that made the
-    mistake gets a HoraValueError (not an AttributeError), the other a MismatchError naming it at once
-    (not at the stall shutdown); no handle is left in the table on either rank, and the job carries on."""
+    """sparse_allreduce_async given a dense tensor or an op it cannot do, grouped_allreduce /
+    grouped_reducescatter with fp16 compression and a non-tensor in the list, and average= with op=: the
+    rank that made the mistake gets a HoraValueError (not an AttributeError), the other a MismatchError
+    naming it at once (not at the stall shutdown); no handle is left in the table on either rank, and the
+    job carries on."""
     seen = run(2, _late_refusals, timeout=60)
     for r, rank_seen in enumerate(seen):
-        assert len(rank_seen) == 8, rank_seen
+        assert len(rank_seen) == 12, rank_seen
         for i, (what, got) in enumerate(rank_seen):
             refuser = (i // 2) % 2
             if r == refuser:
@@ -193,3 +199,4 @@ def test_late_torch_refusals_reach_the_peers_and_leave_no_handle():
     assert "expected a sparse COO tensor, got torch.strided" in seen[1][0][1], seen[1][0]
     assert "grouped_allreduce: expected a torch.Tensor, got list" in by_case["grouped_allreduce"], by_case
     assert "expected a torch.Tensor, got NoneType" in by_case["grouped_reducescatter"], by_case
+    assert "pass only op=" in by_case["average and op"] and "pass only op=" in by_case["grouped average and op"]

@@ -128,11 +128,17 @@ def _each(posts):
     return lambda results: [p(r) for p, r in zip(posts, results)]
 
 
-def _op(op, average, what: str) -> int:
-    """Horovod's deprecated ``average=``: True/False mean Average/Sum; giving it with ``op`` is an error."""
+def _op(op, average, what: str, name=None, process_set=global_process_set, n: int = 0) -> int:
+    """Horovod's deprecated ``average=``: True/False mean Average/Sum; giving it with ``op`` is an error,
+    which the peers are told of (under ``name``; as a group of ``n`` when ``n``), as in :func:`_array`."""
     if average is not None:
         if op is not None:
-            raise HoraValueError(f"The op parameter supersedes average; {what}() was given both, pass only op=")
+            e = HoraValueError(f"The op parameter supersedes average; {what}() was given both, pass only op=")
+            if n:
+                _core.refused_group("allreduce", e, n, name, process_set)
+            else:
+                _core.refused("allreduce", e, name, process_set)
+            raise e
         warnings.warn(f"{what}(average=...) is deprecated; use op=hvd.Average or op=hvd.Sum", DeprecationWarning,
                       stacklevel=3)
         return Average if average else Sum
@@ -171,8 +177,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                     process_set=global_process_set) -> int:
     """Start an allreduce; ``synchronize`` returns a new tensor. The input must stay unmodified until then."""
     a, _ = _array(tensor, "allreduce", name, process_set)
-    h = _core.allreduce_async(a, _op(op, average, "allreduce_async"), prescale_factor, postscale_factor, name,
-                              process_set)
+    op = _op(op, average, "allreduce_async", name, process_set)
+    h = _core.allreduce_async(a, op, prescale_factor, postscale_factor, name, process_set)
     return _keep(h, _new(tensor))
 
 
@@ -180,8 +186,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                      process_set=global_process_set) -> int:
     """Start an in-place allreduce; ``synchronize`` returns ``tensor``, reduced."""
     a, host = _array(tensor, "allreduce_", name, process_set)
-    h = _core.allreduce_async_(a, _op(op, average, "allreduce_async_"), prescale_factor, postscale_factor, name,
-                               process_set)
+    op = _op(op, average, "allreduce_async_", name, process_set)
+    h = _core.allreduce_async_(a, op, prescale_factor, postscale_factor, name, process_set)
     return _keep(h, _filled(tensor, host))
 
 
@@ -189,7 +195,8 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
                process_set=global_process_set) -> torch.Tensor:
     """In-place allreduce (not autograd-aware); returns ``tensor``."""
     a, host = _array(tensor, "allreduce_", name, process_set)
-    _core.allreduce_(a, _op(op, average, "allreduce_"), prescale_factor, postscale_factor, name, process_set)
+    op = _op(op, average, "allreduce_", name, process_set)
+    _core.allreduce_(a, op, prescale_factor, postscale_factor, name, process_set)
     return _filled(tensor, host)(None)
 
 
@@ -216,7 +223,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     >>> hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum)   # at np=3
     tensor([3.])
     """
-    op = _op(op, average, "allreduce")
+    op = _op(op, average, "allreduce", name, process_set)
     if not isinstance(tensor, torch.Tensor):  # refused (and the peers told) before a compressor trips on it
         _array(tensor, "allreduce", name, process_set)
     c, ctx = compression.compress(tensor)
@@ -240,8 +247,8 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                             process_set=global_process_set) -> int:
     """Allreduce several tensors as one unit; ``synchronize`` returns a list of new tensors."""
     tensors, arrays, _ = _grouped_arrays(tensors, "grouped_allreduce", name, process_set)
-    h = _core.grouped_allreduce_async(arrays, _op(op, average, "grouped_allreduce_async"), prescale_factor,
-                                      postscale_factor, name, process_set)
+    op = _op(op, average, "grouped_allreduce_async", name, process_set, len(tensors))
+    h = _core.grouped_allreduce_async(arrays, op, prescale_factor, postscale_factor, name, process_set)
     return _keep(h, _each([_new(t) for t in tensors]))
 
 
@@ -249,8 +256,8 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                              postscale_factor=1.0, process_set=global_process_set) -> int:
     """In-place grouped allreduce; ``synchronize`` returns the list of given tensors, reduced."""
     tensors, arrays, hosts = _grouped_arrays(tensors, "grouped_allreduce_", name, process_set)
-    h = _core.grouped_allreduce_async_(arrays, _op(op, average, "grouped_allreduce_async_"), prescale_factor,
-                                       postscale_factor, name, process_set)
+    op = _op(op, average, "grouped_allreduce_async_", name, process_set, len(tensors))
+    h = _core.grouped_allreduce_async_(arrays, op, prescale_factor, postscale_factor, name, process_set)
     return _keep(h, _each([_filled(t, host) for t, host in zip(tensors, hosts)]))
 
 
@@ -278,7 +285,8 @@ class _GroupedAllreduce(torch.autograd.Function):
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set) -> list:
     """Allreduce a list of tensors as one unit (negotiated and fused together); autograd-aware."""
-    op = _op(op, average, "grouped_allreduce")
+    tensors = list(tensors)
+    op = _op(op, average, "grouped_allreduce", name, process_set, len(tensors))
     pairs = _compressed(tensors, compression, "grouped_allreduce", name, process_set)
     out = _GroupedAllreduce.apply(op, name, prescale_factor, postscale_factor, process_set, *[c for c, _ in pairs])
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(out, pairs)]
