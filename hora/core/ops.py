@@ -281,30 +281,27 @@ def poll(handle: int) -> bool:
 def synchronize(handle: int):
     """Wait for ``handle`` and return what the synchronous form returns; the handle is then spent."""
     st = state()
-    if handle in st.groups:
-        return _synchronize_group(st, handle)
+    members = st.groups.pop(handle, None)  # taken at once: a second thread gets "unknown handle"
+    if members is not None:
+        return _synchronize_group(st, handle, members)
     return st.engine.handles.synchronize(handle)
 
 
-def _synchronize_group(st, handle: int) -> list:
-    """A group's results. When a member fails (a group refused on a peer fails whole), the members
-    after it are forgotten too, since the caller can no longer reach them; an interrupt while the first
-    member is waited on leaves the group intact, to be waited on again."""
-    members = st.groups[handle]
+def _synchronize_group(st, handle: int, members: list[int]) -> list:
+    """The results of group ``handle``, already taken out of the table. When a member fails (a group
+    refused on a peer fails whole), the members after it are forgotten too, since nobody can reach
+    them any more; an interrupt (Ctrl-C) before any member's result puts the group back, to be waited
+    on again."""
     out = []
     try:
         for h in members:
             out.append(st.engine.handles.synchronize(h))
-    except Exception:
-        st.groups.pop(handle, None)
-        st.engine.handles.discard(*members[len(out):])
-        raise
-    except BaseException:
-        if out:  # members already spent: the group cannot be waited on again
-            st.groups.pop(handle, None)
+    except BaseException as e:
+        if not out and not isinstance(e, Exception):
+            st.groups[handle] = members
+        else:
             st.engine.handles.discard(*members[len(out):])
         raise
-    st.groups.pop(handle, None)
     return out
 
 
