@@ -132,3 +132,71 @@ def test_a_grouped_input_refused_on_one_rank_raises_on_every_rank():
     """As above for a grouped op: every member is refused under the group's id, so the peers' group
     fails whole and at once, and the next (named and unnamed) collectives work."""
     assert run(2, _grouped_refusal, timeout=30) == ["HoraValueError", "MismatchError"]
+
+
+
+def _late_refusals():
+    """The refusals hora.torch made without telling the peers: a dense tensor (or an op it cannot do)
+    given to sparse_allreduce_async, and a non-tensor in a grouped op with fp16 compression (it failed
+    inside the compressor, with an AttributeError). Returns what each rank raised, per case."""
+    import torch
+
+    torch.set_num_threads(1)
+    import hora.core.basics as basics
+    import hora.torch as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    fp16 = hvd.Compression.fp16
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,), check_invariants=True)
+    two = [torch.ones(2), torch.ones(2)]
+    cases = {  # what: call(bad, name), bad on the refusing rank only
+        "sparse": lambda bad, name: hvd.sparse_allreduce_async(torch.ones(4) if bad else sparse, name, hvd.Sum)(),
+        "sparse op": lambda bad, name: hvd.sparse_allreduce_async(sparse, name, hvd.Max if bad else hvd.Sum)(),
+        "grouped_allreduce": lambda bad, name: hvd.grouped_allreduce(
+            [torch.ones(2), [1.0, 2.0]] if bad else two, name=name, compression=fp16),
+        "grouped_reducescatter": lambda bad, name: hvd.grouped_reducescatter(
+            [None, torch.ones(2)] if bad else two, name=name, compression=fp16, op=hvd.Sum),
+        # Horovod's deprecated average= together with op= is refused before the core
+        "average and op": lambda bad, name: hvd.allreduce(torch.ones(2), average=True if bad else None,
+                                                          op=hvd.Sum, name=name),
+        "grouped average and op": lambda bad, name: hvd.synchronize(hvd.grouped_allreduce_async(
+            two, average=True if bad else None, op=hvd.Sum, name=name)),
+    }
+    seen, table = [], basics.state().engine.handles
+    for i, (what, call) in enumerate(cases.items()):
+        for named in (True, False):
+            refuser = i % 2
+            before = len(table)
+            expected = ValueError if r == refuser else hvd.MismatchError
+            with pytest.raises(expected) as e:
+                call(r == refuser, f"late.{i}" if named else None)
+            seen.append((what, f"{type(e.value).__name__}: {e.value}"))
+            assert len(table) == before, (what, named, len(table), before)  # no handle left behind
+            # the next collective works, unnamed: the automatic names are in step
+            assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [2.0, 2.0], what
+    return seen
+
+
+@pytest.mark.timeout(90)
+def test_late_torch_refusals_reach_the_peers_and_leave_no_handle():
+    """sparse_allreduce_async given a dense tensor or an op it cannot do, grouped_allreduce /
+    grouped_reducescatter with fp16 compression and a non-tensor in the list, and average= with op=: the
+    rank that made the mistake gets a HoraValueError (not an AttributeError), the other a MismatchError
+    naming it at once (not at the stall shutdown); no handle is left in the table on either rank, and the
+    job carries on."""
+    seen = run(2, _late_refusals, timeout=60)
+    for r, rank_seen in enumerate(seen):
+        assert len(rank_seen) == 12, rank_seen
+        for i, (what, got) in enumerate(rank_seen):
+            refuser = (i // 2) % 2
+            if r == refuser:
+                assert got.startswith("HoraValueError: "), (what, got)
+            else:
+                assert got.startswith("MismatchError: ") and f"rank {refuser} refused its input at submission: " \
+                    "HoraValueError" in got, (what, got)
+    by_case = {what: got for what, got in seen[0] + seen[1]}
+    assert "expected a sparse COO tensor, got torch.strided" in seen[1][0][1], seen[1][0]
+    assert "grouped_allreduce: expected a torch.Tensor, got list" in by_case["grouped_allreduce"], by_case
+    assert "expected a torch.Tensor, got NoneType" in by_case["grouped_reducescatter"], by_case
+    assert "pass only op=" in by_case["average and op"] and "pass only op=" in by_case["grouped average and op"]

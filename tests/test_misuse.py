@@ -131,6 +131,13 @@ def test_a_horovod_style_join_test_does_not_hang(n, kind):
 
 # --- items 7 and 14: bad input is refused at submission, on the rank that made it ------------------
 
+def _handles():
+    """This rank's handle table: a refused call must leave it as it was (no handle nobody can reach)."""
+    from hora.core.basics import state
+
+    return state().engine.handles
+
+
 def _bad_inputs(hvd):
     """Every call must raise HoraValueError from the submitting call itself (the ``_async`` form, so
     nothing was queued), and the engine must be fine after all of them."""
@@ -184,6 +191,8 @@ def _bad_inputs(hvd):
         "16 GiB broadcast view": lambda: hvd.allreduce_async(huge, op=hvd.Sum),
     }
     messages, accepted = {}, []
+    table = _handles()
+    before = len(table)
     for what, call in cases.items():
         try:
             call()
@@ -191,6 +200,21 @@ def _bad_inputs(hvd):
         except HoraValueError as e:
             messages[what] = str(e)
     assert not accepted, f"accepted at submission: {accepted}"
+    assert len(table) == before, f"{len(table) - before} handles left in the table by the refusals"
+    # a duplicate name is refused after the name was taken: its handle goes too. The peers submit
+    # 'twice.0' only after 'go', which rank 0 joins after its duplicates, so 'twice.0' is still in flight
+    if hvd.rank() == 0:
+        first = hvd.allreduce_async(x, name="twice.0")
+        with pytest.raises(HoraValueError, match="already in flight"):
+            hvd.allreduce_async(x, name="twice.0")
+        with pytest.raises(HoraValueError, match="already in flight"):
+            hvd.grouped_allreduce_async([x, x], name="twice", op=hvd.Sum)  # its first member is 'twice.0'
+        hvd.allreduce(x, name="go")
+    else:
+        hvd.allreduce(x, name="go")
+        first = hvd.allreduce_async(x, name="twice.0")
+    hvd.synchronize(first)
+    assert len(table) == before, f"{len(table) - before} handles left in the table by a duplicate name"
     # nothing reached the engine and no automatic name was taken: unnamed ops still match up
     r = hvd.rank()
     assert hvd.allreduce(np.full(3, r, np.float32), op=hvd.Sum).tolist() == [sum(range(n))] * 3
@@ -232,10 +256,17 @@ def _bad_input_on_one_rank(hvd, case):
         "splits": lambda bad: hvd.alltoall(x, splits=[1.5, 0.5] + [2.0] * (n - 2) if bad else [2] * n),
         "root": lambda bad: hvd.broadcast(x, root_rank=n if bad else 0, name="named"),
         "view": lambda bad: hvd.allgather(np.broadcast_to(x[:1], (1 << 32,)) if bad else x),
+        # the member before the refused one has its handle made already: it must not stay in the table
+        "grouped": lambda bad: hvd.grouped_allreduce([x, None if bad else x, x], op=hvd.Sum),
+        "grouped nan": lambda bad: hvd.grouped_allreduce([x, x], prescale_factor=float("nan") if bad else 1.0),
+        "grouped op": lambda bad: hvd.grouped_reducescatter([x], op=17 if bad else hvd.Sum, name="g"),
     }
     expected = HoraValueError if r == 1 else hvd.MismatchError
+    table = _handles()
+    before = len(table)
     with pytest.raises(expected) as info:
         calls[case](r == 1)
+    assert len(table) == before, f"{len(table) - before} handles left in the table after the refusal"
     if r != 1:
         assert "rank 1 refused its input at submission: HoraValueError" in str(info.value), info.value
     assert hvd.allreduce(np.full(3, r, np.float32), op=hvd.Sum).tolist() == [sum(range(n))] * 3
@@ -244,7 +275,7 @@ def _bad_input_on_one_rank(hvd, case):
 
 @pytest.mark.timeout(90)
 @SIZES
-@pytest.mark.parametrize("case", ["none", "nan", "splits", "root", "view"])
+@pytest.mark.parametrize("case", ["none", "nan", "splits", "root", "view", "grouped", "grouped nan", "grouped op"])
 def test_bad_input_on_one_rank_fails_the_others_at_once(n, case):
     out = run_hora(n, _bad_input_on_one_rank, case, env=INLINE, timeout=20)
     assert out[1] == "HoraValueError" and {o for i, o in enumerate(out) if i != 1} == {"MismatchError"}

@@ -60,6 +60,17 @@ class HandleTable:
             self._handles[h.id] = h
             return h
 
+    def discard(self, *hids: int) -> None:
+        """Forget handles that were never given to the caller (their submission was refused): nobody
+        could synchronize them, so kept they would stay in the table until the next ``init``."""
+        with self._lock:
+            for hid in hids:
+                self._handles.pop(hid, None)
+
+    def __len__(self) -> int:
+        """How many handles are live (made and not yet synchronized); tests count them for leaks."""
+        return len(self._handles)
+
     def get(self, hid: int) -> Handle:
         h = self._handles.get(hid)
         if h is None:

@@ -95,11 +95,21 @@ def _submit(kind: str, array, name, process_set, inplace=False, flush=False, fin
     st = state()
     pend = _prepare(st, kind, array, name, process_set, inplace, flush, finish, **fields)
     try:
-        st.engine.submit(pend)
+        _submit_or_discard(st, pend)
     except HoraValueError as e:
         e.hora_named = True  # refused after its name was taken (a duplicate): no peer is told (see _refusing)
         raise
     return pend.handle.id
+
+
+def _submit_or_discard(st, *pends: Pending) -> None:
+    """Queue ``pends``; when the queue refuses them (a duplicate name, hora shut down or failed) their
+    handles, which the caller never gets, leave the handle table."""
+    try:
+        st.engine.submit(*pends)
+    except BaseException:
+        st.engine.handles.discard(*(p.handle.id for p in pends))
+        raise
 
 
 def _refusing(kind: str):
@@ -271,10 +281,28 @@ def poll(handle: int) -> bool:
 def synchronize(handle: int):
     """Wait for ``handle`` and return what the synchronous form returns; the handle is then spent."""
     st = state()
-    if handle in st.groups:
-        members = st.groups.pop(handle)
-        return [st.engine.handles.synchronize(h) for h in members]
+    members = st.groups.pop(handle, None)  # taken at once: a second thread gets "unknown handle"
+    if members is not None:
+        return _synchronize_group(st, handle, members)
     return st.engine.handles.synchronize(handle)
+
+
+def _synchronize_group(st, handle: int, members: list[int]) -> list:
+    """The results of group ``handle``, already taken out of the table. When a member fails (a group
+    refused on a peer fails whole), the members after it are forgotten too, since nobody can reach
+    them any more; an interrupt (Ctrl-C) before any member's result puts the group back, to be waited
+    on again."""
+    out = []
+    try:
+        for h in members:
+            out.append(st.engine.handles.synchronize(h))
+    except BaseException as e:
+        if not out and not isinstance(e, Exception):
+            st.groups[handle] = members
+        else:
+            st.engine.handles.discard(*members[len(out):])
+        raise
+    return out
 
 
 def _group(handles: list[int]) -> int:
@@ -331,9 +359,12 @@ def allreduce_(array: np.ndarray, op: int = Average, prescale_factor: float = 1.
                                         _flush=True))
 
 
-def _grouped(kind: str, arrays, name, flush, process_set, inplace=False, **fields) -> int:
+def _grouped(kind: str, arrays, name, flush, process_set, inplace=False, reduce: tuple | None = None,
+             **fields) -> int:
     """Submit several tensors as one unit: negotiated together (in one message), released together
-    and fused together. A named group keeps the same id every step, so it hits the response cache."""
+    and fused together. A named group keeps the same id every step, so it hits the response cache.
+    ``reduce``: the arguments of :func:`_reduce_fields`, checked here so that a refused op or scale
+    factor tells the peers, as a refused member does."""
     st = state()
     if arrays is None or isinstance(arrays, (np.ndarray, str, bytes)) or not hasattr(arrays, "__iter__"):
         raise HoraValueError(f"grouped_{kind}: expected a list of arrays, got {type(arrays).__name__}; use "
@@ -343,13 +374,18 @@ def _grouped(kind: str, arrays, name, flush, process_set, inplace=False, **field
     gid = _group_id(name, pid, len(arrays))
     pends: list[Pending] = []
     try:
+        if reduce is not None:
+            fields.update(_reduce_fields(*reduce))
         for i, a in enumerate(arrays):
             pends.append(_prepare(st, kind, a, _group_name(name, i, len(arrays)), process_set, inplace, flush,
                                   group=gid, **fields))
-    except (HoraValueError, NotSupportedError) as e:
-        refused_group(kind, e, len(arrays), name, process_set, gid=gid, taken=tuple(p.req.name for p in pends))
+    except BaseException as e:  # the members made so far never reach the caller: their handles go
+        st.engine.handles.discard(*(p.handle.id for p in pends))
+        if isinstance(e, (HoraValueError, NotSupportedError)):
+            refused_group(kind, e, len(arrays), name, process_set, gid=gid,
+                          taken=tuple(p.req.name for p in pends))
         raise
-    st.engine.submit(*pends)
+    _submit_or_discard(st, *pends)
     return _group([p.handle.id for p in pends])
 
 
@@ -357,8 +393,8 @@ def grouped_allreduce_async(arrays, op: int = Average, prescale_factor: float = 
                             postscale_factor: float = 1.0, name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
     """Allreduce several arrays as one unit (negotiated together, fused together)."""
-    return _grouped(m.ALLREDUCE, arrays, name, False, process_set, **_reduce_fields(op, prescale_factor,
-                                                                                   postscale_factor, "allreduce"))
+    return _grouped(m.ALLREDUCE, arrays, name, False, process_set,
+                    reduce=(op, prescale_factor, postscale_factor, "allreduce"))
 
 
 def _reduce_fields(op, pre, post, what) -> dict:
@@ -370,19 +406,19 @@ def grouped_allreduce_async_(arrays, op: int = Average, prescale_factor: float =
                              postscale_factor: float = 1.0, name: str | None = None,
                              process_set: ProcessSet = global_process_set) -> int:
     return _grouped(m.ALLREDUCE, arrays, name, False, process_set, inplace=True,
-                    **_reduce_fields(op, prescale_factor, postscale_factor, "allreduce_"))
+                    reduce=(op, prescale_factor, postscale_factor, "allreduce_"))
 
 
 def grouped_allreduce(arrays, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
     return synchronize(_grouped(m.ALLREDUCE, arrays, name, True, process_set,
-                                **_reduce_fields(op, prescale_factor, postscale_factor, "allreduce")))
+                                reduce=(op, prescale_factor, postscale_factor, "allreduce")))
 
 
 def grouped_allreduce_(arrays, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
     return synchronize(_grouped(m.ALLREDUCE, arrays, name, True, process_set, inplace=True,
-                                **_reduce_fields(op, prescale_factor, postscale_factor, "allreduce_")))
+                                reduce=(op, prescale_factor, postscale_factor, "allreduce_")))
 
 
 # -- allgather -----------------------------------------------------------------------------------
@@ -504,14 +540,14 @@ def grouped_reducescatter_async(arrays, op: int = Average, name: str | None = No
                                 process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
     return _grouped(m.REDUCESCATTER, arrays, name, False, process_set,
-                    **_reduce_fields(op, prescale_factor, postscale_factor, "reducescatter"))
+                    reduce=(op, prescale_factor, postscale_factor, "reducescatter"))
 
 
 def grouped_reducescatter(arrays, op: int = Average, name: str | None = None,
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list:
     return synchronize(_grouped(m.REDUCESCATTER, arrays, name, True, process_set,
-                                **_reduce_fields(op, prescale_factor, postscale_factor, "reducescatter")))
+                                reduce=(op, prescale_factor, postscale_factor, "reducescatter")))
 
 
 # -- barrier, join ---------------------------------------------------------------------------------

@@ -128,11 +128,17 @@ def _each(posts):
     return lambda results: [p(r) for p, r in zip(posts, results)]
 
 
-def _op(op, average, what: str) -> int:
-    """Horovod's deprecated ``average=``: True/False mean Average/Sum; giving it with ``op`` is an error."""
+def _op(op, average, what: str, name=None, process_set=global_process_set, n: int = 0) -> int:
+    """Horovod's deprecated ``average=``: True/False mean Average/Sum; giving it with ``op`` is an error,
+    which the peers are told of (under ``name``; as a group of ``n`` when ``n``), as in :func:`_array`."""
     if average is not None:
         if op is not None:
-            raise HoraValueError(f"The op parameter supersedes average; {what}() was given both, pass only op=")
+            e = HoraValueError(f"The op parameter supersedes average; {what}() was given both, pass only op=")
+            if n:
+                _core.refused_group("allreduce", e, n, name, process_set)
+            else:
+                _core.refused("allreduce", e, name, process_set)
+            raise e
         warnings.warn(f"{what}(average=...) is deprecated; use op=hvd.Average or op=hvd.Sum", DeprecationWarning,
                       stacklevel=3)
         return Average if average else Sum
@@ -171,8 +177,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                     process_set=global_process_set) -> int:
     """Start an allreduce; ``synchronize`` returns a new tensor. The input must stay unmodified until then."""
     a, _ = _array(tensor, "allreduce", name, process_set)
-    h = _core.allreduce_async(a, _op(op, average, "allreduce_async"), prescale_factor, postscale_factor, name,
-                              process_set)
+    op = _op(op, average, "allreduce_async", name, process_set)
+    h = _core.allreduce_async(a, op, prescale_factor, postscale_factor, name, process_set)
     return _keep(h, _new(tensor))
 
 
@@ -180,8 +186,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                      process_set=global_process_set) -> int:
     """Start an in-place allreduce; ``synchronize`` returns ``tensor``, reduced."""
     a, host = _array(tensor, "allreduce_", name, process_set)
-    h = _core.allreduce_async_(a, _op(op, average, "allreduce_async_"), prescale_factor, postscale_factor, name,
-                               process_set)
+    op = _op(op, average, "allreduce_async_", name, process_set)
+    h = _core.allreduce_async_(a, op, prescale_factor, postscale_factor, name, process_set)
     return _keep(h, _filled(tensor, host))
 
 
@@ -189,7 +195,8 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
                process_set=global_process_set) -> torch.Tensor:
     """In-place allreduce (not autograd-aware); returns ``tensor``."""
     a, host = _array(tensor, "allreduce_", name, process_set)
-    _core.allreduce_(a, _op(op, average, "allreduce_"), prescale_factor, postscale_factor, name, process_set)
+    op = _op(op, average, "allreduce_", name, process_set)
+    _core.allreduce_(a, op, prescale_factor, postscale_factor, name, process_set)
     return _filled(tensor, host)(None)
 
 
@@ -216,7 +223,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     >>> hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum)   # at np=3
     tensor([3.])
     """
-    op = _op(op, average, "allreduce")
+    op = _op(op, average, "allreduce", name, process_set)
     if not isinstance(tensor, torch.Tensor):  # refused (and the peers told) before a compressor trips on it
         _array(tensor, "allreduce", name, process_set)
     c, ctx = compression.compress(tensor)
@@ -240,8 +247,8 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                             process_set=global_process_set) -> int:
     """Allreduce several tensors as one unit; ``synchronize`` returns a list of new tensors."""
     tensors, arrays, _ = _grouped_arrays(tensors, "grouped_allreduce", name, process_set)
-    h = _core.grouped_allreduce_async(arrays, _op(op, average, "grouped_allreduce_async"), prescale_factor,
-                                      postscale_factor, name, process_set)
+    op = _op(op, average, "grouped_allreduce_async", name, process_set, len(tensors))
+    h = _core.grouped_allreduce_async(arrays, op, prescale_factor, postscale_factor, name, process_set)
     return _keep(h, _each([_new(t) for t in tensors]))
 
 
@@ -249,8 +256,8 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                              postscale_factor=1.0, process_set=global_process_set) -> int:
     """In-place grouped allreduce; ``synchronize`` returns the list of given tensors, reduced."""
     tensors, arrays, hosts = _grouped_arrays(tensors, "grouped_allreduce_", name, process_set)
-    h = _core.grouped_allreduce_async_(arrays, _op(op, average, "grouped_allreduce_async_"), prescale_factor,
-                                       postscale_factor, name, process_set)
+    op = _op(op, average, "grouped_allreduce_async_", name, process_set, len(tensors))
+    h = _core.grouped_allreduce_async_(arrays, op, prescale_factor, postscale_factor, name, process_set)
     return _keep(h, _each([_filled(t, host) for t, host in zip(tensors, hosts)]))
 
 
@@ -278,8 +285,9 @@ class _GroupedAllreduce(torch.autograd.Function):
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set) -> list:
     """Allreduce a list of tensors as one unit (negotiated and fused together); autograd-aware."""
-    op = _op(op, average, "grouped_allreduce")
-    pairs = [compression.compress(t) for t in tensors]
+    tensors = list(tensors)
+    op = _op(op, average, "grouped_allreduce", name, process_set, len(tensors))
+    pairs = _compressed(tensors, compression, "grouped_allreduce", name, process_set)
     out = _GroupedAllreduce.apply(op, name, prescale_factor, postscale_factor, process_set, *[c for c, _ in pairs])
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(out, pairs)]
 
@@ -295,16 +303,13 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     (it had no gradient to give) meets a mismatch error on the same name rather than waiting forever for
     names it never submits; the allgather also checks that the ranks agree on dtype and row width.
     """
-    if op not in (Average, Sum):
-        raise HoraValueError(f"sparse_allreduce_async: op {op!r} is not supported; use hvd.Average or hvd.Sum")
-    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
-        got = tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise HoraValueError(f"sparse_allreduce_async: expected a sparse COO tensor, got {got}; use allreduce "
-                             "for dense tensors")
+    try:
+        _check_sparse(tensor, op)
+    except HoraValueError as e:  # the peers wait on the allgather under ``name``: they are told, as in _array
+        _core.refused("allgather", e, name, process_set)
+        raise
     t = tensor.detach()
     values = t._values()
-    if 8 % values.element_size():
-        raise HoraValueError(f"sparse_allreduce_async: values of type {values.dtype} are not supported")
     shape, dense = values.shape[1:], math.prod(values.shape[1:])
     index_cols = t.sparse_dim() * 8 // values.element_size()
     indices = t._indices().t().clone(memory_format=torch.contiguous_format)  # unit last stride, for view()
@@ -322,6 +327,28 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
                                           is_coalesced=True, check_invariants=False)
         return out
     return wait
+
+
+def _check_sparse(tensor, op) -> None:
+    """Every check of sparse_allreduce_async's input, in one place so that one ``except`` tells the peers."""
+    if op not in (Average, Sum):
+        raise HoraValueError(f"sparse_allreduce_async: op {op!r} is not supported; use hvd.Average or hvd.Sum")
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        got = tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise HoraValueError(f"sparse_allreduce_async: expected a sparse COO tensor, got {got}; use allreduce "
+                             "for dense tensors")
+    if 8 % tensor._values().element_size():
+        raise HoraValueError(f"sparse_allreduce_async: values of type {tensor.dtype} are not supported")
+
+
+def _compressed(tensors, compression, what: str, name, process_set) -> list:
+    """``compression.compress`` of each tensor, once every one is known to be a tensor: a compressor
+    would fail on anything else with an AttributeError that tells neither the caller nor the peers
+    (who would wait until the stall shutdown); so a non-tensor is refused first, the peers told."""
+    tensors = list(tensors)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        _grouped_arrays(tensors, what, name, process_set)  # raises the HoraValueError, after telling them
+    return [compression.compress(t) for t in tensors]
 
 
 # -- allgather -----------------------------------------------------------------------------------
@@ -536,7 +563,7 @@ class _GroupedReducescatter(torch.autograd.Function):
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0) -> list:
-    pairs = [compression.compress(t) for t in tensors]
+    pairs = _compressed(tensors, compression, "grouped_reducescatter", name, process_set)
     out = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
                                       *[c for c, _ in pairs])
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(out, pairs)]
