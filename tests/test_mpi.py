@@ -236,3 +236,122 @@ def test_transport_mpi_outside_mpirun_says_why():
                         "import hora; hora.init()"], env=env(), cwd=ROOT, capture_output=True, text=True, timeout=25)
     assert r.returncode != 0
     assert "transport 'mpi' needs a job started by mpirun (or `hora run --mpi`)" in r.stdout + r.stderr
+
+
+# A rank freezes (a real SIGSTOP) inside the data phase of a large allreduce, after some iterations of a loop:
+# the engine of the stopped rank is in the ring, between posting a piece and waiting for it.
+FREEZE = r"""
+import os, signal, sys, time, numpy as np, hora
+from hora.base.errors import StallError
+from hora.core import basics
+hora.init()
+r, n, victim = hora.rank(), hora.size(), int(sys.argv[1])
+print(f"PID rank={r} pid={os.getpid()}", flush=True)
+comm = basics.state().comm
+assert type(comm).__name__ == "MpiCommunicator", type(comm)
+x = np.ones(4 << 20, np.float32)  # 16 MiB: pieces of the transport's chunk, a data phase of many steps
+armed = False
+if r == victim and sys.argv[3] == "ring":
+    isend = comm.isend
+
+    def isend_then_freeze(peer, buf):
+        req = isend(peer, buf)
+        if armed:
+            os.kill(os.getpid(), signal.SIGSTOP)  # stopped with a send posted, sockets open
+        return req
+
+    comm.isend = isend_then_freeze
+elif r == victim:  # MPI's own Iallreduce: the others wait in it for every rank
+    native = comm.native_allreduce
+
+    def freeze_then_native(*args, **kw):
+        if armed:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return native(*args, **kw)
+
+    comm.native_allreduce = freeze_then_native
+for i in range(100):
+    armed = i == 5
+    try:
+        t = time.monotonic()
+        out = hora.allreduce(x, op=hora.Sum, name=f"loop.{i}")
+    except StallError as e:
+        print(f"STALL rank={r} i={i} after={time.monotonic() - t:.1f} text={str(e)!r}", flush=True)
+        # exit once every other survivor has its error too: mpirun ends the job at the first exit
+        open(os.path.join(sys.argv[2], f"stall.{r}"), "w").close()
+        end = time.monotonic() + 20
+        while time.monotonic() < end and len(os.listdir(sys.argv[2])) < n - 1:
+            time.sleep(0.01)
+        os._exit(3)
+    assert (out == n).all(), i
+print(f"NO STALL rank={r}", flush=True)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _left_after(pids: list[int], within: float) -> list[int]:
+    """The processes of ``pids`` still running ``within`` s from now (mpirun's teardown ends them
+    shortly after mpirun itself exits)."""
+    import time
+
+    end = time.monotonic() + within
+    while True:
+        left = [p for p in pids if _alive(p)]
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n,victim,mode", [(2, 1, "ring"), (3, 1, "ring"), (2, 0, "ring"), (3, 2, "native")])
+def test_a_rank_frozen_in_the_data_phase_fails_the_job_naming_it(tmp_path, n, victim, mode):
+    """Issue 11 item 5 under the MPI transport: the data wait feeds the engine's stall watch, so every
+    other rank raises a StallError naming the stopped rank after the shutdown time, and mpirun ends.
+    In MPI's own Iallreduce (native) MPI does not say whom a rank waits for: the job still fails in time
+    instead of hanging, without a name."""
+    import signal
+
+    need_mpi()
+    script = tmp_path / "freeze.py"
+    script.write_text(FREEZE)
+    (tmp_path / "marks").mkdir()
+    extra = {"HORA_TRANSPORT": "mpi", "HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3",
+             "HORA_MPI_ALLREDUCE": mode}
+    forward = [x for k in extra for x in ("-x", k)]
+    args = [PY, str(script), str(victim), str(tmp_path / "marks"), mode]
+    proc = subprocess.Popen([MPIRUN, "-np", str(n), *forward, *args], env=env(extra), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = ""
+    try:
+        try:
+            out, err = proc.communicate(timeout=45)
+        except subprocess.TimeoutExpired as e:  # a hang: fail, with what the ranks said
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+            raise
+        pids = {int(a): int(b) for a, b in re.findall(r"PID rank=(\d+) pid=(\d+)", out)}
+        assert proc.returncode != 0, out + err
+        assert sorted(pids) == list(range(n)), out + err
+        stalls = {int(a): t for a, t in re.findall(r"STALL rank=(\d+) i=\d+ after=[\d.]+ text=(.*)", out)}
+        # (the victim may print one too: mpirun's teardown sends SIGCONT, and it then reads rank 0's verdict)
+        assert {q for q in range(n) if q != victim} <= set(stalls), out + err
+        for q, text in stalls.items():
+            assert "made no progress inside allreduce 'loop." in text, (q, out + err)
+            if mode == "ring":
+                assert f"rank {victim} made no progress" in text, (q, out + err)
+        assert not _left_after([pid for q, pid in pids.items() if q != victim], 5), out + err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in {int(b) for b in re.findall(r"PID rank=\d+ pid=(\d+)", out)}:
+            # mpirun may leave the stopped rank behind: never leave it to the machine
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
