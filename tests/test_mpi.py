@@ -355,3 +355,79 @@ def test_a_rank_frozen_in_the_data_phase_fails_the_job_naming_it(tmp_path, n, vi
             # mpirun may leave the stopped rank behind: never leave it to the machine
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+class _FakeMPI:
+    """Just enough of mpi4py for MpiCommunicator in one process: ``Testsome`` completes ``per_test``
+    pieces per call (0: a peer that sends nothing, as a frozen one)."""
+
+    SUM = MIN = MAX = PROD = BYTE = object()
+    per_test = 0
+
+    class Exception(Exception):
+        pass
+
+    class Request:
+        @staticmethod
+        def Testsome(reqs):
+            idx = [i for i, q in enumerate(reqs) if q][:_FakeMPI.per_test]
+            for i in idx:
+                reqs[i] = None  # as MPI_REQUEST_NULL
+            return idx
+
+    class _Pending:
+        def Cancel(self):
+            pass
+
+    class Comm:
+        def Isend(self, *args):
+            return _FakeMPI._Pending()
+
+        Irecv = Isend
+
+        def Free(self):
+            pass
+
+
+@pytest.mark.timeout(20)
+def test_the_mpi_wait_tells_the_stall_watch_whom_it_waits_for_only_when_quiet(monkeypatch):
+    """A wait with nothing completing hands the control plane's ``on_wait`` the peer, a token that stays
+    the same, and what is known; a wait whose pieces keep completing never calls it."""
+    import socket
+
+    import numpy as np
+
+    from hora.base.errors import StallError
+    from hora.transport import base, mpi
+    from hora.transport.control import ControlPlane
+    from hora.transport.tcp import TcpCommunicator
+
+    d0, d1 = socket.socketpair()
+    c0, c1 = socket.socketpair()
+    a = TcpCommunicator(0, 2, {1: d0}, ControlPlane(0, {1: c0}, data=[d0]))
+    b = TcpCommunicator(1, 2, {0: d1}, ControlPlane(1, {0: c1}, data=[d1]))
+    comm = mpi.MpiCommunicator(b, _FakeMPI.Comm(), _FakeMPI)
+    calls: list[tuple[int, object, str]] = []
+
+    def on_wait(peer, progress, describe):
+        calls.append((peer, progress, describe()))
+        if len(calls) == 5:
+            raise StallError("the watch gave up")  # as DataWatch does past the shutdown time
+
+    b.ctrl.on_wait = on_wait
+    try:
+        monkeypatch.setattr(_FakeMPI, "per_test", 0)
+        with pytest.raises(StallError):
+            comm.irecv_into(0, np.zeros(10, np.float32)).wait(5)
+        assert {c[0] for c in calls} == {0} and len({c[1] for c in calls}) == 1, calls
+        assert "0 of 1 pieces (40 bytes) of a receive from it" in calls[0][2], calls
+        assert "its connections are open" in calls[0][2], calls
+        calls.clear()
+        monkeypatch.setattr(_FakeMPI, "per_test", 1)
+        monkeypatch.setattr(base, "CHUNK_BYTES", 8)
+        comm.isend(0, np.zeros(4000, np.float32)).wait(15)  # 2000 pieces, one per test: never quiet
+        assert calls == []
+    finally:
+        comm._pending.clear()
+        comm.close()
+        a.close()
