@@ -339,7 +339,9 @@ def test_a_rank_frozen_in_the_data_phase_fails_the_job_naming_it(tmp_path, n, vi
         pids = {int(a): int(b) for a, b in re.findall(r"PID rank=(\d+) pid=(\d+)", out)}
         assert proc.returncode != 0, out + err
         assert sorted(pids) == list(range(n)), out + err
-        stalls = {int(a): t for a, t in re.findall(r"STALL rank=(\d+) i=\d+ after=[\d.]+ text=(.*)", out)}
+        # (plain mpirun may glue two ranks' lines together: a report ends where the next one starts)
+        found = re.findall(r"STALL rank=(\d+) i=\d+ after=[\d.]+ text=(.*?)(?=STALL rank=|\n|$)", out)
+        stalls = {int(a): t for a, t in found}
         # (the victim may print one too: mpirun's teardown sends SIGCONT, and it then reads rank 0's verdict)
         assert {q for q in range(n) if q != victim} <= set(stalls), out + err
         for q, text in stalls.items():
