@@ -236,3 +236,201 @@ def test_transport_mpi_outside_mpirun_says_why():
                         "import hora; hora.init()"], env=env(), cwd=ROOT, capture_output=True, text=True, timeout=25)
     assert r.returncode != 0
     assert "transport 'mpi' needs a job started by mpirun (or `hora run --mpi`)" in r.stdout + r.stderr
+
+
+# A rank freezes (a real SIGSTOP) inside the data phase of a large allreduce, after some iterations of a loop:
+# the engine of the stopped rank is in the ring, between posting a piece and waiting for it.
+FREEZE = r"""
+import os, signal, sys, time, numpy as np, hora
+from hora.base.errors import StallError
+from hora.core import basics
+hora.init()
+r, n, victim = hora.rank(), hora.size(), int(sys.argv[1])
+print(f"PID rank={r} pid={os.getpid()}", flush=True)
+comm = basics.state().comm
+assert type(comm).__name__ == "MpiCommunicator", type(comm)
+x = np.ones(4 << 20, np.float32)  # 16 MiB: pieces of the transport's chunk, a data phase of many steps
+armed = False
+if r == victim and sys.argv[3] == "ring":
+    isend = comm.isend
+
+    def isend_then_freeze(peer, buf):
+        req = isend(peer, buf)
+        if armed:
+            os.kill(os.getpid(), signal.SIGSTOP)  # stopped with a send posted, sockets open
+        return req
+
+    comm.isend = isend_then_freeze
+elif r == victim:  # MPI's own Iallreduce: the others wait in it for every rank
+    native = comm.native_allreduce
+
+    def freeze_then_native(*args, **kw):
+        if armed:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return native(*args, **kw)
+
+    comm.native_allreduce = freeze_then_native
+for i in range(100):
+    armed = i == 5
+    try:
+        t = time.monotonic()
+        out = hora.allreduce(x, op=hora.Sum, name=f"loop.{i}")
+    except StallError as e:
+        print(f"STALL rank={r} i={i} after={time.monotonic() - t:.1f} text={str(e)!r}", flush=True)
+        # exit once every other survivor has its error too: mpirun ends the job at the first exit
+        open(os.path.join(sys.argv[2], f"stall.{r}"), "w").close()
+        end = time.monotonic() + 20
+        while time.monotonic() < end and len(os.listdir(sys.argv[2])) < n - 1:
+            time.sleep(0.01)
+        os._exit(3)
+    assert (out == n).all(), i
+print(f"NO STALL rank={r}", flush=True)
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _left_after(pids: list[int], within: float) -> list[int]:
+    """The processes of ``pids`` still running ``within`` s from now (mpirun's teardown ends them
+    shortly after mpirun itself exits)."""
+    import time
+
+    end = time.monotonic() + within
+    while True:
+        left = [p for p in pids if _alive(p)]
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n,victim,mode", [(2, 1, "ring"), (3, 1, "ring"), (2, 0, "ring"), (3, 2, "native")])
+def test_a_rank_frozen_in_the_data_phase_fails_the_job_naming_it(tmp_path, n, victim, mode):
+    """Issue 11 item 5 under the MPI transport: the data wait feeds the engine's stall watch, so every
+    other rank raises a StallError naming the stopped rank after the shutdown time, and mpirun ends.
+    In MPI's own Iallreduce (native) MPI does not say whom a rank waits for: the job still fails in time
+    instead of hanging, without a name."""
+    import signal
+
+    need_mpi()
+    script = tmp_path / "freeze.py"
+    script.write_text(FREEZE)
+    (tmp_path / "marks").mkdir()
+    extra = {"HORA_TRANSPORT": "mpi", "HORA_STALL_CHECK_TIME_SECONDS": "1", "HORA_STALL_SHUTDOWN_TIME_SECONDS": "3",
+             "HORA_MPI_ALLREDUCE": mode}
+    forward = [x for k in extra for x in ("-x", k)]
+    args = [PY, str(script), str(victim), str(tmp_path / "marks"), mode]
+    proc = subprocess.Popen([MPIRUN, "-np", str(n), *forward, *args], env=env(extra), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = ""
+    try:
+        try:
+            out, err = proc.communicate(timeout=45)
+        except subprocess.TimeoutExpired as e:  # a hang: fail, with what the ranks said
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+            raise
+        pids = {int(a): int(b) for a, b in re.findall(r"PID rank=(\d+) pid=(\d+)", out)}
+        assert proc.returncode != 0, out + err
+        assert sorted(pids) == list(range(n)), out + err
+        # (plain mpirun may glue two ranks' lines together: a report ends where the next one starts)
+        found = re.findall(r"STALL rank=(\d+) i=\d+ after=[\d.]+ text=(.*?)(?=STALL rank=|\n|$)", out)
+        stalls = {int(a): t for a, t in found}
+        # (the victim may print one too: mpirun's teardown sends SIGCONT, and it then reads rank 0's verdict)
+        assert {q for q in range(n) if q != victim} <= set(stalls), out + err
+        for q, text in stalls.items():
+            assert "made no progress inside allreduce 'loop." in text, (q, out + err)
+            if mode == "ring":
+                assert f"rank {victim} made no progress" in text, (q, out + err)
+        # no process is left: mpirun's teardown ends the survivors and the stopped rank (SIGCONT, SIGTERM)
+        assert not _left_after(list(pids.values()), 10), out + err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in {int(b) for b in re.findall(r"PID rank=\d+ pid=(\d+)", out)}:
+            # mpirun may leave the stopped rank behind: never leave it to the machine
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+class _FakeMPI:
+    """Just enough of mpi4py for MpiCommunicator in one process: ``Testsome`` completes ``per_test``
+    pieces per call (0: a peer that sends nothing, as a frozen one)."""
+
+    SUM = MIN = MAX = PROD = BYTE = object()
+    per_test = 0
+
+    class Exception(Exception):
+        pass
+
+    class Request:
+        @staticmethod
+        def Testsome(reqs):
+            idx = [i for i, q in enumerate(reqs) if q][:_FakeMPI.per_test]
+            for i in idx:
+                reqs[i] = None  # as MPI_REQUEST_NULL
+            return idx
+
+    class _Pending:
+        def Cancel(self):
+            pass
+
+    class Comm:
+        def Isend(self, *args):
+            return _FakeMPI._Pending()
+
+        Irecv = Isend
+
+        def Free(self):
+            pass
+
+
+@pytest.mark.timeout(20)
+def test_the_mpi_wait_tells_the_stall_watch_whom_it_waits_for_only_when_quiet(monkeypatch):
+    """A wait with nothing completing hands the control plane's ``on_wait`` the peer, a token that stays
+    the same, and what is known; a wait whose pieces keep completing never calls it."""
+    import socket
+
+    import numpy as np
+
+    from hora.base.errors import StallError
+    from hora.transport import base, mpi
+    from hora.transport.control import ControlPlane
+    from hora.transport.tcp import TcpCommunicator
+
+    d0, d1 = socket.socketpair()
+    c0, c1 = socket.socketpair()
+    a = TcpCommunicator(0, 2, {1: d0}, ControlPlane(0, {1: c0}, data=[d0]))
+    b = TcpCommunicator(1, 2, {0: d1}, ControlPlane(1, {0: c1}, data=[d1]))
+    comm = mpi.MpiCommunicator(b, _FakeMPI.Comm(), _FakeMPI)
+    calls: list[tuple[int, object, str]] = []
+
+    def on_wait(peer, progress, describe):
+        calls.append((peer, progress, describe()))
+        if len(calls) == 5:
+            raise StallError("the watch gave up")  # as DataWatch does past the shutdown time
+
+    b.ctrl.on_wait = on_wait
+    try:
+        monkeypatch.setattr(_FakeMPI, "per_test", 0)
+        with pytest.raises(StallError):
+            comm.irecv_into(0, np.zeros(10, np.float32)).wait(5)
+        assert {c[0] for c in calls} == {0} and len({c[1] for c in calls}) == 1, calls
+        assert "0 of 1 pieces (40 bytes) of a receive from it" in calls[0][2], calls
+        assert "its connections are open" in calls[0][2], calls
+        calls.clear()
+        monkeypatch.setattr(_FakeMPI, "per_test", 1)
+        monkeypatch.setattr(base, "CHUNK_BYTES", 8)
+        comm.isend(0, np.zeros(4000, np.float32)).wait(15)  # 2000 pieces, one per test: never quiet
+        assert calls == []
+    finally:
+        comm._pending.clear()
+        comm.close()
+        a.close()

@@ -12,7 +12,11 @@ delegates all of that to it and moves collective data with MPI instead:
   sends and receives match trivially.
 * ``wait`` drives MPI progress with ``Testsome`` and, between tests, services the control plane
   (``ctrl.service``), so an abort from rank 0 or a peer whose control connection closed interrupts a
-  data wait exactly as on the TCP transport. An MPI failure is a :class:`TransportError`.
+  data wait exactly as on the TCP transport. An MPI failure is a :class:`TransportError`. Once
+  nothing has completed for ``_SPIN`` s, the wait also tells the engine's stall watch whom it waits
+  for and how many pieces completed (``waiting=``, as on TCP and shm), so a peer frozen inside a
+  collective is named and, after the stall shutdown time, fails the job instead of hanging it; while
+  pieces complete the watch costs nothing. A native ``Iallreduce`` waits for every rank (peer -1).
 * A peer's end: MPI (without ULFM) never reports a peer that closed or died, and only rank 0 has a
   control connection to every rank, so a rank blocked on a receive from another would wait forever.
   But every rank has a mesh data connection to every other, idle here, which the peer's close (or
@@ -96,19 +100,23 @@ def _mode(cfg: dict | None) -> str:
 
 
 class MpiRequest(PendingRequest):
-    """Pending pieces of one send or receive."""
+    """Pending pieces of one send or receive, or a native Iallreduce (``kind``, for a stall warning);
+    ``got`` counts the pieces completed so far, the progress the stall watch sees."""
 
-    __slots__ = ("reqs",)
+    __slots__ = ("reqs", "kind", "got", "nbytes")
 
-    def __init__(self, comm: "MpiCommunicator", peer: int, reqs: list):
+    def __init__(self, comm: "MpiCommunicator", peer: int, reqs: list, kind: str, nbytes: int):
         super().__init__(comm, peer, not reqs)
-        self.reqs = reqs
+        self.reqs, self.kind, self.got, self.nbytes = reqs, kind, 0, nbytes
 
     def _check(self) -> int:
         """Progress MPI; return how many of our pieces completed just now (-1: all are done)."""
         if self.done:
             return -1
         idx = self.comm._MPI.Request.Testsome(self.reqs)
+        if idx:
+            self.got += len(idx)
+            self.comm._moved += len(idx)
         if all(not q for q in self.reqs):  # completed requests become MPI_REQUEST_NULL
             self.done = True
             self.comm._pending.discard(self)
@@ -129,6 +137,7 @@ class MpiCommunicator(CommunicatorBase):
         self._link_peer = {s.fileno(): p for p, s in self._links.items()}
         self._left: dict[int, tuple[float, str]] = {}  # peer -> (deadline of its grace, what was seen)
         self._pending: set[MpiRequest] = set()
+        self._moved = 0  # pieces completed on this communicator: a new request at a freed one's id still differs
         self._broken: BaseException | None = None
         self._closed = False
         if native:
@@ -156,7 +165,7 @@ class MpiCommunicator(CommunicatorBase):
             reqs = [post([p, MPI.BYTE], peer, 0) for p in pieces(buf)]
         except MPI.Exception as e:
             raise self._mpi_error(e, peer) from e
-        req = MpiRequest(self, peer, reqs)
+        req = MpiRequest(self, peer, reqs, "send to" if send else "receive from", buf.nbytes)
         if reqs:
             self._pending.add(req)
         return req
@@ -198,12 +207,24 @@ class MpiCommunicator(CommunicatorBase):
             napping = now - last > _SPIN
             if napping or now >= next_ctrl:
                 self._watch_links()  # a peer's end fails req (subscribed), as does a failure in:
-                self.ctrl.service(0.001 if napping else 0.0)
+                # Only a quiet wait (nothing completed for _SPIN s) feeds the engine's stall watch: it
+                # costs nothing while pieces complete. The token changes whenever a piece does.
+                w = (req.peer, (id(req), req.got, self._moved), lambda: self._describe(req)) if napping else None
+                self.ctrl.service(0.001 if napping else 0.0, waiting=w)
                 next_ctrl = time.monotonic() + _CTRL_EVERY
                 if req.done:
                     return
             else:
                 os.sched_yield()  # lets the peer (and our own main thread) run on a busy machine
+
+    def _describe(self, req: MpiRequest) -> str:
+        """What this rank knows of the wait, for a stall warning: MPI says nothing of the peer itself."""
+        if req.peer < 0:
+            return (f"{req.nbytes} bytes in an {req.kind} every rank, not complete; MPI does not say which "
+                    "rank it waits for")
+        left = self._left.get(req.peer)
+        return (f"{req.got} of {len(req.reqs)} pieces ({req.nbytes} bytes) of a {req.kind} it completed "
+                "so far over MPI; " + (left[1] if left else "its connections are open"))
 
     def _watch_links(self) -> None:
         """Take note of peers whose mesh connection ended, and call one lost once it has been gone for
@@ -275,7 +296,8 @@ class MpiCommunicator(CommunicatorBase):
             req = self._c.Iallreduce(MPI.IN_PLACE, work, self._ops[op])
         except MPI.Exception as e:
             raise self._mpi_error(e, None) from e
-        wrapped = MpiRequest(self, -1, [req])
+        # peer -1: every rank; MPI does not say which one a stalled Iallreduce waits for
+        wrapped = MpiRequest(self, -1, [req], "MPI Iallreduce (HORA_MPI_ALLREDUCE=native) with", work.nbytes)
         self._pending.add(wrapped)
         wrapped.wait()
         if work is not flat:
