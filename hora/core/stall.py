@@ -89,9 +89,16 @@ class StallInspector:
             _, _, _, state, _ = self._waits[culprit]
             culprit = self._waits[culprit][0]
         waiting = sorted(r for r, w in self._waits.items() if w[0] == culprit)
-        text = (f"stall shutdown after {self.kill_after:g} s: rank {culprit} made no progress inside {what}; "
-                f"ranks {waiting} waited for its data (rank {culprit}: {state}). Is it frozen (stopped, "
-                "swapping, stuck in a system call)?")
+        if culprit < 0:  # a native collective of every rank (MPI's Iallreduce) does not say whom it waits for:
+            quiet = sorted(set(range(self.size)) - set(self._waits))  # suspects: the ranks that sent no report
+            who = f"ranks {quiet}" if quiet else "some rank"
+            text = (f"stall shutdown after {self.kill_after:g} s: no progress inside {what}; ranks {waiting} "
+                    f"waited, and {who} did not report waiting (a native collective does not say which rank "
+                    "it waits for). Is one of them frozen (stopped, swapping, stuck in a system call)?")
+        else:
+            text = (f"stall shutdown after {self.kill_after:g} s: rank {culprit} made no progress inside {what}; "
+                    f"ranks {waiting} waited for its data (rank {culprit}: {state}). Is it frozen (stopped, "
+                    "swapping, stuck in a system call)?")
         self._fatal_sent = True
         self.control.tell(range(1, self.size), (m.STALL_FATAL, text))
         err = StallError(text)
