@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from harness import local_transports, ranks, run_hora
+from test_mpi import _FakeMPI
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -535,34 +536,6 @@ def test_mpi_failures_are_transport_errors_that_elastic_recovers_from():
         b.close()
 
 
-class _SilentMPI:
-    """Just enough of mpi4py for MpiCommunicator, with requests that never complete (a peer that is
-    gone: MPI without ULFM never says so)."""
-
-    SUM = MIN = MAX = PROD = BYTE = object()
-
-    class Exception(Exception):
-        pass
-
-    class Request:
-        @staticmethod
-        def Testsome(reqs):
-            return []
-
-    class _Pending:
-        def Cancel(self):
-            pass
-
-    class Comm:
-        def Isend(self, *args):
-            return _SilentMPI._Pending()
-
-        Irecv = Isend
-
-        def Free(self):
-            pass
-
-
 @pytest.mark.timeout(20)
 def test_mpi_wait_learns_of_a_peer_that_left_from_the_idle_mesh(monkeypatch):
     """A rank blocked on an MPI receive from a peer that closed (or died: its kernel closes the same
@@ -574,7 +547,8 @@ def test_mpi_wait_learns_of_a_peer_that_left_from_the_idle_mesh(monkeypatch):
 
     monkeypatch.setattr(mpi, "LEFT_GRACE", 0.2)
     a, b = _mesh_pair()
-    ma, mb = (mpi.MpiCommunicator(t, _SilentMPI.Comm(), _SilentMPI) for t in (a, b))
+    # _FakeMPI.per_test is 0: requests never complete (a peer that is gone: MPI without ULFM never says so)
+    ma, mb = (mpi.MpiCommunicator(t, _FakeMPI.Comm(), _FakeMPI) for t in (a, b))
     try:
         x, y = np.arange(6, dtype=np.int64), np.zeros(6, np.int64)
         a.isend(1, x).wait(5)  # on the mesh, unread by rank 1 while its MPI wait watches the connection
