@@ -256,6 +256,7 @@ class ShmCollectives(NativeOps):
         try:
             fn(g, *args)
         except BaseException as e:
+            g.abort()  # this rank's steps no longer match the others': the group is done, peers are told
             # the traceback's frames hold views of the segment: clear them, or the user's
             # `except` block (where elastic code shuts down and re-inits) keeps it mapped
             traceback.clear_frames(e.__traceback__)

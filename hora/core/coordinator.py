@@ -16,7 +16,7 @@ import collections
 import dataclasses
 import time
 
-from hora.base.errors import HoraError, HoraValueError, MismatchError
+from hora.base.errors import HoraError, HoraValueError, InternalError, MismatchError
 from hora.collectives.reduce import OP_NAMES
 from hora.core.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                                 REDUCESCATTER, REMOVE_PS, Refusal, Request, Response, error)
@@ -83,7 +83,13 @@ class ResponseCache:
 
     def lookup(self, bit: int) -> Request:
         req = self.req_of.get(bit)
-        return req if req is not None else self.tombstones[bit]
+        if req is None:
+            req = self.tombstones.get(bit)
+        if req is None:
+            raise InternalError(f"a rank sent response-cache bit {bit}, which rank 0 evicted too long ago to "
+                                "remember; the ranks' caches fell out of step. Raise HORA_CACHE_CAPACITY, or set "
+                                "it to 0 to turn the response cache off")
+        return req
 
 
 class Coordinator:

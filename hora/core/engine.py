@@ -253,7 +253,8 @@ class Engine:
             return True
         finally:
             self._window = None
-            self._ep.modify(self._ep_ctrl.fileno(), select.EPOLLIN)  # wakes it if a message waits
+            if not self._ep.closed:  # (shutdown closed it while this caller still drove)
+                self._ep.modify(self._ep_ctrl.fileno(), select.EPOLLIN)  # wakes it if a message waits
             if self._inbox or self.subs.pending or self._unsent:
                 # work this session took in but did not finish (messages read during a data wait,
                 # other threads' submissions): the engine thread cannot see it from its epoll

@@ -13,6 +13,9 @@ from typing import Any, Callable
 from hora.base.errors import BusyError, HoraValueError
 
 
+_COMPLETING = threading.Lock()  # uncontended but for that race: cheaper than a lock per handle
+
+
 class Handle:
     """One collective's outcome. ``done`` is a plain flag and ``_gate`` a lock held until then: a
     handle is made for every collective, and a lock costs a fraction of a ``threading.Event``."""
@@ -29,14 +32,14 @@ class Handle:
         self.waiter: int | None = None
 
     def complete(self, result: Any = None, error: BaseException | None = None) -> None:
-        if self.done:
-            return
-        self.result, self.error = result, error
-        self.done = True
-        try:
-            self._gate.release()
-        except RuntimeError:  # completed twice at once (an error racing the result): the first one counts
-            pass
+        """Set the outcome once: an error racing the result (shutdown failing every handle while the
+        engine completes this one) must not replace it, so the check and the set are one step."""
+        with _COMPLETING:
+            if self.done:
+                return
+            self.result, self.error = result, error
+            self.done = True
+        self._gate.release()
 
     def wait(self, timeout: float = -1) -> bool:
         """True once done; waits up to ``timeout`` s (-1: for ever)."""

@@ -74,11 +74,11 @@ class StallInspector:
     def data_verdict(self) -> None:
         """Fail every rank (StallError) once a reported data wait has lasted the shutdown time, naming
         the rank at the end of the chain of waits."""
+        now = time.monotonic()
+        for r in [r for r, w in self._waits.items() if now - w[2] > STALE_S]:  # even with the shutdown
+            del self._waits[r]  # off: a stale report would keep rank 0 waking and silence later warnings
         if not self._waits or self.kill_after <= 0 or self._fatal_sent:
             return
-        now = time.monotonic()
-        for r in [r for r, w in self._waits.items() if now - w[2] > STALE_S]:
-            del self._waits[r]
         due = [(r, w) for r, w in self._waits.items() if now - w[1] >= self.kill_after]
         if not due:
             return

@@ -91,7 +91,7 @@ class Submissions:
     def take(self, driving: bool) -> tuple[list[Pending], float]:
         """The queued requests if due (they become local), and when the oldest came."""
         with self._lock:
-            if self._wakes:  # only read the pipe when something was written: a read is a system call
+            if self._wakes and self.fd >= 0:  # read only when something was written: a read is a system call
                 self._wakes = 0
                 try:
                     os.read(self.fd, 4096)
@@ -111,6 +111,8 @@ class Submissions:
             self._wake_locked()
 
     def _wake_locked(self) -> None:
+        if self._wake_w < 0:  # closed: shut down
+            return
         self._wakes += 1
         try:
             os.write(self._wake_w, b"x")
@@ -118,6 +120,9 @@ class Submissions:
             pass
 
     def close(self) -> None:
+        """Close the wake pipe. The numbers become -1 under the lock: an engine thread that outlived
+        shutdown's join must not read or write descriptors that a later init() reuses."""
         with self._lock:
-            os.close(self.fd)
-            os.close(self._wake_w)
+            fd, w, self.fd, self._wake_w = self.fd, self._wake_w, -1, -1
+            os.close(fd)
+            os.close(w)

@@ -135,7 +135,7 @@ class HierarchicalCommunicator(CommunicatorBase):
         if made is None:
             log.info("hora rank %d: process set %s allreduces over the TCP ring: %s", self.rank, list(ranks), why)
             return None
-        self._groups.append(group)
+        self._groups = [g for g in self._groups if not g.closed] + [group]
         return made
 
     def close(self) -> None:

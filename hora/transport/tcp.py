@@ -216,7 +216,7 @@ class _MeshPort:
     def _claim(self, sock: socket.socket, ident_b: bytes, peer) -> None:
         ident = ident_b.decode("ascii", "replace")
         parts = ident.split("|")
-        if len(parts) != 4 or not parts[0].isdigit() or not parts[2].isdigit() or parts[3] not in "dc":
+        if len(parts) != 4 or not parts[0].isdigit() or not parts[2].isdigit() or parts[3] not in ("d", "c"):
             raise HoraError(f"malformed identity {ident[:80]!r} (expected rank|generation|rank|channel)")
         src, gen, dst, chan = parts
         key = (int(src), chan)
