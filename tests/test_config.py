@@ -208,3 +208,11 @@ def _failed_inits_leak_nothing():
 def test_a_bad_knob_fails_init_without_leaking_the_mesh():
     for before, after in run(2, _failed_inits_leak_nothing):
         assert after == before
+
+
+def test_an_override_of_the_wrong_type_is_refused_naming_the_knob():
+    with pytest.raises(ValueError, match="fusion_threshold"):
+        with knobs.override(fusion_threshold=[0]):
+            pass
+    with knobs.override(fusion_threshold="0", cycle_time=2):  # text parses as the environment's would
+        assert knobs.value("fusion_threshold") == 0 and knobs.value("cycle_time") == 2

@@ -121,3 +121,16 @@ def test_knobs_are_keyword_arguments_and_the_callers_environment_is_untouched(mo
         hora.run(_knob_env, cycle_time_ms=5)
     with pytest.raises(ValueError, match=r"transport=...\) must be one of auto, tcp"):
         hora.run(_knob_env, transport="carrier-pigeon")
+
+
+@pytest.mark.timeout(10)
+def test_a_switch_knob_keyword_means_what_it_says():
+    """hora.run(knob=True) is the on switch, not its off flag's row; a text knob takes its own words."""
+    from hora.runner import api
+
+    assert api._values({"hierarchical_allreduce": True, "log_hide_time": True}) == {
+        "hierarchical_allreduce": "1", "log_hide_time": True}
+    assert api._values({"hierarchical_allreduce": False})["hierarchical_allreduce"] == "0"
+    assert api._values({"hierarchical_allreduce": "auto"})["hierarchical_allreduce"] == "auto"
+    with pytest.raises(ValueError, match="auto, 1 or 0"):
+        api._values({"hierarchical_allreduce": "maybe"})

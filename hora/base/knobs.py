@@ -214,6 +214,12 @@ def override(**values: Any) -> Iterator[None]:
     unknown = set(values) - set(BY_NAME)
     if unknown:
         raise HoraValueError(f"unknown knob(s) {sorted(unknown)}; known: {sorted(BY_NAME)}")
+    for name, v in values.items():  # a text value is parsed as the environment's would be; others must fit
+        knob = BY_NAME[name]
+        if isinstance(v, str) and knob.type is not str:
+            values[name] = _parse(knob, v)
+        elif not isinstance(v, knob.type) and not (knob.type in (float, bool) and isinstance(v, int)):
+            raise HoraValueError(f"override({name}={v!r}): expected {knob.type.__name__}")
     saved = dict(_overrides)
     _overrides.update(values)
     try:

@@ -107,7 +107,13 @@ def _values(options: dict[str, Any]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name, value in given.items():
         flag = BY_KWARG[name]
-        if not flag.takes_value:
+        if not flag.takes_value and flag.knob is not None and not isinstance(value, bool):
+            knob = knobs.BY_NAME[flag.knob]  # a switch knob given its own value (hierarchical_allreduce="auto")
+            if knob.type is not str or not knob.check(str(value)):
+                raise UsageError(f"hora.run({name}={value!r}): expected True or False"
+                                 + (f", or {knob.allowed}" if knob.type is str and knob.allowed else ""))
+            values[flag.dest] = str(value)
+        elif not flag.takes_value:
             if value or flag.knob is not None:  # a knob's switch set False says so; verbose=False is no flag
                 values[flag.dest] = flag.const if value else flag.off
         elif flag.knob is not None:

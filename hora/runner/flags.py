@@ -83,7 +83,9 @@ def from_knob(knob: knobs.Knob) -> list[Flag]:
         rows = [Flag(names, help=knob.help, const=on, off=off, config=_config(knob), invert=knob.config_invert,
                      deprecated=names[1:], **common)]
         if knob.off_flag:
-            rows.append(Flag((knob.off_flag,), help=f"the opposite of {names[0]}", const=off, off=on, **common))
+            # the off switch has no keyword of its own: hora.run(knob=False) is the on switch's row
+            rows.append(Flag((knob.off_flag,), help=f"the opposite of {names[0]}", const=off, off=on,
+                             **{**common, "kwarg": ""}))
         return rows
     kind = float if knob.flag_unit != 1 else knob.type
     return [Flag(names, help=knob.help + _default_text(knob), kind=kind, unit=knob.flag_unit,

@@ -40,7 +40,7 @@ from hora.runner import hosts as hostlib
 from hora.runner import reaper
 from hora.runner.cli_args import UsageError
 from hora.runner.flags import env_for
-from hora.runner.spawn import Output, _die_with_parent, pump_lines
+from hora.runner.spawn import REAP_EVERY, Output, _die_with_parent, pump_lines
 
 FORWARD_PREFIXES = ("HORA_", "HOROVOD_", "NCCL_", "OMP_", "MKL_")
 FORWARD_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "PYTHONUNBUFFERED")
@@ -214,7 +214,12 @@ def run_mpi(values: dict[str, Any], command: list[str], noops: list[str],
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             old[sig] = signal.signal(sig, forward_signal)
     try:
-        code = proc.wait()
+        while True:  # collect the orphans this subreaper adopts while mpirun runs (else: zombies)
+            try:
+                code = proc.wait(timeout=REAP_EVERY)
+                break
+            except subprocess.TimeoutExpired:
+                tracker.reap()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
