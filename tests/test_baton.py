@@ -6,6 +6,7 @@ it) instead of passing after a second.
 """
 
 import threading
+import time
 
 import pytest
 
@@ -161,13 +162,15 @@ def test_a_driver_that_finds_the_engine_ended_returns_false():
 def test_the_engine_thread_waits_for_a_driving_caller_to_release():
     b = Baton()
     took = threading.Event()
-    release = threading.Event()
 
     def drive(me):
         engine = threading.Thread(target=lambda: (b.engine_take(), took.set()))
         engine.start()
+        deadline = time.monotonic() + JOIN_S  # wait until the engine thread is asleep in engine_take
+        while not b._engine_waiting:
+            assert time.monotonic() < deadline, "engine_take never went to sleep"
+            time.sleep(0.001)
         assert not took.is_set()  # cannot hold the baton while the caller does
-        release.set()
         me.done = True
         me.engine = engine
         return True
@@ -175,6 +178,6 @@ def test_the_engine_thread_waits_for_a_driving_caller_to_release():
     c = Caller(b, drive)
     c.start()
     c.join()
-    assert release.is_set() and took.wait(JOIN_S) and b.holder is ENGINE
+    assert took.wait(JOIN_S) and b.holder is ENGINE
     c.engine.join(JOIN_S)
     b.release()

@@ -203,7 +203,8 @@ def test_chaos_sigstop(tmp_path):
             t, msg = res["stalls"][r]
             assert f"rank {victim}" in msg, ctx
             after[r] = t - res["t_stop"]
-            assert after[r] <= SHUTDOWN_S + 5, ctx
+            assert after[r] >= SHUTDOWN_S - 1, ctx  # not before the shutdown time (an upper bound is the
+            # test's timeout: no wall-clock ceiling, which a loaded machine could break)
         rows.append((trial, n, victim, transport, delay, after, res["exit_after"]))
     print("trial np victim transport delay_s stall_error_after_s(by rank) launcher_exit_after_s")
     for trial, n, victim, transport, delay, after, exit_after in rows:

@@ -158,19 +158,25 @@ FLOOD = 200  # silent connections per port
 def _silent_flood(addr: tuple[str, int], n: int) -> list[socket.socket]:
     """``n`` connections to ``addr`` that read the acceptor's hello (so each is in a handshake, past
     the accept backlog) and then say nothing."""
-    from hora.transport import auth
 
     socks = []
     for _ in range(n):
         s = socket.create_connection(addr, timeout=30)
         socks.append(s)
     for s in socks:
-        hello = b""
-        while len(hello) < 5 + auth.NONCE:
-            got = s.recv(5 + auth.NONCE - len(hello))
-            assert got, "the acceptor closed a silent connection before its handshake deadline"
-            hello += got
+        _read_hello(s)
     return socks
+
+
+def _read_hello(s: socket.socket) -> None:
+    """Read the acceptor's hello (the start of its handshake) from ``s``."""
+    from hora.transport import auth
+
+    hello = b""
+    while len(hello) < 5 + auth.NONCE:
+        got = s.recv(5 + auth.NONCE - len(hello))
+        assert got, "the acceptor closed a silent connection before its handshake deadline"
+        hello += got
 
 
 def _unanswered(s: socket.socket) -> bool:
@@ -282,7 +288,9 @@ def test_handshake_slots_are_bounded(monkeypatch):
         assert got_one.wait(10) and ready == [b"a real client"]
         # every arrival after the first 8 evicted the oldest: the first 23 went, at most 7 are left
         assert all(dropped_by_peer(s, DROP_S) for s in silent[:23]), "an evicted handshake is still open"
-        assert sum(_unanswered(s) for s in silent[23:]) <= 7
+        for s in silent[23:]:  # the 7 newest still hold their slots: hello sent, waiting for our answer
+            _read_hello(s)
+        assert all(_unanswered(s) for s in silent[23:]), "a handshake that was not evicted was closed"
     finally:
         for s in silent:
             s.close()
