@@ -39,7 +39,7 @@ from hora.base import contract
 from hora.runner import hosts as hostlib
 from hora.runner import reaper
 from hora.runner.cli_args import UsageError
-from hora.runner.flags import env_for
+from hora.runner.flags import env_for, launcher_only_env
 from hora.runner.spawn import REAP_EVERY, Output, _die_with_parent, pump_lines
 
 FORWARD_PREFIXES = ("HORA_", "HOROVOD_", "NCCL_", "OMP_", "MKL_")
@@ -82,7 +82,8 @@ def worker_env(values: dict[str, Any], base: dict[str, str] | None = None, extra
     env.update(knobs)
     env.update(extra or {})
     env["PYTHONUNBUFFERED"] = "1"
-    forward = sorted(n for n in env if n.startswith(FORWARD_PREFIXES) or n in FORWARD_NAMES)
+    skip = launcher_only_env()  # the ssh settings are the launcher's, as over ssh
+    forward = sorted(n for n in env if (n.startswith(FORWARD_PREFIXES) or n in FORWARD_NAMES) and n not in skip)
     return env, forward
 
 
