@@ -197,9 +197,14 @@ def test_chaos_sigstop(tmp_path):
         assert res["rc"] not in (0, None), ctx
         assert not res["left"], ctx
         others = [r for r in range(n) if r != victim]
-        assert sorted(res["stalls"]) == others, ctx
+        if victim == 0:
+            # no coordinator to spread one verdict: each survivor times rank 0 out on its own, and the
+            # launcher stops the rest once the first has failed, so at least one of them reports it
+            assert res["stalls"] and set(res["stalls"]) <= set(others), ctx
+        else:  # rank 0 fails every rank with the one verdict
+            assert sorted(res["stalls"]) == others, ctx
         after = {}
-        for r in others:
+        for r in res["stalls"]:
             t, msg = res["stalls"][r]
             assert f"rank {victim}" in msg, ctx
             after[r] = t - res["t_stop"]
