@@ -10,7 +10,7 @@ from hora.base.errors import (HoraError, HorovodInternalError, HostsUpdatedInter
                                 MismatchError, NotInitializedError, PeerLostError, ShutdownError, StallError)
 from hora.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from hora.torch import hooks
-from hora.torch._build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
+from hora.core.build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
                                mpi_threads_supported, nccl_built, rocm_built)
 from hora.torch.compression import Compression
 from hora.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters

@@ -13,13 +13,12 @@ modified until its handle is synchronized: the engine reads it when the collecti
 
 from __future__ import annotations
 
-import math
-import warnings
 
 import numpy as np
 import torch
 
 import hora.core.basics as _basics
+import hora.core.frontend as _fe
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
 from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
@@ -33,38 +32,31 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "init", "shutdow
            "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
            "grouped_reducescatter", "grouped_reducescatter_async", "poll", "synchronize", "join", "barrier"]
 
-_post: dict = {}  # handle -> function turning the core's result into what synchronize returns
+_posts = _fe.posts  # handle -> function turning the core's result into what synchronize returns
 
 
 def init(comm=None, process_sets=None) -> None:
     """:func:`hora.init`; a new initialisation also forgets the handles of the last one (ids restart)."""
     if not _basics.is_initialized():
-        _post.clear()
+        _posts.clear()
     _basics.init(comm, process_sets)
 
 
 def shutdown() -> None:
     """:func:`hora.shutdown`; pending handles of this binding are forgotten."""
-    _post.clear()
+    _posts.clear()
     _basics.shutdown()
 
 
 # -- tensors <-> arrays --------------------------------------------------------------------------
 def _array(tensor: torch.Tensor, what: str, name: str | None = None,
            process_set: ProcessSet = global_process_set) -> tuple[np.ndarray, torch.Tensor | None]:
-    """A NumPy view of ``tensor``'s memory, and the host copy when the tensor lives on another device.
-
-    An input refused here never reaches the core, whose ``*_async`` functions would tell the peers; so
-    they are told from here (:func:`hora.core.ops.refused`, under the ``name`` and ``process_set`` the
-    collective would have had): they raise a MismatchError naming this rank at once instead of waiting
-    for it until the stall shutdown, and this rank's automatic names stay in step with theirs. For a
-    grouped op (``what`` starts with ``grouped_``) :func:`_grouped_arrays` tells them."""
-    try:
+    """A NumPy view of ``tensor``'s memory, and the host copy when the tensor lives on another device; a
+    refused input tells the peers (:func:`hora.core.frontend.viewed`), except for a grouped op (``what``
+    starts with ``grouped_``), where :func:`_grouped_arrays` tells them."""
+    if what.startswith("grouped_"):
         return _view(tensor, what)
-    except HoraValueError as e:
-        if not what.startswith("grouped_"):
-            _core.refused(what.rstrip("_"), e, name, process_set)
-        raise
+    return _fe.viewed(_view, tensor, what, name, process_set)
 
 
 def _view(tensor, what: str) -> tuple[np.ndarray, torch.Tensor | None]:
@@ -111,55 +103,23 @@ def _filled(tensor: torch.Tensor, host: torch.Tensor | None):
     return done
 
 
-def _keep(handle: int, post) -> int:
-    _post[handle] = post
-    return handle
-
-
-def then(handle: int, fn) -> int:
-    """Run ``fn`` on what ``synchronize(handle)`` would return, and return ``fn``'s result instead
-    (gradient hooks use it to decompress)."""
-    prev = _post.get(handle)
-    _post[handle] = (lambda r: fn(prev(r))) if prev is not None else fn
-    return handle
-
-
-def _each(posts):
-    return lambda results: [p(r) for p, r in zip(posts, results)]
+_keep, then, _each = _posts.keep, _posts.then, _fe.each
 
 
 def _op(op, average, what: str, name=None, process_set=global_process_set, n: int = 0) -> int:
-    """Horovod's deprecated ``average=``: True/False mean Average/Sum; giving it with ``op`` is an error,
-    which the peers are told of (under ``name``; as a group of ``n`` when ``n``), as in :func:`_array`."""
-    if average is not None:
-        if op is not None:
-            e = HoraValueError(f"The op parameter supersedes average; {what}() was given both, pass only op=")
-            if n:
-                _core.refused_group("allreduce", e, n, name, process_set)
-            else:
-                _core.refused("allreduce", e, name, process_set)
-            raise e
-        warnings.warn(f"{what}(average=...) is deprecated; use op=hvd.Average or op=hvd.Sum", DeprecationWarning,
-                      stacklevel=3)
-        return Average if average else Sum
-    return Average if op is None else op
+    return _fe.resolve_op(op, average, what, name, process_set, n, stacklevel=4)
 
 
 # -- handles -------------------------------------------------------------------------------------
 def poll(handle: int) -> bool:
     """True once the collective behind ``handle`` has finished; never blocks."""
-    members = _basics.state().groups.get(handle)  # the core's poll() does not know grouped handles yet
-    if members is not None:
-        return all(_core.poll(h) for h in members)
     return _core.poll(handle)
 
 
 def synchronize(handle: int):
     """Wait for ``handle``; returns a tensor (a list for grouped ops, ``(out, received_splits)`` for
     alltoall), the very tensor given for in-place ops. Failures raise ``HorovodInternalError``."""
-    post = _post.pop(handle, None)
-    result = _core.synchronize(handle)
-    return post(result) if post is not None else result
+    return _posts.synchronize(handle)
 
 
 def join(device: int = -1) -> int:
@@ -211,8 +171,7 @@ class _Allreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        op, pre, post, ps = ctx.args
-        return allreduce(grad, op=op, prescale_factor=pre, postscale_factor=post, process_set=ps), *[None] * 5
+        return _grads(_fe.allreduce_grad, [grad], *ctx.args)[0], *[None] * 5
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
@@ -235,11 +194,7 @@ def _grouped_arrays(tensors, what, name=None, process_set=global_process_set):
     """The tensors as a list, their NumPy views and host copies; a refusal tells the peers (as
     :func:`_array` does) under every member's name and the group's id."""
     tensors = list(tensors)
-    try:
-        pairs = [_array(t, what) for t in tensors]
-    except HoraValueError as e:
-        _core.refused_group(what.removeprefix("grouped_").rstrip("_"), e, len(tensors), name, process_set)
-        raise
+    pairs = _fe.grouped_viewed(_view, tensors, what, name, process_set)
     return tensors, [a for a, _ in pairs], [h for _, h in pairs]
 
 
@@ -277,9 +232,7 @@ class _GroupedAllreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        op, pre, post, ps = ctx.args
-        return (None,) * 5 + tuple(grouped_allreduce(list(grads), op=op, prescale_factor=pre,
-                                                     postscale_factor=post, process_set=ps))
+        return (None,) * 5 + tuple(_grads(_fe.allreduce_grad, grads, *ctx.args))
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -310,17 +263,13 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         raise
     t = tensor.detach()
     values = t._values()
-    shape, dense = values.shape[1:], math.prod(values.shape[1:])
-    index_cols = t.sparse_dim() * 8 // values.element_size()
-    indices = t._indices().t().clone(memory_format=torch.contiguous_format)  # unit last stride, for view()
-    rows = torch.cat([indices.view(values.dtype),
-                      values.contiguous().reshape(values.shape[0], dense)], dim=1)
-    handle = allgather_async(rows, name, process_set)
+    shape = values.shape[1:]
+    rows, index_cols = _fe.pack_sparse(t._indices().t().numpy(), _view(values, "sparse_allreduce")[0])
+    handle = allgather_async(_tensor(rows, t.device), name, process_set)
 
     def wait():
-        got = synchronize(handle)
-        indices = got[:, :index_cols].contiguous().view(torch.int64).t()
-        out = torch.sparse_coo_tensor(indices, got[:, index_cols:].reshape(-1, *shape), t.size(),
+        idx, vals = _fe.unpack_sparse(_view(synchronize(handle), "sparse_allreduce")[0], index_cols, tuple(shape))
+        out = torch.sparse_coo_tensor(torch.from_numpy(idx).t(), _tensor(vals, t.device), t.size(),
                                       check_invariants=True).coalesce()
         if op == Average:  # the indices of a coalesced tensor: checking them again would only cost (and warn)
             out = torch.sparse_coo_tensor(out.indices(), out.values() / process_set.size(), t.size(),
@@ -357,10 +306,10 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
     return _keep(_core.allgather_async(a, name, process_set), _new(tensor))
 
 
-def _offset(rows: torch.Tensor, process_set) -> torch.Tensor:
-    """Where this rank's rows start in an allgather whose per-rank row counts are ``rows`` (one per row)."""
-    counts = allgather(rows.view(1, -1), process_set=process_set)
-    return counts[:process_set.rank()].sum(0)
+def _grads(rule, grads, *args) -> list:
+    """``rule`` (a gradient rule of :mod:`hora.core.frontend`) applied to torch gradients."""
+    out = rule([_view(g.contiguous(), "gradient")[0] for g in grads], *args)
+    return [_tensor(a, g.device) for a, g in zip(out, grads)]
 
 
 class _Allgather(torch.autograd.Function):
@@ -374,9 +323,7 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
-        start = int(_offset(torch.tensor([ctx.rows]), ctx.process_set)[0])
-        return reduced.narrow(0, start, ctx.rows), None, None
+        return _grads(_fe.allgather_grad, [grad], [ctx.rows], ctx.process_set)[0], None, None
 
 
 def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
@@ -399,9 +346,7 @@ class _GroupedAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        reduced = grouped_allreduce(list(grads), op=Average, process_set=ctx.process_set)
-        starts = _offset(torch.tensor(ctx.rows), ctx.process_set).tolist()
-        return (None, None) + tuple(g.narrow(0, s, n) for g, s, n in zip(reduced, starts, ctx.rows))
+        return (None, None) + tuple(_grads(_fe.allgather_grad, grads, ctx.rows, ctx.process_set))
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
@@ -437,10 +382,8 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
-        if _basics.rank() != ctx.root_rank:
-            reduced = torch.zeros_like(reduced)
-        return reduced, None, None, None
+        rule = lambda gs, root, ps: [_fe.broadcast_grad(gs[0], root, ps)]  # noqa: E731
+        return _grads(rule, [grad], ctx.root_rank, ctx.process_set)[0], None, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
@@ -485,7 +428,8 @@ class _Alltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *_):
-        return alltoall(grad, splits=ctx.received, process_set=ctx.process_set)[0], None, None, None
+        rule = lambda gs, splits, ps: [_fe.alltoall_grad(gs[0], splits, ps)]  # noqa: E731
+        return _grads(rule, [grad], ctx.received.numpy(), ctx.process_set)[0], None, None, None
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
@@ -502,21 +446,6 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
                  _new(tensor))
 
 
-def _scatter_grad(grads, args):
-    """The gradient of a reducescatter, by Horovod's rule: the allgather of the incoming gradients times the
-    set's size for Sum (nothing for Average) and times the prescale and postscale factors.
-
-    This is not the Jacobian's transpose (that would be ``pre * post`` for Sum and also divide by the size
-    for Average); it is what Horovod computes, and scripts and tests written for Horovod depend on it:
-    with gradient ones at np=2, Sum gives 2 and Average gives 1.
-    """
-    op, pre, post, ps = args
-    if op not in (Average, Sum):
-        raise NotImplementedError(f"reducescatter: no gradient for op {op!r}; only Average and Sum have one")
-    scale = (ps.size() if op == Sum else 1) * pre * post
-    return [g * scale if scale != 1.0 else g for g in grouped_allgather(list(grads), process_set=ps)]
-
-
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
@@ -527,7 +456,7 @@ class _Reducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _scatter_grad([grad], ctx.args)[0], *[None] * 5
+        return _grads(_fe.reducescatter_grad, [grad], *ctx.args)[0], *[None] * 5
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
@@ -558,7 +487,7 @@ class _GroupedReducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None,) * 5 + tuple(_scatter_grad(grads, ctx.args))
+        return (None,) * 5 + tuple(_grads(_fe.reducescatter_grad, grads, *ctx.args))
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,

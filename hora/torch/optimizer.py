@@ -17,7 +17,8 @@ import torch
 
 from hora.base import knobs
 from hora.base.errors import HoraValueError
-from hora.core.ops import Average, check_op
+from hora.core.frontend import check_optimizer_args, predivide, split_groups
+from hora.core.ops import Average
 from hora.core.process_sets import global_process_set
 from hora.torch import hooks, mpi_ops
 from hora.torch.compression import Compression
@@ -49,7 +50,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.op, self.process_set, self.sparse_as_dense = op, process_set, sparse_as_dense
         self._sparse_dims: dict = {}  # parameter -> sparse_dim of its last sparse gradient
         self._compression = compression
-        pre, post = (1.0 / gradient_predivide_factor, gradient_predivide_factor) if op == Average else (1.0, 1.0)
+        pre, post = predivide(op, gradient_predivide_factor)
         self._comm_state = hooks.AllreduceState(op, pre, post, process_set)
         self._comm_hook = hooks.compressed(hooks.allreduce_hook, compression)
         self._requires_update = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -221,11 +222,7 @@ def _make_groups(groups, params) -> list[tuple]:
     if groups is None or groups == 0:
         return []
     if isinstance(groups, int):
-        if groups < 0:
-            raise HoraValueError(f"groups={groups}: give a non-negative number of groups or lists of parameters")
-        n, k = len(params), min(groups, len(params)) or 1
-        bounds = [i * n // k for i in range(k + 1)]
-        return [tuple(params[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+        return [tuple(params[i] for i in r) for r in split_groups(len(params), groups)]
     seen: set = set()
     out = []
     for group in groups:
@@ -247,12 +244,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     >>> opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
     ...                                named_parameters=model.named_parameters())
     """
-    check_op(op, "DistributedOptimizer")
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise HoraValueError(f"gradient_predivide_factor={gradient_predivide_factor} only works with "
-                             "op=hvd.Average (it splits the averaging before and after the sum)")
-    if backward_passes_per_step < 1:
-        raise HoraValueError(f"backward_passes_per_step={backward_passes_per_step} must be at least 1")
+    check_optimizer_args("DistributedOptimizer", op, gradient_predivide_factor, backward_passes_per_step)
     if num_groups:
         warnings.warn("DistributedOptimizer(num_groups=...) is deprecated; use groups=", DeprecationWarning,
                       stacklevel=2)
