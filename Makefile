@@ -1,6 +1,9 @@
 # hora's build: a virtualenv in .venv, set up once and reused.
 #   make setup   create .venv and install hora (editable) with its pytorch, test and mpi extras
-#   make test    run the test suite (PYTEST_ARGS='-k ring' to pass arguments to pytest)
+#   make setup-frameworks   add TensorFlow, Keras 3, JAX (flax, optax) to .venv (what the suite needs)
+#   make setup-mxnet        .venv-mxnet: MXNet 1.9.1 needs numpy<1.24, so it gets its own virtualenv
+#   make test    run the test suite (PYTEST_ARGS='-k ring' to pass arguments to pytest; the MXNet part
+#                runs in .venv-mxnet, and only when PYTEST_ARGS is empty)
 #   make demo    train on scikit-learn's digits with 2 ranks through `hora run`
 #   make lint    ruff
 #   make sz      code lines per module under hora/
@@ -17,11 +20,19 @@ STAMP := $(VENV)/.hora-setup-stamp
 # torch==2.13.0 is pinned first because that CPU build lies on this kind of machine's disk;
 # letting pip resolve plain `torch` instead would download a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
+# The framework stack the suite tests against, pinned to what resolves together on Python 3.11
+# (jax 0.12 needs Python >= 3.12; tensorflow-cpu 2.21's tf.keras is Keras 3). hora's extras stay open.
+FRAMEWORK_PINS := tensorflow-cpu==2.21.0 keras==3.15.1 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8
+FW_STAMP := $(VENV)/.hora-frameworks-stamp
+MXVENV := .venv-mxnet
+MXPY := $(MXVENV)/bin/python
+MX_STAMP := $(MXVENV)/.hora-setup-stamp
+MXNET_PINS := numpy<1.24 mxnet==1.9.1
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 SYSTEM_PACKAGES := iproute2 openssh-server openssh-client openmpi-bin libopenmpi-dev
 
-.PHONY: setup test demo lint sz deps-system clean bench
+.PHONY: setup setup-frameworks setup-mxnet test demo lint sz deps-system clean bench
 
 # The stamp alone is not enough: an editable install records the package layout it saw (hora was once a
 # namespace without __init__.py) and the checkout's path (a .venv copied along with a moved tree). So setup
@@ -40,8 +51,26 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q -e '.[pytorch,test,mpi]'
 	touch $@
 
-test: setup
+setup-frameworks: setup $(FW_STAMP)
+
+$(FW_STAMP): $(STAMP)
+	$(PIP) install -q $(TORCH_PIN) $(FRAMEWORK_PINS)
+	touch $@
+
+# hora without torch: its core on NumPy 1.23, and the mxnet binding
+setup-mxnet: $(MX_STAMP)
+
+$(MX_STAMP): pyproject.toml Makefile
+	test -x $(MXPY) || $(PYTHON) -m venv $(MXVENV)
+	$(MXPY) -m pip install -q '$(word 1,$(MXNET_PINS))' $(word 2,$(MXNET_PINS))
+	$(MXPY) -m pip install -q -e '.[test]' '$(word 1,$(MXNET_PINS))'
+	touch $@
+
+# tests/mxnet_suite.txt lists the test files that run in .venv-mxnet (the mxnet binding, and the core
+# on NumPy 1.23); in .venv those skip themselves where mxnet is missing.
+test: setup-frameworks $(if $(PYTEST_ARGS),,setup-mxnet)
 	$(PY) -m pytest -q --durations=15 $(if $(PYTEST_ARGS),$(PYTEST_ARGS),tests)
+	$(if $(PYTEST_ARGS),,$(MXPY) -m pytest -q --durations=10 -p no:cacheprovider $$(cat tests/mxnet_suite.txt))
 
 demo: setup
 	$(VENV)/bin/hora run -np 2 $(PY) examples/pytorch/train_digits.py
@@ -72,4 +101,4 @@ deps-system:
 	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(MXVENV) build *.egg-info

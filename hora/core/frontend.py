@@ -250,8 +250,8 @@ def pack_sparse(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, in
     idx = np.ascontiguousarray(indices, np.int64)
     idx = idx.reshape(-1, 1) if idx.ndim == 1 else idx
     cols = idx.shape[1] * 8 // values.itemsize
-    rows = np.concatenate([idx.view(values.dtype).reshape(len(values), cols), values.reshape(len(values), math.prod(values.shape[1:]))],
-                          axis=1)
+    flat = values.reshape(len(values), math.prod(values.shape[1:]))
+    rows = np.concatenate([idx.view(values.dtype).reshape(len(values), cols), flat], axis=1)
     return rows, cols
 
 

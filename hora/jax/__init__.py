@@ -1,0 +1,1 @@
+"""hora for jax (being built; see the issue)."""

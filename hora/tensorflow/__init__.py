@@ -1,0 +1,1 @@
+"""hora for tensorflow (being built; see the issue)."""
