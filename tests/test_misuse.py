@@ -279,3 +279,31 @@ def _bad_input_on_one_rank(hvd, case):
 def test_bad_input_on_one_rank_fails_the_others_at_once(n, case):
     out = run_hora(n, _bad_input_on_one_rank, case, env=INLINE, timeout=20)
     assert out[1] == "HoraValueError" and {o for i, o in enumerate(out) if i != 1} == {"MismatchError"}
+
+
+# --- a rank refusing the same name again before its peers reached the first ----------------------------
+
+def _refuse_in_a_loop(hvd, times):
+    import hora.core.ops as core
+    from hora.base.errors import HoraValueError, MismatchError
+
+    out = []
+    for _ in range(times):
+        if hvd.rank() == 0:  # faster than its peers: its refusals queue on the name while the first is in flight
+            core.refused("allreduce", HoraValueError("bad input"), "again")
+            out.append("refused")
+        else:
+            try:
+                hvd.allreduce(np.ones(2, np.float32), name="again")
+                out.append("no error")
+            except MismatchError:
+                out.append("mismatch")
+    hvd.barrier()
+    return out
+
+
+@pytest.mark.timeout(60)
+@SIZES
+def test_a_name_refused_again_while_in_flight_still_reaches_the_peers(n):
+    out = run_hora(n, _refuse_in_a_loop, 3, env=INLINE, timeout=30)
+    assert out == [["refused"] * 3] + [["mismatch"] * 3] * (n - 1)

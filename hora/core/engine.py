@@ -522,6 +522,8 @@ class Engine:
         if kind == m.ERROR:
             if pends[0] is not None:
                 pends[0].handle.complete(error=resp.error.exception())
+            if self.subs.deferred:
+                self.subs.release((resp.ps, resp.names[0]))
             return
         if kind == m.ADD_PS and self.coord is None:  # rank 0's table is the coordinator's, already updated
             self.process_sets[resp.value] = tuple(pends[0].req.ranks) if pends[0] else ()

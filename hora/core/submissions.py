@@ -20,6 +20,7 @@ from typing import Callable
 
 from hora.base.errors import HoraValueError, ShutdownError
 from hora.core.execute import Pending
+from hora.core.messages import Refusal
 
 
 class Submissions:
@@ -35,6 +36,10 @@ class Submissions:
         self._wakes = 0  # bytes written to the pipe and not yet read
         self.broken: BaseException | None = None  # why the engine failed; later submissions raise it
         self.stopping = False  # shutdown() began: no more submissions
+        # A refusal whose name is still in flight from an earlier refusal (a rank refusing the same input
+        # in a loop, faster than its peers reach the name): its peers will submit that name again, so
+        # it waits here until the first one's error response, then is queued (:meth:`release`).
+        self.deferred: dict[tuple[int, str], list[Pending]] = {}
 
     def add(self, pends: tuple[Pending, ...], held: Callable[[], bool]) -> None:
         """Queue ``pends`` (negotiated together). ``held()`` says whether somebody runs cycles now."""
@@ -46,6 +51,9 @@ class Submissions:
             keys = [(p.req.ps, p.req.name) for p in pends]
             seen: set[tuple[int, str]] = set()
             for key, pend in zip(keys, pends):
+                if len(pends) == 1 and type(pend.req) is Refusal and (key in self.local or key in self.pending):
+                    self.deferred.setdefault(key, []).append(pend)
+                    return
                 if key in self.local or key in self.pending or key in seen:
                     raise HoraValueError(f"{pend.req.kind} '{pend.req.name}': a collective with this name is "
                                          "already in flight on this rank; synchronize it first or use another name")
@@ -64,6 +72,20 @@ class Submissions:
             # asked: a holder that took the baton since will see the queue when its cycle starts.
             if was_empty and (not all(flush) or held()):
                 self._wake_locked()
+
+    def release(self, key: tuple[int, str]) -> None:
+        """The name ``key`` has left flight: queue the refusal deferred on it, if any (see ``deferred``)."""
+        with self._lock:
+            waiting = self.deferred.get(key)
+            if not waiting or key in self.local or key in self.pending:
+                return
+            pend = waiting.pop(0)
+            if not waiting:
+                del self.deferred[key]
+            if not self.pending:
+                self._since = time.monotonic()
+            self.pending[key] = pend
+            self._wake_locked()
 
     def fail(self, error: BaseException, replace: bool = False) -> BaseException:
         """The engine failed with ``error`` (the first failure stays the cause unless ``replace``):
