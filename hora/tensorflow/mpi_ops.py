@@ -80,10 +80,10 @@ def differentiable(run, inputs: list, touts: list, shapes: list | None, grad) ->
 
 def rule_call(rule, grads: list, like: list, extra: list = ()) -> list:
     """A gradient rule of :mod:`hora.core.frontend` (``rule(arrays, *extra_arrays) -> arrays``) in one host
-    call on ``grads``; results shaped as ``like`` (the op's inputs). Chained in v1 graphs (see host_call)."""
+    call on ``grads``; results shaped as ``like`` (the op's inputs)."""
     n = len(grads)
     return host_call(lambda *a: rule(list(a[:n]), *a[n:]), list(grads) + list(extra), [g.dtype for g in grads],
-                     [x.shape for x in like], chain=True)
+                     [x.shape for x in like])
 
 
 # -- allreduce ------------------------------------------------------------------------------------
@@ -242,7 +242,7 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     def run(*arrays):
         handles = [_core.broadcast_async(a, root_rank, n, process_set) for a, n in zip(arrays, names)]
         return [_core.synchronize(h) for h in handles]
-    values = host_call(run, [v.value() for v in vs], [v.dtype for v in vs], [v.shape for v in vs])
+    values = host_call(run, [v.value() for v in vs], [v.dtype for v in vs], [v.shape for v in vs], chain=False)
     with tf.control_dependencies([v.assign(x) for v, x in zip(vs, values)]):
         out = [v.read_value() for v in vs]
     return out[0] if single else out

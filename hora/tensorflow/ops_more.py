@@ -104,9 +104,9 @@ def join():
 @traced
 def barrier(process_set=global_process_set):
     """Return once every rank of the set has called barrier() (hora's addition; Horovod's TensorFlow API has
-    none). In a graph, an op to run; in eager mode, None."""
+    none). In a graph, a tensor (0) to run or depend on; in eager mode, None."""
     def run():
         _core.barrier(process_set)
         return [np.int32(0)]
     out = host_call(run, [], [tf.int32], [()])[0]
-    return out.op if in_graph() else None
+    return out if in_graph() else None
