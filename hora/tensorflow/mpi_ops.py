@@ -86,15 +86,16 @@ def rule_call(rule, grads: list, like: list, extra: list = ()) -> list:
                      [x.shape for x in like])
 
 
+def pick(grouped: bool, many, one):
+    """The host function of a grouped op (``many(arrays) -> arrays``) or of a single one (``one(array)``)."""
+    return (lambda *arrays: many(list(arrays))) if grouped else (lambda array: [one(array)])
+
+
 # -- allreduce ------------------------------------------------------------------------------------
 def _allreduce(tensors: list, op: int, pre: float, post: float, name, process_set: ProcessSet,
                grouped: bool) -> list:
-    if grouped:
-        def run(*arrays):
-            return _core.grouped_allreduce(list(arrays), op, pre, post, name, process_set)
-    else:
-        def run(array):
-            return [_core.allreduce(array, op, pre, post, name, process_set)]
+    run = pick(grouped, lambda arrays: _core.grouped_allreduce(arrays, op, pre, post, name, process_set),
+               lambda array: _core.allreduce(array, op, pre, post, name, process_set))
 
     def grad(dys, xs, ys):
         return rule_call(lambda gs: _fe.allreduce_grad(gs, op, pre, post, process_set), dys, xs)
@@ -175,12 +176,8 @@ def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='', 
 
 # -- allgather ------------------------------------------------------------------------------------
 def _allgather(tensors: list, name, process_set: ProcessSet, grouped: bool) -> list:
-    if grouped:
-        def run(*arrays):
-            return _core.grouped_allgather(list(arrays), name, process_set)
-    else:
-        def run(array):
-            return [_core.allgather(array, name, process_set)]
+    run = pick(grouped, lambda arrays: _core.grouped_allgather(arrays, name, process_set),
+               lambda array: _core.allgather(array, name, process_set))
 
     def grad(dys, xs, ys):
         rows = tf.stack([tf.shape(x, out_type=tf.int64)[0] for x in xs])
