@@ -143,7 +143,8 @@ def test_gradients_follow_horovods_rules_in_every_mode():
                     tf.reduce_sum(hvd.alltoall(send, splits=splits)[0] * w),
                     tf.reduce_sum(hvd.reducescatter(send, op=hvd.Sum)),
                     tf.reduce_sum(hvd.reducescatter(send, op=hvd.Average, postscale_factor=3.0)),
-                    tf.reduce_sum(hvd.grouped_allgather([x])[0] * w)]
+                    tf.reduce_sum(hvd.grouped_allgather([x])[0] * w),
+                    tf.reduce_sum(hvd.grouped_reducescatter([send], op=hvd.Sum)[0])]
 
         x0 = np.ones((3, 2), np.float32)
         part0 = np.ones((r + 1, 2), np.float32)
@@ -162,6 +163,7 @@ def test_gradients_follow_horovods_rules_in_every_mode():
             [None, None, np.full((3, 2), float(n), np.float32)],  # reducescatter Sum: allgather x size
             [None, None, np.full((3, 2), 3.0, np.float32)],       # reducescatter Average, postscale 3
             [np.full((3, 2), mean_w, np.float32), None, None],    # grouped_allgather: averaged, this rank's rows
+            [None, None, np.full((3, 2), float(n), np.float32)],  # grouped_reducescatter Sum
         ]
 
         def grads_eager(x, part, send):
@@ -276,6 +278,8 @@ def test_xla_bad_input_and_mismatches_fail_every_rank_then_work_continues():
         # XLA: refused at trace time with hora's message
         with pytest.raises(NotSupportedError, match="jit_compile=False"):
             tf.function(lambda t: hvd.allreduce(t), jit_compile=True)(x)
+        with pytest.raises(NotSupportedError, match="Adasum"):  # on every rank, as hora.torch
+            hvd.allreduce(x, op=hvd.Adasum)
         # a bad dtype on rank 0 only: rank 0 gets HoraValueError, rank 1 is told (eager and tf.function)
         for mode in ("eager", "function"):
             bad = tf.constant(["a", "b"]) if r == 0 else x
