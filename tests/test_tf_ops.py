@@ -299,6 +299,10 @@ def test_xla_bad_input_and_mismatches_fail_every_rank_then_work_continues():
             hvd.allreduce(y, name="shapes")
         with pytest.raises(tf.errors.OpError, match="(?i)mismatch|shape"):
             tf.function(lambda t: hvd.allgather(tf.reshape(t, [1, -1])))(y)
+        with tf.Graph().as_default():
+            op = hvd.allreduce(tf.ones([3 - r]))
+            with tf.compat.v1.Session() as s, pytest.raises(tf.errors.OpError, match="(?i)mismatch|shape"):
+                s.run(op)
         # and hora still works
         assert hvd.allreduce(x, op=hvd.Sum).numpy().tolist() == [2.0, 4.0]
         assert np.asarray(tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum))(x)).tolist() == [2.0, 4.0]
