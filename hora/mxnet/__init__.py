@@ -1,0 +1,35 @@
+"""hora for MXNet: ``import hora.mxnet as hvd`` in place of ``import horovod.mxnet as hvd``.
+
+The names, signatures and defaults are ``horovod.mxnet``'s (0.28.1); the ops are synchronous (the result is
+ready when they return), ``priority`` is accepted with no effect, and ``join``/``barrier`` are hora's
+additions. NDArrays go to hora's NumPy core as views of their own memory (see :mod:`hora.mxnet.mpi_ops`).
+"""
+
+from hora.base.errors import (HoraError, HorovodInternalError, HostsUpdatedInterrupt, InternalError,
+                              MismatchError, NotInitializedError, PeerLostError, ShutdownError, StallError)
+from hora.core.basics import (cross_rank, cross_size, is_homogeneous, is_initialized, local_rank, local_size,
+                              rank, size, start_timeline, statistics, stop_timeline)
+from hora.core.build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
+                             mpi_threads_supported, nccl_built, rocm_built)
+from hora.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from hora.mxnet.compression import Compression
+from hora.mxnet.functions import allgather_object, broadcast_object, broadcast_parameters
+from hora.mxnet.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce, allreduce_,
+                                alltoall, barrier, broadcast, broadcast_, grouped_allgather, grouped_allreduce,
+                                grouped_allreduce_, grouped_reducescatter, init, join, reducescatter, shutdown)
+from hora.mxnet.optimizer import DistributedOptimizer, DistributedTrainer
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank", "cross_rank",
+    "is_homogeneous", "start_timeline", "stop_timeline", "statistics",
+    "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built",
+    "ccl_built", "cuda_built", "rocm_built",
+    "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "grouped_allgather",
+    "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier",
+    "broadcast_parameters", "broadcast_object", "allgather_object",
+    "Compression", "DistributedOptimizer", "DistributedTrainer",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "HoraError", "InternalError", "MismatchError",
+    "NotInitializedError", "PeerLostError", "ShutdownError", "StallError",
+]
