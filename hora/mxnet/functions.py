@@ -9,6 +9,7 @@ import mxnet as mx
 import hora.core.basics as _basics
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
+from hora.core.process_sets import global_process_set
 from hora.mxnet import mpi_ops
 
 __all__ = ["broadcast_parameters", "broadcast_object", "allgather_object"]
@@ -66,12 +67,12 @@ def _broadcast_after(init_impl, root_rank: int, name: str):
 
 
 @mpi_ops.mxnet_errors
-def broadcast_object(obj=None, root_rank: int = 0, name: str | None = None):
-    """Return ``root_rank``'s ``obj`` (anything cloudpickle can serialise) on every rank."""
-    return _core.broadcast_object(obj, root_rank, name)
+def broadcast_object(obj, root_rank: int = 0, name: str | None = None, process_set=global_process_set):
+    """Return ``root_rank``'s ``obj`` (anything cloudpickle can serialise) on every rank (``process_set``: hora)."""
+    return _core.broadcast_object(obj, root_rank, name, process_set)
 
 
 @mpi_ops.mxnet_errors
-def allgather_object(obj, name: str | None = None) -> list:
-    """Return the list of every rank's ``obj``, in rank order."""
-    return _core.allgather_object(obj, name)
+def allgather_object(obj, name: str | None = None, process_set=global_process_set) -> list:
+    """Return the list of every rank's ``obj``, in rank order (``process_set``: hora)."""
+    return _core.allgather_object(obj, name, process_set)

@@ -35,6 +35,8 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "init", "shutdow
            "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier"]
 
 _MX_DTYPES = "uint8, int8, int32, int64, float16, float32, float64 or bool"
+# the dtypes nd.from_numpy(zero_copy=True) takes (DLPack's, as MXNet 1.9 maps them; its bool is broken)
+_ZERO_COPY = frozenset({"uint8", "int32", "int64", "float16", "float32", "float64"})
 
 
 def init(comm=None, process_sets=None) -> None:
@@ -114,7 +116,7 @@ def _nd(a: np.ndarray, like: mx.nd.NDArray) -> mx.nd.NDArray:
     """An NDArray holding ``a`` (the core's result, owned by nobody else) on ``like``'s device, without a copy
     where MXNet allows (a C-contiguous array of a type DLPack knows)."""
     a = np.asarray(a)
-    if a.size and a.flags.c_contiguous and a.dtype != np.bool_:
+    if a.size and a.flags.c_contiguous and a.dtype.name in _ZERO_COPY:
         out = mx.nd.from_numpy(a, zero_copy=True)
     else:
         out = mx.nd.array(a, dtype=a.dtype, ctx=mx.cpu()) if a.size else mx.nd.zeros(a.shape, dtype=a.dtype)
