@@ -19,17 +19,14 @@ from hora.mxnet.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgath
                                 grouped_allreduce_, grouped_reducescatter, init, join, reducescatter, shutdown)
 from hora.mxnet.optimizer import DistributedOptimizer, DistributedTrainer
 
-__all__ = [
-    "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank", "cross_rank",
-    "is_homogeneous", "start_timeline", "stop_timeline", "statistics",
-    "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built",
-    "ccl_built", "cuda_built", "rocm_built",
-    "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "grouped_allgather",
-    "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier",
-    "broadcast_parameters", "broadcast_object", "allgather_object",
-    "Compression", "DistributedOptimizer", "DistributedTrainer",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "HorovodInternalError", "HostsUpdatedInterrupt", "HoraError", "InternalError", "MismatchError",
-    "NotInitializedError", "PeerLostError", "ShutdownError", "StallError",
+__all__ = [  # sorted
+    "Adasum", "add_process_set", "allgather", "allgather_object", "allreduce", "allreduce_", "alltoall", "Average",
+    "barrier", "broadcast", "broadcast_", "broadcast_object", "broadcast_parameters", "ccl_built", "Compression",
+    "cross_rank", "cross_size", "cuda_built", "ddl_built", "DistributedOptimizer", "DistributedTrainer",
+    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_reducescatter", "HoraError", "HorovodInternalError", "HostsUpdatedInterrupt",
+    "init", "InternalError", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "Max", "Min",
+    "MismatchError", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "NotInitializedError",
+    "PeerLostError", "ProcessSet", "Product", "rank", "reducescatter", "remove_process_set", "rocm_built", "shutdown",
+    "ShutdownError", "size", "StallError", "start_timeline", "statistics", "stop_timeline", "Sum",
 ]

@@ -141,8 +141,9 @@ def _arrays(tensors, what: str, name=None, process_set: ProcessSet = global_proc
     return [a for a, _ in pairs], [h for _, h in pairs]
 
 
-def _op(op, average, what: str, name=None, process_set=global_process_set, n: int = 0) -> int:
-    return _fe.resolve_op(op, average, what, name, process_set, n, stacklevel=5)
+def _op(op, average, what: str, name=None, process_set=global_process_set, n: int = 0, stacklevel: int = 5) -> int:
+    """``stacklevel``: the deprecation warning points at the caller of the public function."""
+    return _fe.resolve_op(op, average, what, name, process_set, n, stacklevel=stacklevel)
 
 
 def _listed(tensors, what: str) -> list:
@@ -174,30 +175,34 @@ def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
     return _fill(tensor, host)
 
 
+def _grouped_allreduce(what: str, tensors, average, name, prescale_factor, postscale_factor, process_set, op,
+                       inplace: bool) -> list:
+    tensors = _listed(tensors, what)
+    if not tensors:
+        return tensors
+    op = _op(op, average, what, name, process_set, len(tensors), stacklevel=6)
+    arrays, hosts = _arrays(tensors, what, name, process_set, write=inplace)
+    if inplace:
+        _core.grouped_allreduce_(arrays, op, prescale_factor, postscale_factor, name, process_set)
+        return [_fill(t, h) for t, h in zip(tensors, hosts)]
+    out = _core.grouped_allreduce(arrays, op, prescale_factor, postscale_factor, name, process_set)
+    return [_nd(a, t) for a, t in zip(out, tensors)]
+
+
 @mxnet_errors
 def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
                       process_set=global_process_set, op=None) -> list:
     """Allreduce a list of NDArrays as one unit (negotiated and fused together); returns new NDArrays."""
-    tensors = _listed(tensors, "grouped_allreduce")
-    if not tensors:
-        return tensors
-    op = _op(op, average, "grouped_allreduce", name, process_set, len(tensors))
-    arrays, _ = _arrays(tensors, "grouped_allreduce", name, process_set)
-    out = _core.grouped_allreduce(arrays, op, prescale_factor, postscale_factor, name, process_set)
-    return [_nd(a, t) for a, t in zip(out, tensors)]
+    return _grouped_allreduce("grouped_allreduce", tensors, average, name, prescale_factor, postscale_factor,
+                              process_set, op, inplace=False)
 
 
 @mxnet_errors
 def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set, op=None) -> list:
     """In-place :func:`grouped_allreduce`; returns ``tensors``."""
-    tensors = _listed(tensors, "grouped_allreduce_")
-    if not tensors:
-        return tensors
-    op = _op(op, average, "grouped_allreduce_", name, process_set, len(tensors))
-    arrays, hosts = _arrays(tensors, "grouped_allreduce_", name, process_set, write=True)
-    _core.grouped_allreduce_(arrays, op, prescale_factor, postscale_factor, name, process_set)
-    return [_fill(t, h) for t, h in zip(tensors, hosts)]
+    return _grouped_allreduce("grouped_allreduce_", tensors, average, name, prescale_factor, postscale_factor,
+                              process_set, op, inplace=True)
 
 
 # -- allgather, broadcast --------------------------------------------------------------------------
