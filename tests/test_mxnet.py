@@ -127,6 +127,12 @@ def _rank_ops():
     expect = np.ones((4, 3), np.float32) * (r + 1)
     expect[1:3] = n * (n + 1) / 2
     _check(base, expect, "allreduce_ of a slice")
+    if n == 3:  # a process set of ranks 0 and 2: rank 1 takes no part
+        ps = hvd.add_process_set([0, 2])
+        if r != 1:
+            _check(hvd.allreduce(mx.nd.ones(2) * r, op=SUM, process_set=ps), np.full(2, 2, np.float32), "subset")
+            assert hvd.allgather_object(r, process_set=ps) == [0, 2]
+        hvd.remove_process_set(ps)
     assert hvd.broadcast_object({"rank": r}, root_rank=n - 1) == {"rank": n - 1}
     assert hvd.allgather_object(r * 2) == [k * 2 for k in range(n)]
     hvd.barrier()
@@ -157,7 +163,7 @@ def _rank_broadcast_parameters(hvd):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_ops_against_reference(n):
-    assert run(n, _rank_ops, timeout=200, env=ENV) == [True] * n
+    assert run(n, _rank_ops, timeout=200, env=dict(ENV, HORA_DYNAMIC_PROCESS_SETS="1")) == [True] * n
 
 
 # -- data parallel -------------------------------------------------------------------------------------
