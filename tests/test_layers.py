@@ -217,3 +217,13 @@ def test_import_hora_loads_numpy_and_nothing_heavy():
     assert any(_package_of(m, ("hora.runner",)) for m in after_run), "hora.run did not load hora.runner"
     frameworks = sorted({m.split(".")[0] for m in after_run} & set(FRAMEWORKS))
     assert not frameworks, f"import hora and hora.run loaded {frameworks}"
+
+
+@pytest.mark.parametrize("binding", ["hora.mxnet"])
+def test_a_binding_imports_no_other_framework_or_binding(binding):
+    """Read from the source, so it runs where the binding's framework is not installed."""
+    own = binding.split(".")[1]
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {target}"
+           for path in sorted((ROOT / binding.replace(".", "/")).rglob("*.py")) for line, target in _imports(path)
+           if target.split(".")[0] in set(FRAMEWORKS) - {own} or _package_of(target, BINDINGS) not in (None, binding)]
+    assert not bad, f"{binding} is one binding (design.md, Layers):\n  " + "\n  ".join(bad)
