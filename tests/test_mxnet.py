@@ -138,7 +138,42 @@ def _rank_ops():
     hvd.barrier()
     assert hvd.join() in range(n)
     _rank_broadcast_parameters(hvd)
+    _rank_gradients(hvd)
     return True
+
+
+def _rank_gradients(hvd):
+    """Gradients through the out-of-place ops under autograd.record(), by Horovod's rules."""
+    import mxnet as mx
+    import numpy as np
+
+    r, n = hvd.rank(), hvd.size()
+
+    def grads(f, *xs, head=None):
+        xs = [mx.nd.array(x) for x in xs]
+        for x in xs:
+            x.attach_grad()
+        with mx.autograd.record():
+            y = f(*xs)
+        y.backward(head)
+        return [x.grad.asnumpy() for x in xs]
+
+    ones = np.ones((2, 3), np.float32)
+    assert (grads(lambda x: hvd.allreduce(x, op=SUM), ones)[0] == n).all(), "allreduce Sum"
+    assert (grads(lambda x: hvd.allreduce(x), ones)[0] == 1).all(), "allreduce Average"
+    # z = sum(allreduce_sum(2x)^2) with x = 1 everywhere: dz/dx = 2 * n * 2 * (2n) = 8 n^2
+    chain = grads(lambda x: (hvd.allreduce(x * 2, op=SUM) ** 2).sum(), ones)[0]
+    assert np.allclose(chain, 8 * n * n), f"chain rule: {chain}"
+    a, b = grads(lambda x, y: sum(o.sum() for o in hvd.grouped_allreduce([x, y], op=SUM)), ones, ones[:1])
+    assert (a == n).all() and (b == n).all(), "grouped_allreduce"
+    rows = [k + 1 for k in range(n)]
+    head = mx.nd.array(np.arange(sum(rows) * 2, dtype=np.float32).reshape(-1, 2))  # the same on every rank
+    got = grads(lambda x: hvd.allgather(x), np.ones((rows[r], 2), np.float32), head=head)[0]
+    assert np.array_equal(got, head.asnumpy()[sum(rows[:r]):sum(rows[:r + 1])]), f"allgather: {got}"
+    got = grads(lambda x: hvd.broadcast(x, root_rank=n - 1), ones)[0]
+    assert (got == (1 if r == n - 1 else 0)).all(), f"broadcast: {got}"
+    got = grads(lambda x: hvd.reducescatter(x, op=SUM), np.ones((2 * n, 2), np.float32))[0]
+    assert got.shape == (2 * n, 2) and (got == n).all(), f"reducescatter Sum (Horovod's rule): {got}"
 
 
 def _rank_broadcast_parameters(hvd):

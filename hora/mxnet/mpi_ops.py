@@ -8,9 +8,12 @@ in-place op writes its result straight into the NDArray; an out-of-place result 
 ``nd.from_numpy(zero_copy=True)`` (22 µs, no copy). NDArrays on a GPU are staged through host memory.
 
 Horovod's MXNet ops hand their work to MXNet's engine and return at once; hora's return when the collective is
-done (the result is ready to read). ``priority`` is accepted for Horovod's signature and has no effect: hora's
-engine runs collectives in the order the ranks agree on. Errors are raised as hora's classes made to also be
-``mxnet.base.MXNetError`` (what Horovod's MXNet ops raise), so both ``except`` clauses catch them.
+done (the result is ready to read). Unlike Horovod's, the out-of-place ``allreduce``, ``grouped_allreduce``,
+``allgather``, ``broadcast`` and ``reducescatter`` are differentiable under ``autograd.record()`` (Horovod's
+gradient rules, as in hora.torch); the in-place forms and ``alltoall`` are not. ``priority`` is accepted for
+Horovod's signature and has no effect: hora's engine runs collectives in the order the ranks agree on.
+Errors are raised as hora's classes made to also be ``mxnet.base.MXNetError`` (what Horovod's MXNet ops
+raise), so both ``except`` clauses catch them.
 """
 
 from __future__ import annotations
@@ -152,6 +155,31 @@ def _listed(tensors, what: str) -> list:
     return list(tensors)
 
 
+class _Autograd(mx.autograd.Function):
+    """A collective recorded by MXNet's autograd: ``run`` (NDArrays -> NDArray or tuple) forward, and backward
+    ``rule`` (one of :mod:`hora.core.frontend`'s gradient rules, Horovod's) on the output gradients as NumPy."""
+
+    def __init__(self, run, rule):
+        super().__init__()
+        self._run, self._rule, self._inputs = run, rule, ()
+
+    def forward(self, *inputs):
+        self._inputs = inputs
+        return self._run(*inputs)
+
+    def backward(self, *grads):
+        out = [_nd(a, t) for a, t in zip(self._rule([_view(g, "gradient")[0] for g in grads]), self._inputs)]
+        return out[0] if len(out) == 1 else tuple(out)
+
+
+def _recorded(run, rule, tensors: list):
+    """``run(*tensors)``, through :class:`_Autograd` while autograd records (so gradients flow through the
+    collective); a list that is not all NDArrays goes straight to ``run``, which refuses it."""
+    if mx.autograd.is_recording() and all(isinstance(t, mx.nd.NDArray) for t in tensors):
+        return _Autograd(run, rule)(*tensors)
+    return run(*tensors)
+
+
 # -- allreduce -----------------------------------------------------------------------------------
 @mxnet_errors
 def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
@@ -161,8 +189,12 @@ def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, 
     >>> hvd.allreduce(mx.nd.array([hvd.rank()]), op=hvd.Sum)   # at np=3: [3.]
     """
     op = _op(op, average, "allreduce", name, process_set)
-    a, _ = _array(tensor, "allreduce", name, process_set)
-    return _nd(_core.allreduce(a, op, prescale_factor, postscale_factor, name, process_set), tensor)
+
+    def run(t):
+        a, _ = _array(t, "allreduce", name, process_set)
+        return _nd(_core.allreduce(a, op, prescale_factor, postscale_factor, name, process_set), t)
+    return _recorded(run, lambda gs: _fe.allreduce_grad(gs, op, prescale_factor, postscale_factor, process_set),
+                     [tensor])
 
 
 @mxnet_errors
@@ -181,12 +213,18 @@ def _grouped_allreduce(what: str, tensors, average, name, prescale_factor, posts
     if not tensors:
         return tensors
     op = _op(op, average, what, name, process_set, len(tensors), stacklevel=6)
-    arrays, hosts = _arrays(tensors, what, name, process_set, write=inplace)
     if inplace:
+        arrays, hosts = _arrays(tensors, what, name, process_set, write=True)
         _core.grouped_allreduce_(arrays, op, prescale_factor, postscale_factor, name, process_set)
         return [_fill(t, h) for t, h in zip(tensors, hosts)]
-    out = _core.grouped_allreduce(arrays, op, prescale_factor, postscale_factor, name, process_set)
-    return [_nd(a, t) for a, t in zip(out, tensors)]
+
+    def run(*ts):
+        arrays, _ = _arrays(ts, what, name, process_set)
+        out = _core.grouped_allreduce(arrays, op, prescale_factor, postscale_factor, name, process_set)
+        return tuple(_nd(a, t) for a, t in zip(out, ts))
+    out = _recorded(run, lambda gs: _fe.allreduce_grad(gs, op, prescale_factor, postscale_factor, process_set),
+                    tensors)
+    return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 @mxnet_errors
@@ -209,8 +247,10 @@ def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_fa
 @mxnet_errors
 def allgather(tensor, name=None, priority=0, process_set=global_process_set) -> mx.nd.NDArray:
     """Concatenate every rank's ``tensor`` along dim 0 (which may differ per rank)."""
-    a, _ = _array(tensor, "allgather", name, process_set)
-    return _nd(_core.allgather(a, name, process_set), tensor)
+    def run(t):
+        a, _ = _array(t, "allgather", name, process_set)
+        return _nd(_core.allgather(a, name, process_set), t)
+    return _recorded(run, lambda gs: _fe.allgather_grad(gs, [tensor.shape[0]], process_set), [tensor])
 
 
 @mxnet_errors
@@ -224,8 +264,10 @@ def grouped_allgather(tensors, name=None, priority=0, process_set=global_process
 @mxnet_errors
 def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_process_set) -> mx.nd.NDArray:
     """Return global rank ``root_rank``'s ``tensor`` on every rank, as a new NDArray."""
-    a, _ = _array(tensor, "broadcast", name, process_set)
-    return _nd(_core.broadcast(a, root_rank, name, process_set), tensor)
+    def run(t):
+        a, _ = _array(t, "broadcast", name, process_set)
+        return _nd(_core.broadcast(a, root_rank, name, process_set), t)
+    return _recorded(run, lambda gs: [_fe.broadcast_grad(gs[0], root_rank, process_set)], [tensor])
 
 
 @mxnet_errors
@@ -261,8 +303,11 @@ def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_
                   postscale_factor=1.0) -> mx.nd.NDArray:
     """Reduce ``tensor`` over the ranks and return this rank's rows of the result (the lowest ranks get one
     extra row when dim 0 does not divide evenly)."""
-    a, _ = _array(tensor, "reducescatter", name, process_set)
-    return _nd(_core.reducescatter(a, op, name, process_set, prescale_factor, postscale_factor), tensor)
+    def run(t):
+        a, _ = _array(t, "reducescatter", name, process_set)
+        return _nd(_core.reducescatter(a, op, name, process_set, prescale_factor, postscale_factor), t)
+    return _recorded(run, lambda gs: _fe.reducescatter_grad(gs, op, prescale_factor, postscale_factor, process_set),
+                     [tensor])
 
 
 @mxnet_errors
