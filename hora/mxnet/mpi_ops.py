@@ -180,6 +180,14 @@ def _recorded(run, rule, tensors: list):
     return run(*tensors)
 
 
+def _one(what: str, tensor, name, process_set, collective, rule):
+    """An out-of-place op on one NDArray: ``collective(array)`` forward, recorded with gradient ``rule``."""
+    def run(t):
+        a, _ = _array(t, what, name, process_set)
+        return _nd(collective(a), t)
+    return _recorded(run, rule, [tensor])
+
+
 # -- allreduce -----------------------------------------------------------------------------------
 @mxnet_errors
 def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, postscale_factor=1.0,
@@ -189,12 +197,9 @@ def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0, 
     >>> hvd.allreduce(mx.nd.array([hvd.rank()]), op=hvd.Sum)   # at np=3: [3.]
     """
     op = _op(op, average, "allreduce", name, process_set)
-
-    def run(t):
-        a, _ = _array(t, "allreduce", name, process_set)
-        return _nd(_core.allreduce(a, op, prescale_factor, postscale_factor, name, process_set), t)
-    return _recorded(run, lambda gs: _fe.allreduce_grad(gs, op, prescale_factor, postscale_factor, process_set),
-                     [tensor])
+    return _one("allreduce", tensor, name, process_set,
+                lambda a: _core.allreduce(a, op, prescale_factor, postscale_factor, name, process_set),
+                lambda gs: _fe.allreduce_grad(gs, op, prescale_factor, postscale_factor, process_set))
 
 
 @mxnet_errors
@@ -247,10 +252,8 @@ def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_fa
 @mxnet_errors
 def allgather(tensor, name=None, priority=0, process_set=global_process_set) -> mx.nd.NDArray:
     """Concatenate every rank's ``tensor`` along dim 0 (which may differ per rank)."""
-    def run(t):
-        a, _ = _array(t, "allgather", name, process_set)
-        return _nd(_core.allgather(a, name, process_set), t)
-    return _recorded(run, lambda gs: _fe.allgather_grad(gs, [tensor.shape[0]], process_set), [tensor])
+    return _one("allgather", tensor, name, process_set, lambda a: _core.allgather(a, name, process_set),
+                lambda gs: _fe.allgather_grad(gs, [tensor.shape[0]], process_set))
 
 
 @mxnet_errors
@@ -264,10 +267,8 @@ def grouped_allgather(tensors, name=None, priority=0, process_set=global_process
 @mxnet_errors
 def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_process_set) -> mx.nd.NDArray:
     """Return global rank ``root_rank``'s ``tensor`` on every rank, as a new NDArray."""
-    def run(t):
-        a, _ = _array(t, "broadcast", name, process_set)
-        return _nd(_core.broadcast(a, root_rank, name, process_set), t)
-    return _recorded(run, lambda gs: [_fe.broadcast_grad(gs[0], root_rank, process_set)], [tensor])
+    return _one("broadcast", tensor, name, process_set, lambda a: _core.broadcast(a, root_rank, name, process_set),
+                lambda gs: [_fe.broadcast_grad(gs[0], root_rank, process_set)])
 
 
 @mxnet_errors
@@ -303,11 +304,9 @@ def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_
                   postscale_factor=1.0) -> mx.nd.NDArray:
     """Reduce ``tensor`` over the ranks and return this rank's rows of the result (the lowest ranks get one
     extra row when dim 0 does not divide evenly)."""
-    def run(t):
-        a, _ = _array(t, "reducescatter", name, process_set)
-        return _nd(_core.reducescatter(a, op, name, process_set, prescale_factor, postscale_factor), t)
-    return _recorded(run, lambda gs: _fe.reducescatter_grad(gs, op, prescale_factor, postscale_factor, process_set),
-                     [tensor])
+    return _one("reducescatter", tensor, name, process_set,
+                lambda a: _core.reducescatter(a, op, name, process_set, prescale_factor, postscale_factor),
+                lambda gs: _fe.reducescatter_grad(gs, op, prescale_factor, postscale_factor, process_set))
 
 
 @mxnet_errors
