@@ -5,6 +5,12 @@ ready when they return), ``priority`` is accepted with no effect, and ``join``/`
 additions. NDArrays go to hora's NumPy core as views of their own memory (see :mod:`hora.mxnet.mpi_ops`).
 """
 
+try:
+    import mxnet as _mxnet  # noqa: F401
+except ImportError as e:  # say how to get it: MXNet 1.9 needs NumPy < 1.24, so usually its own virtualenv
+    raise ImportError(f"hora.mxnet needs MXNet ({e}); install it with pip install 'hora[mxnet]' (mxnet 1.9.1 "
+                      "needs numpy<1.24, so give it its own virtualenv: make setup-mxnet)") from e
+
 from hora.base.errors import (HoraError, HorovodInternalError, HostsUpdatedInterrupt, InternalError,
                               MismatchError, NotInitializedError, PeerLostError, ShutdownError, StallError)
 from hora.core.basics import (cross_rank, cross_size, is_homogeneous, is_initialized, local_rank, local_size,
