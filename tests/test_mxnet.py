@@ -288,13 +288,14 @@ def _rank_mismatches():
              ("dtype", lambda: hvd.allreduce(mx.nd.ones((2,), dtype="float32" if r else "float64"), name="dtype")),
              ("refused", lambda: hvd.allreduce(mx.nd.ones(2) if r == 0 else np.ones(2), name="refused")),
              ("grouped", lambda: hvd.grouped_allreduce([mx.nd.ones(2), mx.nd.ones(2) if r == 0 else "x"])),
-             ("both", lambda: hvd.allreduce(mx.nd.ones(2), average=True if r else None, op=hvd.Sum if r else None))]
+             ("both", lambda: hvd.allreduce(mx.nd.ones(2), average=True if r else None, op=hvd.Sum if r else None)),
+             ("trainer", lambda: _mismatched_step(hvd, units=2 + r))]
     for what, call in cases:
         try:
             call()
         except mx.base.MXNetError as e:
             assert isinstance(e, hvd.HoraError), f"{what}: {type(e).__mro__}"
-            expect = hvd.MismatchError if what in ("shape", "dtype") or r == 0 else ValueError
+            expect = hvd.MismatchError if what in ("shape", "dtype", "trainer") or r == 0 else ValueError
             assert isinstance(e, expect), f"{what} on rank {r}: {type(e).__name__}: {e}"
             seen.append(what)
         else:
@@ -302,6 +303,19 @@ def _rank_mismatches():
     total = hvd.allreduce(mx.nd.ones(1), op=hvd.Sum).asscalar()
     assert total == 2 and len(seen) == len(cases)
     return True
+
+
+def _mismatched_step(hvd, units):
+    """One DistributedTrainer step of a model whose layer differs in width between the ranks."""
+    import mxnet as mx
+
+    net = mx.gluon.nn.Dense(units, in_units=3)
+    net.initialize()
+    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", prefix="mismatch.")
+    with mx.autograd.record():
+        loss = net(mx.nd.ones((2, 3))).sum()
+    loss.backward()
+    trainer.step(2)
 
 
 @pytest.mark.timeout(90)
