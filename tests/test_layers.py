@@ -247,3 +247,13 @@ def test_no_import_in_hora_tensorflow_reaches_another_binding():
            for path in sorted((HORA / "tensorflow").rglob("*.py"))
            for line, target in _imports(path) if _package_of(target, _TF_FOREIGN)]
     assert not bad, "hora.tensorflow must not import another binding (design.md, Layers):\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.parametrize("binding", ["hora.mxnet"])
+def test_a_binding_imports_no_other_framework_or_binding(binding):
+    """Read from the source, so it runs where the binding's framework is not installed."""
+    own = binding.split(".")[1]
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {target}"
+           for path in sorted((ROOT / binding.replace(".", "/")).rglob("*.py")) for line, target in _imports(path)
+           if target.split(".")[0] in set(FRAMEWORKS) - {own} or _package_of(target, BINDINGS) not in (None, binding)]
+    assert not bad, f"{binding} is one binding (design.md, Layers):\n  " + "\n  ".join(bad)

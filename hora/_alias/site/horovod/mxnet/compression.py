@@ -1,0 +1,1 @@
+from hora.mxnet.compression import *  # noqa: F401,F403

@@ -1,0 +1,1 @@
+from hora.mxnet.functions import *  # noqa: F401,F403

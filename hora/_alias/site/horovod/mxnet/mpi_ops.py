@@ -1,0 +1,1 @@
+from hora.mxnet.mpi_ops import *  # noqa: F401,F403
