@@ -1,36 +1,91 @@
-"""JAX arrays to hora's NumPy core and back: one ordered host callback per collective (or pytree).
+"""JAX arrays to hora's NumPy core and back: one host call per collective (or per pytree).
 
-``jax.experimental.io_callback(..., ordered=True)`` is kept under ``jax.jit`` and runs in program order
-(the same order on every rank); outside ``jit`` it simply runs. A whole gradient pytree goes out in one
-callback per step (each costs ~0.2 ms).
+Inside ``jax.jit`` (any traced input) the call is a ``jax.experimental.io_callback(..., ordered=True)``:
+XLA keeps it and runs it in program order, so every rank submits its collectives in the same order (what
+the core's automatic names need). Each costs ~0.2 ms, so a whole gradient pytree goes out in one callback.
+Outside ``jit`` the host function runs at once on NumPy views of the arrays, after
+``jax.effects_barrier()`` so that an eager collective cannot overtake one still queued by a jitted call
+(which would give the ranks different orders).
+
+An ordered callback cannot be batched: under ``jax.vmap`` the call raises a :class:`HoraValueError` that
+says so (through ``jax.custom_batching.custom_vmap``) instead of JAX's generic message.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
 import hora.core.ops as _core
+from hora.base.errors import HoraValueError
 from hora.core.process_sets import ProcessSet, global_process_set
 
-__all__ = ["host_call", "grouped_allreduce"]
+__all__ = ["host_call", "grouped_allreduce", "traced", "settle"]
 
 
-def host_call(fn, inputs: list, result_shapes: list) -> list:
-    """``fn(*arrays) -> list of arrays`` on the host; ``result_shapes``: ``jax.ShapeDtypeStruct`` per output."""
+def traced(arrays: Sequence) -> bool:
+    """True when any of ``arrays`` is a tracer (we are inside ``jit``, ``grad`` of a jitted function, ...)."""
+    return any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def settle() -> None:
+    """Wait until every ordered host callback already dispatched has run (an eager collective goes after)."""
+    jax.effects_barrier()
+
+
+def _vmap_refused(what: str):
+    def rule(axis_size, in_batched, *args):
+        raise HoraValueError(f"{what}: hora's collectives cannot run under jax.vmap: each is one ordered host "
+                             "call that every rank must make in the same order, and a batched call has no order. "
+                             "Call the collective outside vmap on the stacked array (it reduces each element), "
+                             "or vmap only the computation around it")
+    return rule
+
+
+def host_call(fn: Callable, inputs: list, result_shapes: list | None, what: str = "collective") -> list:
+    """``fn(*numpy arrays) -> list of arrays`` on the host, returned as jax arrays.
+
+    ``result_shapes``: a ``jax.ShapeDtypeStruct`` per output. Under ``jit`` they are fixed when the function
+    is traced, and a result of another shape is refused with a HoraValueError (``what`` names the
+    collective); outside ``jit`` they are not needed (``None``: whatever ``fn`` returns).
+    """
+    inputs = list(inputs)
+    if not traced(inputs):
+        settle()
+        return [jnp.asarray(r) for r in fn(*[np.asarray(a) for a in inputs])]
+    if result_shapes is None:
+        raise HoraValueError(f"{what}: the shape of its result is known only when it runs, so it cannot run "
+                             "inside jax.jit; call it outside jit")
+    shapes = list(result_shapes)
+
     def run(*arrays):
-        return [np.asarray(r) for r in fn(*[np.asarray(a) for a in arrays])]
-    return list(io_callback(run, list(result_shapes), *inputs, ordered=True))
+        out = [np.asarray(r) for r in fn(*[np.asarray(a) for a in arrays])]
+        for r, s in zip(out, shapes):
+            if r.shape != tuple(s.shape):
+                raise HoraValueError(f"{what}: inside jax.jit the result's shape is fixed when the function is "
+                                     f"traced ({tuple(s.shape)}), but the ranks' inputs made {r.shape}; give "
+                                     "every rank the same shapes inside jit, or call it outside jit")
+        return out
+
+    @jax.custom_batching.custom_vmap
+    def call(*xs):
+        return io_callback(run, shapes, *xs, ordered=True)
+    call.def_vmap(_vmap_refused(what))
+    return list(call(*inputs))
 
 
 def grouped_allreduce(arrays: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
-    """Allreduce ``arrays`` (jax arrays or tracers) as one group in one host callback."""
-    arrays = [jax.numpy.asarray(a) for a in arrays]
+    """Allreduce ``arrays`` (jax arrays or tracers) as one group in one host call; not differentiable
+    (``hora.jax.grouped_allreduce`` is)."""
+    arrays = [a if isinstance(a, jax.core.Tracer) else jnp.asarray(a) for a in arrays]
     if not arrays:
         return []
 
     def run(*xs):
         return _core.grouped_allreduce(list(xs), op, prescale_factor, postscale_factor, name, process_set)
-    return host_call(run, arrays, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
+    return host_call(run, arrays, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays], "grouped_allreduce")
