@@ -30,7 +30,7 @@ from hora.base.errors import HoraValueError, NotSupportedError
 from hora.collectives.reduce import check_dtype
 from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
-from hora.jax.bridge import host_call, settle, traced
+from hora.jax.bridge import host_call, settle
 from hora.jax.compression import Compression
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "init", "shutdown", "allreduce", "allreduce_async",
@@ -323,20 +323,17 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     received, in rank order, and with ``splits`` also the received splits (int32). Differentiable. Inside
     ``jit`` only equal parts (no ``splits``): the received rows are known only when it runs."""
     x = _fe.viewed(_view, tensor, "alltoall", name, process_set)
-    if splits is not None and (traced([x]) or isinstance(splits, jax.core.Tracer)):
-        e = HoraValueError("alltoall: splits= cannot be used inside jax.jit (how many rows arrive is known only "
-                           "when it runs, and a traced result's shape is fixed); call it outside jit")
-        _core.refused("alltoall", e, name, process_set)
-        raise e
     n = process_set.size()
-    explicit = _splits(x.shape, splits, n)
-    recv_shape = jax.ShapeDtypeStruct((n,), jnp.int32)
+    # with splits, how many rows arrive is known only when it runs: no result shape, so not inside jit (the
+    # same program on every rank refuses it alike, at trace time, so no peer waits)
+    shapes = None if splits is not None else [jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                              jax.ShapeDtypeStruct((n,), jnp.int32)]
 
     def forward(a):
         def run(v):
-            out, received = _core.alltoall(v, explicit, name, process_set)
+            out, received = _core.alltoall(v, _splits(v.shape, splits, n), name, process_set)
             return [out, np.asarray(received, np.int32)]
-        return host_call(run, [a], [jax.ShapeDtypeStruct(a.shape, a.dtype), recv_shape], "alltoall")
+        return host_call(run, [a], shapes, "alltoall with splits=" if splits is not None else "alltoall")
 
     if jnp.issubdtype(x.dtype, jnp.inexact):
         @jax.custom_vjp
