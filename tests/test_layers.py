@@ -217,3 +217,21 @@ def test_import_hora_loads_numpy_and_nothing_heavy():
     assert any(_package_of(m, ("hora.runner",)) for m in after_run), "hora.run did not load hora.runner"
     frameworks = sorted({m.split(".")[0] for m in after_run} & set(FRAMEWORKS))
     assert not frameworks, f"import hora and hora.run loaded {frameworks}"
+
+
+# --- a binding loads its own framework only (hora.jax: issue 14) -----------------------------------------------
+
+_BINDING = r"""
+import importlib, json, sys
+importlib.import_module(sys.argv[1])
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules})))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("binding", "own"), [("hora.jax", {"jax"}), ("hora.torch", {"torch"})])
+def test_a_binding_loads_no_other_framework(binding, own):
+    pytest.importorskip(next(iter(own)))
+    loaded = set(json.loads(_fresh_python(_BINDING, binding)))
+    others = sorted((loaded & set(FRAMEWORKS)) - own)
+    assert not others, f"import {binding} loaded {others}; a binding loads only its own framework"

@@ -18,7 +18,7 @@ def broadcast_parameters(params, root_rank: int = 0, process_set: ProcessSet = g
     return mpi_ops.broadcast(params, root_rank, "broadcast_parameters", process_set)
 
 
-def broadcast_object(obj=None, root_rank: int = 0, name: str | None = None,
+def broadcast_object(obj, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set):
     """Return rank ``root_rank``'s ``obj`` (anything cloudpickle serialises) on every rank (outside jit)."""
     settle()

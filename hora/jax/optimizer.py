@@ -14,11 +14,10 @@ learning rate by k for the same step.
 from __future__ import annotations
 
 import itertools
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from hora.base import knobs
 from hora.core.frontend import check_optimizer_args, predivide
@@ -26,6 +25,9 @@ from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.jax import bridge
 from hora.jax.compression import Compression
+
+if TYPE_CHECKING:
+    import optax
 
 __all__ = ["DistributedOptimizer", "AccumulationState"]
 
@@ -50,6 +52,8 @@ def DistributedOptimizer(optimizer, op: int = Average, compression=Compression.n
     >>> tx = hvd.DistributedOptimizer(optax.adam(1e-3))
     >>> updates, opt_state = tx.update(grads, opt_state, params)   # inside a jitted step
     """
+    import optax  # only this needs it: hora.jax's collectives work without optax installed
+
     check_optimizer_args("DistributedOptimizer", op, gradient_predivide_factor, backward_passes_per_step)
     inner = optax.with_extra_args_support(optimizer)
     pre, post = predivide(op, gradient_predivide_factor)
