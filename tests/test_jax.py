@@ -272,6 +272,22 @@ def _optimizer_options_body():
         u, _ = jax.jit(tx.update)(g, tx.init(p), p)
         assert u["w"].dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(u["w"]), -want, err_msg=str(kw))
+    # what travels packed (per dtype) and what alone (1 MiB or more) comes back in place, eager and jitted
+    tree = {"big": jnp.full((300_000,), float(r + 1)), "i": jnp.full((2, 3), r + 1, jnp.int32),
+            "h": jnp.full((4,), r + 1, jnp.bfloat16), "f": [jnp.full((3, 1), float(r + 1)), jnp.ones(())]}
+    def summed(t):
+        return hvd.grouped_allreduce(t, op=hvd.Sum)
+    for fn in (summed, jax.jit(summed)):
+        out = fn(tree)
+        assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(tree)
+        for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(tree)):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            np.testing.assert_allclose(np.asarray(a, np.float64), total if b.ndim else n)
+    big = {"w": jnp.zeros(300_000), "b": jnp.zeros(3)}
+    tx = hvd.DistributedOptimizer(optax.sgd(1.0))
+    u, _ = jax.jit(tx.update)({"w": jnp.full(300_000, float(r)), "b": jnp.full(3, float(r))}, tx.init(big), big)
+    np.testing.assert_allclose(np.asarray(u["w"]), -sum(range(n)) / n)
+    np.testing.assert_allclose(np.asarray(u["b"]), -sum(range(n)) / n)
     for bad in (dict(op=hvd.Adasum), dict(op=hvd.Sum, gradient_predivide_factor=2.0),
                 dict(backward_passes_per_step=0)):
         try:
