@@ -22,19 +22,17 @@ from hora.jax.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather
                               reducescatter_async, shutdown, synchronize)
 from hora.jax.optimizer import DistributedOptimizer
 
+# every public name imported above, alphabetically (tests/test_api_jax.py holds them against hora.torch's)
 __all__ = [
-    "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank", "cross_rank",
-    "is_homogeneous", "start_timeline", "stop_timeline", "statistics",
-    "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built",
-    "ccl_built", "cuda_built", "rocm_built",
-    "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
-    "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_async",
-    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
-    "grouped_reducescatter", "grouped_reducescatter_async", "poll", "synchronize", "join", "barrier",
-    "broadcast_parameters", "broadcast_object", "allgather_object",
-    "Compression", "DistributedOptimizer",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "HorovodInternalError", "HostsUpdatedInterrupt", "HoraError", "InternalError", "MismatchError",
-    "NotInitializedError", "PeerLostError", "ShutdownError", "StallError",
+    "Adasum", "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_async",
+    "alltoall", "alltoall_async", "Average", "barrier", "broadcast", "broadcast_async", "broadcast_object",
+    "broadcast_parameters", "ccl_built", "Compression", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+    "DistributedOptimizer", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "HoraError", "HorovodInternalError", "HostsUpdatedInterrupt", "init",
+    "InternalError", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "Max", "Min",
+    "MismatchError", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "NotInitializedError",
+    "PeerLostError", "poll", "ProcessSet", "Product", "rank", "reducescatter", "reducescatter_async",
+    "remove_process_set", "rocm_built", "shutdown", "ShutdownError", "size", "StallError", "start_timeline",
+    "statistics", "stop_timeline", "Sum", "synchronize"
 ]

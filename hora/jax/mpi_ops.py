@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import hora.core.basics as _basics
 import hora.core.frontend as _fe
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError, NotSupportedError
 from hora.collectives.reduce import check_dtype
+from hora.core.frontend_jax import init, shutdown
 from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.jax.bridge import host_call, settle
@@ -41,19 +41,6 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "init", "shutdow
 
 _posts = _fe.posts
 _ROWS = ("allgather", "alltoall", "reducescatter")  # the collectives that split or join the first dimension
-
-
-def init(comm=None, process_sets=None) -> None:
-    """:func:`hora.init`; a new initialisation also forgets the handles of the last one (ids restart)."""
-    if not _basics.is_initialized():
-        _posts.clear()
-    _basics.init(comm, process_sets)
-
-
-def shutdown() -> None:
-    """:func:`hora.shutdown`; pending handles of this binding are forgotten."""
-    _posts.clear()
-    _basics.shutdown()
 
 
 # -- inputs --------------------------------------------------------------------------------------
