@@ -364,6 +364,10 @@ def _misuse_body():
     expect(lambda: jax.jit(hvd.allreduce_async)(jnp.ones(3)), hvd.HoraError, text="outside jax.jit")
     expect(lambda: jax.jit(lambda t: hvd.alltoall(t, splits=[1, 1]))(jnp.ones(2)), hvd.HoraError, text="splits")
     expect(lambda: hvd.allreduce(jnp.ones(2), op=hvd.Adasum), hvd.HoraError, text="Adasum")
+    bad_root = 5 if r == 0 else 0  # rank 0 refuses its root; rank 1's broadcasts of both leaves are told
+    expect(lambda: jax.block_until_ready(jax.jit(lambda t: hvd.broadcast(t, bad_root))({"a": jnp.ones(2),
+                                                                                          "b": jnp.ones(3)})),
+           hvd.HoraError, jax.errors.JaxRuntimeError, text="rank" if r else "root_rank 5")
     out = hvd.allreduce(jnp.full(2, float(r)), op=hvd.Sum)  # still usable, and still in step
     np.testing.assert_allclose(np.asarray(out), 1.0)
     assert hvd.broadcast_object({"r": r}, root_rank=1) == {"r": 1} and hvd.allgather_object(r) == [0, 1]

@@ -280,6 +280,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     arrays, rebuild, _ = _leaves(tensor, "broadcast", name, process_set, False)
     if not arrays:
         return rebuild([])
+    _check_root(root_rank, process_set, name, len(arrays))
 
     def forward(xs):
         def run(*a):
@@ -290,6 +291,21 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
     rule = lambda gs, _: [_fe.broadcast_grad(g, root_rank, process_set) for g in gs]  # noqa: E731
     return rebuild(_differentiable(forward, rule, arrays, "broadcast"))
+
+
+def _check_root(root_rank, process_set, name, n: int) -> None:
+    """Refuse a root outside the set now, before the host call, telling the peers about every member (a
+    pytree's broadcasts are separate collectives, ``name.0``, ``name.1``, ...): the core would refuse only
+    the first and leave the peers waiting on the others."""
+    process_set.size()  # checks that the set is registered (and fills in the global set's ranks)
+    ranks = process_set.ranks
+    if isinstance(root_rank, (bool, np.bool_)) or not isinstance(root_rank, (int, np.integer)) \
+            or int(root_rank) not in ranks:
+        e = HoraValueError(f"broadcast: root_rank {root_rank!r} is not a rank of the process set (ranks "
+                           f"{list(ranks)}); root_rank is a global rank")
+        for i in range(n):
+            _core.refused("broadcast", e, _member(name, i, n), process_set)
+        raise e
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
