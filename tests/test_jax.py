@@ -288,6 +288,16 @@ def _optimizer_options_body():
     u, _ = jax.jit(tx.update)({"w": jnp.full(300_000, float(r)), "b": jnp.full(3, float(r))}, tx.init(big), big)
     np.testing.assert_allclose(np.asarray(u["w"]), -sum(range(n)) / n)
     np.testing.assert_allclose(np.asarray(u["b"]), -sum(range(n)) / n)
+    # steps under jax.lax.scan (the remedy docs/jax.md gives for dispatch costs): one host call per step
+    tx = hvd.DistributedOptimizer(optax.sgd(1.0))
+    gs = {"w": jnp.stack([jnp.full(3, float(r + i)) for i in range(3)])}
+
+    def one(carry, g):
+        p_, s_ = carry
+        u_, s_ = tx.update(g, s_, p_)
+        return (optax.apply_updates(p_, u_), s_), None
+    (scanned, _), _ = jax.jit(lambda p_: jax.lax.scan(one, (p_, tx.init(p_)), gs))(p)
+    np.testing.assert_allclose(np.asarray(scanned["w"]), -sum(sum(q + i for q in range(n)) / n for i in range(3)))
     for bad in (dict(op=hvd.Adasum), dict(op=hvd.Sum, gradient_predivide_factor=2.0),
                 dict(backward_passes_per_step=0)):
         try:
