@@ -1,7 +1,8 @@
 """hora.jax on real rank processes: every op x dtype x np in {1, 2, 3}, eagerly and under ``jax.jit``, against a
 reference computed on each rank; the async forms; gradients (Horovod's rules); the data-parallel property of
 ``DistributedOptimizer`` (steps at np=2 on half batches equal one process on the whole batch, with and without
-``backward_passes_per_step``); mismatches raising on every rank; the vmap error; the example."""
+``backward_passes_per_step``, and under ``lax.scan``); process sets; mismatches raising on every rank; the vmap
+error; the example."""
 
 import os
 import re
@@ -401,3 +402,39 @@ def test_the_digits_example_reaches_95_percent_at_np2():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     accs = [float(a) for a in re.findall(r"final test accuracy ([0-9.]+)", done.stdout + done.stderr)]
     assert accs and min(accs) >= 0.95, done.stdout[-3000:]
+
+
+def _process_set_body():
+    """Collectives on a registered subset of ranks, eager and jitted; rank 1 stays out."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import hora.jax as hvd
+
+    ps = hvd.ProcessSet([0, 2])
+    hvd.init(process_sets=[ps])
+    r = hvd.rank()
+    if r == 1:
+        return "out"
+    x = jnp.full((5, 2), float(r))
+    for wrap in (lambda f: f, jax.jit):
+        np.testing.assert_allclose(np.asarray(wrap(lambda t: hvd.allreduce(t, op=hvd.Sum, process_set=ps))(x)), 2.0)
+        mine = wrap(lambda t: hvd.reducescatter(t, op=hvd.Sum, process_set=ps))(x)
+        assert mine.shape == ((3 if r == 0 else 2), 2) and np.allclose(np.asarray(mine), 2.0)
+        got = wrap(lambda t: hvd.allgather(t, process_set=ps))(x)
+        np.testing.assert_allclose(np.asarray(got)[:, 0], [0.0] * 5 + [2.0] * 5)
+        np.testing.assert_allclose(np.asarray(wrap(lambda t: hvd.broadcast(t, 2, process_set=ps))(x)), 2.0)
+        g = wrap(jax.grad(lambda t: (hvd.allgather(t, process_set=ps) * jnp.arange(10.0)[:, None]).sum()))(x)
+        np.testing.assert_allclose(np.asarray(g)[:, 0], np.arange(5.0) + (5 if r == 2 else 0))
+    tx = hvd.DistributedOptimizer(optax.sgd(1.0), process_set=ps)
+    p = {"w": jnp.zeros(2)}
+    u, _ = jax.jit(tx.update)({"w": jnp.full(2, float(r))}, tx.init(p), p)
+    np.testing.assert_allclose(np.asarray(u["w"]), -1.0)
+    return "in"
+
+
+@pytest.mark.timeout(90)
+def test_collectives_on_a_process_set():
+    assert run(3, _process_set_body, timeout=80, env=ENV) == ["in", "out", "in"]
