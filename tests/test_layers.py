@@ -257,3 +257,21 @@ def test_a_binding_imports_no_other_framework_or_binding(binding):
            for path in sorted((ROOT / binding.replace(".", "/")).rglob("*.py")) for line, target in _imports(path)
            if target.split(".")[0] in set(FRAMEWORKS) - {own} or _package_of(target, BINDINGS) not in (None, binding)]
     assert not bad, f"{binding} is one binding (design.md, Layers):\n  " + "\n  ".join(bad)
+
+
+# --- a binding loads its own framework only (hora.jax: issue 14) -----------------------------------------------
+
+_BINDING = r"""
+import importlib, json, sys
+importlib.import_module(sys.argv[1])
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules})))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("binding", "own"), [("hora.jax", {"jax"}), ("hora.torch", {"torch"})])
+def test_a_binding_loads_no_other_framework(binding, own):
+    pytest.importorskip(next(iter(own)))
+    loaded = set(json.loads(_fresh_python(_BINDING, binding)))
+    others = sorted((loaded & set(FRAMEWORKS)) - own)
+    assert not others, f"import {binding} loaded {others}; a binding loads only its own framework"

@@ -1,36 +1,137 @@
-"""JAX arrays to hora's NumPy core and back: one ordered host callback per collective (or pytree).
+"""JAX arrays to hora's NumPy core and back: one host call per collective (or per pytree).
 
-``jax.experimental.io_callback(..., ordered=True)`` is kept under ``jax.jit`` and runs in program order
-(the same order on every rank); outside ``jit`` it simply runs. A whole gradient pytree goes out in one
-callback per step (each costs ~0.2 ms).
+Inside ``jax.jit`` (any traced input) the call is a ``jax.experimental.io_callback(..., ordered=True)``:
+XLA keeps it and runs it in program order, so every rank submits its collectives in the same order (what
+the core's automatic names need). Each costs ~0.2 ms, so a whole gradient pytree goes out in one callback;
+and since a callback's cost also grows with its number of arguments (50 small arrays cost ~4x one array of
+their total size), arrays under 1 MiB travel packed, one flat buffer per dtype, unpacked into views on the
+host and packed again for the trip back (:class:`Packing`).
+Outside ``jit`` the host function runs at once on NumPy views of the arrays, after
+``jax.effects_barrier()`` so that an eager collective cannot overtake one still queued by a jitted call
+(which would give the ranks different orders).
+
+An ordered callback cannot be batched: under ``jax.vmap`` the call raises a :class:`HoraValueError` that
+says so (through ``jax.custom_batching.custom_vmap``) instead of JAX's generic message.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
 import hora.core.ops as _core
+from hora.base.errors import HoraValueError
 from hora.core.process_sets import ProcessSet, global_process_set
 
-__all__ = ["host_call", "grouped_allreduce"]
+__all__ = ["host_call", "grouped_allreduce", "traced", "settle", "Packing"]
 
 
-def host_call(fn, inputs: list, result_shapes: list) -> list:
-    """``fn(*arrays) -> list of arrays`` on the host; ``result_shapes``: ``jax.ShapeDtypeStruct`` per output."""
-    def run(*arrays):
-        return [np.asarray(r) for r in fn(*[np.asarray(a) for a in arrays])]
-    return list(io_callback(run, list(result_shapes), *inputs, ordered=True))
+def traced(arrays: Sequence) -> bool:
+    """True when any of ``arrays`` is a tracer (we are inside ``jit``, ``grad`` of a jitted function, ...)."""
+    return any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def settle() -> None:
+    """Wait until every ordered host callback already dispatched has run (an eager collective goes after)."""
+    jax.effects_barrier()
+
+
+def _vmap_refused(what: str):
+    def rule(axis_size, in_batched, *args):
+        raise HoraValueError(f"{what}: hora's collectives cannot run under jax.vmap: each is one ordered host "
+                             "call that every rank must make in the same order, and a batched call has no order. "
+                             "Call the collective outside vmap on the stacked array (it reduces each element), "
+                             "or vmap only the computation around it")
+    return rule
+
+
+def host_call(fn: Callable, inputs: list, result_shapes: list | None, what: str = "collective") -> list:
+    """``fn(*numpy arrays) -> list of arrays`` on the host, returned as jax arrays.
+
+    ``result_shapes``: a ``jax.ShapeDtypeStruct`` per output. Under ``jit`` they are fixed when the function
+    is traced, and a result of another shape is refused with a HoraValueError (``what`` names the
+    collective); outside ``jit`` they are not needed (``None``: whatever ``fn`` returns).
+    """
+    inputs = list(inputs)
+    if not traced(inputs):
+        settle()
+        return [jnp.asarray(r) for r in fn(*[np.asarray(a) for a in inputs])]
+    if result_shapes is None:
+        raise HoraValueError(f"{what}: the shape of its result is known only when it runs, so it cannot run "
+                             "inside jax.jit; call it outside jit")
+    shapes = list(result_shapes)
+    ins, outs = Packing(inputs), Packing(shapes)
+
+    def run(*buffers):
+        out = [np.asarray(r) for r in fn(*ins.unpack([np.asarray(b) for b in buffers], np))]
+        for r, s in zip(out, shapes):
+            if r.shape != tuple(s.shape):
+                raise HoraValueError(f"{what}: inside jax.jit the result's shape is fixed when the function is "
+                                     f"traced ({tuple(s.shape)}), but the ranks' inputs made {r.shape}; give "
+                                     "every rank the same shapes inside jit, or call it outside jit")
+        return outs.pack(out, np)
+
+    @jax.custom_batching.custom_vmap
+    def call(*xs):
+        return io_callback(run, outs.buffers, *xs, ordered=True)
+    call.def_vmap(_vmap_refused(what))
+    return outs.unpack(call(*ins.pack(inputs, jnp)), jnp)
+
+
+class Packing:
+    """How a list of arrays travels through a callback: each one of 1 MiB or more alone, the smaller ones
+    raveled into one buffer per dtype. ``pack``/``unpack`` work with ``jnp`` (in the traced program) and with
+    ``np`` (in the callback, where the unpacked arrays are views of the buffer)."""
+
+    LIMIT = 1 << 20
+
+    def __init__(self, arrays: Sequence) -> None:
+        self.shapes = [tuple(a.shape) for a in arrays]
+        groups: dict = {}
+        self.plan: list[list[int]] = []  # per buffer: the indices of its arrays
+        for i, a in enumerate(arrays):
+            dt = np.dtype(a.dtype)
+            if math.prod(a.shape) * dt.itemsize >= self.LIMIT:
+                self.plan.append([i])
+            elif dt in groups:
+                groups[dt].append(i)
+            else:
+                groups[dt] = [i]
+                self.plan.append(groups[dt])
+        self.buffers = [jax.ShapeDtypeStruct((sum(math.prod(self.shapes[i]) for i in g),), arrays[g[0]].dtype)
+                        if len(g) > 1 else jax.ShapeDtypeStruct(self.shapes[g[0]], arrays[g[0]].dtype)
+                        for g in self.plan]
+
+    def pack(self, arrays: Sequence, xp) -> list:
+        return [xp.concatenate([xp.ravel(arrays[i]) for i in g]) if len(g) > 1 else arrays[g[0]] for g in self.plan]
+
+    def unpack(self, buffers: Sequence, xp) -> list:
+        out: list = [None] * len(self.shapes)
+        for g, b in zip(self.plan, buffers):
+            if len(g) == 1:
+                out[g[0]] = b
+                continue
+            at = 0
+            for i in g:
+                n = math.prod(self.shapes[i])
+                out[i] = xp.reshape(b[at:at + n], self.shapes[i])
+                at += n
+        return out
 
 
 def grouped_allreduce(arrays: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
-    """Allreduce ``arrays`` (jax arrays or tracers) as one group in one host callback."""
-    arrays = [jax.numpy.asarray(a) for a in arrays]
+    """Allreduce ``arrays`` (jax arrays or tracers) as one group in one host call; not differentiable
+    (``hora.jax.grouped_allreduce`` is)."""
+    arrays = [a if isinstance(a, jax.core.Tracer) else jnp.asarray(a) for a in arrays]
     if not arrays:
         return []
 
     def run(*xs):
         return _core.grouped_allreduce(list(xs), op, prescale_factor, postscale_factor, name, process_set)
-    return host_call(run, arrays, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays])
+    return host_call(run, arrays, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays], "grouped_allreduce")
