@@ -4,6 +4,7 @@ A binding (``hora.torch``, ``hora.tensorflow``, ``hora.keras``, ``hora.jax``, ``
 framework's tensors into NumPy arrays, calls :mod:`hora.core.ops`, and turns the results back. Everything
 that is not conversion lives here, so that the bindings cannot drift apart:
 
+* :func:`init` / :func:`shutdown`: the core's, also forgetting the handles' post-processing;
 * :func:`resolve_op`: Horovod's deprecated ``average=`` against ``op=``;
 * :func:`viewed` / :func:`grouped_viewed`: convert an input, and when it is refused tell the peers (who
   would otherwise wait for this rank until the stall shutdown);
@@ -29,8 +30,8 @@ from hora.base.errors import HoraValueError
 from hora.core.ops import Average, Sum, check_op
 from hora.core.process_sets import ProcessSet, global_process_set
 
-__all__ = ["resolve_op", "viewed", "grouped_viewed", "Posts", "posts", "allreduce_grad", "allgather_grad",
-           "broadcast_grad", "alltoall_grad", "reducescatter_grad", "predivide", "split_groups",
+__all__ = ["init", "shutdown", "resolve_op", "viewed", "grouped_viewed", "Posts", "posts", "allreduce_grad",
+           "allgather_grad", "broadcast_grad", "alltoall_grad", "reducescatter_grad", "predivide", "split_groups",
            "check_optimizer_args", "cast_compressors", "pack_sparse", "unpack_sparse"]
 
 
@@ -75,6 +76,21 @@ def grouped_viewed(view: Callable, tensors, what: str, name=None,
     except HoraValueError as e:
         _core.refused_group(what.removeprefix("grouped_").rstrip("_"), e, len(tensors), name, process_set)
         raise
+
+
+# -- initialisation ---------------------------------------------------------------------------------
+def init(comm=None, process_sets=None) -> None:
+    """:func:`hora.init` for a binding; a new initialisation also forgets the handles of the last one (their
+    ids restart), so a post-processing left from it cannot be applied to a new handle."""
+    if not _basics.is_initialized():
+        posts.clear()
+    _basics.init(comm, process_sets)
+
+
+def shutdown() -> None:
+    """:func:`hora.shutdown` for a binding; pending handles' post-processing is forgotten."""
+    posts.clear()
+    _basics.shutdown()
 
 
 # -- handles ----------------------------------------------------------------------------------------

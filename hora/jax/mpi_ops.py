@@ -27,7 +27,7 @@ import hora.core.frontend as _fe
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError, NotSupportedError
 from hora.collectives.reduce import check_dtype
-from hora.core.frontend_jax import init, shutdown
+from hora.core.frontend import init, shutdown
 from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.jax.bridge import host_call, settle

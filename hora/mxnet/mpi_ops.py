@@ -26,8 +26,8 @@ import mxnet as mx
 import numpy as np
 from mxnet.base import _LIB, MXNetError, check_call
 
-import hora.core.basics as _basics
 import hora.core.frontend as _fe
+from hora.core.frontend import init, shutdown
 import hora.core.ops as _core
 from hora.base.errors import HoraError, HoraValueError
 from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
@@ -42,17 +42,8 @@ _MX_DTYPES = "uint8, int8, int32, int64, float16, float32, float64 or bool"
 _ZERO_COPY = frozenset({"uint8", "int32", "int64", "float16", "float32", "float64"})
 
 
-def init(comm=None, process_sets=None) -> None:
-    """:func:`hora.init`."""
-    if not _basics.is_initialized():
-        _fe.posts.clear()
-    _basics.init(comm, process_sets)
 
 
-def shutdown() -> None:
-    """:func:`hora.shutdown`."""
-    _fe.posts.clear()
-    _basics.shutdown()
 
 
 # -- errors ----------------------------------------------------------------------------------------

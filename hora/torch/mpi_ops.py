@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import hora.core.basics as _basics
 import hora.core.frontend as _fe
+from hora.core.frontend import init, shutdown
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
 from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
@@ -35,17 +35,8 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "init", "shutdow
 _posts = _fe.posts  # handle -> function turning the core's result into what synchronize returns
 
 
-def init(comm=None, process_sets=None) -> None:
-    """:func:`hora.init`; a new initialisation also forgets the handles of the last one (ids restart)."""
-    if not _basics.is_initialized():
-        _posts.clear()
-    _basics.init(comm, process_sets)
 
 
-def shutdown() -> None:
-    """:func:`hora.shutdown`; pending handles of this binding are forgotten."""
-    _posts.clear()
-    _basics.shutdown()
 
 
 # -- tensors <-> arrays --------------------------------------------------------------------------
