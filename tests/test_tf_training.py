@@ -264,3 +264,101 @@ def test_sync_batch_norm_equals_whole_batch():
         return True
 
     assert run(2, body, timeout=110, env=ENV) == [True, True]
+
+
+@pytest.mark.timeout(120)
+def test_wrappers_more_ways():
+    """fp16 compression, two models' tapes in turn under the same names, the v1 optimizer eagerly, and
+    SyncBatchNormalization inside a tf.function."""
+    def body():
+        tf, hora = _tf()
+        from hora.core.frontend import cast_compressors
+        from hora.tensorflow.gradient_tape import DistributedGradientTape
+        from hora.tensorflow.optimizer import DistributedOptimizer
+        from hora.tensorflow.sync_batch_norm import SyncBatchNormalization
+
+        r, n = hora.rank(), hora.size()
+        _, _, compression = cast_compressors("t", lambda t: t.dtype.is_floating, lambda t: t.dtype, tf.cast,
+                                             tf.float16, tf.bfloat16)
+        a = tf.Variable(np.full(5, 1.0, np.float32))
+        b = tf.Variable(np.full((2, 3), 1.0, np.float64))
+
+        @tf.function
+        def two_models():
+            with tf.GradientTape() as t:
+                la = tf.reduce_sum(a * float(r + 1))
+            ga = DistributedGradientTape(t, compression=compression.fp16).gradient(la, [a])[0]
+            with tf.GradientTape() as t:
+                lb = tf.reduce_sum(b * float(r + 1))
+            gb = DistributedGradientTape(t, op=hora.Sum).gradient(lb, [b])[0]
+            return ga, gb
+
+        for _ in range(2):
+            ga, gb = two_models()
+            assert ga.dtype == tf.float32 and gb.dtype == tf.float64
+            np.testing.assert_allclose(ga.numpy(), np.full(5, (n + 1) / 2), rtol=1e-3)
+            np.testing.assert_allclose(gb.numpy(), np.full((2, 3), n * (n + 1) / 2))
+
+        # the v1 optimizer, eagerly: minimize(callable) on each rank's half equals the whole batch
+        x, ids, y = _data()
+        half = slice(r * 4, r * 4 + 4)
+        runs = []
+        for rows, wrap in ((slice(None), False), (half, True)):
+            ps = [tf.Variable(v) for v in _init()]
+            opt = tf.compat.v1.train.GradientDescentOptimizer(LR)
+            opt = DistributedOptimizer(opt) if wrap else opt
+            for _ in range(STEPS):
+                opt.minimize(lambda ps=ps, rows=rows: _loss(tf, ps, x[rows], ids[rows], y[rows]), var_list=ps[:3])
+            runs.append([p.numpy() for p in ps[:3]])
+        for k, (p, want) in enumerate(zip(runs[1], runs[0])):
+            np.testing.assert_allclose(p, want, rtol=1e-5, atol=1e-6, err_msg=f"eager v1 param {k}")
+
+        # SyncBatchNormalization traced
+        xs = np.random.default_rng(7).standard_normal((8, 3)).astype(np.float32)
+        bn, sbn = __import__("keras").layers.BatchNormalization(), SyncBatchNormalization()
+        want = bn(xs, training=True).numpy()[half]
+        got = tf.function(lambda v: sbn(v, training=True))(tf.constant(xs[half])).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        return True
+
+    assert run(2, body, timeout=110, env=ENV) == [True, True]
+
+
+@pytest.mark.timeout(120)
+def test_misuse_raises_on_every_rank():
+    def body():
+        tf, hora = _tf()
+        from hora.base.errors import HoraError, HoraValueError
+        from hora.tensorflow.gradient_tape import DistributedGradientTape
+        from hora.tensorflow.optimizer import DistributedOptimizer
+
+        r = hora.rank()
+        seen = []
+        for bad in (lambda: DistributedOptimizer(object()),
+                    lambda: DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), op=hora.Sum,
+                                                 gradient_predivide_factor=2.0),
+                    lambda: DistributedGradientTape(tf.GradientTape(), backward_passes_per_step=1)):
+            try:
+                bad()
+            except (HoraValueError, TypeError) as e:
+                seen.append(type(e).__name__)
+        e = tf.Variable(tf.ones([4, 2]))
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(tf.gather(e, [r]))
+        try:
+            DistributedGradientTape(t, op=hora.Max).gradient(loss, [e])
+        except HoraValueError as err:
+            seen.append("sparse:" + ("sparse_as_dense" in str(err)) * "hint")
+        # a gradient whose shape differs between the ranks: an error on every rank, not a hang
+        v = tf.Variable(tf.ones([3 + r]))
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(v)
+        try:
+            DistributedGradientTape(t).gradient(loss, [v])
+        except HoraError as err:
+            seen.append(type(err).__name__)
+        return seen
+
+    for seen in run(2, body, timeout=110, env=ENV):
+        assert seen[:4] == ["HoraValueError", "HoraValueError", "TypeError", "sparse:hint"], seen
+        assert seen[4] == "MismatchError", seen

@@ -5,17 +5,18 @@ Framework-free so that a binding only converts: it hands the arrays, their group
 and turns the results back into its tensors.
 
 * :func:`group_plan`: which gradients go in which core group, from Horovod's ``groups`` argument;
-* :func:`group_names`: names the same on every rank for the same model, so each group hits the
-  response cache every step;
-* :func:`reduce_groups`: several core groups started together and waited for together (one host call);
+* :func:`group_names`: names by position, the same on every rank, so each group hits the response cache
+  every step and a mismatch between ranks is reported rather than waited for;
+* :func:`reduce_groups` / :func:`broadcast_all`: several collectives started together and waited for
+  together (:func:`start_then_wait`), inside one host call;
 * :func:`gather_sparse`: a sparse gradient's rows from every rank, in one allgather (Horovod's
   treatment of ``IndexedSlices``), averaged or summed.
 """
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -25,7 +26,8 @@ from hora.core.frontend import pack_sparse, split_groups, unpack_sparse
 from hora.core.ops import Average, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
 
-__all__ = ["group_plan", "group_names", "reduce_groups", "gather_sparse", "check_sparse_op"]
+__all__ = ["group_plan", "group_names", "start_then_wait", "reduce_groups", "broadcast_all", "gather_sparse",
+           "check_sparse_op"]
 
 
 def group_plan(n: int, groups, member_of: Sequence[int | None] | None = None) -> list[list[int]]:
@@ -48,41 +50,55 @@ def group_plan(n: int, groups, member_of: Sequence[int | None] | None = None) ->
     return list(plan.values())
 
 
-def group_names(prefix: str, names: Sequence[str], plan: list[list[int]]) -> list[str]:
-    """One name per group: ``prefix.<k>.<crc of its members' names>``, equal across ranks that reduce the
-    same variables, and different for a different set of variables under the same prefix (a second model)."""
+def group_names(prefix: str, plan: list[list[int]]) -> list[str]:
+    """One name per group, by position: ``prefix.<k>``. The same on every rank whatever the variables are
+    called, so that ranks whose gradients differ (another model, a different shape) meet under the same
+    names, and the core reports the mismatch on every rank instead of each waiting for names the others
+    never submit. A named group keeps its id every step, so it hits the response cache."""
+    return [f"{prefix}.{k}" for k in range(len(plan))]
+
+
+def start_then_wait(starts: Sequence[Callable[[], int]]) -> list:
+    """Call every ``start()`` (each submits a collective and returns its handle) before waiting for any, so
+    that they negotiate and travel together, then the results in order. Every started collective is waited
+    for even after one fails, so that none is left in flight; the first error is raised."""
+    handles, error = [], None
+    try:
+        for start in starts:
+            handles.append(start())
+    except Exception as e:  # noqa: BLE001 - raised below, once the started ones are drained
+        error = e
     out = []
-    for k, members in enumerate(plan):
-        crc = zlib.crc32("\0".join(names[i] for i in members).encode())
-        out.append(f"{prefix}.{k}.{crc:08x}")
+    for h in handles:
+        try:
+            out.append(_core.synchronize(h))
+        except Exception as e:  # noqa: BLE001 - the first error wins
+            error = error or e
+    if error is not None:
+        raise error
     return out
 
 
 def reduce_groups(arrays: Sequence[np.ndarray], plan: list[list[int]], op: int, prescale_factor: float,
                   postscale_factor: float, names: Sequence[str | None],
                   process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
-    """Allreduce ``arrays`` in the groups of ``plan``: every group is submitted before any is waited for, so
-    they negotiate and travel together. Returns the results in ``arrays``' order. Every started group is
-    waited for even after one fails, so none is left in flight; the first error is raised."""
+    """Allreduce ``arrays`` in the groups of ``plan``, all started before any is waited for
+    (:func:`start_then_wait`); the results in ``arrays``' order."""
     arrays = list(arrays)
+    starts = [functools.partial(_core.grouped_allreduce_async, [arrays[i] for i in members], op, prescale_factor,
+                                postscale_factor, name, process_set) for members, name in zip(plan, names)]
     out: list = [None] * len(arrays)
-    started, error = [], None
-    try:
-        for members, name in zip(plan, names):
-            h = _core.grouped_allreduce_async([arrays[i] for i in members], op, prescale_factor, postscale_factor,
-                                              name, process_set)
-            started.append((members, h))
-    except Exception as e:  # noqa: BLE001 - raised below, once the started groups are drained
-        error = e
-    for members, h in started:
-        try:
-            for i, r in zip(members, _core.synchronize(h)):
-                out[i] = r
-        except Exception as e:  # noqa: BLE001 - the first error wins
-            error = error or e
-    if error is not None:
-        raise error
+    for members, results in zip(plan, start_then_wait(starts)):
+        for i, r in zip(members, results):
+            out[i] = r
     return out
+
+
+def broadcast_all(arrays: Sequence[np.ndarray], root_rank: int, names: Sequence[str | None],
+                  process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    """Broadcast every array from ``root_rank``, all started before any is waited for."""
+    return start_then_wait([functools.partial(_core.broadcast_async, a, root_rank, name, process_set)
+                            for a, name in zip(arrays, names)])
 
 
 def check_sparse_op(op: int, where: str) -> None:

@@ -9,31 +9,12 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-import hora.core.ops as _core
 from hora.base.errors import HoraValueError
+from hora.core.frontend_tftrain import broadcast_all
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow import bridge
 
 __all__ = ["broadcast_variables"]
-
-
-def _broadcast_all(arrays, root_rank: int, names: list, process_set: ProcessSet) -> list:
-    """Start a broadcast per array, then wait for all (even after a failure, so none stays in flight)."""
-    handles, error = [], None
-    try:
-        for a, name in zip(arrays, names):
-            handles.append(_core.broadcast_async(a, root_rank, name, process_set))
-    except Exception as e:  # noqa: BLE001 - raised below, once the started ones are drained
-        error = e
-    out = []
-    for h in handles:
-        try:
-            out.append(_core.synchronize(h))
-        except Exception as e:  # noqa: BLE001 - the first error wins
-            error = error or e
-    if error is not None:
-        raise error
-    return out
 
 
 def _name(v, i: int) -> str:
@@ -56,7 +37,7 @@ def broadcast_variables(variables, root_rank: int, process_set: ProcessSet = glo
     values = [tf.convert_to_tensor(v) for v in variables]
 
     def run(*arrays):
-        return _broadcast_all(arrays, root_rank, names, process_set)
+        return broadcast_all(arrays, root_rank, names, process_set)
     received = bridge.host_call(run, values, [t.dtype for t in values])
     assigns = [v.assign(r) for v, r in zip(variables, received)]
     return None if tf.executing_eagerly() else tf.group(*assigns)

@@ -5,7 +5,8 @@ A step's dense gradients go out in ONE stateful host call (each call costs ~55 Â
 ``tf.function``), which starts every core group (``groups``) before waiting for any; sparse gradients
 (``IndexedSlices``, from embeddings) are gathered, values and indices in one allgather each, unless
 ``sparse_as_dense``. A ``None`` gradient stays ``None`` (as Horovod). Names are taken when the function
-is traced, from the sources, so the ranks agree on them and each group hits the response cache.
+is traced, by position, so the ranks agree on them, each group hits the response cache, and ranks whose
+gradients differ get a mismatch error rather than a hang.
 
 As in Horovod the wrapped tape is an instance of a dynamic subclass of the tape's own class, sharing
 its recording, so ``isinstance(tape, tf.GradientTape)`` holds.
@@ -26,12 +27,6 @@ from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow import bridge
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "GradientReducer"]
-
-
-def _source_name(v, i: int) -> str:
-    """A variable's name for the wire: Keras 3's unique ``path``, else TF's ``name``, else its position."""
-    name = getattr(v, "path", None) or getattr(v, "name", None)
-    return str(name) if name else f"source.{i}"
 
 
 class GradientReducer:
@@ -63,11 +58,10 @@ class GradientReducer:
         """As in Horovod: no reduction for a world of one, unless elastic training may grow it."""
         return self.process_set.size() > 1 or bool(knobs.value("elastic"))
 
-    def __call__(self, grads: list, sources: list, use_generic_names: bool = False) -> list:
+    def __call__(self, grads: list, sources: list) -> list:
         grads = list(grads)
         if not self.active():
             return grads
-        names = [f"grad.{i}" if use_generic_names else _source_name(v, i) for i, v in enumerate(sources)]
         out = list(grads)
         dense, sparse = [], []
         for i, g in enumerate(grads):
@@ -78,18 +72,17 @@ class GradientReducer:
             (sparse if isinstance(g, tf.IndexedSlices) else dense).append(i)
         if dense:
             with tf.device(self.device_dense):
-                for i, r in zip(dense, self._reduce_dense([out[i] for i in dense], [sources[i] for i in dense],
-                                                          [names[i] for i in dense])):
+                for i, r in zip(dense, self._reduce_dense([out[i] for i in dense], [sources[i] for i in dense])):
                     out[i] = r
         for i in sparse:
             with tf.device(self.device_sparse):
-                out[i] = self._gather_sparse(out[i], f"{self.where}.sparse.{names[i]}")
+                out[i] = self._gather_sparse(out[i], f"{self.where}.sparse.{i}")
         return out
 
-    def _reduce_dense(self, grads: list, sources: list, names: list) -> list:
+    def _reduce_dense(self, grads: list, sources: list) -> list:
         member_of = [self._list_of.get(id(v)) for v in sources] if self._list_of else None
         plan = _ft.group_plan(len(grads), self.groups, member_of)
-        wire = _ft.group_names(self.where, names, plan)
+        wire = _ft.group_names(self.where, plan)
         packed = [self.compression.compress(tf.convert_to_tensor(g)) for g in grads]
         tensors = [t for t, _ in packed]
         op, pre, post, ps = self.op, self.prescale, self.postscale, self.process_set
@@ -125,13 +118,16 @@ class _DistributedGradientTape:
         self._hora_local[id(source)] = source
 
     def gradient(self, target, sources, output_gradients=None, use_generic_names: bool = False):
+        """The gradients of ``target`` with respect to ``sources``, reduced over the ranks (local sources
+        excepted). ``use_generic_names``: accepted, no effect: the wire names are positional on every
+        rank anyway (:func:`hora.core.frontend_tftrain.group_names`)."""
         grads = super().gradient(target, sources, output_gradients)
         flat_sources = tf.nest.flatten(sources)
         flat = tf.nest.flatten(grads)
         local = [i for i, v in enumerate(flat_sources) if id(v) in self._hora_local]
         shared = [i for i in range(len(flat)) if i not in set(local)]
         out = list(flat)
-        reduced = self._hora_reducer([flat[i] for i in shared], [flat_sources[i] for i in shared], use_generic_names)
+        reduced = self._hora_reducer([flat[i] for i in shared], [flat_sources[i] for i in shared])
         for i, r in zip(shared, reduced):
             out[i] = r
         size = self._hora_reducer.process_set.size()
