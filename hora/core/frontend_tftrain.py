@@ -8,9 +8,7 @@ and turns the results back into its tensors.
 * :func:`group_names`: names by position, the same on every rank, so each group hits the response cache
   every step and a mismatch between ranks is reported rather than waited for;
 * :func:`reduce_groups` / :func:`broadcast_all`: several collectives started together and waited for
-  together (:func:`start_then_wait`), inside one host call;
-* :func:`gather_sparse`: a sparse gradient's rows from every rank, in one allgather (Horovod's
-  treatment of ``IndexedSlices``), averaged or summed.
+  together (:func:`start_then_wait`), inside one host call.
 """
 
 from __future__ import annotations
@@ -22,12 +20,10 @@ import numpy as np
 
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
-from hora.core.frontend import pack_sparse, split_groups, unpack_sparse
-from hora.core.ops import Average, Sum
+from hora.core.frontend import split_groups
 from hora.core.process_sets import ProcessSet, global_process_set
 
-__all__ = ["group_plan", "group_names", "start_then_wait", "reduce_groups", "broadcast_all", "gather_sparse",
-           "check_sparse_op"]
+__all__ = ["group_plan", "group_names", "start_then_wait", "reduce_groups", "broadcast_all"]
 
 
 def group_plan(n: int, groups, member_of: Sequence[int | None] | None = None) -> list[list[int]]:
@@ -99,23 +95,3 @@ def broadcast_all(arrays: Sequence[np.ndarray], root_rank: int, names: Sequence[
     """Broadcast every array from ``root_rank``, all started before any is waited for."""
     return start_then_wait([functools.partial(_core.broadcast_async, a, root_rank, name, process_set)
                             for a, name in zip(arrays, names)])
-
-
-def check_sparse_op(op: int, where: str) -> None:
-    """Sparse gradients are gathered, then averaged or summed: only those two ops make sense (Horovod
-    refuses the others too)."""
-    if op not in (Average, Sum):
-        raise HoraValueError(f"{where}: sparse gradients (IndexedSlices) are gathered, which only supports "
-                             "op=hvd.Average or op=hvd.Sum; pass sparse_as_dense=True to reduce them dense")
-
-
-def gather_sparse(indices: np.ndarray, values: np.ndarray, op: int, name: str | None,
-                  process_set: ProcessSet = global_process_set) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's rows of a sparse gradient: ``(indices int64 (n,), values (n, ...))``, the values divided
-    by the set's size for Average (the gathered rows then add up, where duplicated, to the mean)."""
-    rows, cols = pack_sparse(np.asarray(indices).reshape(-1), np.asarray(values))
-    gathered = _core.allgather(rows, name, process_set)
-    idx, vals = unpack_sparse(gathered, cols, np.asarray(values).shape[1:])
-    if op == Average:
-        vals = (vals / process_set.size()).astype(vals.dtype, copy=False)
-    return idx.reshape(-1), vals

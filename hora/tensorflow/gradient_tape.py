@@ -24,7 +24,7 @@ from hora.core import frontend_tftrain as _ft
 from hora.core.frontend import NoneCompressor, check_optimizer_args, predivide
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
-from hora.tensorflow import bridge
+from hora.tensorflow import bridge, mpi_ops
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "GradientReducer"]
 
@@ -70,19 +70,24 @@ class GradientReducer:
             if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
                 g = out[i] = tf.convert_to_tensor(g)
             (sparse if isinstance(g, tf.IndexedSlices) else dense).append(i)
+        # One call after the other: a v1 Session may start independent ops in any order, and two blocking
+        # host calls started in different orders on two ranks would wait for each other.
+        after: list = []
         if dense:
             with tf.device(self.device_dense):
                 for i, r in zip(dense, self._reduce_dense([out[i] for i in dense], [sources[i] for i in dense])):
                     out[i] = r
-        for i in sparse:
-            with tf.device(self.device_sparse):
-                out[i] = self._gather_sparse(out[i], f"{self.where}.sparse.{i}")
+            after = [out[dense[0]]]
+        for i in sparse:  # Horovod's allreduce of IndexedSlices: values and indices gathered
+            with tf.device(self.device_sparse), tf.control_dependencies(after):
+                out[i] = mpi_ops.allreduce(out[i], op=self.op, process_set=self.process_set)
+            after = [out[i].values]
         return out
 
     def _reduce_dense(self, grads: list, sources: list) -> list:
         member_of = [self._list_of.get(id(v)) for v in sources] if self._list_of else None
         plan = _ft.group_plan(len(grads), self.groups, member_of)
-        wire = _ft.group_names(self.where, plan)
+        wire = _ft.group_names(bridge.op_name("Allreduce", grads[0], self.where), plan)
         packed = [self.compression.compress(tf.convert_to_tensor(g)) for g in grads]
         tensors = [t for t, _ in packed]
         op, pre, post, ps = self.op, self.prescale, self.postscale, self.process_set
@@ -91,19 +96,6 @@ class GradientReducer:
             return _ft.reduce_groups(arrays, plan, op, pre, post, wire, ps)
         reduced = bridge.host_call(run, tensors, [t.dtype for t in tensors])
         return [self.compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
-
-    def _gather_sparse(self, g: tf.IndexedSlices, name: str) -> tf.IndexedSlices:
-        _ft.check_sparse_op(self.op, self.where)
-        op, ps = self.op, self.process_set
-        values = g.values
-
-        def run(indices, vals):
-            return _ft.gather_sparse(indices, vals, op, name, ps)
-        idx, vals = bridge.host_call(run, [g.indices, values], [tf.int64, values.dtype],
-                                     shapes=[tf.TensorShape([None]), tf.TensorShape([None]).concatenate(
-                                         values.shape[1:])])
-        return tf.IndexedSlices(vals, tf.cast(idx, g.indices.dtype), g.dense_shape)
-
 
 class _DistributedGradientTape:
     """The methods mixed in front of the wrapped tape's class."""

@@ -2,8 +2,8 @@
 those of the whole batch over every rank.
 
 Each rank sums its inputs and their squares over the reduction axes and counts its elements; the three
-are summed over the ranks in one differentiable host call (the gradient of a Sum allreduce is the Sum
-allreduce of the gradients, Horovod's rule), and the mean and variance come from the totals. So with
+are summed over the ranks in one grouped allreduce, differentiable (the gradient of a Sum allreduce is the
+Sum allreduce of the gradients, Horovod's rule), and the mean and variance come from the totals. So with
 equal shards the layer computes what one process computes on the concatenated batch.
 """
 
@@ -14,18 +14,9 @@ import tensorflow as tf
 
 from hora.core.ops import Sum
 from hora.core.process_sets import ProcessSet, global_process_set
-from hora.tensorflow import bridge
+from hora.tensorflow import mpi_ops
 
 __all__ = ["SyncBatchNormalization"]
-
-
-def _sum_over_ranks(tensors: list, process_set: ProcessSet) -> list:
-    @tf.custom_gradient
-    def run(*xs):
-        def grad(*dys):
-            return bridge.grouped_allreduce(list(dys), Sum, process_set=process_set)
-        return bridge.grouped_allreduce(list(xs), Sum, process_set=process_set), grad
-    return list(run(*tensors))
 
 
 @keras.saving.register_keras_serializable(package="hora")
@@ -50,9 +41,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             weights = tf.ones_like(x)
         else:
             weights = tf.cast(tf.broadcast_to(tf.expand_dims(mask, -1), tf.shape(x)), x.dtype)
-        total, squares, count = _sum_over_ranks(
+        total, squares, count = mpi_ops.grouped_allreduce(
             [tf.reduce_sum(x * weights, axes), tf.reduce_sum(tf.square(x) * weights, axes),
-             tf.reduce_sum(weights, axes)], ps)
+             tf.reduce_sum(weights, axes)], op=Sum, process_set=ps)
         count = tf.maximum(count, 1.0)
         mean = total / count
         variance = tf.maximum(squares / count - tf.square(mean), 0.0)
