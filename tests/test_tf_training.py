@@ -272,14 +272,12 @@ def test_wrappers_more_ways():
     SyncBatchNormalization inside a tf.function."""
     def body():
         tf, hora = _tf()
-        from hora.core.frontend import cast_compressors
+        from hora.tensorflow.compression import Compression as compression
         from hora.tensorflow.gradient_tape import DistributedGradientTape
         from hora.tensorflow.optimizer import DistributedOptimizer
         from hora.tensorflow.sync_batch_norm import SyncBatchNormalization
 
         r, n = hora.rank(), hora.size()
-        _, _, compression = cast_compressors("t", lambda t: t.dtype.is_floating, lambda t: t.dtype, tf.cast,
-                                             tf.float16, tf.bfloat16)
         a = tf.Variable(np.full(5, 1.0, np.float32))
         b = tf.Variable(np.full((2, 3), 1.0, np.float64))
 

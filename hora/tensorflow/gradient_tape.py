@@ -21,10 +21,11 @@ import tensorflow as tf
 from hora.base import knobs
 from hora.base.errors import HoraValueError
 from hora.core import frontend_tftrain as _ft
-from hora.core.frontend import NoneCompressor, check_optimizer_args, predivide
+from hora.core.frontend import check_optimizer_args, predivide
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow import bridge, mpi_ops
+from hora.tensorflow.compression import Compression
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "GradientReducer"]
 
@@ -34,7 +35,7 @@ class GradientReducer:
 
     ``where`` names the wrapper in errors and prefixes the wire names."""
 
-    def __init__(self, where: str, compression=NoneCompressor, sparse_as_dense: bool = False, op: int = Average,
+    def __init__(self, where: str, compression=Compression.none, sparse_as_dense: bool = False, op: int = Average,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                  process_set: ProcessSet = global_process_set, device_dense: str = "", device_sparse: str = ""):
         check_optimizer_args(where, op, gradient_predivide_factor)
@@ -130,7 +131,7 @@ class _DistributedGradientTape:
         return tf.nest.pack_sequence_as(grads, out)
 
 
-def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str = "", compression=NoneCompressor,
+def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str = "", compression=Compression.none,
                             sparse_as_dense: bool = False, op: int = Average, gradient_predivide_factor: float = 1.0,
                             num_groups: int = 0, groups=None, process_set: ProcessSet = global_process_set,
                             scale_local_gradients: bool = True):
@@ -152,7 +153,7 @@ def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str
 
 
 def PartialDistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str = "",
-                                   compression=NoneCompressor, sparse_as_dense: bool = False, op: int = Average,
+                                   compression=Compression.none, sparse_as_dense: bool = False, op: int = Average,
                                    gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                                    process_set: ProcessSet = global_process_set, local_layers=None,
                                    scale_local_gradients: bool = True):

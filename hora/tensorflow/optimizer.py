@@ -13,9 +13,10 @@ from __future__ import annotations
 import tensorflow as tf
 
 from hora.base.errors import HoraValueError
-from hora.core.frontend import NoneCompressor, check_optimizer_args
+from hora.core.frontend import check_optimizer_args
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
+from hora.tensorflow.compression import Compression
 from hora.tensorflow.gradient_tape import GradientReducer
 
 __all__ = ["DistributedOptimizer"]
@@ -130,7 +131,7 @@ def _is_keras_optimizer(optimizer) -> bool:
 
 
 def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool = False, device_dense: str = "",
-                         device_sparse: str = "", compression=NoneCompressor, sparse_as_dense: bool = False,
+                         device_sparse: str = "", compression=Compression.none, sparse_as_dense: bool = False,
                          backward_passes_per_step: int = 1, op: int = Average, gradient_predivide_factor: float = 1.0,
                          average_aggregated_gradients: bool = False, num_groups: int = 0, groups=None,
                          process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True):

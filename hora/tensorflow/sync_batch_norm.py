@@ -21,15 +21,19 @@ __all__ = ["SyncBatchNormalization"]
 
 @keras.saving.register_keras_serializable(package="hora")
 class SyncBatchNormalization(keras.layers.BatchNormalization):
-    """Batch normalization with statistics synchronized over the ranks of ``process_set`` (TensorFlow
-    backend). Takes ``BatchNormalization``'s arguments, except ``synchronized`` (that is tf.distribute's)."""
+    """Batch normalization with statistics synchronized over the ranks (TensorFlow backend). Takes
+    ``BatchNormalization``'s arguments, as Horovod's does, except ``synchronized`` (tf.distribute's);
+    ``process_set`` (keyword, hora only) limits the statistics to a set's ranks."""
 
-    def __init__(self, *args, process_set: ProcessSet = global_process_set, **kwargs):
+    def __init__(self, fused=False, **kwargs):
+        if fused in (True, None):
+            raise ValueError("SyncBatchNormalization does not support fused=True")
         if kwargs.pop("synchronized", False):
             raise ValueError("SyncBatchNormalization synchronizes over hora's ranks; synchronized=True is "
                              "tf.distribute's and cannot be combined with it")
-        super().__init__(*args, **kwargs)
-        self._hora_process_set = process_set
+        process_set = kwargs.pop("process_set", global_process_set)
+        super().__init__(**kwargs)
+        self._hora_process_set: ProcessSet = process_set
 
     def _moments(self, inputs, mask):
         ps = self._hora_process_set
