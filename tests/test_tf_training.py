@@ -291,6 +291,18 @@ def test_wrappers_more_ways():
             gb = DistributedGradientTape(t, op=hora.Sum).gradient(lb, [b])[0]
             return ga, gb
 
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+        def mixed(z):  # two dtypes in one call (two flat buffers), and a source of unknown shape
+            with tf.GradientTape() as t:
+                t.watch(z)
+                loss = (tf.reduce_sum(a * float(r + 1)) + tf.cast(tf.reduce_sum(b * float(r + 1)), tf.float32)
+                        + tf.reduce_sum(z * z))
+            return DistributedGradientTape(t, op=hora.Sum).gradient(loss, [a, b, z])
+
+        ga, gb, gz = mixed(tf.constant([1.0, 2.0, 3.0]))
+        np.testing.assert_allclose(ga.numpy(), np.full(5, n * (n + 1) / 2))
+        np.testing.assert_allclose(gb.numpy(), np.full((2, 3), n * (n + 1) / 2))
+        np.testing.assert_allclose(gz.numpy(), [2.0 * n, 4.0 * n, 6.0 * n])
         for _ in range(2):
             ga, gb = two_models()
             assert ga.dtype == tf.float32 and gb.dtype == tf.float64

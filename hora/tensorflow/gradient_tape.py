@@ -14,6 +14,7 @@ its recording, so ``isinstance(tape, tf.GradientTape)`` holds.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import tensorflow as tf
@@ -92,11 +93,28 @@ class GradientReducer:
         packed = [self.compression.compress(tf.convert_to_tensor(g)) for g in grads]
         tensors = [t for t, _ in packed]
         op, pre, post, ps = self.op, self.prescale, self.postscale, self.process_set
-
-        def run(*arrays):
-            return _ft.reduce_groups(arrays, plan, op, pre, post, wire, ps)
-        reduced = bridge.host_call(run, tensors, [t.dtype for t in tensors])
+        if not all(t.shape.is_fully_defined() for t in tensors):  # shapes known only when run: one input each
+            def run(*arrays):
+                return _ft.reduce_groups(arrays, plan, op, pre, post, wire, ps)
+            reduced = bridge.host_call(run, tensors, [t.dtype for t in tensors])
+        else:
+            reduced = self._through_flat(tensors, plan, wire)
         return [self.compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
+
+    def _through_flat(self, tensors: list, plan: list, wire: list) -> list:
+        """The host call with one flat buffer per dtype in and out (see :func:`frontend_tftrain.flat_layout`)."""
+        layout, dtypes = _ft.flat_layout([tuple(t.shape) for t in tensors], [t.dtype for t in tensors])
+        flats = [tf.concat([tf.reshape(t, [-1]) for t, (k, _, _) in zip(tensors, layout) if k == b], 0)
+                 for b in range(len(dtypes))]
+        op, pre, post, ps = self.op, self.prescale, self.postscale, self.process_set
+
+        def run(*buffers):
+            arrays = _ft.split_flat(buffers, layout)
+            return _ft.join_flat(_ft.reduce_groups(arrays, plan, op, pre, post, wire, ps), layout, len(dtypes))
+        outs = bridge.host_call(run, flats, dtypes)
+        pieces = [iter(tf.split(o, [math.prod(s) for k, _, s in layout if k == b])) for b, o in enumerate(outs)]
+        return [tf.reshape(next(pieces[k]), shape) for k, _, shape in layout]
+
 
 class _DistributedGradientTape:
     """The methods mixed in front of the wrapped tape's class."""
