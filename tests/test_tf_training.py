@@ -359,6 +359,15 @@ def test_misuse_raises_on_every_rank():
             DistributedGradientTape(t, op=hora.Max).gradient(loss, [e])
         except NotSupportedError as err:
             seen.append("sparse:" + ("Sum and Average" in str(err)) * "hint")
+        @tf.function(jit_compile=True)
+        def under_xla():
+            with tf.GradientTape() as t:
+                loss = tf.reduce_sum(e * 2.0)
+            return DistributedGradientTape(t).gradient(loss, [e])
+        try:
+            under_xla()
+        except NotSupportedError as err:
+            seen.append("xla:" + ("jit_compile=False" in str(err)) * "hint")
         # a gradient whose shape differs between the ranks: an error on every rank, not a hang
         v = tf.Variable(tf.ones([3 + r]))
         with tf.GradientTape() as t:
@@ -371,4 +380,4 @@ def test_misuse_raises_on_every_rank():
 
     for seen in run(2, body, timeout=110, env=ENV):
         assert seen[:4] == ["HoraValueError", "HoraValueError", "TypeError", "sparse:hint"], seen
-        assert seen[4] == "MismatchError", seen
+        assert seen[4:] == ["xla:hint", "MismatchError"], seen

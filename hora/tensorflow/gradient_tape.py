@@ -103,7 +103,7 @@ class GradientReducer:
 
     def _through_flat(self, tensors: list, plan: list, wire: list) -> list:
         """The host call with one flat buffer per dtype in and out (see :func:`frontend_tftrain.flat_layout`)."""
-        layout, dtypes = _ft.flat_layout([tuple(t.shape) for t in tensors], [t.dtype for t in tensors])
+        layout, dtypes = _ft.flat_layout([tuple(t.shape.as_list()) for t in tensors], [t.dtype for t in tensors])
         flats = [tf.concat([tf.reshape(t, [-1]) for t, (k, _, _) in zip(tensors, layout) if k == b], 0)
                  for b in range(len(dtypes))]
         op, pre, post, ps = self.op, self.prescale, self.postscale, self.process_set
