@@ -323,6 +323,15 @@ def test_wrappers_more_ways():
         for k, (p, want) in enumerate(zip(runs[1], runs[0])):
             np.testing.assert_allclose(p, want, rtol=1e-5, atol=1e-6, err_msg=f"eager v1 param {k}")
 
+        # a local variable of the v1 optimizer: its gradient stays, divided by the size
+        ps = [tf.Variable(v) for v in _init()]
+        opt = DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(LR))
+        opt.register_local_var(ps[1])
+        pairs = opt.compute_gradients(lambda: _loss(tf, ps, x[half], ids[half], y[half]), var_list=ps[:2])
+        with tf.GradientTape() as t:
+            own = t.gradient(_loss(tf, ps, x[half], ids[half], y[half]), ps[1])
+        np.testing.assert_allclose(pairs[1][0].numpy(), own.numpy() / n, rtol=1e-6)
+
         # SyncBatchNormalization traced
         xs = np.random.default_rng(7).standard_normal((8, 3)).astype(np.float32)
         bn, sbn = __import__("keras").layers.BatchNormalization(), SyncBatchNormalization()

@@ -38,8 +38,11 @@ class GradientReducer:
 
     def __init__(self, where: str, compression=Compression.none, sparse_as_dense: bool = False, op: int = Average,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
-                 process_set: ProcessSet = global_process_set, device_dense: str = "", device_sparse: str = ""):
+                 process_set: ProcessSet = global_process_set, device_dense: str = "", device_sparse: str = "",
+                 scale_local_gradients: bool = True):
         check_optimizer_args(where, op, gradient_predivide_factor)
+        self.local: dict[int, object] = {}  # id(variable) -> variable whose gradient stays on this rank
+        self.scale_local_gradients = scale_local_gradients
         if num_groups:
             warnings.warn(f"{where}(num_groups=...) is deprecated; use groups=", DeprecationWarning, stacklevel=3)
             groups = groups or num_groups
@@ -56,12 +59,35 @@ class GradientReducer:
                         raise HoraValueError(f"{where}: a variable can only appear once in groups")
                     self._list_of[id(v)] = k
 
+    def register_local(self, var) -> None:
+        """Keep ``var``'s gradient on this rank: not reduced, and divided by the set's size when
+        ``scale_local_gradients`` (as Horovod: the reduced gradients are averages over the ranks, and a
+        local one divided likewise keeps the two on one scale). Variables are keyed by ``id()``: Keras 3's
+        have no ``.ref()`` and are unhashable."""
+        self.local[id(var)] = var
+
+    def __call__(self, grads: list, sources: list) -> list:
+        """``grads`` (of ``sources``, in order) reduced over the ranks; local variables' kept and scaled."""
+        grads = list(grads)
+        local = [i for i, v in enumerate(sources) if id(v) in self.local]
+        if not local:
+            return self._reduce(grads, sources)
+        mine = set(local)
+        shared = [i for i in range(len(grads)) if i not in mine]
+        out = list(grads)
+        for i, r in zip(shared, self._reduce([grads[i] for i in shared], [sources[i] for i in shared])):
+            out[i] = r
+        size = self.process_set.size()
+        if self.scale_local_gradients and size > 1:
+            for i in local:
+                out[i] = _divide(out[i], size)
+        return out
+
     def active(self) -> bool:
         """As in Horovod: no reduction for a world of one, unless elastic training may grow it."""
         return self.process_set.size() > 1 or bool(knobs.value("elastic"))
 
-    def __call__(self, grads: list, sources: list) -> list:
-        grads = list(grads)
+    def _reduce(self, grads: list, sources: list) -> list:
         if not self.active():
             return grads
         out = list(grads)
@@ -116,36 +142,29 @@ class GradientReducer:
         return [tf.reshape(next(pieces[k]), shape) for k, _, shape in layout]
 
 
+def _divide(g, size: int):
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values / tf.cast(size, g.values.dtype), g.indices, g.dense_shape)
+    return g / tf.cast(size, g.dtype)
+
+
 class _DistributedGradientTape:
     """The methods mixed in front of the wrapped tape's class."""
 
     _hora_reducer: GradientReducer
-    _hora_local: dict
-    _hora_scale_local: bool
 
     def register_local_source(self, source) -> None:
-        """Keep ``source``'s gradient local: not reduced, divided by the set's size when
-        ``scale_local_gradients`` (as Horovod: so that a later sum over ranks averages it)."""
-        self._hora_local[id(source)] = source
+        """Keep ``source``'s gradient on this rank (see :meth:`GradientReducer.register_local`)."""
+        self._hora_reducer.register_local(source)
 
     def gradient(self, target, sources, output_gradients=None, use_generic_names: bool = False):
         """The gradients of ``target`` with respect to ``sources``, reduced over the ranks (local sources
         excepted). ``use_generic_names``: accepted, no effect: the wire names are positional on every
         rank anyway (:func:`hora.core.frontend_tftrain.group_names`)."""
         grads = super().gradient(target, sources, output_gradients)
-        flat_sources = tf.nest.flatten(sources)
-        flat = tf.nest.flatten(grads)
-        local = [i for i, v in enumerate(flat_sources) if id(v) in self._hora_local]
-        shared = [i for i in range(len(flat)) if i not in set(local)]
-        out = list(flat)
-        reduced = self._hora_reducer([flat[i] for i in shared], [flat_sources[i] for i in shared])
-        for i, r in zip(shared, reduced):
-            out[i] = r
-        size = self._hora_reducer.process_set.size()
-        if self._hora_scale_local and size > 1:
-            for i in local:
-                if out[i] is not None:
-                    out[i] = out[i] / tf.cast(size, out[i].dtype)
+        out = self._hora_reducer(tf.nest.flatten(grads), tf.nest.flatten(sources))
         return tf.nest.pack_sequence_as(grads, out)
 
 
@@ -161,12 +180,12 @@ def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str
     >>> grads = tape.gradient(loss, model.trainable_variables)
     """
     reducer = GradientReducer("DistributedGradientTape", compression, sparse_as_dense, op, gradient_predivide_factor,
-                              num_groups, groups, process_set, device_dense, device_sparse)
+                              num_groups, groups, process_set, device_dense, device_sparse, scale_local_gradients)
     base = type(gradtape)
     cls = type(base.__name__, (_DistributedGradientTape, base), {"__module__": base.__module__})
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)  # the same recording: sources watched so far stay watched
-    tape._hora_reducer, tape._hora_local, tape._hora_scale_local = reducer, {}, scale_local_gradients
+    tape._hora_reducer = reducer
     return tape
 
 

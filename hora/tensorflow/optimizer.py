@@ -116,6 +116,11 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
                                lambda: self._optimizer.apply_gradients(grads_and_vars, global_step, name),
                                global_step)
 
+    def register_local_var(self, var) -> None:
+        """Keep ``var``'s gradient on this rank: not reduced, scaled by ``1/size`` when
+        ``scale_local_gradients`` (as Horovod's; for model-parallel parts)."""
+        self._reducer.register_local(var)
+
     def get_slot(self, *args, **kwargs):
         return self._optimizer.get_slot(*args, **kwargs)
 
@@ -138,9 +143,8 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
     """Wrap ``optimizer`` so that the gradients it applies are reduced (``op``) over the ranks.
 
     A ``tf.compat.v1.train.Optimizer`` gets a v1 wrapper (``compute_gradients``, ``apply_gradients``,
-    ``minimize``, ``get_slot``, ``get_slot_names``, ``variables``); a Keras optimizer is wrapped by
-    ``hora.keras.DistributedOptimizer``. ``use_locking`` goes to the v1 base class; ``scale_local_gradients``
-    matters only for the Keras wrapper's local variables.
+    ``minimize``, ``get_slot``, ``get_slot_names``, ``variables``, ``register_local_var``); a Keras optimizer
+    is wrapped by ``hora.keras.DistributedOptimizer``. ``use_locking`` goes to the v1 base class.
 
     >>> opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1 * hvd.size()))
     >>> train_op = opt.minimize(loss, global_step=tf.compat.v1.train.get_or_create_global_step())
@@ -148,7 +152,7 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
     check_optimizer_args("DistributedOptimizer", op, gradient_predivide_factor, backward_passes_per_step)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         reducer = GradientReducer("DistributedOptimizer", compression, sparse_as_dense, op, gradient_predivide_factor,
-                                  num_groups, groups, process_set, device_dense, device_sparse)
+                                  num_groups, groups, process_set, device_dense, device_sparse, scale_local_gradients)
         return _DistributedOptimizer(optimizer, name, use_locking, reducer, backward_passes_per_step,
                                      average_aggregated_gradients)
     if _is_keras_optimizer(optimizer):
