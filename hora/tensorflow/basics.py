@@ -42,7 +42,7 @@ def shutdown() -> None:
 
 def _scalar(query, name) -> tf.Tensor:
     """An int32 scalar read from ``query()`` when the op runs."""
-    return host_call(lambda: [np.int32(query())], [], [tf.int32], [()], name=name)[0]
+    return host_call(lambda: [np.int32(query())], [], [tf.int32], [()], name=name, chain=False)[0]
 
 
 def rank_op(name=None) -> tf.Tensor:

@@ -38,7 +38,7 @@ XLA_MESSAGE = ("hora.tensorflow: collectives cannot run under XLA: this tf.funct
                "calls hora: tf.function(jit_compile=False) (Keras: model.compile(..., jit_compile=False)).")
 
 _names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {name: times used}
-_chain: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # v1 graph -> the last chained host op
+_chain: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # v1 graph -> (last chained op, its context)
 _lock = threading.Lock()
 
 
@@ -49,7 +49,9 @@ def in_graph() -> bool:
 
 def traced(fn):
     """Decorate a public op: a hora error raised while it is built reaches the caller as it is, also from
-    inside a ``tf.function`` (autograph would otherwise turn it into a ``StagingError``)."""
+    inside a ``tf.function`` (autograph would otherwise turn it into a ``StagingError``); autograph leaves
+    hora's code unconverted (it has no tensor-dependent Python control flow to convert)."""
+    @tf.autograph.experimental.do_not_convert
     @functools.wraps(fn)
     def op(*args, **kwargs):
         try:
@@ -93,29 +95,32 @@ def op_name(kind: str, tensor, name: str | None, ignore_name_scope: bool = False
 
 
 def host_call(fn, inputs: list, touts: list, shapes: list | None = None, name: str | None = None,
-              chain: bool = False) -> list:
+              chain: bool = True) -> list:
     """``fn(*arrays) -> list of arrays`` run on the host with ``inputs``' values; returns tensors of dtypes
     ``touts`` with static ``shapes`` (default: the inputs' shapes, one per output).
 
-    ``chain``: in a v1 graph, make this call wait for the previous chained call of the graph (gradients use
-    it: their collectives are numbered by submission order, which a v1 Session would otherwise not fix)."""
+    ``chain``: in a v1 graph, this call waits for the previous chained call of the graph (in the same control
+    flow context). A host call blocks an executor thread until its peers join in, so a ``Session`` running
+    independent collectives in a different order on each rank would deadlock once its threads are all
+    blocked; chained, they run in creation order, the same on every rank (what ``tf.function`` does by
+    itself). Calls that must run alone (``broadcast_`` for a hook, the ``*_op`` queries) pass False."""
     inputs = [tf.convert_to_tensor(t) for t in inputs]
     if not in_graph():
         outs = fn(*[t.numpy() for t in inputs])
         return [tf.convert_to_tensor(np.asarray(o), dtype=d) for o, d in zip(outs, touts)]
     graph = tf.compat.v1.get_default_graph()
     _check_xla(graph)
-    deps = []
-    if chain and not getattr(graph, "building_function", False):
-        prev = _chain.get(graph)
-        deps = [prev] if prev is not None else []
+    chain = chain and not getattr(graph, "building_function", False)
+    context = graph._get_control_flow_context() if chain else None
+    prev = _chain.get(graph) if chain else None
+    deps = [prev[0]] if prev is not None and prev[1] is context else []
     with tf.control_dependencies(deps):
         outs = tf.numpy_function(lambda *a: list(fn(*a)), inputs, list(touts), stateful=True, name=name)
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
     outs = list(outs)
-    if chain and not getattr(graph, "building_function", False) and outs:
-        _chain[graph] = outs[0].op
+    if chain and outs:
+        _chain[graph] = (outs[0].op, context)
     shapes = shapes if shapes is not None else [t.shape for t in inputs]
     for o, s in zip(outs, shapes):
         o.set_shape(s)

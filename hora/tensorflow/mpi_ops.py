@@ -80,21 +80,22 @@ def differentiable(run, inputs: list, touts: list, shapes: list | None, grad) ->
 
 def rule_call(rule, grads: list, like: list, extra: list = ()) -> list:
     """A gradient rule of :mod:`hora.core.frontend` (``rule(arrays, *extra_arrays) -> arrays``) in one host
-    call on ``grads``; results shaped as ``like`` (the op's inputs). Chained in v1 graphs (see host_call)."""
+    call on ``grads``; results shaped as ``like`` (the op's inputs)."""
     n = len(grads)
     return host_call(lambda *a: rule(list(a[:n]), *a[n:]), list(grads) + list(extra), [g.dtype for g in grads],
-                     [x.shape for x in like], chain=True)
+                     [x.shape for x in like])
+
+
+def pick(grouped: bool, many, one):
+    """The host function of a grouped op (``many(arrays) -> arrays``) or of a single one (``one(array)``)."""
+    return (lambda *arrays: many(list(arrays))) if grouped else (lambda array: [one(array)])
 
 
 # -- allreduce ------------------------------------------------------------------------------------
 def _allreduce(tensors: list, op: int, pre: float, post: float, name, process_set: ProcessSet,
                grouped: bool) -> list:
-    if grouped:
-        def run(*arrays):
-            return _core.grouped_allreduce(list(arrays), op, pre, post, name, process_set)
-    else:
-        def run(array):
-            return [_core.allreduce(array, op, pre, post, name, process_set)]
+    run = pick(grouped, lambda arrays: _core.grouped_allreduce(arrays, op, pre, post, name, process_set),
+               lambda array: _core.allreduce(array, op, pre, post, name, process_set))
 
     def grad(dys, xs, ys):
         return rule_call(lambda gs: _fe.allreduce_grad(gs, op, pre, post, process_set), dys, xs)
@@ -175,12 +176,8 @@ def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='', 
 
 # -- allgather ------------------------------------------------------------------------------------
 def _allgather(tensors: list, name, process_set: ProcessSet, grouped: bool) -> list:
-    if grouped:
-        def run(*arrays):
-            return _core.grouped_allgather(list(arrays), name, process_set)
-    else:
-        def run(array):
-            return [_core.allgather(array, name, process_set)]
+    run = pick(grouped, lambda arrays: _core.grouped_allgather(arrays, name, process_set),
+               lambda array: _core.allgather(array, name, process_set))
 
     def grad(dys, xs, ys):
         rows = tf.stack([tf.shape(x, out_type=tf.int64)[0] for x in xs])
@@ -242,7 +239,7 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     def run(*arrays):
         handles = [_core.broadcast_async(a, root_rank, n, process_set) for a, n in zip(arrays, names)]
         return [_core.synchronize(h) for h in handles]
-    values = host_call(run, [v.value() for v in vs], [v.dtype for v in vs], [v.shape for v in vs])
+    values = host_call(run, [v.value() for v in vs], [v.dtype for v in vs], [v.shape for v in vs], chain=False)
     with tf.control_dependencies([v.assign(x) for v, x in zip(vs, values)]):
         out = [v.read_value() for v in vs]
     return out[0] if single else out

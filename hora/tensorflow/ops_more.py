@@ -14,7 +14,7 @@ from hora.core.ops import Average
 from hora.core.process_sets import global_process_set
 from hora.tensorflow.bridge import host_call, in_graph, traced
 from hora.tensorflow.compression import Compression
-from hora.tensorflow.mpi_ops import _dims0, _input, _inputs, differentiable, rule_call
+from hora.tensorflow.mpi_ops import _dims0, _input, _inputs, differentiable, pick, rule_call
 
 __all__ = ["alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier"]
 
@@ -51,12 +51,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
 
 # -- reducescatter --------------------------------------------------------------------------------
 def _reducescatter(tensors: list, op: int, pre: float, post: float, name, process_set, grouped: bool) -> list:
-    if grouped:
-        def run(*arrays):
-            return _core.grouped_reducescatter(list(arrays), op, name, process_set, pre, post)
-    else:
-        def run(array):
-            return [_core.reducescatter(array, op, name, process_set, pre, post)]
+    run = pick(grouped, lambda arrays: _core.grouped_reducescatter(arrays, op, name, process_set, pre, post),
+               lambda array: _core.reducescatter(array, op, name, process_set, pre, post))
 
     def grad(dys, xs, ys):
         return rule_call(lambda gs: _fe.reducescatter_grad(gs, op, pre, post, process_set), dys, xs)
@@ -104,9 +100,9 @@ def join():
 @traced
 def barrier(process_set=global_process_set):
     """Return once every rank of the set has called barrier() (hora's addition; Horovod's TensorFlow API has
-    none). In a graph, an op to run; in eager mode, None."""
+    none). In a graph, a tensor (0) to run or depend on; in eager mode, None."""
     def run():
         _core.barrier(process_set)
         return [np.int32(0)]
     out = host_call(run, [], [tf.int32], [()])[0]
-    return out.op if in_graph() else None
+    return out if in_graph() else None
