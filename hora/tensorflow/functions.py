@@ -38,6 +38,7 @@ def broadcast_variables(variables, root_rank: int, process_set: ProcessSet = glo
 
     def run(*arrays):
         return broadcast_all(arrays, root_rank, names, process_set)
-    received = bridge.host_call(run, values, [t.dtype for t in values])
+    # not chained to the graph's other host calls: a hook runs this op alone, before any step's inputs exist
+    received = bridge.host_call(run, values, [t.dtype for t in values], chain=False)
     assigns = [v.assign(r) for v, r in zip(variables, received)]
     return None if tf.executing_eagerly() else tf.group(*assigns)

@@ -99,7 +99,10 @@ class GradientReducer:
                 g = out[i] = tf.convert_to_tensor(g)
             (sparse if isinstance(g, tf.IndexedSlices) else dense).append(i)
         # One call after the other: a v1 Session may start independent ops in any order, and two blocking
-        # host calls started in different orders on two ranks would wait for each other.
+        # host calls started in different orders on two ranks would wait for each other. Not chained to the
+        # graph's other host calls (bridge.host_call's chain): that would make every train step also run the
+        # collectives built before it (a metric's allreduce, with its own placeholders); the reduction's
+        # names are fixed, so it matches across ranks whatever else a Session runs beside it.
         after: list = []
         if dense:
             with tf.device(self.device_dense):
@@ -122,7 +125,7 @@ class GradientReducer:
         if not all(t.shape.is_fully_defined() for t in tensors):  # shapes known only when run: one input each
             def run(*arrays):
                 return _ft.reduce_groups(arrays, plan, op, pre, post, wire, ps)
-            reduced = bridge.host_call(run, tensors, [t.dtype for t in tensors])
+            reduced = bridge.host_call(run, tensors, [t.dtype for t in tensors], chain=False)
         else:
             reduced = self._through_flat(tensors, plan, wire)
         return [self.compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
@@ -137,7 +140,7 @@ class GradientReducer:
         def run(*buffers):
             arrays = _ft.split_flat(buffers, layout)
             return _ft.join_flat(_ft.reduce_groups(arrays, plan, op, pre, post, wire, ps), layout, len(dtypes))
-        outs = bridge.host_call(run, flats, dtypes)
+        outs = bridge.host_call(run, flats, dtypes, chain=False)
         pieces = [iter(tf.split(o, [math.prod(s) for k, _, s in layout if k == b])) for b, o in enumerate(outs)]
         return [tf.reshape(next(pieces[k]), shape) for k, _, shape in layout]
 
