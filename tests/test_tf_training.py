@@ -99,6 +99,9 @@ def test_tape_steps_equal_one_process():
             fn = tf.function(step) if in_function else step
             for _ in range(STEPS):
                 fn()
+            if in_function:  # dense and sparse gradients: one host call for the step, whatever the groups
+                ops = [o.type for o in fn.get_concrete_function().graph.get_operations()]
+                assert ops.count("PyFunc") == 1, f"{label}: {ops.count('PyFunc')} host calls in one step"
             assert seen["none"], f"{label}: the unused variable's None gradient was not kept None"
             assert seen["sparse"] == (label != "dense"), f"{label}: sparse gradient {seen['sparse']}"
             for k, (p, want) in enumerate(zip(ps, ref)):
@@ -127,6 +130,7 @@ def test_tape_steps_equal_one_process():
 def test_v1_optimizer_in_session_equals_one_process():
     def body():
         tf, hora = _tf()
+        from hora.tensorflow import allreduce
         from hora.tensorflow.optimizer import DistributedOptimizer
         from hora.tensorflow.v1 import broadcast_global_variables
 
@@ -149,6 +153,9 @@ def test_v1_optimizer_in_session_equals_one_process():
                                                average_aggregated_gradients=average)
                     assert opt.get_slot_names() == []
                 gstep = v1.train.get_or_create_global_step()
+                if distributed:  # a collective built before the train op, with an input of its own
+                    metric_in = v1.placeholder(tf.float32, [])
+                    metric = allreduce(metric_in)
                 if passes == 1 or distributed:
                     train = opt.minimize(loss, global_step=gstep, var_list=ps)
                 else:  # the reference for accumulation: both passes' whole batches, averaged, in one update
@@ -176,6 +183,8 @@ def test_v1_optimizer_in_session_equals_one_process():
                             second = sess.run([tf.convert_to_tensor(g) for g, _ in pairs[:3]], feed)
                             sess.run(train, dict(zip(acc, [(a + b) / 2 for a, b in zip(first, second)])))
                     out[label] = sess.run(ps[:3]) + [sess.run(gstep)]
+                    if distributed:  # the train steps did not need (or run) it
+                        assert sess.run(metric, {metric_in: float(r)}) == 0.5
         for k in range(3):
             np.testing.assert_allclose(out["hvd"][k], out["one"][k], rtol=1e-5, atol=1e-6, err_msg=f"param {k}")
             np.testing.assert_allclose(out["bpps"][k], out["one2"][k], rtol=1e-5, atol=1e-6, err_msg=f"bpps {k}")

@@ -7,8 +7,9 @@ and turns the results back into its tensors.
 * :func:`group_plan`: which gradients go in which core group, from Horovod's ``groups`` argument;
 * :func:`group_names`: names by position, the same on every rank, so each group hits the response cache
   every step and a mismatch between ranks is reported rather than waited for;
-* :func:`reduce_groups` / :func:`broadcast_all`: several collectives started together and waited for
-  together (:func:`start_then_wait`), inside one host call;
+* :func:`step_collectives` / :func:`broadcast_all`: a step's collectives (dense groups allreduced, sparse
+  gradients gathered) started together and waited for together (:func:`start_then_wait`), inside one
+  host call;
 * :func:`flat_layout` / :func:`split_flat` / :func:`join_flat`: the step's gradients cross into the host
   call as one flat buffer per dtype (a host call's cost grows with its number of tensors: ~1 ms for 50
   inputs and outputs against ~55 µs for one), and are split back into views there, so the core still sees
@@ -24,12 +25,17 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 import hora.core.ops as _core
-from hora.base.errors import HoraValueError
-from hora.core.frontend import split_groups
+from hora.base.errors import HoraValueError, NotSupportedError
+from hora.core.frontend import pack_sparse, split_groups, unpack_sparse
+from hora.core.ops import Average, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
 
-__all__ = ["group_plan", "group_names", "start_then_wait", "reduce_groups", "broadcast_all", "flat_layout",
-           "split_flat", "join_flat"]
+__all__ = ["group_plan", "group_names", "start_then_wait", "step_collectives", "reduce_groups", "broadcast_all",
+           "flat_layout", "split_flat", "join_flat", "SPARSE_OPS"]
+
+
+SPARSE_OPS = ("sparse gradients (IndexedSlices) are gathered, which supports only the Sum and Average ops; pass "
+              "sparse_as_dense=True to reduce them dense")
 
 
 def group_plan(n: int, groups, member_of: Sequence[int | None] | None = None) -> list[list[int]]:
@@ -81,19 +87,42 @@ def start_then_wait(starts: Sequence[Callable[[], int]]) -> list:
     return out
 
 
+def step_collectives(arrays: Sequence[np.ndarray], plan: list[list[int]], op: int, prescale_factor: float,
+                     postscale_factor: float, names: Sequence[str | None],
+                     sparse: Sequence[tuple[np.ndarray, np.ndarray]] = (), sparse_names: Sequence[str | None] = (),
+                     process_set: ProcessSet = global_process_set) -> tuple[list, list]:
+    """A step's collectives, all started before any is waited for (:func:`start_then_wait`): ``arrays``
+    allreduced in the groups of ``plan``, and each sparse gradient ``(indices, values)`` gathered from every
+    rank in one allgather (:func:`pack_sparse`; Horovod's treatment of ``IndexedSlices``), its values divided
+    by the set's size for Average. Returns ``(reduced arrays in order, [(indices, values)])``."""
+    if sparse and op not in (Average, Sum):
+        raise NotSupportedError(SPARSE_OPS)
+    arrays = list(arrays)
+    packed = [pack_sparse(np.asarray(i).reshape(-1), v) for i, v in sparse]
+    starts = [functools.partial(_core.grouped_allreduce_async, [arrays[i] for i in members], op, prescale_factor,
+                                postscale_factor, name, process_set) for members, name in zip(plan, names)]
+    starts += [functools.partial(_core.allgather_async, rows, name, process_set)
+               for (rows, _), name in zip(packed, sparse_names)]
+    results = start_then_wait(starts)
+    out: list = [None] * len(arrays)
+    for members, group in zip(plan, results):
+        for i, r in zip(members, group):
+            out[i] = r
+    gathered = []
+    for (indices, values), (_, cols), rows in zip(sparse, packed, results[len(plan):]):
+        idx, vals = unpack_sparse(rows, cols, np.asarray(values).shape[1:])
+        if op == Average:
+            vals = (vals / process_set.size()).astype(vals.dtype, copy=False)
+        gathered.append((idx.reshape(-1).astype(np.asarray(indices).dtype, copy=False), vals))
+    return out, gathered
+
+
 def reduce_groups(arrays: Sequence[np.ndarray], plan: list[list[int]], op: int, prescale_factor: float,
                   postscale_factor: float, names: Sequence[str | None],
                   process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
-    """Allreduce ``arrays`` in the groups of ``plan``, all started before any is waited for
-    (:func:`start_then_wait`); the results in ``arrays``' order."""
-    arrays = list(arrays)
-    starts = [functools.partial(_core.grouped_allreduce_async, [arrays[i] for i in members], op, prescale_factor,
-                                postscale_factor, name, process_set) for members, name in zip(plan, names)]
-    out: list = [None] * len(arrays)
-    for members, results in zip(plan, start_then_wait(starts)):
-        for i, r in zip(members, results):
-            out[i] = r
-    return out
+    """Allreduce ``arrays`` in the groups of ``plan``, all started before any is waited for; the results in
+    ``arrays``' order."""
+    return step_collectives(arrays, plan, op, prescale_factor, postscale_factor, names, process_set=process_set)[0]
 
 
 def broadcast_all(arrays: Sequence[np.ndarray], root_rank: int, names: Sequence[str | None],

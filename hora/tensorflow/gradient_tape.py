@@ -1,12 +1,12 @@
 """``DistributedGradientTape``: a ``tf.GradientTape`` whose ``gradient()`` returns gradients averaged
 (``op``) over the ranks, and the gradient reduction the v1 ``DistributedOptimizer`` shares with it.
 
-A step's dense gradients go out in ONE stateful host call (each call costs ~55 µs inside a
-``tf.function``), which starts every core group (``groups``) before waiting for any; sparse gradients
-(``IndexedSlices``, from embeddings) are gathered, values and indices in one allgather each, unless
-``sparse_as_dense``. A ``None`` gradient stays ``None`` (as Horovod). Names are taken when the function
-is traced, by position, so the ranks agree on them, each group hits the response cache, and ranks whose
-gradients differ get a mismatch error rather than a hang.
+A step's gradients go out in ONE stateful host call (each call costs ~55 µs inside a ``tf.function``),
+which starts every core group (``groups``) and, for sparse gradients (``IndexedSlices``, from embeddings;
+unless ``sparse_as_dense``), one allgather of values and indices each, before waiting for any. A ``None``
+gradient stays ``None`` (as Horovod). Names are taken when the function is traced, by position, so the
+ranks agree on them, each group hits the response cache, and ranks whose gradients differ get a mismatch
+error rather than a hang.
 
 As in Horovod the wrapped tape is an instance of a dynamic subclass of the tape's own class, sharing
 its recording, so ``isinstance(tape, tf.GradientTape)`` holds.
@@ -20,12 +20,12 @@ import warnings
 import tensorflow as tf
 
 from hora.base import knobs
-from hora.base.errors import HoraValueError
+from hora.base.errors import HoraValueError, NotSupportedError
 from hora.core import frontend_tftrain as _ft
 from hora.core.frontend import check_optimizer_args, predivide
-from hora.core.ops import Average
+from hora.core.ops import Average, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
-from hora.tensorflow import bridge, mpi_ops
+from hora.tensorflow import bridge
 from hora.tensorflow.compression import Compression
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "GradientReducer"]
@@ -98,51 +98,62 @@ class GradientReducer:
             if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
                 g = out[i] = tf.convert_to_tensor(g)
             (sparse if isinstance(g, tf.IndexedSlices) else dense).append(i)
-        # One call after the other: a v1 Session may start independent ops in any order, and two blocking
-        # host calls started in different orders on two ranks would wait for each other. Not chained to the
-        # graph's other host calls (bridge.host_call's chain): that would make every train step also run the
-        # collectives built before it (a metric's allreduce, with its own placeholders); the reduction's
-        # names are fixed, so it matches across ranks whatever else a Session runs beside it.
-        after: list = []
-        if dense:
-            with tf.device(self.device_dense):
-                for i, r in zip(dense, self._reduce_dense([out[i] for i in dense], [sources[i] for i in dense])):
-                    out[i] = r
-            after = [out[dense[0]]]
-        for i in sparse:  # Horovod's allreduce of IndexedSlices: values and indices gathered
-            with tf.device(self.device_sparse), tf.control_dependencies(after):
-                out[i] = mpi_ops.allreduce(out[i], op=self.op, process_set=self.process_set)
-            after = [out[i].values]
+        if not dense and not sparse:
+            return out
+        if sparse and self.op not in (Average, Sum):
+            raise NotSupportedError(f"{self.where}: {_ft.SPARSE_OPS}")
+        with tf.device(self.device_dense):
+            reduced, gathered = self._host_step([out[i] for i in dense], [sources[i] for i in dense],
+                                                [out[i] for i in sparse])
+        for i, r in zip(dense, reduced):
+            out[i] = r
+        for i, g in zip(sparse, gathered):
+            out[i] = g
         return out
 
-    def _reduce_dense(self, grads: list, sources: list) -> list:
+    def _host_step(self, grads: list, sources: list, sparse: list) -> tuple[list, list]:
+        """The step's ONE host call: the dense gradients allreduced in their groups (entering as one flat
+        buffer per dtype when their shapes are known), each sparse one's indices and values gathered.
+
+        Not chained to the graph's other host calls (``bridge.host_call``'s ``chain``): that would make every
+        train step also run the collectives built before it (a metric's allreduce, with its own inputs);
+        the names are fixed, so the call matches across ranks whatever else a Session runs beside it."""
         member_of = [self._list_of.get(id(v)) for v in sources] if self._list_of else None
         plan = _ft.group_plan(len(grads), self.groups, member_of)
-        wire = _ft.group_names(bridge.op_name("Allreduce", grads[0], self.where), plan)
+        first = grads[0] if grads else sparse[0].values
+        prefix = bridge.op_name("Allreduce", first, self.where)
+        wire, sparse_wire = _ft.group_names(prefix, plan), [f"{prefix}.sparse.{k}" for k in range(len(sparse))]
         packed = [self.compression.compress(tf.convert_to_tensor(g)) for g in grads]
         tensors = [t for t, _ in packed]
-        op, pre, post, ps = self.op, self.prescale, self.postscale, self.process_set
-        if not all(t.shape.is_fully_defined() for t in tensors):  # shapes known only when run: one input each
-            def run(*arrays):
-                return _ft.reduce_groups(arrays, plan, op, pre, post, wire, ps)
-            reduced = bridge.host_call(run, tensors, [t.dtype for t in tensors], chain=False)
+        flat = all(t.shape.is_fully_defined() for t in tensors)  # else shapes known only when run: one each
+        if flat:
+            layout, dtypes = _ft.flat_layout([tuple(t.shape.as_list()) for t in tensors], [t.dtype for t in tensors])
+            dense_in = [tf.concat([tf.reshape(t, [-1]) for t, (k, _, _) in zip(tensors, layout) if k == b], 0)
+                        for b in range(len(dtypes))]
         else:
-            reduced = self._through_flat(tensors, plan, wire)
-        return [self.compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)]
+            dense_in = tensors
+        sparse_in = [x for g in sparse for x in (tf.convert_to_tensor(g.indices), g.values)]
+        nd, op, pre, post, ps = len(dense_in), self.op, self.prescale, self.postscale, self.process_set
 
-    def _through_flat(self, tensors: list, plan: list, wire: list) -> list:
-        """The host call with one flat buffer per dtype in and out (see :func:`frontend_tftrain.flat_layout`)."""
-        layout, dtypes = _ft.flat_layout([tuple(t.shape.as_list()) for t in tensors], [t.dtype for t in tensors])
-        flats = [tf.concat([tf.reshape(t, [-1]) for t, (k, _, _) in zip(tensors, layout) if k == b], 0)
-                 for b in range(len(dtypes))]
-        op, pre, post, ps = self.op, self.prescale, self.postscale, self.process_set
-
-        def run(*buffers):
-            arrays = _ft.split_flat(buffers, layout)
-            return _ft.join_flat(_ft.reduce_groups(arrays, plan, op, pre, post, wire, ps), layout, len(dtypes))
-        outs = bridge.host_call(run, flats, dtypes, chain=False)
-        pieces = [iter(tf.split(o, [math.prod(s) for k, _, s in layout if k == b])) for b, o in enumerate(outs)]
-        return [tf.reshape(next(pieces[k]), shape) for k, _, shape in layout]
+        def run(*arrays):
+            dense_arrays = _ft.split_flat(arrays[:nd], layout) if flat else list(arrays[:nd])
+            pairs = list(zip(arrays[nd::2], arrays[nd + 1::2]))
+            out, gathered = _ft.step_collectives(dense_arrays, plan, op, pre, post, wire, pairs, sparse_wire, ps)
+            out = _ft.join_flat(out, layout, nd) if flat else out
+            return list(out) + [x for pair in gathered for x in pair]
+        shapes = [t.shape for t in dense_in] + [s for g in sparse for s in (
+            tf.TensorShape([None]), tf.TensorShape([None]).concatenate(g.values.shape[1:]))]
+        outs = bridge.host_call(run, dense_in + sparse_in, [t.dtype for t in dense_in + sparse_in], shapes,
+                                chain=False)
+        if flat:
+            pieces = [iter(tf.split(o, [math.prod(s) for k, _, s in layout if k == b]))
+                      for b, o in enumerate(outs[:nd])]
+            reduced = [tf.reshape(next(pieces[k]), shape) for k, _, shape in layout]
+        else:
+            reduced = outs[:nd]
+        gathered = [tf.IndexedSlices(outs[nd + 2 * k + 1], outs[nd + 2 * k], g.dense_shape)
+                    for k, g in enumerate(sparse)]
+        return [self.compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)], gathered
 
 
 def _divide(g, size: int):
