@@ -19,6 +19,12 @@ from hora.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, al
                                      broadcast_, grouped_allgather, grouped_allreduce)
 from hora.tensorflow.objects import allgather_object, broadcast_object, broadcast_object_fn
 from hora.tensorflow.ops_more import alltoall, barrier, grouped_reducescatter, join, reducescatter
+# the training wrappers (branch tf-train)
+from hora.tensorflow.functions import broadcast_variables
+from hora.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
+from hora.tensorflow.optimizer import DistributedOptimizer
+from hora.tensorflow.sync_batch_norm import SyncBatchNormalization
+from hora.tensorflow.v1 import BroadcastGlobalVariablesHook, broadcast_global_variables
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank", "cross_rank",
@@ -31,6 +37,8 @@ __all__ = [
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",
     "reducescatter", "grouped_reducescatter", "join", "barrier",
     "broadcast_object", "broadcast_object_fn", "allgather_object", "Compression",
+    "broadcast_variables", "broadcast_global_variables", "BroadcastGlobalVariablesHook", "DistributedOptimizer",
+    "DistributedGradientTape", "PartialDistributedGradientTape", "SyncBatchNormalization",
     "HorovodInternalError", "HostsUpdatedInterrupt", "HoraError", "InternalError", "MismatchError",
     "NotInitializedError", "PeerLostError", "ShutdownError", "StallError",
 ]
