@@ -2,8 +2,7 @@
 
 Every name Horovod's module exports must exist, and every function must take Horovod's arguments, in
 Horovod's order, with Horovod's defaults, as real named parameters. hora may add parameters only after
-Horovod's, with defaults, listed in ``EXTRA``. The training wrappers (``TRAINING``) are built in their own
-files and may be absent from a tree that has not merged them yet; nothing else may be.
+Horovod's, with defaults, listed in ``EXTRA``.
 """
 
 import inspect
@@ -75,12 +74,6 @@ EXTRA = {
     "grouped_reducescatter": "name=None, ignore_name_scope=False",  # as grouped_allreduce has them
 }
 
-# built by the training half of issue 12 (gradient_tape.py, optimizer.py, v1.py, functions.py,
-# sync_batch_norm.py); the coordinator removes this set when they are merged
-TRAINING = {"broadcast_variables", "broadcast_global_variables", "BroadcastGlobalVariablesHook",
-            "DistributedOptimizer", "DistributedGradientTape", "PartialDistributedGradientTape",
-            "SyncBatchNormalization"}
-
 # exported by horovod.tensorflow but not by hora.tensorflow: its elastic module (a later issue) and Horovod's
 # private helpers (_executing_eagerly, _make_subgraph, _cache, vars_to_refs, refs_to_vars,
 # handle_average_backwards_compatibility, check_num_rank_power_of_2, LocalGradientAggregationHelper)
@@ -107,8 +100,6 @@ def _actual(name):
 
 @pytest.mark.parametrize("name", sorted(SIGNATURES))
 def test_signature_matches_horovod(name):
-    if name in TRAINING and not hasattr(hvd, name):
-        pytest.skip(f"{name} is built by the training half of issue 12")
     assert hasattr(hvd, name), f"hora.tensorflow has no {name}"
     want, got = _expected(name), _actual(name)
     assert list(got.parameters) == list(want.parameters), f"{name}{got}: expected {name}{want}"
@@ -123,7 +114,7 @@ def test_signature_matches_horovod(name):
 
 
 def test_every_name_is_exported():
-    names = (set(SIGNATURES) - {n for n in TRAINING if not hasattr(hvd, n)}) | set(OTHER_NAMES) | set(CLASSES)
+    names = set(SIGNATURES) | set(OTHER_NAMES) | set(CLASSES)
     missing = sorted(n for n in names if not hasattr(hvd, n))
     assert not missing, f"missing from hora.tensorflow: {missing}"
     assert names <= set(hvd.__all__), sorted(names - set(hvd.__all__))
