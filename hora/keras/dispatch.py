@@ -1,0 +1,69 @@
+"""A Keras value's collective on the backend Keras runs on: the one place hora.keras picks a binding.
+
+``keras.backend.backend()`` names the framework whose tensors (or tracers) the trainer hands the optimizer;
+the gradients go to that framework's one-host-call group: ``hora.tensorflow.bridge`` (a stateful
+``tf.numpy_function``, kept inside ``model.fit``'s ``tf.function``), ``hora.jax.bridge`` (an ordered
+``io_callback``, kept inside the jitted stateless train step) or ``hora.torch`` (eager tensors). The bindings
+are imported on first use, so ``import hora.keras`` loads only the backend Keras itself loaded.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from hora.base.errors import NotSupportedError
+from hora.core.process_sets import ProcessSet, global_process_set
+
+__all__ = ["backend", "grouped_allreduce", "is_sparse", "densify", "sparse_allreduce"]
+
+BACKENDS = ("tensorflow", "jax", "torch")
+
+
+def backend() -> str:
+    """The Keras backend, refused with the list of supported ones when hora has no binding for it."""
+    name = keras.backend.backend()
+    if name not in BACKENDS:
+        raise NotSupportedError(f"not supported yet: the Keras backend {name!r} (hora.keras runs on "
+                                f"{', '.join(BACKENDS)}; set KERAS_BACKEND to one of them)")
+    return name
+
+
+def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
+    """Allreduce ``tensors`` (native tensors of the Keras backend) in one grouped host call."""
+    which = backend()
+    if which == "tensorflow":
+        from hora.tensorflow.bridge import grouped_allreduce as reduce
+    elif which == "jax":
+        from hora.jax.bridge import grouped_allreduce as reduce
+    else:
+        import hora.torch
+
+        return list(hora.torch.grouped_allreduce(list(tensors), name=name, op=op, prescale_factor=prescale_factor,
+                                                 postscale_factor=postscale_factor, process_set=process_set))
+    return reduce(list(tensors), op, prescale_factor, postscale_factor, name, process_set)
+
+
+def is_sparse(grad) -> bool:
+    """A ``tf.IndexedSlices`` gradient (an embedding's, on the TensorFlow backend), told apart without
+    importing TensorFlow on the other backends."""
+    return type(grad).__name__ == "IndexedSlices" and keras.backend.backend() == "tensorflow"
+
+
+def densify(grad):
+    """A sparse gradient as a dense tensor (``sparse_as_dense=True``)."""
+    import tensorflow as tf
+
+    return tf.convert_to_tensor(grad)
+
+
+def sparse_allreduce(grad, op: int, name: str | None, process_set: ProcessSet):
+    """Horovod's reduction of an ``IndexedSlices`` gradient: its values and indices allgathered (the sum
+    of the ranks' rows; divided by the size for Average), by ``hora.tensorflow.allreduce``."""
+    import hora.tensorflow as htf
+
+    allreduce = getattr(htf, "allreduce", None)
+    if allreduce is None:
+        raise NotSupportedError("not supported yet: sparse (IndexedSlices) gradients need hora.tensorflow's "
+                                "allreduce, which this installation lacks; pass sparse_as_dense=True")
+    return allreduce(grad, op=op, name=name, process_set=process_set)
