@@ -182,6 +182,17 @@ def _battery(full: bool, tmp: str) -> None:
     d6, _ = fit(hvd.DistributedOptimizer(sgd(0.1), sparse_as_dense=True), mine(ids), mine(Y[:32]), per,
                 m=embedding())
     same(ref6, d6, what="sparse_as_dense")
+    # -- XLA: refused at trace time on every rank with the way out, not TensorFlow's missing-kernel error
+    from hora.base.errors import NotSupportedError
+
+    m = model()
+    m.compile(optimizer=hvd.DistributedOptimizer(sgd(0.1)), loss="mse", jit_compile=True)
+    try:
+        m.fit(mine(X), mine(Y), batch_size=per, verbose=0)
+        raise AssertionError("fit with jit_compile=True did not refuse")
+    except NotSupportedError as e:
+        assert "jit_compile=False" in str(e), e
+
     import hora.tensorflow as htf
 
     if hasattr(htf, "allreduce"):

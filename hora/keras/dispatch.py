@@ -33,6 +33,7 @@ def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, post
     """Allreduce ``tensors`` (native tensors of the Keras backend) in one grouped host call."""
     which = backend()
     if which == "tensorflow":
+        _refuse_xla()
         from hora.tensorflow.bridge import grouped_allreduce as reduce
     elif which == "jax":
         from hora.jax.bridge import grouped_allreduce as reduce
@@ -42,6 +43,18 @@ def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, post
         return list(hora.torch.grouped_allreduce(list(tensors), name=name, op=op, prescale_factor=prescale_factor,
                                                  postscale_factor=postscale_factor, process_set=process_set))
     return reduce(list(tensors), op, prescale_factor, postscale_factor, name, process_set)
+
+
+def _refuse_xla() -> None:
+    """A host call has no XLA kernel: say so, and how to turn XLA off, instead of TensorFlow's "No registered
+    'PyFunc' OpKernel for XLA_CPU_JIT" at the first step."""
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise NotSupportedError("not supported yet: hora's collectives inside an XLA-compiled train step; compile "
+                                "the model with model.compile(..., jit_compile=False) (Keras turns XLA on by "
+                                "default only when a GPU is present)")
 
 
 def is_sparse(grad) -> bool:
@@ -62,6 +75,7 @@ def sparse_allreduce(grad, op: int, name: str | None, process_set: ProcessSet):
     of the ranks' rows; divided by the size for Average), by ``hora.tensorflow.allreduce``."""
     import hora.tensorflow as htf
 
+    _refuse_xla()
     allreduce = getattr(htf, "allreduce", None)
     if allreduce is None:
         raise NotSupportedError("not supported yet: sparse (IndexedSlices) gradients need hora.tensorflow's "
