@@ -2,9 +2,9 @@
 ``callbacks`` (../shared/horovod_api.md §1.4): every name, and every signature in Horovod's order with
 Horovod's defaults. hora's additions come after Horovod's parameters and are listed (``EXTRA``)."""
 
-import inspect
-
 import pytest
+
+import api_check
 
 pytest.importorskip("keras")
 import hora.keras as hvd  # noqa: E402
@@ -53,29 +53,9 @@ CLASSES = ["Compression", "ProcessSet", "global_process_set", "HorovodInternalEr
            "callbacks"]
 
 
-def _expected(module, table, name):
-    params = ", ".join(p for p in (table[name], EXTRA.get(name, "")) if p)
-    return inspect.signature(eval(f"lambda {params}: None", vars(hvd)))  # noqa: S307 - our own table
-
-
-def _actual(module, name):
-    obj = getattr(module, name)
-    if inspect.isclass(obj):
-        return inspect.Signature(list(inspect.signature(obj.__init__).parameters.values())[1:])
-    return inspect.signature(obj)
-
-
 def _check(module, table, name):
-    want, got = _expected(module, table, name), _actual(module, name)
-    assert list(got.parameters) == list(want.parameters), f"{name}{got}: expected {name}{want}"
-    for p in want.parameters.values():
-        q = got.parameters[p.name]
-        assert q.kind == p.kind, f"{name}({p.name}) is {q.kind.description}, Horovod's is {p.kind.description}"
-        if p.default is inspect.Parameter.empty:
-            assert q.default is inspect.Parameter.empty, f"{name}({p.name}) must be required, as in Horovod"
-        else:
-            assert q.default is p.default or (type(q.default) is type(p.default) and q.default == p.default), \
-                f"{name}({p.name}={q.default!r}): Horovod's default is {p.default!r}"
+    params = ", ".join(p for p in (table[name], EXTRA.get(name, "")) if p)
+    api_check.check(name, api_check.actual(getattr(module, name)), api_check.expected(params, vars(hvd)))
 
 
 @pytest.mark.parametrize("name", sorted(SIGNATURES))

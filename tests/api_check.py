@@ -1,0 +1,27 @@
+"""The signature check every binding's API test makes: a function (or a class's ``__init__``) takes Horovod's
+parameters, in Horovod's order, of Horovod's kinds, with Horovod's defaults."""
+
+import inspect
+
+
+def expected(params: str, namespace: dict) -> inspect.Signature:
+    """The signature written as a lambda's parameter list, evaluated in the binding's namespace."""
+    return inspect.signature(eval(f"lambda {params}: None", namespace))  # noqa: S307 - the tests' own tables
+
+
+def actual(obj) -> inspect.Signature:
+    if inspect.isclass(obj):
+        return inspect.Signature(list(inspect.signature(obj.__init__).parameters.values())[1:])
+    return inspect.signature(obj)
+
+
+def check(name: str, got: inspect.Signature, want: inspect.Signature) -> None:
+    assert list(got.parameters) == list(want.parameters), f"{name}{got}: expected {name}{want}"
+    for p in want.parameters.values():
+        q = got.parameters[p.name]
+        assert q.kind == p.kind, f"{name}({p.name}) is {q.kind.description}, Horovod's is {p.kind.description}"
+        if p.default is inspect.Parameter.empty:
+            assert q.default is inspect.Parameter.empty, f"{name}({p.name}) must be required, as in Horovod"
+        else:
+            assert q.default is p.default or (type(q.default) is type(p.default) and q.default == p.default), \
+                f"{name}({p.name}={q.default!r}): Horovod's default is {p.default!r}"
