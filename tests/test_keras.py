@@ -234,11 +234,12 @@ def test_fit_np2_equals_one_process_torch(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_keras_example_under_hora_run():
-    pytest.importorskip("tensorflow")
+@pytest.mark.parametrize("backend", ["tensorflow", "torch"])
+def test_keras_example_under_hora_run(backend):
+    pytest.importorskip(backend)
     pytest.importorskip("sklearn")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
-    env.update(ENV, PYTHONPATH=str(ROOT), KERAS_BACKEND="tensorflow")
+    env.update(ENV, PYTHONPATH=str(ROOT), KERAS_BACKEND=backend)
     cmd = [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable, "examples/tensorflow/train_digits_keras.py"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     out = proc.stdout + proc.stderr

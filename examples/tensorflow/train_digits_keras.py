@@ -46,7 +46,7 @@ def share_cores() -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=12)
+    parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--warmup-epochs", type=int, default=2)
     parser.add_argument("--checkpoint-dir", default=None, help="where rank 0 saves the model (default: a temp dir)")
     args = parser.parse_args()
