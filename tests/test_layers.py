@@ -217,3 +217,33 @@ def test_import_hora_loads_numpy_and_nothing_heavy():
     assert any(_package_of(m, ("hora.runner",)) for m in after_run), "hora.run did not load hora.runner"
     frameworks = sorted({m.split(".")[0] for m in after_run} & set(FRAMEWORKS))
     assert not frameworks, f"import hora and hora.run loaded {frameworks}"
+
+
+# --- hora.tensorflow: TensorFlow and nothing of another binding -----------------------------------------
+
+_TF_PROBE = r"""
+import json, sys
+seen = set(sys.modules)
+import hora.tensorflow
+print(json.dumps(sorted({m.split(".")[0] for m in set(sys.modules) - seen}
+                        | {m for m in set(sys.modules) - seen if m.startswith("hora.")})))
+"""
+# hora.tensorflow.keras stands on hora.keras (the same objects); nothing else of another binding. (jax is not
+# listed: TensorFlow 2.21 loads it itself when installed.)
+_TF_FOREIGN = ("torch", "mxnet", "hora.torch", "hora.jax", "hora.mxnet")
+
+
+@pytest.mark.timeout(120)
+def test_import_hora_tensorflow_loads_no_other_framework():
+    pytest.importorskip("tensorflow")
+    loaded = json.loads(_fresh_python(_TF_PROBE))
+    assert "tensorflow" in loaded
+    bad = sorted(m for m in loaded if _package_of(m, _TF_FOREIGN))
+    assert not bad, f"import hora.tensorflow loaded {bad}"
+
+
+def test_no_import_in_hora_tensorflow_reaches_another_binding():
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {target}"
+           for path in sorted((HORA / "tensorflow").rglob("*.py"))
+           for line, target in _imports(path) if _package_of(target, _TF_FOREIGN)]
+    assert not bad, "hora.tensorflow must not import another binding (design.md, Layers):\n  " + "\n  ".join(bad)

@@ -1,39 +1,141 @@
-"""TensorFlow tensors to hora's NumPy core and back: one stateful host call per collective (or group).
+"""TensorFlow tensors to hora's NumPy core and back: one host call per collective (or group).
 
-``tf.numpy_function(..., stateful=True)`` runs the core in eager mode, inside ``tf.function`` and in v1
-graphs; stateful calls in one function run in program order (the same order on every rank) and are never
-pruned. The call loses the static shape, which is put back here. A step's gradients must go out in one
-grouped call: each host call costs ~55 µs inside a ``tf.function``.
+In eager mode the host function runs at once on the tensors' NumPy values (no op is built, and its errors
+reach the caller as they are: ``HorovodInternalError``, ``MismatchError``...). In a graph (``tf.function`` or a
+v1 ``tf.compat.v1.Graph``) it becomes ``tf.numpy_function(..., stateful=True)``: stateful calls in one
+``tf.function`` run in program order (the same order on every rank) and are never pruned. That call loses
+the static shape, which is put back here. A step's gradients must go out in one grouped call: each host call
+costs ~55 µs inside a ``tf.function``.
+
+Two graph-time rules live here because every op needs them:
+
+* names (:func:`op_name`): an unnamed op in a graph is named after its input tensor, as Horovod does
+  (``HorovodAllreduce_<tensor>``), made unique within the graph; a v1 ``Session`` may run independent ops
+  concurrently, so submission order (the core's automatic numbering) would not be the same on every rank.
+  A given name gets the current name scope unless ``ignore_name_scope``.
+* XLA: a ``tf.function(jit_compile=True)`` cannot run a host call; tracing one raises hora's error saying so.
 """
 
 from __future__ import annotations
 
+import functools
+import re
+import threading
+import weakref
+
+import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
 
 import hora.core.ops as _core
+from hora.base.errors import HoraError, NotSupportedError
 from hora.core.process_sets import ProcessSet, global_process_set
 
-__all__ = ["host_call", "grouped_allreduce"]
+__all__ = ["host_call", "grouped_allreduce", "op_name", "in_graph", "traced", "XLA_MESSAGE"]
+
+XLA_MESSAGE = ("hora.tensorflow: collectives cannot run under XLA: this tf.function was traced with "
+               "jit_compile=True, and XLA has no kernel for a host call. Turn XLA off for the function that "
+               "calls hora: tf.function(jit_compile=False) (Keras: model.compile(..., jit_compile=False)).")
+
+_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {name: times used}
+_chain: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # v1 graph -> (last chained op, its context)
+_lock = threading.Lock()
 
 
-def host_call(fn, inputs: list, touts: list, shapes: list | None = None, name: str | None = None) -> list:
+def in_graph() -> bool:
+    """True while building a graph (tracing a ``tf.function``, or a v1 graph), False in eager mode."""
+    return not tf.executing_eagerly()
+
+
+def traced(fn):
+    """Decorate a public op: a hora error raised while it is built reaches the caller as it is, also from
+    inside a ``tf.function`` (autograph would otherwise turn it into a ``StagingError``); autograph leaves
+    hora's code unconverted (it has no tensor-dependent Python control flow to convert)."""
+    @tf.autograph.experimental.do_not_convert
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except HoraError as e:
+            e.ag_pass_through = True
+            raise
+    return op
+
+
+def _check_xla(graph) -> None:
+    if control_flow_util.GraphOrParentsInXlaContext(graph):
+        raise NotSupportedError(XLA_MESSAGE)
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def op_name(kind: str, tensor, name: str | None, ignore_name_scope: bool = False, last=None) -> str | None:
+    """The name a collective is negotiated under. Eager: ``name`` as given (None: the core numbers it by
+    submission order). In a graph: ``Horovod<kind>_<tensor's name>`` when unnamed, else ``name`` inside the
+    current name scope (unless ``ignore_name_scope``); a name used twice in one graph gets ``_1``, ``_2``.
+    A group is named after its first ``tensor`` and its ``last``."""
+    if not in_graph():
+        return None if name is None else str(name)
+    graph = tf.compat.v1.get_default_graph()
+    if name is None:
+        label = getattr(tensor, "name", "") or "tensor"
+        if last is not None:
+            label = f"{label}_{getattr(last, 'name', '') or 'tensor'}"
+        base = f"Horovod{kind}_{_normalize(label)}"
+    else:
+        scope = "" if ignore_name_scope else graph.get_name_scope()
+        base = f"{scope}/{name}" if scope else str(name)
+    with _lock:
+        used = _names.setdefault(graph, {})
+        n = used.get(base, 0)
+        used[base] = n + 1
+    return base if n == 0 else f"{base}_{n}"
+
+
+def host_call(fn, inputs: list, touts: list, shapes: list | None = None, name: str | None = None,
+              chain: bool = True) -> list:
     """``fn(*arrays) -> list of arrays`` run on the host with ``inputs``' values; returns tensors of dtypes
-    ``touts`` with static ``shapes`` (default: the inputs' shapes, one per output)."""
-    outs = tf.numpy_function(lambda *a: list(fn(*a)), list(inputs), list(touts), stateful=True, name=name)
+    ``touts`` with static ``shapes`` (default: the inputs' shapes, one per output).
+
+    ``chain``: in a v1 graph, this call waits for the previous chained call of the graph (in the same control
+    flow context). A host call blocks an executor thread until its peers join in, so a ``Session`` running
+    independent collectives in a different order on each rank would deadlock once its threads are all
+    blocked; chained, they run in creation order, the same on every rank (what ``tf.function`` does by
+    itself). Calls that must run alone (``broadcast_`` for a hook, the ``*_op`` queries) pass False."""
+    inputs = [tf.convert_to_tensor(t) for t in inputs]
+    if not in_graph():
+        outs = fn(*[t.numpy() for t in inputs])
+        return [tf.convert_to_tensor(np.asarray(o), dtype=d) for o, d in zip(outs, touts)]
+    graph = tf.compat.v1.get_default_graph()
+    _check_xla(graph)
+    chain = chain and not getattr(graph, "building_function", False)
+    context = graph._get_control_flow_context() if chain else None
+    prev = _chain.get(graph) if chain else None
+    deps = [prev[0]] if prev is not None and prev[1] is context else []
+    with tf.control_dependencies(deps):
+        outs = tf.numpy_function(lambda *a: list(fn(*a)), inputs, list(touts), stateful=True, name=name)
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
+    outs = list(outs)
+    if chain and outs:
+        _chain[graph] = (outs[0].op, context)
     shapes = shapes if shapes is not None else [t.shape for t in inputs]
     for o, s in zip(outs, shapes):
         o.set_shape(s)
-    return list(outs)
+    return outs
 
 
 def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
-    """Allreduce ``tensors`` as one group in one host call; new tensors of the same dtypes and shapes."""
+    """Allreduce ``tensors`` as one group in one host call; new tensors of the same dtypes and shapes.
+    Not differentiable (a wrapper's gradients are its input); :func:`hora.tensorflow.grouped_allreduce` is."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
+    if name is None and in_graph():
+        name = op_name("GroupedAllreduce", tensors[0], None, last=tensors[-1])
 
     def run(*arrays):
         return _core.grouped_allreduce(list(arrays), op, prescale_factor, postscale_factor, name, process_set)
