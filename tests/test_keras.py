@@ -171,6 +171,20 @@ def _battery(full: bool, tmp: str) -> None:
     np.testing.assert_array_equal(c(hvd.broadcast(np.arange(3) + r, 1)), [1, 2, 3])
     np.testing.assert_allclose(c(hvd.reducescatter(np.arange(4.0) * (r + 1))), (np.arange(4.0) * 1.5)[2 * r:2 * r + 2])
 
+    # -- a value one rank refuses fails every rank at once; so does a shape that differs between ranks
+    from hora.base.errors import HoraError, HoraValueError
+
+    try:
+        hvd.allreduce(np.array(["a"]) if r == 1 else np.ones(2), name="test.refused")
+        raise AssertionError("a refused allreduce returned")
+    except HoraError as e:
+        assert isinstance(e, HoraValueError) if r == 1 else "rank 1" in str(e), e
+    try:
+        hvd.allreduce(np.ones(r + 1), name="test.mismatch")
+        raise AssertionError("mismatched shapes were reduced")
+    except HoraError as e:
+        assert "shape" in str(e), e
+
     # -- sparse gradients (IndexedSlices from an embedding): densified, or allgathered by hora.tensorflow
     def embedding():
         keras.utils.set_random_seed(0)
