@@ -25,3 +25,13 @@ def check(name: str, got: inspect.Signature, want: inspect.Signature) -> None:
         else:
             assert q.default is p.default or (type(q.default) is type(p.default) and q.default == p.default), \
                 f"{name}({p.name}={q.default!r}): Horovod's default is {p.default!r}"
+
+
+def check_exports(module, names: set, later: set, constants: dict) -> None:
+    """``names`` exist and are in ``__all__``; none of ``later`` exists yet; the op constants are Horovod's ints."""
+    missing = sorted(n for n in names if not hasattr(module, n))
+    assert not missing, f"missing from {module.__name__}: {missing}"
+    assert names <= set(module.__all__), sorted(names - set(module.__all__))
+    assert not any(hasattr(module, n) for n in later), "a LATER name now exists: move it into the table"
+    for name, value in constants.items():
+        assert getattr(module, name) == value and type(getattr(module, name)) is int

@@ -74,12 +74,7 @@ def test_callback_signature_matches_horovod(name):
 def test_every_name_is_exported():
     names = set(SIGNATURES) | set(OTHER_NAMES) | set(CLASSES) | HORA_ONLY
     for module in (hvd, tfk):
-        missing = sorted(n for n in names if not hasattr(module, n))
-        assert not missing, f"missing from {module.__name__}: {missing}"
-        assert names <= set(module.__all__), sorted(names - set(module.__all__))
-        assert not any(hasattr(module, n) for n in LATER), "a LATER name now exists: move it into the table"
-    for name, value in OTHER_NAMES.items():
-        assert getattr(hvd, name) == value and type(getattr(hvd, name)) is int
+        api_check.check_exports(module, names, LATER, OTHER_NAMES)
     assert set(CALLBACKS) == set(callbacks.__all__) == set(tfk_callbacks.__all__)
 
 
