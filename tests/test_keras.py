@@ -23,6 +23,8 @@ ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=f
 
 def _battery(full: bool, tmp: str) -> None:
     """Run on every rank of an np=2 job; raises on the first failed check."""
+    import os
+
     import keras
     import numpy as np
 
@@ -162,6 +164,12 @@ def _battery(full: bool, tmp: str) -> None:
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg="local layer")
     for a, b in zip(m.layers[1].get_weights(), whole.layers[1].get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg="reduced layer")
+
+    # -- BestModelCheckpoint: the best epoch is saved, by rank 0 only
+    best = os.path.join(tmp, f"best-{backend}-{r}.keras")
+    fit(hvd.DistributedOptimizer(sgd(0.1)), mine(X), mine(Y), per, epochs=2,
+        callbacks=[hvd.callbacks.BestModelCheckpoint(monitor="loss", filepath=best)])
+    assert os.path.exists(best) == (r == 0), f"rank {r}: checkpoint written {os.path.exists(best)}"
 
     # -- the ops on Keras values
     c = keras.ops.convert_to_numpy
