@@ -9,12 +9,16 @@ are imported on first use, so ``import hora.keras`` loads only the backend Keras
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import keras
 
 from hora.base.errors import NotSupportedError
+from hora.core.frontend_keras import pack_plan
 from hora.core.process_sets import ProcessSet, global_process_set
 
-__all__ = ["backend", "grouped_allreduce", "is_sparse", "densify", "sparse_allreduce"]
+__all__ = ["backend", "grouped_allreduce", "packed_allreduce", "is_sparse", "densify", "sparse_allreduce"]
 
 BACKENDS = ("tensorflow", "jax", "torch")
 
@@ -43,6 +47,35 @@ def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, post
         return list(hora.torch.grouped_allreduce(list(tensors), name=name, op=op, prescale_factor=prescale_factor,
                                                  postscale_factor=postscale_factor, process_set=process_set))
     return reduce(list(tensors), op, prescale_factor, postscale_factor, name, process_set)
+
+
+def packed_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
+    """:func:`grouped_allreduce` with the small tensors packed into one flat tensor per dtype
+    (:func:`hora.core.frontend_keras.pack_plan`) by ``keras.ops`` inside the step, and unpacked after."""
+    shapes = [tuple(t.shape) for t in tensors]
+    sizes = [math.prod(s) if all(isinstance(d, int) for d in s) else None for s in shapes]
+    dtypes = [keras.backend.standardize_dtype(t.dtype) for t in tensors]
+    nbytes = [None if n is None else n * _itemsize(dt) for n, dt in zip(sizes, dtypes)]
+    buckets = pack_plan(dtypes, nbytes)
+    ins = [tensors[b[0]] if len(b) == 1 else keras.ops.concatenate([keras.ops.reshape(tensors[i], (-1,)) for i in b])
+           for b in buckets]
+    outs = grouped_allreduce(ins, op, prescale_factor, postscale_factor, name, process_set)
+    result: list = [None] * len(tensors)
+    for bucket, out in zip(buckets, outs):
+        if len(bucket) == 1:
+            result[bucket[0]] = out
+            continue
+        cuts = list(itertools.accumulate(sizes[i] for i in bucket))[:-1]
+        for i, part in zip(bucket, keras.ops.split(out, cuts)):
+            result[i] = keras.ops.reshape(part, shapes[i])
+    return result
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a Keras dtype name (``float32`` -> 4, ``bfloat16`` -> 2, ``bool`` -> 1)."""
+    bits = "".join(ch for ch in dtype if ch.isdigit())
+    return max(1, int(bits) // 8) if bits else 1
 
 
 def _refuse_xla() -> None:

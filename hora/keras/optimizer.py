@@ -110,7 +110,7 @@ def _reduce(s: _Settings, grads: list, variables: list, scale: float) -> list:
     for k, members in enumerate(_groups(s, dense, variables)):
         packed = [s.compression.compress(out[i]) for i in members]
         name = s.name if k == 0 else f"{s.name}.group{k}"
-        reduced = dispatch.grouped_allreduce([c for c, _ in packed], s.op, s.prescale, s.postscale * scale, name,
+        reduced = dispatch.packed_allreduce([c for c, _ in packed], s.op, s.prescale, s.postscale * scale, name,
                                              ps)
         for i, r, (_, ctx) in zip(members, reduced, packed):
             out[i] = s.compression.decompress(r, ctx)
