@@ -257,12 +257,23 @@ def test_fit_np2_equals_one_process_torch(tmp_path):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["tensorflow", "torch"])
-def test_keras_example_under_hora_run(backend):
+def test_keras_example_under_hora_run(backend, tmp_path):
+    """The example at np=2; on torch as an unchanged Horovod script (``import horovod.tensorflow.keras``)
+    through the opt-in alias."""
     pytest.importorskip(backend)
     pytest.importorskip("sklearn")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
     env.update(ENV, PYTHONPATH=str(ROOT), KERAS_BACKEND=backend)
-    cmd = [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable, "examples/tensorflow/train_digits_keras.py"]
+    script = ROOT / "examples/tensorflow/train_digits_keras.py"
+    if backend == "torch":
+        alias = subprocess.run([sys.executable, "-m", "hora._alias"], cwd=ROOT, env=env, capture_output=True,
+                               text=True, timeout=60).stdout.strip()
+        env.update(HORA_HOROVOD_ALIAS="1", PYTHONPATH=os.pathsep.join([alias, str(ROOT)]))
+        text = script.read_text()
+        assert "import hora.tensorflow.keras as hvd" in text
+        script = tmp_path / "train_digits_horovod.py"
+        script.write_text(text.replace("import hora.tensorflow.keras as hvd", "import horovod.tensorflow.keras as hvd"))
+    cmd = [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable, str(script)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
