@@ -165,6 +165,11 @@ def _battery(full: bool, tmp: str) -> None:
     for a, b in zip(m.layers[1].get_weights(), whole.layers[1].get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg="reduced layer")
 
+    # -- a staircase schedule between start_epoch and end_epoch (exclusive); the rate stays after it
+    schedule = hvd.callbacks.LearningRateScheduleCallback(0.1, lambda e: 0.5 ** e, start_epoch=1, end_epoch=3)
+    _, history = fit(hvd.DistributedOptimizer(sgd(0.2)), mine(X), mine(Y), per, epochs=4, callbacks=[schedule])
+    np.testing.assert_allclose(history["lr"], [0.2, 0.05, 0.025, 0.025], rtol=1e-6)
+
     # -- BestModelCheckpoint: the best epoch is saved, by rank 0 only
     best = os.path.join(tmp, f"best-{backend}-{r}.keras")
     fit(hvd.DistributedOptimizer(sgd(0.1)), mine(X), mine(Y), per, epochs=2,
