@@ -1,0 +1,4 @@
+"""``horovod.tensorflow.keras.callbacks`` is ``hora.tensorflow.keras.callbacks``."""
+
+from hora.tensorflow.keras.callbacks import *  # noqa: F401,F403
+from hora.tensorflow.keras.callbacks import __all__  # noqa: F401

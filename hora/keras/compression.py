@@ -1,0 +1,22 @@
+"""Gradient compression for Keras values, as ``horovod.tensorflow.keras.Compression``, on any Keras backend.
+
+The casts go through ``keras.ops``, so one set of compressors serves TensorFlow, JAX and torch tensors alike;
+the classes are made by :func:`hora.core.frontend.cast_compressors`, shared by every binding.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from hora.core.frontend import Compressor, NoneCompressor, cast_compressors
+
+__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
+
+
+def _dtype(tensor) -> str:
+    return keras.backend.standardize_dtype(tensor.dtype)
+
+
+FP16Compressor, BF16Compressor, Compression = cast_compressors(
+    __name__, lambda t: _dtype(t).startswith(("float", "bfloat")), _dtype, lambda t, dt: keras.ops.cast(t, dt),
+    "float16", "bfloat16")

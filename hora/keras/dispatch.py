@@ -1,0 +1,116 @@
+"""A Keras value's collective on the backend Keras runs on: the one place hora.keras picks a binding.
+
+``keras.backend.backend()`` names the framework whose tensors (or tracers) the trainer hands the optimizer;
+the gradients go to that framework's one-host-call group: ``hora.tensorflow.bridge`` (a stateful
+``tf.numpy_function``, kept inside ``model.fit``'s ``tf.function``), ``hora.jax.bridge`` (an ordered
+``io_callback``, kept inside the jitted stateless train step) or ``hora.torch`` (eager tensors). The bindings
+are imported on first use, so ``import hora.keras`` loads only the backend Keras itself loaded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import keras
+
+from hora.base.errors import NotSupportedError
+from hora.core.frontend_keras import pack_plan
+from hora.core.process_sets import ProcessSet, global_process_set
+
+__all__ = ["backend", "grouped_allreduce", "packed_allreduce", "is_sparse", "densify", "sparse_allreduce"]
+
+BACKENDS = ("tensorflow", "jax", "torch")
+
+
+def backend() -> str:
+    """The Keras backend, refused with the list of supported ones when hora has no binding for it."""
+    name = keras.backend.backend()
+    if name not in BACKENDS:
+        raise NotSupportedError(f"not supported yet: the Keras backend {name!r} (hora.keras runs on "
+                                f"{', '.join(BACKENDS)}; set KERAS_BACKEND to one of them)")
+    return name
+
+
+def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
+    """Allreduce ``tensors`` (native tensors of the Keras backend) in one grouped host call."""
+    which = backend()
+    if which == "tensorflow":
+        _refuse_xla()
+        from hora.tensorflow.bridge import grouped_allreduce as reduce
+    elif which == "jax":
+        from hora.jax.bridge import grouped_allreduce as reduce
+    else:
+        import hora.torch
+
+        return list(hora.torch.grouped_allreduce(list(tensors), name=name, op=op, prescale_factor=prescale_factor,
+                                                 postscale_factor=postscale_factor, process_set=process_set))
+    return reduce(list(tensors), op, prescale_factor, postscale_factor, name, process_set)
+
+
+def packed_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
+    """:func:`grouped_allreduce` with the small tensors packed into one flat tensor per dtype
+    (:func:`hora.core.frontend_keras.pack_plan`) by ``keras.ops`` inside the step, and unpacked after."""
+    shapes = [tuple(t.shape) for t in tensors]
+    sizes = [math.prod(s) if all(isinstance(d, int) for d in s) else None for s in shapes]
+    dtypes = [keras.backend.standardize_dtype(t.dtype) for t in tensors]
+    nbytes = [None if n is None else n * _itemsize(dt) for n, dt in zip(sizes, dtypes)]
+    buckets = pack_plan(dtypes, nbytes)
+    ins = [tensors[b[0]] if len(b) == 1 else keras.ops.concatenate([keras.ops.reshape(tensors[i], (-1,)) for i in b])
+           for b in buckets]
+    outs = grouped_allreduce(ins, op, prescale_factor, postscale_factor, name, process_set)
+    result: list = [None] * len(tensors)
+    for bucket, out in zip(buckets, outs):
+        if len(bucket) == 1:
+            result[bucket[0]] = out
+            continue
+        cuts = list(itertools.accumulate(sizes[i] for i in bucket))[:-1]
+        for i, part in zip(bucket, keras.ops.split(out, cuts)):
+            result[i] = keras.ops.reshape(part, shapes[i])
+    return result
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a Keras dtype name (``float32`` -> 4, ``bfloat16`` -> 2, ``bool`` -> 1)."""
+    bits = "".join(ch for ch in dtype if ch.isdigit())
+    return max(1, int(bits) // 8) if bits else 1
+
+
+def _refuse_xla() -> None:
+    """A host call has no XLA kernel: say so, and how to turn XLA off, instead of TensorFlow's "No registered
+    'PyFunc' OpKernel for XLA_CPU_JIT" at the first step."""
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise NotSupportedError("not supported yet: hora's collectives inside an XLA-compiled train step; compile "
+                                "the model with model.compile(..., jit_compile=False) (Keras turns XLA on by "
+                                "default only when a GPU is present)")
+
+
+def is_sparse(grad) -> bool:
+    """A ``tf.IndexedSlices`` gradient (an embedding's, on the TensorFlow backend), told apart without
+    importing TensorFlow on the other backends."""
+    return type(grad).__name__ == "IndexedSlices" and keras.backend.backend() == "tensorflow"
+
+
+def densify(grad):
+    """A sparse gradient as a dense tensor (``sparse_as_dense=True``)."""
+    import tensorflow as tf
+
+    return tf.convert_to_tensor(grad)
+
+
+def sparse_allreduce(grad, op: int, name: str | None, process_set: ProcessSet):
+    """Horovod's reduction of an ``IndexedSlices`` gradient: its values and indices allgathered (the sum
+    of the ranks' rows; divided by the size for Average), by ``hora.tensorflow.allreduce``."""
+    import hora.tensorflow as htf
+
+    _refuse_xla()
+    allreduce = getattr(htf, "allreduce", None)
+    if allreduce is None:
+        raise NotSupportedError("not supported yet: sparse (IndexedSlices) gradients need hora.tensorflow's "
+                                "allreduce, which this installation lacks; pass sparse_as_dense=True")
+    return allreduce(grad, op=op, name=name, process_set=process_set)

@@ -1,0 +1,240 @@
+"""``DistributedOptimizer`` for Keras 3: the wrapped optimizer's own class, with gradients averaged over ranks.
+
+Every Keras 3 trainer updates through ``Optimizer.apply(grads, trainable_variables)`` (TensorFlow:
+``apply_gradients`` -> ``apply`` inside ``model.fit``'s ``tf.function``; torch: ``apply`` under ``no_grad``;
+JAX: ``stateless_apply`` -> ``apply`` in a ``StatelessScope`` inside the jitted step). So the wrapper is a
+dynamic subclass of ``type(optimizer)`` whose ``apply`` reduces the step's gradients in ONE grouped host call
+(one per group with ``groups=``) before the base class applies them. ``isinstance(opt, type(optimizer))``
+holds, and the class keeps the base's name and ``__module__``, so ``get_config``/``from_config`` and ``.keras``
+save/load see the plain optimizer (a saved model loads without hora; :func:`hora.keras.load_model` wraps it
+again). Keras 3 variables are unhashable (Horovod #4290), so variables are keyed by ``id()``.
+
+``backward_passes_per_step=k > 1`` uses Keras's own ``gradient_accumulation_steps=k``: Keras accumulates the
+gradients locally and, on the step that applies, hands their average to ``_clip_gradients`` before the
+update. That method is the hook (private, but it is where Keras's three backends all pass the applying
+step's gradients, and only those, before clipping), so the ranks communicate once per ``k`` steps. On JAX
+the update is computed every step and selected by ``lax.cond``, so the reduction itself sits in a
+``lax.cond`` on the applying step. ``average_aggregated_gradients=False`` (Horovod's default) sums the
+``k`` passes: the allreduce's postscale multiplies Keras's average by ``k``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import keras
+
+from hora.base import knobs
+from hora.base.errors import HoraValueError
+from hora.core.frontend import check_optimizer_args, predivide, split_groups
+from hora.core.ops import Average
+from hora.core.process_sets import ProcessSet, global_process_set
+from hora.keras import dispatch
+from hora.keras.compression import Compression
+
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
+
+
+@dataclass
+class _Settings:
+    """What one ``DistributedOptimizer(...)`` call asked for; a class attribute of the class it made, so an
+    instance that Keras rebuilds with ``from_config`` keeps it."""
+    name: str
+    op: int
+    prescale: float
+    postscale: float
+    compression: type
+    sparse_as_dense: bool
+    groups: object  # None, an int, or lists of variables' ids
+    process_set: ProcessSet
+    scale_local_gradients: bool
+    accumulate: int  # backward_passes_per_step
+    average_aggregated: bool
+    local: set = field(default_factory=set)  # ids of variables whose gradients stay local
+
+
+class _DistributedOptimizer:
+    """Placed before the wrapped optimizer's class in the dynamic subclass's bases."""
+
+    _hora: _Settings
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if not grads or (trainable_variables is None and not self.built):
+            return super().apply(grads, trainable_variables)  # Keras's own errors and no-ops
+        variables = list(self._trainable_variables if trainable_variables is None else trainable_variables)
+        if self.gradient_accumulation_steps:  # reduced on the applying step, in _clip_gradients
+            kept = tuple(v for g, v in zip(grads, variables)
+                         if g is not None and not getattr(v, "overwrite_with_gradient", False))
+            object.__setattr__(self, "_hora_applying", kept)  # not through Keras's variable tracking
+        else:
+            grads = _reduce(self._hora, grads, variables, 1.0)
+        return super().apply(grads, trainable_variables)
+
+    def _clip_gradients(self, grads):
+        if self.gradient_accumulation_steps:
+            grads = _reduce_accumulated(self, list(grads))
+        return super()._clip_gradients(grads)
+
+    def register_local_var(self, var) -> None:
+        """Keep ``var``'s gradient local to this rank (model parallelism): it is not reduced."""
+        self._hora.local.add(id(var))
+
+
+def _active(ps: ProcessSet) -> bool:
+    """As in Horovod: no communication in a world of one, unless elastic training may grow it."""
+    return ps.included() and (ps.size() > 1 or bool(knobs.value("elastic")))
+
+
+def _reduce(s: _Settings, grads: list, variables: list, scale: float) -> list:
+    """The step's gradients reduced over ``s.process_set``: dense ones in one grouped call per group, sparse
+    ones allgathered (or densified), local ones kept (divided by the size with ``scale_local_gradients``)."""
+    ps = s.process_set
+    if not _active(ps):
+        return grads
+    out = list(grads)
+    dense = []
+    for i, (g, v) in enumerate(zip(grads, variables)):
+        if g is None:
+            continue
+        if id(v) in s.local:
+            if s.scale_local_gradients:
+                out[i] = g / ps.size()
+        elif dispatch.is_sparse(g) and not s.sparse_as_dense:
+            out[i] = dispatch.sparse_allreduce(g, s.op, f"{s.name}.sparse.{i}", ps)
+        else:
+            if dispatch.is_sparse(g):
+                g = out[i] = dispatch.densify(g)
+            dense.append(i)
+    for k, members in enumerate(_groups(s, dense, variables)):
+        packed = [s.compression.compress(out[i]) for i in members]
+        name = s.name if k == 0 else f"{s.name}.group{k}"
+        reduced = dispatch.packed_allreduce([c for c, _ in packed], s.op, s.prescale, s.postscale * scale, name,
+                                             ps)
+        for i, r, (_, ctx) in zip(members, reduced, packed):
+            out[i] = s.compression.decompress(r, ctx)
+    return out
+
+
+def _groups(s: _Settings, dense: list[int], variables: list) -> list[list[int]]:
+    """The dense gradients' indices in the groups asked for; ungrouped ones go together in one more group."""
+    if not dense:
+        return []
+    if s.groups is None or s.groups == 0:
+        return [dense]
+    if isinstance(s.groups, int):
+        return [[dense[j] for j in r] for r in split_groups(len(dense), s.groups)]
+    where = {vid: k for k, ids in enumerate(s.groups) for vid in ids}
+    out: list[list[int]] = [[] for _ in range(len(s.groups) + 1)]
+    for i in dense:
+        out[where.get(id(variables[i]), len(s.groups))].append(i)
+    return [g for g in out if g]
+
+
+def _reduce_accumulated(opt, grads: list) -> list:
+    """The applying step's accumulated average, reduced; ``average_aggregated_gradients=False`` with our own
+    ``backward_passes_per_step`` makes it the sum of the passes, as Horovod's."""
+    s = opt._hora
+    variables = list(getattr(opt, "_hora_applying", ()))
+    if len(variables) != len(grads):
+        raise HoraValueError(f"DistributedOptimizer: Keras passed {len(grads)} accumulated gradients for "
+                             f"{len(variables)} variables; is this optimizer wrapped by another?")
+    scale = float(s.accumulate) if s.accumulate > 1 and not s.average_aggregated else 1.0
+    if dispatch.backend() != "jax":  # the other backends call this on the applying step only
+        return _reduce(s, grads, variables, scale)
+    import jax
+
+    steps = opt.gradient_accumulation_steps
+    applying = (opt._iterations + 1) % steps == 0
+    return jax.lax.cond(applying, lambda gs: _reduce(s, list(gs), variables, scale), lambda gs: list(gs), grads)
+
+
+def _variable_ids(groups) -> object:
+    if groups is None or isinstance(groups, int):
+        if isinstance(groups, bool) or (isinstance(groups, int) and groups < 0):
+            raise HoraValueError(f"groups={groups!r}: give a non-negative number of groups or lists of variables")
+        return groups
+    out, seen = [], set()
+    for group in groups:
+        ids = []
+        for v in group:
+            if not isinstance(v, keras.Variable):
+                raise HoraValueError(f"groups must hold keras.Variable objects, got {type(v).__name__}")
+            if id(v) in seen:
+                raise HoraValueError(f"variable {v.path!r} appears twice in groups; a variable can be in one group")
+            seen.add(id(v))
+            ids.append(id(v))
+        out.append(ids)
+    return out
+
+
+def _wrap(optimizer, settings: _Settings):
+    """A new instance of a dynamic subclass of ``type(optimizer)`` with ``optimizer``'s config and, when it is
+    built (a loaded model's), its state."""
+    base = type(optimizer)
+    cls = type(base.__name__, (_DistributedOptimizer, base),
+               {"__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__,
+                "_hora": settings})
+    config = optimizer.get_config()
+    if settings.accumulate > 1:
+        have = config.get("gradient_accumulation_steps")
+        if have and have != settings.accumulate:
+            raise HoraValueError(f"DistributedOptimizer: backward_passes_per_step={settings.accumulate} but the "
+                                 f"optimizer has gradient_accumulation_steps={have}; give one of them")
+        config["gradient_accumulation_steps"] = settings.accumulate
+    wrapped = cls.from_config(config)
+    if optimizer.built:
+        wrapped.build(optimizer._trainable_variables)
+        for dst, src in zip(wrapped.variables, optimizer.variables):
+            dst.assign(src)
+    return wrapped
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='', compression=Compression.none,
+                         sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
+                         backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=global_process_set, scale_local_gradients=True):
+    """Wrap a Keras 3 optimizer so that each step applies gradients reduced (``op``) over the ranks.
+
+    ``device_dense``/``device_sparse``: accepted, no effect (hora reduces on the host). ``name``: the prefix
+    of the collectives' names (default ``Distributed<Class>``).
+
+    >>> model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size())), loss=...)
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise HoraValueError(f"DistributedOptimizer: expected a Keras 3 optimizer, got {type(optimizer).__name__}; "
+                             "for a tf.compat.v1.train.Optimizer use hora.tensorflow.DistributedOptimizer")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise HoraValueError("DistributedOptimizer: this optimizer is already distributed; wrapping it twice "
+                             "would reduce every gradient twice")
+    check_optimizer_args("DistributedOptimizer", op, gradient_predivide_factor, backward_passes_per_step)
+    if num_groups:
+        warnings.warn("DistributedOptimizer(num_groups=...) is deprecated; use groups=", DeprecationWarning,
+                      stacklevel=2)
+        groups = num_groups if groups is None else groups
+    pre, post = predivide(op, gradient_predivide_factor)
+    settings = _Settings(name or f"Distributed{type(optimizer).__name__}", op, pre, post, compression,
+                         bool(sparse_as_dense), _variable_ids(groups), process_set, bool(scale_local_gradients),
+                         backward_passes_per_step, bool(average_aggregated_gradients))
+    return _wrap(optimizer, settings)
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='',
+                                compression=Compression.none, sparse_as_dense=False, gradient_predivide_factor=1.0,
+                                op=Average, backward_passes_per_step=1, average_aggregated_gradients=False,
+                                groups=None, process_set=global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """:func:`DistributedOptimizer` whose ``local_layers``' (a layer or layers) gradients are not reduced:
+    each rank applies its own (divided by the size with ``scale_local_gradients``), for model parallelism."""
+    wrapped = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                                   gradient_predivide_factor, op, backward_passes_per_step,
+                                   average_aggregated_gradients, 0, groups, process_set, scale_local_gradients)
+    layers = [] if local_layers is None else [local_layers] if isinstance(local_layers, keras.layers.Layer) \
+        else list(local_layers)
+    for layer in layers:
+        if not isinstance(layer, keras.layers.Layer):
+            raise HoraValueError(f"local_layers must hold keras.layers.Layer objects, got {type(layer).__name__}")
+        for var in layer.trainable_weights:
+            wrapped.register_local_var(var)
+    return wrapped

@@ -1,0 +1,37 @@
+"""The signature check every binding's API test makes: a function (or a class's ``__init__``) takes Horovod's
+parameters, in Horovod's order, of Horovod's kinds, with Horovod's defaults."""
+
+import inspect
+
+
+def expected(params: str, namespace: dict) -> inspect.Signature:
+    """The signature written as a lambda's parameter list, evaluated in the binding's namespace."""
+    return inspect.signature(eval(f"lambda {params}: None", namespace))  # noqa: S307 - the tests' own tables
+
+
+def actual(obj) -> inspect.Signature:
+    if inspect.isclass(obj):
+        return inspect.Signature(list(inspect.signature(obj.__init__).parameters.values())[1:])
+    return inspect.signature(obj)
+
+
+def check(name: str, got: inspect.Signature, want: inspect.Signature) -> None:
+    assert list(got.parameters) == list(want.parameters), f"{name}{got}: expected {name}{want}"
+    for p in want.parameters.values():
+        q = got.parameters[p.name]
+        assert q.kind == p.kind, f"{name}({p.name}) is {q.kind.description}, Horovod's is {p.kind.description}"
+        if p.default is inspect.Parameter.empty:
+            assert q.default is inspect.Parameter.empty, f"{name}({p.name}) must be required, as in Horovod"
+        else:
+            assert q.default is p.default or (type(q.default) is type(p.default) and q.default == p.default), \
+                f"{name}({p.name}={q.default!r}): Horovod's default is {p.default!r}"
+
+
+def check_exports(module, names: set, later: set, constants: dict) -> None:
+    """``names`` exist and are in ``__all__``; none of ``later`` exists yet; the op constants are Horovod's ints."""
+    missing = sorted(n for n in names if not hasattr(module, n))
+    assert not missing, f"missing from {module.__name__}: {missing}"
+    assert names <= set(module.__all__), sorted(names - set(module.__all__))
+    assert not any(hasattr(module, n) for n in later), "a LATER name now exists: move it into the table"
+    for name, value in constants.items():
+        assert getattr(module, name) == value and type(getattr(module, name)) is int
