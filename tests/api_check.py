@@ -27,6 +27,14 @@ def check(name: str, got: inspect.Signature, want: inspect.Signature) -> None:
                 f"{name}({p.name}={q.default!r}): Horovod's default is {p.default!r}"
 
 
+def check_signature(module, name: str, *params: str, namespace: dict | None = None) -> None:
+    """``module.<name>`` takes ``params`` joined (Horovod's list, then hora's additions; empty ones skipped),
+    evaluated in ``namespace`` (default: the module's), as :func:`check` compares them."""
+    assert hasattr(module, name), f"{module.__name__} has no {name}"
+    want = expected(", ".join(p for p in params if p), vars(module) if namespace is None else namespace)
+    check(name, actual(getattr(module, name)), want)
+
+
 def check_exports(module, names: set, later: set, constants: dict) -> None:
     """``names`` exist and are in ``__all__``; none of ``later`` exists yet; the op constants are Horovod's ints."""
     missing = sorted(n for n in names if not hasattr(module, n))

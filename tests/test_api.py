@@ -11,6 +11,7 @@ import inspect
 import pytest
 
 torch = pytest.importorskip("torch")
+import api_check  # noqa: E402
 import hora.torch as hvd  # noqa: E402
 
 # name -> Horovod's parameter list, written as a lambda's parameters and evaluated in hora.torch's namespace
@@ -90,42 +91,13 @@ OTHER_NAMES = {"Average": 0, "Sum": 1, "Adasum": 2, "Min": 3, "Max": 4, "Product
 CLASSES = ["Compression", "ProcessSet", "global_process_set", "HorovodInternalError", "HostsUpdatedInterrupt"]
 
 
-def _expected(name):
-    params = ", ".join(p for p in (SIGNATURES[name], EXTRA.get(name, "")) if p)
-    return inspect.signature(eval(f"lambda {params}: None", vars(hvd)))  # noqa: S307 - our own table
-
-
-def _actual(name):
-    obj = getattr(hvd, name)
-    if inspect.isclass(obj):
-        params = list(inspect.signature(obj.__init__).parameters.values())[1:]
-        return inspect.Signature(params)
-    return inspect.signature(obj)
-
-
 @pytest.mark.parametrize("name", sorted(SIGNATURES))
 def test_signature_matches_horovod(name):
-    assert hasattr(hvd, name), f"hora.torch has no {name}"
-    want, got = _expected(name), _actual(name)
-    assert list(got.parameters) == list(want.parameters), f"{name}{got}: expected {name}{want}"
-    for p in want.parameters.values():
-        q = got.parameters[p.name]
-        assert q.kind == p.kind, f"{name}({p.name}) is {q.kind.description}, Horovod's is {p.kind.description}"
-        if p.default is inspect.Parameter.empty:
-            assert q.default is inspect.Parameter.empty, f"{name}({p.name}) must be required, as in Horovod"
-        else:
-            assert q.default is p.default or (type(q.default) is type(p.default) and q.default == p.default), \
-                f"{name}({p.name}={q.default!r}): Horovod's default is {p.default!r}"
+    api_check.check_signature(hvd, name, SIGNATURES[name], EXTRA.get(name, ""))
 
 
 def test_every_name_is_exported():
-    names = set(SIGNATURES) | set(OTHER_NAMES) | set(CLASSES)
-    missing = sorted(n for n in names if not hasattr(hvd, n))
-    assert not missing, f"missing from hora.torch: {missing}"
-    assert names <= set(hvd.__all__) | {"elastic"}, sorted(names - set(hvd.__all__))
-    assert not any(hasattr(hvd, n) for n in LATER), "a LATER name now exists: move it into the table"
-    for name, value in OTHER_NAMES.items():
-        assert getattr(hvd, name) == value and type(getattr(hvd, name)) is int
+    api_check.check_exports(hvd, set(SIGNATURES) | set(OTHER_NAMES) | set(CLASSES), LATER, OTHER_NAMES)
 
 
 def test_classes_and_build_queries():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 mx = pytest.importorskip("mxnet")
+import api_check  # noqa: E402
 import hora.mxnet as hvd  # noqa: E402
 
 _OPS = "priority=0, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set, op=None"
@@ -58,39 +59,15 @@ OTHER_NAMES = {"Average": 0, "Sum": 1, "Adasum": 2, "Min": 3, "Max": 4, "Product
 CLASSES = ["Compression", "ProcessSet", "global_process_set", "HorovodInternalError", "HostsUpdatedInterrupt"]
 
 
-def _expected(name):
-    params = ", ".join(p for p in (SIGNATURES.get(name, HORA_ONLY.get(name)), EXTRA.get(name, "")) if p)
-    return inspect.signature(eval(f"lambda {params}: None", vars(hvd)))  # noqa: S307 - our own table
-
-
-def _actual(name):
-    obj = getattr(hvd, name)
-    if inspect.isclass(obj):
-        return inspect.Signature(list(inspect.signature(obj.__init__).parameters.values())[1:])
-    return inspect.signature(obj)
-
-
-def _bare(sig: inspect.Signature) -> inspect.Signature:
-    """``sig`` without annotations: names, kinds and defaults are what callers depend on."""
-    return sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
-                       return_annotation=sig.empty)
-
-
 @pytest.mark.parametrize("name", sorted(SIGNATURES) + sorted(HORA_ONLY))
 def test_signature_matches_horovod(name):
     """Same names in the same order, same kinds, same defaults (required stays required)."""
-    assert hasattr(hvd, name), f"hora.mxnet has no {name}"
-    want, got = _expected(name), _bare(_actual(name))
-    assert got == want, f"{name}{got}: expected {name}{want}"
+    api_check.check_signature(hvd, name, SIGNATURES.get(name, HORA_ONLY.get(name)), EXTRA.get(name, ""))
 
 
 def test_every_name_is_exported():
     names = set(SIGNATURES) | set(HORA_ONLY) | set(OTHER_NAMES) | set(CLASSES)
-    missing = sorted(n for n in names if not hasattr(hvd, n))
-    assert not missing, f"missing from hora.mxnet: {missing}"
-    assert names <= set(hvd.__all__), sorted(names - set(hvd.__all__))
-    for name, value in OTHER_NAMES.items():
-        assert getattr(hvd, name) == value and type(getattr(hvd, name)) is int
+    api_check.check_exports(hvd, names, set(), OTHER_NAMES)
 
 
 def test_classes_compression_and_build_queries():
