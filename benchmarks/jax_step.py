@@ -148,9 +148,8 @@ def _overhead(steps: int, windows: int) -> dict:
     def forced(inner):  # what DistributedOptimizer does in a larger world, even in a world of one
         def update(g, s, p=None):
             leaves, tree = jax.tree_util.tree_flatten(g)
-            packing = bridge.Packing(leaves)
-            out = bridge.grouped_allreduce(packing.pack(leaves, jax.numpy), hvd.Average, name="forced")
-            return inner.update(jax.tree_util.tree_unflatten(tree, packing.unpack(out, jax.numpy)), s, p)
+            out = bridge.packed_allreduce(leaves, hvd.Average, name="forced")
+            return inner.update(jax.tree_util.tree_unflatten(tree, out), s, p)
         return optax.GradientTransformation(inner.init, update)
 
     ways = {"without": optax.adam(1e-3), "DistributedOptimizer": hvd.DistributedOptimizer(optax.adam(1e-3))}

@@ -11,22 +11,13 @@ import inspect
 import pytest
 
 torch = pytest.importorskip("torch")
+import api_check  # noqa: E402
 import hora.torch as hvd  # noqa: E402
 
 # name -> Horovod's parameter list, written as a lambda's parameters and evaluated in hora.torch's namespace
 SIGNATURES = {
     # §1.1 basics
-    "init": "comm=None, process_sets=None",
-    "shutdown": "",
-    "is_initialized": "",
-    "size": "", "local_size": "", "cross_size": "", "rank": "", "local_rank": "", "cross_rank": "",
-    "is_homogeneous": "",
-    "start_timeline": "file_path, mark_cycles=False",
-    "stop_timeline": "",
-    "mpi_threads_supported": "", "mpi_enabled": "", "mpi_built": "", "gloo_enabled": "", "gloo_built": "",
-    "nccl_built": "", "ddl_built": "", "ccl_built": "", "cuda_built": "", "rocm_built": "",
-    "add_process_set": "process_set",
-    "remove_process_set": "process_set",
+    **api_check.BASICS, "is_homogeneous": "",
     # §1.2 ops
     "allreduce": "tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0, "
                  "postscale_factor=1.0, process_set=global_process_set",
@@ -86,54 +77,21 @@ EXTRA = {
 # exported by horovod.torch but not by hora.torch yet, each planned for a later issue
 LATER = {"elastic"}
 
-OTHER_NAMES = {"Average": 0, "Sum": 1, "Adasum": 2, "Min": 3, "Max": 4, "Product": 5}
-CLASSES = ["Compression", "ProcessSet", "global_process_set", "HorovodInternalError", "HostsUpdatedInterrupt"]
-
-
-def _expected(name):
-    params = ", ".join(p for p in (SIGNATURES[name], EXTRA.get(name, "")) if p)
-    return inspect.signature(eval(f"lambda {params}: None", vars(hvd)))  # noqa: S307 - our own table
-
-
-def _actual(name):
-    obj = getattr(hvd, name)
-    if inspect.isclass(obj):
-        params = list(inspect.signature(obj.__init__).parameters.values())[1:]
-        return inspect.Signature(params)
-    return inspect.signature(obj)
+OTHER_NAMES = api_check.OPS
+CLASSES = api_check.CLASSES
 
 
 @pytest.mark.parametrize("name", sorted(SIGNATURES))
 def test_signature_matches_horovod(name):
-    assert hasattr(hvd, name), f"hora.torch has no {name}"
-    want, got = _expected(name), _actual(name)
-    assert list(got.parameters) == list(want.parameters), f"{name}{got}: expected {name}{want}"
-    for p in want.parameters.values():
-        q = got.parameters[p.name]
-        assert q.kind == p.kind, f"{name}({p.name}) is {q.kind.description}, Horovod's is {p.kind.description}"
-        if p.default is inspect.Parameter.empty:
-            assert q.default is inspect.Parameter.empty, f"{name}({p.name}) must be required, as in Horovod"
-        else:
-            assert q.default is p.default or (type(q.default) is type(p.default) and q.default == p.default), \
-                f"{name}({p.name}={q.default!r}): Horovod's default is {p.default!r}"
+    api_check.check_signature(hvd, name, SIGNATURES[name], EXTRA.get(name, ""))
 
 
 def test_every_name_is_exported():
-    names = set(SIGNATURES) | set(OTHER_NAMES) | set(CLASSES)
-    missing = sorted(n for n in names if not hasattr(hvd, n))
-    assert not missing, f"missing from hora.torch: {missing}"
-    assert names <= set(hvd.__all__) | {"elastic"}, sorted(names - set(hvd.__all__))
-    assert not any(hasattr(hvd, n) for n in LATER), "a LATER name now exists: move it into the table"
-    for name, value in OTHER_NAMES.items():
-        assert getattr(hvd, name) == value and type(getattr(hvd, name)) is int
+    api_check.check_exports(hvd, set(SIGNATURES) | set(OTHER_NAMES) | set(CLASSES), LATER, OTHER_NAMES)
 
 
 def test_classes_and_build_queries():
-    assert issubclass(hvd.HorovodInternalError, RuntimeError)
-    assert issubclass(hvd.HostsUpdatedInterrupt, RuntimeError) and hvd.HostsUpdatedInterrupt(True).skip_sync
-    for compressor in (hvd.Compression.none, hvd.Compression.fp16, hvd.Compression.bf16):
-        assert list(inspect.signature(compressor.compress).parameters) == ["tensor"]
-        assert list(inspect.signature(compressor.decompress).parameters) == ["tensor", "ctx"]
+    api_check.check_classes(hvd)
     t = torch.ones(2, dtype=torch.float64)
     c, ctx = hvd.Compression.fp16.compress(t)
     assert c.dtype == torch.float16 and hvd.Compression.fp16.decompress(c, ctx).dtype == torch.float64

@@ -14,13 +14,7 @@ import hora.tensorflow.keras.callbacks as tfk_callbacks  # noqa: E402
 
 C = "compression=Compression.none"
 SIGNATURES = {
-    "init": "comm=None, process_sets=None",
-    "shutdown": "", "is_initialized": "", "size": "", "local_size": "", "cross_size": "", "rank": "",
-    "local_rank": "", "cross_rank": "", "is_homogeneous": "",
-    "start_timeline": "file_path, mark_cycles=False", "stop_timeline": "",
-    "mpi_threads_supported": "", "mpi_enabled": "", "mpi_built": "", "gloo_enabled": "", "gloo_built": "",
-    "nccl_built": "", "ddl_built": "", "ccl_built": "", "cuda_built": "", "rocm_built": "",
-    "add_process_set": "process_set", "remove_process_set": "process_set",
+    **api_check.BASICS, "is_homogeneous": "",
     "DistributedOptimizer": f"optimizer, name=None, device_dense='', device_sparse='', {C}, sparse_as_dense=False, "
                             "gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1, "
                             "average_aggregated_gradients=False, num_groups=0, groups=None, "

@@ -5,7 +5,6 @@ Horovod's order, with Horovod's defaults, as real named parameters. hora may add
 Horovod's, with defaults, listed in ``EXTRA``; names Horovod's MXNet module lacks are listed in ``HORA_ONLY``.
 """
 
-import inspect
 import pickle
 import warnings
 
@@ -13,18 +12,13 @@ import numpy as np
 import pytest
 
 mx = pytest.importorskip("mxnet")
+import api_check  # noqa: E402
 import hora.mxnet as hvd  # noqa: E402
 
 _OPS = "priority=0, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set, op=None"
 # name -> Horovod's parameter list, written as a lambda's parameters and evaluated in hora.mxnet's namespace
 SIGNATURES = {
-    "init": "comm=None, process_sets=None",
-    "shutdown": "", "is_initialized": "",
-    "size": "", "local_size": "", "cross_size": "", "rank": "", "local_rank": "", "cross_rank": "",
-    "start_timeline": "file_path, mark_cycles=False", "stop_timeline": "",
-    "mpi_threads_supported": "", "mpi_enabled": "", "mpi_built": "", "gloo_enabled": "", "gloo_built": "",
-    "nccl_built": "", "ddl_built": "", "ccl_built": "", "cuda_built": "", "rocm_built": "",
-    "add_process_set": "process_set", "remove_process_set": "process_set",
+    **api_check.BASICS,
     "allreduce": f"tensor, average=None, name=None, {_OPS}",
     "allreduce_": f"tensor, average=None, name=None, {_OPS}",
     "grouped_allreduce": f"tensors, average=None, name=None, {_OPS}",
@@ -54,52 +48,25 @@ EXTRA = {
 # hora's names that horovod.mxnet does not have (the core API has them; cheap and harmless here)
 HORA_ONLY = {"join": "device=-1", "barrier": "process_set=global_process_set"}
 
-OTHER_NAMES = {"Average": 0, "Sum": 1, "Adasum": 2, "Min": 3, "Max": 4, "Product": 5}
-CLASSES = ["Compression", "ProcessSet", "global_process_set", "HorovodInternalError", "HostsUpdatedInterrupt"]
-
-
-def _expected(name):
-    params = ", ".join(p for p in (SIGNATURES.get(name, HORA_ONLY.get(name)), EXTRA.get(name, "")) if p)
-    return inspect.signature(eval(f"lambda {params}: None", vars(hvd)))  # noqa: S307 - our own table
-
-
-def _actual(name):
-    obj = getattr(hvd, name)
-    if inspect.isclass(obj):
-        return inspect.Signature(list(inspect.signature(obj.__init__).parameters.values())[1:])
-    return inspect.signature(obj)
-
-
-def _bare(sig: inspect.Signature) -> inspect.Signature:
-    """``sig`` without annotations: names, kinds and defaults are what callers depend on."""
-    return sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
-                       return_annotation=sig.empty)
+OTHER_NAMES = api_check.OPS
+CLASSES = api_check.CLASSES
 
 
 @pytest.mark.parametrize("name", sorted(SIGNATURES) + sorted(HORA_ONLY))
 def test_signature_matches_horovod(name):
     """Same names in the same order, same kinds, same defaults (required stays required)."""
-    assert hasattr(hvd, name), f"hora.mxnet has no {name}"
-    want, got = _expected(name), _bare(_actual(name))
-    assert got == want, f"{name}{got}: expected {name}{want}"
+    api_check.check_signature(hvd, name, SIGNATURES.get(name, HORA_ONLY.get(name)), EXTRA.get(name, ""))
 
 
 def test_every_name_is_exported():
     names = set(SIGNATURES) | set(HORA_ONLY) | set(OTHER_NAMES) | set(CLASSES)
-    missing = sorted(n for n in names if not hasattr(hvd, n))
-    assert not missing, f"missing from hora.mxnet: {missing}"
-    assert names <= set(hvd.__all__), sorted(names - set(hvd.__all__))
-    for name, value in OTHER_NAMES.items():
-        assert getattr(hvd, name) == value and type(getattr(hvd, name)) is int
+    api_check.check_exports(hvd, names, set(), OTHER_NAMES)
 
 
 def test_classes_compression_and_build_queries():
-    assert issubclass(hvd.HorovodInternalError, RuntimeError)
+    api_check.check_classes(hvd, ("none", "fp16"))
     assert issubclass(hvd.DistributedOptimizer, mx.optimizer.Optimizer)
     assert issubclass(hvd.DistributedTrainer, mx.gluon.Trainer)
-    for compressor in (hvd.Compression.none, hvd.Compression.fp16):
-        assert list(inspect.signature(compressor.compress).parameters) == ["tensor"]
-        assert list(inspect.signature(compressor.decompress).parameters) == ["tensor", "ctx"]
     t = mx.nd.ones(2, dtype="float64")
     c, ctx = hvd.Compression.fp16.compress(t)
     assert c.dtype is np.float16 and hvd.Compression.fp16.decompress(c, ctx).dtype is np.float64

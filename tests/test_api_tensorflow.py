@@ -5,27 +5,17 @@ Horovod's order, with Horovod's defaults, as real named parameters. hora may add
 Horovod's, with defaults, listed in ``EXTRA``.
 """
 
-import inspect
 
 import pytest
 
 tf = pytest.importorskip("tensorflow")
+import api_check  # noqa: E402
 import hora.tensorflow as hvd  # noqa: E402
 
 PS = "process_set=global_process_set"
 SIGNATURES = {
     # §1.1 basics
-    "init": "comm=None, process_sets=None",
-    "shutdown": "",
-    "is_initialized": "",
-    "size": "", "local_size": "", "cross_size": "", "rank": "", "local_rank": "", "cross_rank": "",
-    "is_homogeneous": "",
-    "start_timeline": "file_path, mark_cycles=False",
-    "stop_timeline": "",
-    "mpi_threads_supported": "", "mpi_enabled": "", "mpi_built": "", "gloo_enabled": "", "gloo_built": "",
-    "nccl_built": "", "ddl_built": "", "ccl_built": "", "cuda_built": "", "rocm_built": "",
-    "add_process_set": "process_set",
-    "remove_process_set": "process_set",
+    **api_check.BASICS, "is_homogeneous": "",
     # graph-time queries
     "rank_op": "name=None",
     "local_rank_op": "name=None",
@@ -79,56 +69,22 @@ EXTRA = {
 # handle_average_backwards_compatibility, check_num_rank_power_of_2, LocalGradientAggregationHelper)
 LATER = {"elastic"}
 
-OTHER_NAMES = {"Average": 0, "Sum": 1, "Adasum": 2, "Min": 3, "Max": 4, "Product": 5}
-CLASSES = ["Compression", "ProcessSet", "global_process_set", "HorovodInternalError", "HostsUpdatedInterrupt"]
-
-
-def _expected(name):
-    params = ", ".join(p for p in (SIGNATURES[name], EXTRA.get(name, "")) if p)
-    if "**kwargs" in params and EXTRA.get(name):
-        raise AssertionError("an addition cannot follow **kwargs")
-    return inspect.signature(eval(f"lambda {params}: None", vars(hvd)))  # noqa: S307 - our own table
-
-
-def _actual(name):
-    obj = getattr(hvd, name)
-    if inspect.isclass(obj):
-        params = list(inspect.signature(obj.__init__).parameters.values())[1:]
-        return inspect.Signature(params)
-    return inspect.signature(obj)
+OTHER_NAMES = api_check.OPS
+CLASSES = api_check.CLASSES
 
 
 @pytest.mark.parametrize("name", sorted(SIGNATURES))
 def test_signature_matches_horovod(name):
-    assert hasattr(hvd, name), f"hora.tensorflow has no {name}"
-    want, got = _expected(name), _actual(name)
-    assert list(got.parameters) == list(want.parameters), f"{name}{got}: expected {name}{want}"
-    for p in want.parameters.values():
-        q = got.parameters[p.name]
-        assert q.kind == p.kind, f"{name}({p.name}) is {q.kind.description}, Horovod's is {p.kind.description}"
-        if p.default is inspect.Parameter.empty:
-            assert q.default is inspect.Parameter.empty, f"{name}({p.name}) must be required, as in Horovod"
-        else:
-            assert q.default is p.default or (type(q.default) is type(p.default) and q.default == p.default), \
-                f"{name}({p.name}={q.default!r}): Horovod's default is {p.default!r}"
+    assert not ("**kwargs" in SIGNATURES[name] and EXTRA.get(name)), "an addition cannot follow **kwargs"
+    api_check.check_signature(hvd, name, SIGNATURES[name], EXTRA.get(name, ""))
 
 
 def test_every_name_is_exported():
-    names = set(SIGNATURES) | set(OTHER_NAMES) | set(CLASSES)
-    missing = sorted(n for n in names if not hasattr(hvd, n))
-    assert not missing, f"missing from hora.tensorflow: {missing}"
-    assert names <= set(hvd.__all__), sorted(names - set(hvd.__all__))
-    assert not any(hasattr(hvd, n) for n in LATER), "a LATER name now exists: move it into the table"
-    for name, value in OTHER_NAMES.items():
-        assert getattr(hvd, name) == value and type(getattr(hvd, name)) is int
+    api_check.check_exports(hvd, set(SIGNATURES) | set(OTHER_NAMES) | set(CLASSES), LATER, OTHER_NAMES)
 
 
 def test_classes_compression_and_build_queries():
-    assert issubclass(hvd.HorovodInternalError, RuntimeError)
-    assert issubclass(hvd.HostsUpdatedInterrupt, RuntimeError) and hvd.HostsUpdatedInterrupt(True).skip_sync
-    for compressor in (hvd.Compression.none, hvd.Compression.fp16, hvd.Compression.bf16):
-        assert list(inspect.signature(compressor.compress).parameters) == ["tensor"]
-        assert list(inspect.signature(compressor.decompress).parameters) == ["tensor", "ctx"]
+    api_check.check_classes(hvd)
     t = tf.ones([2], tf.float64)
     c, ctx = hvd.Compression.fp16.compress(t)
     assert c.dtype == tf.float16 and hvd.Compression.fp16.decompress(c, ctx).dtype == tf.float64

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from harness import run
+from workers import FLOATS, MOVABLE, REDUCIBLE, exact_input, reduce_reference
 
 pytest.importorskip("jax")
 pytest.importorskip("optax")
@@ -19,10 +20,6 @@ pytest.importorskip("optax")
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
        "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}
-INTS = ["uint8", "int8", "int16", "int32", "int64"]
-FLOATS = ["float16", "bfloat16", "float32", "float64"]
-REDUCIBLE = INTS + FLOATS
-MOVABLE = REDUCIBLE + ["bool"]
 SUM, AVERAGE, MIN, MAX, PRODUCT = 1, 0, 3, 4, 5
 
 
@@ -31,31 +28,6 @@ def _hvd():
 
     hvd.init()
     return hvd
-
-
-def _make(rank, dtype, shape, seed=0):
-    """Rank ``rank``'s input as NumPy: small integers, or floats in quarters, so every Sum is exact."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    g = np.random.default_rng(seed * 1000 + rank)
-    if dtype == "bool":
-        return g.integers(0, 2, shape).astype(bool)
-    if dtype in INTS:
-        return g.integers(0 if dtype == "uint8" else -2, 3, shape).astype(dtype)
-    return (g.integers(-8, 9, shape) / 4).astype(jnp.dtype(dtype))
-
-
-def _reference(inputs, op):
-    """Horovod's numerics: reduce in float64; Average of integers truncates toward zero."""
-    import numpy as np
-
-    xs = np.stack([x.astype(np.float64) for x in inputs])
-    out = {SUM: xs.sum(0), AVERAGE: xs.sum(0) * (1.0 / len(inputs)), MIN: xs.min(0), MAX: xs.max(0),
-           PRODUCT: xs.prod(0)}[op]
-    if inputs[0].dtype.kind in "iu":
-        out = np.trunc(out)
-    return out.astype(inputs[0].dtype)
 
 
 def _close(actual, expected, what):
@@ -81,12 +53,12 @@ def _ops_body():
     count = 0
     with jax.enable_x64(True):
         for dtype in MOVABLE:
-            every = [_make(q, dtype, (5, 3)) for q in range(n)]
+            every = [exact_input(q, dtype, (5, 3)) for q in range(n)]
             x = jnp.asarray(every[r])
-            rows = [_make(q, dtype, (2 * n + 1, 2), seed=1) for q in range(n)]
+            rows = [exact_input(q, dtype, (2 * n + 1, 2), seed=1) for q in range(n)]
             counts = [(2 * n + 1) // n + (q < (2 * n + 1) % n) for q in range(n)]
             start = sum(counts[:r])
-            even = [_make(q, dtype, (2 * n, 3), seed=4) for q in range(n)]
+            even = [exact_input(q, dtype, (2 * n, 3), seed=4) for q in range(n)]
             for mode in ("eager", "jit"):
                 wrap = jax.jit if mode == "jit" else (lambda f: f)
 
@@ -97,23 +69,24 @@ def _ops_body():
 
                 if dtype in REDUCIBLE:
                     for op in (SUM, AVERAGE, MIN, MAX, PRODUCT):
-                        check(lambda t, op=op: hvd.allreduce(t, op=op), _reference(every, op), f"allreduce op {op}", x)
-                    want = _reference(every, SUM)
+                        check(lambda t, op=op: hvd.allreduce(t, op=op), reduce_reference(every, op),
+                              f"allreduce op {op}", x)
+                    want = reduce_reference(every, SUM)
                     got = wrap(lambda t: hvd.grouped_allreduce([t, t[:2]], op=hvd.Sum))(x)
                     _close(got[0], want, f"grouped_allreduce {dtype} {mode}")
                     _close(got[1], want[:2], f"grouped_allreduce {dtype} {mode}")
                     tree = wrap(lambda t: hvd.allreduce({"a": t, "b": (t[1:],)}, op=hvd.Sum))(x)
                     _close(tree["b"][0], want[1:], f"allreduce of a pytree {dtype} {mode}")
-                    total = _reference(rows, SUM)
+                    total = reduce_reference(rows, SUM)
                     mine = total[start:start + counts[r]]
                     check(lambda t: hvd.reducescatter(t, op=hvd.Sum), mine, "reducescatter", jnp.asarray(rows[r]))
                     check(lambda t: hvd.grouped_reducescatter([t], op=hvd.Sum)[0], mine, "grouped_reducescatter",
                           jnp.asarray(rows[r]))
                     if dtype in FLOATS:
-                        check(hvd.reducescatter, _reference(rows, AVERAGE)[start:start + counts[r]],
+                        check(hvd.reducescatter, reduce_reference(rows, AVERAGE)[start:start + counts[r]],
                               "reducescatter average", jnp.asarray(rows[r]))
                 # allgather: eagerly rank q gives q+1 rows; under jit the shapes must agree
-                parts = [_make(q, dtype, (q + 1 if mode == "eager" else 2, 2), seed=2) for q in range(n)]
+                parts = [exact_input(q, dtype, (q + 1 if mode == "eager" else 2, 2), seed=2) for q in range(n)]
                 check(hvd.allgather, np.concatenate(parts), "allgather", jnp.asarray(parts[r]))
                 check(lambda a, b: hvd.grouped_allgather([a, b])[1], np.concatenate(every), "grouped_allgather",
                       jnp.asarray(parts[r]), x)
@@ -123,10 +96,10 @@ def _ops_body():
                 check(hvd.alltoall, want, "alltoall", jnp.asarray(even[r]))
             # eager only: the async forms and alltoall with splits (rank q sends (q + p) % 2 + 1 rows to p)
             if dtype in REDUCIBLE:
-                want = _reference(every, SUM)
+                want = reduce_reference(every, SUM)
                 _close(hvd.synchronize(hvd.allreduce_async(x, op=hvd.Sum)), want, f"allreduce_async {dtype}")
                 _close(hvd.synchronize(hvd.grouped_allreduce_async([x], op=hvd.Sum))[0], want, dtype)
-                mine = _reference(rows, SUM)[start:start + counts[r]]
+                mine = reduce_reference(rows, SUM)[start:start + counts[r]]
                 _close(hvd.synchronize(hvd.reducescatter_async(jnp.asarray(rows[r]), op=hvd.Sum)), mine, dtype)
                 h = hvd.grouped_reducescatter_async([jnp.asarray(rows[r])], op=hvd.Sum)
                 _close(hvd.synchronize(h)[0], mine, dtype)
@@ -134,7 +107,7 @@ def _ops_body():
             _close(hvd.synchronize(hvd.grouped_allgather_async([x]))[0], np.concatenate(every), dtype)
             _close(hvd.synchronize(hvd.broadcast_async(x, n - 1)), every[n - 1], f"broadcast_async {dtype}")
             splits = [[(q + p) % 2 + 1 for p in range(n)] for q in range(n)]
-            sends = [_make(q, dtype, (sum(splits[q]), 2), seed=3) for q in range(n)]
+            sends = [exact_input(q, dtype, (sum(splits[q]), 2), seed=3) for q in range(n)]
             want = np.concatenate([sends[q][sum(splits[q][:r]):sum(splits[q][:r + 1])] for q in range(n)])
             out, received = hvd.alltoall(jnp.asarray(sends[r]), splits=splits[r])
             _close(out, want, f"alltoall with splits {dtype}")

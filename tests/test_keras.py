@@ -285,12 +285,3 @@ def test_keras_example_under_hora_run(backend, tmp_path):
     accuracy = float(out.split("test accuracy: ")[1].split()[0])
     assert accuracy >= 0.95, out[-2000:]
     assert "finished gradual learning rate warmup" in out
-
-
-def test_pack_plan_packs_small_tensors_per_dtype():
-    from hora.core.frontend_keras import PACK_LIMIT, pack_plan
-
-    plan = pack_plan(["float32", "float32", "int32", "float32", "float32", "float16"],
-                     [40, PACK_LIMIT, 8, None, 4, 2])
-    assert plan == [[0, 4], [1], [2], [3], [5]]
-    assert pack_plan([], []) == []

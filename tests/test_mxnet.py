@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("mxnet")
 
 from harness import run  # noqa: E402
+from workers import exact_input, reduce_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # MXNet's engine and OpenMP would each start a thread per core; the ranks share two
@@ -28,30 +29,6 @@ def _hvd():
 
     hvd.init()
     return hvd
-
-
-def _make(rank, dtype, shape, seed=0):
-    """Rank ``rank``'s input as NumPy: small integers, or floats in quarters, so every Sum is exact."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed * 1000 + rank)
-    if dtype == "bool":
-        return rng.integers(0, 2, shape).astype(bool)
-    if dtype in INTS:
-        return rng.integers(0 if dtype == "uint8" else -2, 3, shape).astype(dtype)
-    return (rng.integers(-8, 9, shape) / 4).astype(dtype)
-
-
-def _reference(inputs, op):
-    """Horovod's numerics: reduce in float64; Average of integers truncates toward zero."""
-    import numpy as np
-
-    xs = np.stack([x.astype(np.float64) for x in inputs])
-    out = {SUM: xs.sum(0), AVERAGE: xs.sum(0) * (1.0 / len(inputs)), MIN: xs.min(0), MAX: xs.max(0),
-           PRODUCT: xs.prod(0)}[op]
-    if inputs[0].dtype.kind in "iu":
-        out = np.trunc(out)
-    return out.astype(inputs[0].dtype)
 
 
 def _check(actual, expected, what):
@@ -76,39 +53,39 @@ def _rank_ops():
     r, n = hvd.rank(), hvd.size()
     nd = lambda a: mx.nd.array(a, dtype=a.dtype)  # noqa: E731
     for dtype in INTS + FLOATS:
-        xs = [_make(k, dtype, (3, 4)) for k in range(n)]
+        xs = [exact_input(k, dtype, (3, 4)) for k in range(n)]
         for op in (SUM, AVERAGE, MIN, MAX, PRODUCT):
-            _check(hvd.allreduce(nd(xs[r]), op=op), _reference(xs, op), f"allreduce {dtype} op {op}")
+            _check(hvd.allreduce(nd(xs[r]), op=op), reduce_reference(xs, op), f"allreduce {dtype} op {op}")
             t = nd(xs[r])
             assert hvd.allreduce_(t, op=op) is t
-            _check(t, _reference(xs, op), f"allreduce_ {dtype} op {op}")
-        ys = [_make(k, dtype, (5,), seed=1) for k in range(n)]
+            _check(t, reduce_reference(xs, op), f"allreduce_ {dtype} op {op}")
+        ys = [exact_input(k, dtype, (5,), seed=1) for k in range(n)]
         out = hvd.grouped_allreduce([nd(xs[r]), nd(ys[r])], op=SUM)
-        _check(out[0], _reference(xs, SUM), f"grouped_allreduce {dtype} [0]")
-        _check(out[1], _reference(ys, SUM), f"grouped_allreduce {dtype} [1]")
+        _check(out[0], reduce_reference(xs, SUM), f"grouped_allreduce {dtype} [0]")
+        _check(out[1], reduce_reference(ys, SUM), f"grouped_allreduce {dtype} [1]")
         ts = [nd(xs[r]), nd(ys[r])]
         assert hvd.grouped_allreduce_(ts, average=False) is not None
-        _check(ts[1], _reference(ys, SUM), f"grouped_allreduce_ {dtype}")
+        _check(ts[1], reduce_reference(ys, SUM), f"grouped_allreduce_ {dtype}")
         if dtype in FLOATS:
             scaled = hvd.allreduce(nd(xs[r]), op=SUM, prescale_factor=0.5, postscale_factor=4.0)
-            _check(scaled, (_reference(xs, SUM).astype(np.float64) * 2).astype(dtype), f"scaled {dtype}")
+            _check(scaled, (reduce_reference(xs, SUM).astype(np.float64) * 2).astype(dtype), f"scaled {dtype}")
         # reducescatter: 2n+1 rows, the lowest ranks one extra
-        zs = [_make(k, dtype, (2 * n + 1, 2), seed=2) for k in range(n)]
+        zs = [exact_input(k, dtype, (2 * n + 1, 2), seed=2) for k in range(n)]
         rows = [2 + (k < 1) for k in range(n)]
         lo = sum(rows[:r])
         for op in (SUM, AVERAGE):
-            _check(hvd.reducescatter(nd(zs[r]), op=op), _reference(zs, op)[lo:lo + rows[r]],
+            _check(hvd.reducescatter(nd(zs[r]), op=op), reduce_reference(zs, op)[lo:lo + rows[r]],
                    f"reducescatter {dtype} op {op}")
         out = hvd.grouped_reducescatter([nd(zs[r]), nd(zs[r])], op=SUM)
-        _check(out[1], _reference(zs, SUM)[lo:lo + rows[r]], f"grouped_reducescatter {dtype}")
+        _check(out[1], reduce_reference(zs, SUM)[lo:lo + rows[r]], f"grouped_reducescatter {dtype}")
     for dtype in INTS + FLOATS + ["bool"]:
         # allgather: rank k gives k+1 rows
-        gs = [_make(k, dtype, (k + 1, 3), seed=3) for k in range(n)]
+        gs = [exact_input(k, dtype, (k + 1, 3), seed=3) for k in range(n)]
         _check(hvd.allgather(nd(gs[r])), np.concatenate(gs), f"allgather {dtype}")
         out = hvd.grouped_allgather([nd(gs[r]), nd(gs[r][:, :1])])
         _check(out[1], np.concatenate([g[:, :1] for g in gs]), f"grouped_allgather {dtype}")
         # broadcast from the last rank
-        bs = [_make(k, dtype, (2, 3), seed=4) for k in range(n)]
+        bs = [exact_input(k, dtype, (2, 3), seed=4) for k in range(n)]
         _check(hvd.broadcast(nd(bs[r]), root_rank=n - 1), bs[n - 1], f"broadcast {dtype}")
         t = nd(bs[r])
         assert hvd.broadcast_(t, n - 1) is t

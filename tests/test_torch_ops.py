@@ -4,11 +4,8 @@ misuse (deprecated ``average=``, Adasum, bad dtypes, mismatched tensors)."""
 
 import pytest
 from harness import run
-
-INTS = ["uint8", "int8", "int16", "int32", "int64"]
-FLOATS = ["float16", "bfloat16", "float32", "float64"]
-REDUCIBLE = INTS + FLOATS
-MOVABLE = REDUCIBLE + ["bool"]
+from workers import BINDING_INTS as INTS
+from workers import FLOATS, MOVABLE, REDUCIBLE
 SUM, AVERAGE, MIN, MAX, PRODUCT = 1, 0, 3, 4, 5
 
 

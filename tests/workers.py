@@ -22,6 +22,10 @@ import numpy as np
 Average, Sum, Min, Max, Product = 0, 1, 3, 4, 5
 INTS = ["uint8", "int16", "int32", "int64"]
 FLOATS = ["float16", "bfloat16", "float32", "float64"]
+# every dtype a binding's collectives take: its tests run each op over them (a binding lacking one skips it)
+BINDING_INTS = ["uint8", "int8", "int16", "int32", "int64"]
+REDUCIBLE = BINDING_INTS + FLOATS
+MOVABLE = REDUCIBLE + ["bool"]
 TOL = {"float16": 1e-2, "bfloat16": 3e-2, "float32": 1e-5, "float64": 1e-12}
 SIGNAL_TIMEOUT = 120.0  # s a rank waits for a test signal; the tests' own timeouts are shorter
 
@@ -94,6 +98,28 @@ def make(rank: int, dtype: str, count: int, seed: int, small: bool = False) -> n
     else:
         x = rng.standard_normal(count) * 4
     return x.astype(dtype_of(dtype))
+
+
+def exact_input(rank: int, dtype: str, shape, seed: int = 0) -> np.ndarray:
+    """Rank ``rank``'s input for a binding's op tests: small integers, or floats in quarters, so every Sum is
+    exact whatever the order of additions."""
+    rng = np.random.default_rng(seed * 1000 + rank)
+    if dtype == "bool":
+        return rng.integers(0, 2, shape).astype(bool)
+    if dtype in BINDING_INTS:
+        return rng.integers(0 if dtype == "uint8" else -2, 3, shape).astype(dtype)
+    return (rng.integers(-8, 9, shape) / 4).astype(dtype_of(dtype) if dtype == "bfloat16" else dtype)
+
+
+def reduce_reference(inputs: list[np.ndarray], op: int) -> np.ndarray:
+    """What a reduction of ``inputs`` (one per rank) must give, by Horovod's numerics: reduced in float64;
+    the Average of integers truncated toward zero."""
+    xs = np.stack([x.astype(np.float64) for x in inputs])
+    out = {Sum: xs.sum(0), Average: xs.sum(0) * (1.0 / len(inputs)), Min: xs.min(0), Max: xs.max(0),
+           Product: xs.prod(0)}[op]
+    if inputs[0].dtype.kind in "iu":
+        out = np.trunc(out)
+    return out.astype(inputs[0].dtype)
 
 
 def check_against_ring(results: list[dict], path: str) -> None:

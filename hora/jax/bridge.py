@@ -5,7 +5,7 @@ XLA keeps it and runs it in program order, so every rank submits its collectives
 the core's automatic names need). Each costs ~0.2 ms, so a whole gradient pytree goes out in one callback;
 and since a callback's cost also grows with its number of arguments (50 small arrays cost ~4x one array of
 their total size), arrays under 1 MiB travel packed, one flat buffer per dtype, unpacked into views on the
-host and packed again for the trip back (:class:`Packing`).
+host and packed again for the trip back (:class:`hora.core.packing.Packing`).
 Outside ``jit`` the host function runs at once on NumPy views of the arrays, after
 ``jax.effects_barrier()`` so that an eager collective cannot overtake one still queued by a jitted call
 (which would give the ranks different orders).
@@ -16,7 +16,6 @@ says so (through ``jax.custom_batching.custom_vmap``) instead of JAX's generic m
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -26,9 +25,10 @@ from jax.experimental import io_callback
 
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
+from hora.core.packing import Packing, slices
 from hora.core.process_sets import ProcessSet, global_process_set
 
-__all__ = ["host_call", "grouped_allreduce", "traced", "settle", "Packing"]
+__all__ = ["host_call", "grouped_allreduce", "packed_allreduce", "traced", "settle", "packing", "pack", "unpack"]
 
 
 def traced(arrays: Sequence) -> bool:
@@ -65,63 +65,44 @@ def host_call(fn: Callable, inputs: list, result_shapes: list | None, what: str 
         raise HoraValueError(f"{what}: the shape of its result is known only when it runs, so it cannot run "
                              "inside jax.jit; call it outside jit")
     shapes = list(result_shapes)
-    ins, outs = Packing(inputs), Packing(shapes)
+    ins, outs = packing(inputs), packing(shapes)
+    out_structs = _structs(outs, shapes)
 
     def run(*buffers):
-        out = [np.asarray(r) for r in fn(*ins.unpack([np.asarray(b) for b in buffers], np))]
+        out = [np.asarray(r) for r in fn(*ins.unpack_np(buffers))]
         for r, s in zip(out, shapes):
             if r.shape != tuple(s.shape):
                 raise HoraValueError(f"{what}: inside jax.jit the result's shape is fixed when the function is "
                                      f"traced ({tuple(s.shape)}), but the ranks' inputs made {r.shape}; give "
                                      "every rank the same shapes inside jit, or call it outside jit")
-        return outs.pack(out, np)
+        return outs.pack_np(out)
 
     @jax.custom_batching.custom_vmap
     def call(*xs):
-        return io_callback(run, outs.buffers, *xs, ordered=True)
+        return io_callback(run, out_structs, *xs, ordered=True)
     call.def_vmap(_vmap_refused(what))
-    return outs.unpack(call(*ins.pack(inputs, jnp)), jnp)
+    return unpack(outs, call(*pack(ins, inputs)))
 
 
-class Packing:
-    """How a list of arrays travels through a callback: each one of 1 MiB or more alone, the smaller ones
-    raveled into one buffer per dtype. ``pack``/``unpack`` work with ``jnp`` (in the traced program) and with
-    ``np`` (in the callback, where the unpacked arrays are views of the buffer)."""
+def packing(arrays: Sequence) -> Packing:
+    """The packing plan of ``arrays`` (jax arrays, tracers or ``jax.ShapeDtypeStruct``s)."""
+    dtypes = [np.dtype(a.dtype) for a in arrays]
+    return Packing([a.shape for a in arrays], dtypes, [d.itemsize for d in dtypes])
 
-    LIMIT = 1 << 20
 
-    def __init__(self, arrays: Sequence) -> None:
-        self.shapes = [tuple(a.shape) for a in arrays]
-        groups: dict = {}
-        self.plan: list[list[int]] = []  # per buffer: the indices of its arrays
-        for i, a in enumerate(arrays):
-            dt = np.dtype(a.dtype)
-            if math.prod(a.shape) * dt.itemsize >= self.LIMIT:
-                self.plan.append([i])
-            elif dt in groups:
-                groups[dt].append(i)
-            else:
-                groups[dt] = [i]
-                self.plan.append(groups[dt])
-        self.buffers = [jax.ShapeDtypeStruct((sum(math.prod(self.shapes[i]) for i in g),), arrays[g[0]].dtype)
-                        if len(g) > 1 else jax.ShapeDtypeStruct(self.shapes[g[0]], arrays[g[0]].dtype)
-                        for g in self.plan]
+def pack(plan: Packing, arrays: Sequence) -> list:
+    """``arrays`` as ``plan``'s buffers, by ``jax.numpy`` (in the traced program)."""
+    return plan.pack(arrays, jnp.ravel, jnp.concatenate)
 
-    def pack(self, arrays: Sequence, xp) -> list:
-        return [xp.concatenate([xp.ravel(arrays[i]) for i in g]) if len(g) > 1 else arrays[g[0]] for g in self.plan]
 
-    def unpack(self, buffers: Sequence, xp) -> list:
-        out: list = [None] * len(self.shapes)
-        for g, b in zip(self.plan, buffers):
-            if len(g) == 1:
-                out[g[0]] = b
-                continue
-            at = 0
-            for i in g:
-                n = math.prod(self.shapes[i])
-                out[i] = xp.reshape(b[at:at + n], self.shapes[i])
-                at += n
-        return out
+def unpack(plan: Packing, buffers: Sequence) -> list:
+    """The arrays back from ``plan``'s buffers, by ``jax.numpy``."""
+    return plan.unpack(buffers, slices, jnp.reshape)
+
+
+def _structs(plan: Packing, arrays: Sequence) -> list:
+    """A ``jax.ShapeDtypeStruct`` per buffer of ``plan`` (a callback's result type)."""
+    return [jax.ShapeDtypeStruct(shape, arrays[b[0]].dtype) for shape, b in zip(plan.buffer_shapes(), plan.buckets)]
 
 
 def grouped_allreduce(arrays: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -135,3 +116,13 @@ def grouped_allreduce(arrays: list, op: int, prescale_factor: float = 1.0, posts
     def run(*xs):
         return _core.grouped_allreduce(list(xs), op, prescale_factor, postscale_factor, name, process_set)
     return host_call(run, arrays, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays], "grouped_allreduce")
+
+
+def packed_allreduce(arrays: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
+    """:func:`grouped_allreduce` of the small arrays packed into one flat buffer per dtype (:func:`packing`),
+    so the core sees one member per dtype: one tensor costs it ~40 us where 50 small ones cost ~500 us, and
+    the sum of a concatenation is the concatenation of the sums."""
+    plan = packing(arrays)
+    return unpack(plan, grouped_allreduce(pack(plan, arrays), op, prescale_factor, postscale_factor, name,
+                                          process_set))

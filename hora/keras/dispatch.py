@@ -10,12 +10,11 @@ are imported on first use, so ``import hora.keras`` loads only the backend Keras
 from __future__ import annotations
 
 import itertools
-import math
 
 import keras
 
 from hora.base.errors import NotSupportedError
-from hora.core.frontend_keras import pack_plan
+from hora.core.packing import Packing
 from hora.core.process_sets import ProcessSet, global_process_set
 
 __all__ = ["backend", "grouped_allreduce", "packed_allreduce", "is_sparse", "densify", "sparse_allreduce"]
@@ -52,24 +51,17 @@ def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, post
 def packed_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
     """:func:`grouped_allreduce` with the small tensors packed into one flat tensor per dtype
-    (:func:`hora.core.frontend_keras.pack_plan`) by ``keras.ops`` inside the step, and unpacked after."""
-    shapes = [tuple(t.shape) for t in tensors]
-    sizes = [math.prod(s) if all(isinstance(d, int) for d in s) else None for s in shapes]
+    (:class:`hora.core.packing.Packing`) by ``keras.ops`` inside the step, and unpacked after."""
     dtypes = [keras.backend.standardize_dtype(t.dtype) for t in tensors]
-    nbytes = [None if n is None else n * _itemsize(dt) for n, dt in zip(sizes, dtypes)]
-    buckets = pack_plan(dtypes, nbytes)
-    ins = [tensors[b[0]] if len(b) == 1 else keras.ops.concatenate([keras.ops.reshape(tensors[i], (-1,)) for i in b])
-           for b in buckets]
+    plan = Packing([tuple(t.shape) for t in tensors], dtypes, [_itemsize(dt) for dt in dtypes])
+    ins = plan.pack(tensors, lambda t: keras.ops.reshape(t, (-1,)), keras.ops.concatenate)
     outs = grouped_allreduce(ins, op, prescale_factor, postscale_factor, name, process_set)
-    result: list = [None] * len(tensors)
-    for bucket, out in zip(buckets, outs):
-        if len(bucket) == 1:
-            result[bucket[0]] = out
-            continue
-        cuts = list(itertools.accumulate(sizes[i] for i in bucket))[:-1]
-        for i, part in zip(bucket, keras.ops.split(out, cuts)):
-            result[i] = keras.ops.reshape(part, shapes[i])
-    return result
+    return plan.unpack(outs, _split, keras.ops.reshape)
+
+
+def _split(buffer, cuts: list[int]) -> list:
+    """``buffer`` cut into pieces of ``cuts`` elements by ``keras.ops.split`` (which takes the cut points)."""
+    return keras.ops.split(buffer, list(itertools.accumulate(cuts))[:-1])
 
 
 def _itemsize(dtype: str) -> int:

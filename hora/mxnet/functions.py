@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 
 import mxnet as mx
@@ -9,6 +10,7 @@ import mxnet as mx
 import hora.core.basics as _basics
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
+from hora.core.gradients import start_then_wait
 from hora.core.process_sets import global_process_set
 from hora.mxnet import mpi_ops
 
@@ -44,12 +46,14 @@ def broadcast_parameters(params, root_rank: int = 0, prefix: str | None = None) 
             p._init_impl = types.MethodType(_broadcast_after(p._init_impl, root_rank, name), p)
             continue
         tensors.append((name, data[0], data[1:]))
-    pending = []
-    for name, t, copies in tensors:
+    hosts: list = []
+
+    def start(name: str, t) -> int:
         a, host = mpi_ops._array(t, "broadcast_", name, write=True)
-        pending.append((_core.broadcast_async_(a, root_rank, name), t, host, copies))
-    for handle, t, host, copies in pending:
-        _core.synchronize(handle)
+        hosts.append(host)
+        return _core.broadcast_async_(a, root_rank, name)
+    start_then_wait([functools.partial(start, name, t) for name, t, _ in tensors])  # all in flight together
+    for (_, t, copies), host in zip(tensors, hosts):
         mpi_ops._fill(t, host)
         for c in copies:  # the same parameter on this rank's other devices
             t.copyto(c)

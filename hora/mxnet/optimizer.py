@@ -12,6 +12,7 @@ waited for, so a step's gradients are negotiated together and fused.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import mxnet as mx
@@ -19,6 +20,7 @@ import mxnet as mx
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
 from hora.core.frontend import check_optimizer_args, predivide, split_groups
+from hora.core.gradients import start_then_wait
 from hora.core.ops import Average, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.mxnet import mpi_ops
@@ -39,24 +41,25 @@ def _reduce(items: list[tuple[str, mx.nd.NDArray]], num_groups: int, prescale: f
             process_set: ProcessSet) -> None:
     """Sum ``(name, grad)`` pairs over the ranks in place (prescaled), as grouped allreduces: the pairs split
     into ``num_groups`` groups (one when 0), each group by dtype; all are submitted, then all waited for."""
-    pending = []
+    starts, fills = [], []
     for r in split_groups(len(items), num_groups):
         for group in _by_dtype([items[i] for i in r]):
-            name = f"{group[0][0]}:{group[-1][0]}"
             grads = [g for _, g in group]
-            arrays, hosts = mpi_ops._arrays(grads, "grouped_allreduce_", name, process_set, write=True)
-            h = _core.grouped_allreduce_async_(arrays, Sum, prescale, 1.0, name, process_set)
-            pending.append((h, grads, hosts))
-    error = None
-    for h, grads, hosts in pending:
-        try:  # every handle is waited for, even after a failure, so none is left in flight
-            _core.synchronize(h)
-            for g, host in zip(grads, hosts):
-                mpi_ops._fill(g, host)
-        except Exception as e:  # noqa: BLE001 - re-raised once the others are drained
-            error = error or e
-    if error is not None:
-        raise error
+            fill: list = []
+            fills.append((grads, fill))
+            starts.append(functools.partial(_start, grads, f"{group[0][0]}:{group[-1][0]}", prescale, process_set,
+                                            fill))
+    start_then_wait(starts)  # every started group is waited for, even after a failure: none left in flight
+    for grads, (hosts,) in fills:
+        for g, host in zip(grads, hosts):
+            mpi_ops._fill(g, host)
+
+
+def _start(grads: list, name: str, prescale: float, process_set: ProcessSet, fill: list) -> int:
+    """Submit one group's in-place allreduce (its host arrays appended to ``fill``, to copy back from)."""
+    arrays, hosts = mpi_ops._arrays(grads, "grouped_allreduce_", name, process_set, write=True)
+    fill.append(hosts)
+    return _core.grouped_allreduce_async_(arrays, Sum, prescale, 1.0, name, process_set)
 
 
 # -- DistributedOptimizer ----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from hora.base.errors import HoraValueError
-from hora.core.frontend_tftrain import broadcast_all
+from hora.core.gradients import broadcast_all
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow import bridge
 

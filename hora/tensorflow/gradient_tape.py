@@ -14,16 +14,16 @@ its recording, so ``isinstance(tape, tf.GradientTape)`` holds.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import tensorflow as tf
 
 from hora.base import knobs
 from hora.base.errors import HoraValueError, NotSupportedError
-from hora.core import frontend_tftrain as _ft
+from hora.core import gradients as _g
 from hora.core.frontend import check_optimizer_args, predivide
 from hora.core.ops import Average, Sum
+from hora.core.packing import Packing
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow import bridge
 from hora.tensorflow.compression import Compression
@@ -101,7 +101,7 @@ class GradientReducer:
         if not dense and not sparse:
             return out
         if sparse and self.op not in (Average, Sum):
-            raise NotSupportedError(f"{self.where}: {_ft.SPARSE_OPS}")
+            raise NotSupportedError(f"{self.where}: {_g.SPARSE_OPS}")
         with tf.device(self.device_dense):
             reduced, gathered = self._host_step([out[i] for i in dense], [sources[i] for i in dense],
                                                 [out[i] for i in sparse])
@@ -113,44 +113,34 @@ class GradientReducer:
 
     def _host_step(self, grads: list, sources: list, sparse: list) -> tuple[list, list]:
         """The step's ONE host call: the dense gradients allreduced in their groups (entering as one flat
-        buffer per dtype when their shapes are known), each sparse one's indices and values gathered.
+        buffer per dtype, see :class:`hora.core.packing.Packing`), each sparse one's indices and values gathered.
 
         Not chained to the graph's other host calls (``bridge.host_call``'s ``chain``): that would make every
         train step also run the collectives built before it (a metric's allreduce, with its own inputs);
         the names are fixed, so the call matches across ranks whatever else a Session runs beside it."""
         member_of = [self._list_of.get(id(v)) for v in sources] if self._list_of else None
-        plan = _ft.group_plan(len(grads), self.groups, member_of)
+        groups = _g.group_plan(len(grads), self.groups, member_of)
         first = grads[0] if grads else sparse[0].values
         prefix = bridge.op_name("Allreduce", first, self.where)
-        wire, sparse_wire = _ft.group_names(prefix, plan), [f"{prefix}.sparse.{k}" for k in range(len(sparse))]
+        wire, sparse_wire = _g.group_names(prefix, groups), [f"{prefix}.sparse.{k}" for k in range(len(sparse))]
         packed = [self.compression.compress(tf.convert_to_tensor(g)) for g in grads]
         tensors = [t for t, _ in packed]
-        flat = all(t.shape.is_fully_defined() for t in tensors)  # else shapes known only when run: one each
-        if flat:
-            layout, dtypes = _ft.flat_layout([tuple(t.shape.as_list()) for t in tensors], [t.dtype for t in tensors])
-            dense_in = [tf.concat([tf.reshape(t, [-1]) for t, (k, _, _) in zip(tensors, layout) if k == b], 0)
-                        for b in range(len(dtypes))]
-        else:
-            dense_in = tensors
+        plan = Packing([t.shape.as_list() if t.shape.rank is not None else [None] for t in tensors],
+                       [t.dtype for t in tensors], [t.dtype.size for t in tensors])
+        dense_in = plan.pack(tensors, lambda t: tf.reshape(t, [-1]), lambda ts: tf.concat(ts, 0))
         sparse_in = [x for g in sparse for x in (tf.convert_to_tensor(g.indices), g.values)]
         nd, op, pre, post, ps = len(dense_in), self.op, self.prescale, self.postscale, self.process_set
 
         def run(*arrays):
-            dense_arrays = _ft.split_flat(arrays[:nd], layout) if flat else list(arrays[:nd])
             pairs = list(zip(arrays[nd::2], arrays[nd + 1::2]))
-            out, gathered = _ft.step_collectives(dense_arrays, plan, op, pre, post, wire, pairs, sparse_wire, ps)
-            out = _ft.join_flat(out, layout, nd) if flat else out
-            return list(out) + [x for pair in gathered for x in pair]
+            out, gathered = _g.step_collectives(plan.unpack_np(arrays[:nd]), groups, op, pre, post, wire, pairs,
+                                                sparse_wire, ps)
+            return plan.pack_np(out) + [x for pair in gathered for x in pair]
         shapes = [t.shape for t in dense_in] + [s for g in sparse for s in (
             tf.TensorShape([None]), tf.TensorShape([None]).concatenate(g.values.shape[1:]))]
         outs = bridge.host_call(run, dense_in + sparse_in, [t.dtype for t in dense_in + sparse_in], shapes,
                                 chain=False)
-        if flat:
-            pieces = [iter(tf.split(o, [math.prod(s) for k, _, s in layout if k == b]))
-                      for b, o in enumerate(outs[:nd])]
-            reduced = [tf.reshape(next(pieces[k]), shape) for k, _, shape in layout]
-        else:
-            reduced = outs[:nd]
+        reduced = plan.unpack(outs[:nd], tf.split, tf.reshape)
         gathered = [tf.IndexedSlices(outs[nd + 2 * k + 1], outs[nd + 2 * k], g.dense_shape)
                     for k, g in enumerate(sparse)]
         return [self.compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)], gathered
@@ -176,7 +166,7 @@ class _DistributedGradientTape:
     def gradient(self, target, sources, output_gradients=None, use_generic_names: bool = False):
         """The gradients of ``target`` with respect to ``sources``, reduced over the ranks (local sources
         excepted). ``use_generic_names``: accepted, no effect: the wire names are positional on every
-        rank anyway (:func:`hora.core.frontend_tftrain.group_names`)."""
+        rank anyway (:func:`hora.core.gradients.group_names`)."""
         grads = super().gradient(target, sources, output_gradients)
         out = self._hora_reducer(tf.nest.flatten(grads), tf.nest.flatten(sources))
         return tf.nest.pack_sequence_as(grads, out)

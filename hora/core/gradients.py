@@ -1,5 +1,6 @@
-"""The host side of a training wrapper's gradient reduction, on NumPy: what runs inside the one host call
-a step's gradients take (``hora.tensorflow``'s ``DistributedGradientTape`` and ``DistributedOptimizer``).
+"""A training step's collectives on the host, on NumPy: what runs inside the one host call a step's gradients
+take (``hora.tensorflow``'s ``DistributedGradientTape`` and ``DistributedOptimizer``), and the start-all-then-
+wait that ``hora.mxnet``'s ``DistributedTrainer`` and ``broadcast_variables`` share.
 
 Framework-free so that a binding only converts: it hands the arrays, their grouping and the names over,
 and turns the results back into its tensors.
@@ -9,17 +10,16 @@ and turns the results back into its tensors.
   every step and a mismatch between ranks is reported rather than waited for;
 * :func:`step_collectives` / :func:`broadcast_all`: a step's collectives (dense groups allreduced, sparse
   gradients gathered) started together and waited for together (:func:`start_then_wait`), inside one
-  host call;
-* :func:`flat_layout` / :func:`split_flat` / :func:`join_flat`: the step's gradients cross into the host
-  call as one flat buffer per dtype (a host call's cost grows with its number of tensors: ~1 ms for 50
-  inputs and outputs against ~55 µs for one), and are split back into views there, so the core still sees
-  (and checks across ranks) every gradient with its own shape.
+  host call.
+
+How the gradients cross into that host call (small ones packed into one flat buffer per dtype and split back
+into views there, so the core still sees and checks every gradient with its own shape) is
+:mod:`hora.core.packing`.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -31,7 +31,7 @@ from hora.core.ops import Average, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
 
 __all__ = ["group_plan", "group_names", "start_then_wait", "step_collectives", "reduce_groups", "broadcast_all",
-           "flat_layout", "split_flat", "join_flat", "SPARSE_OPS"]
+           "SPARSE_OPS"]
 
 
 SPARSE_OPS = ("sparse gradients (IndexedSlices) are gathered, which supports only the Sum and Average ops; pass "
@@ -130,32 +130,3 @@ def broadcast_all(arrays: Sequence[np.ndarray], root_rank: int, names: Sequence[
     """Broadcast every array from ``root_rank``, all started before any is waited for."""
     return start_then_wait([functools.partial(_core.broadcast_async, a, root_rank, name, process_set)
                             for a, name in zip(arrays, names)])
-
-
-def flat_layout(shapes: Sequence[tuple], dtypes: Sequence) -> tuple[list[tuple[int, int, tuple]], list]:
-    """Where each tensor lives in the flat buffers: ``([(buffer, start, shape)], buffer dtypes)``, one
-    buffer per dtype, in order of first appearance."""
-    buffers: dict = {}
-    ends: list[int] = []
-    layout = []
-    for shape, dtype in zip(shapes, dtypes):
-        k = buffers.setdefault(dtype, len(buffers))
-        if k == len(ends):
-            ends.append(0)
-        layout.append((k, ends[k], tuple(shape)))
-        ends[k] += math.prod(shape)
-    return layout, list(buffers)
-
-
-def split_flat(flats: Sequence[np.ndarray], layout: Sequence[tuple[int, int, tuple]]) -> list[np.ndarray]:
-    """The tensors of :func:`flat_layout` as views into the flat buffers (no copy)."""
-    return [flats[k][start:start + math.prod(shape)].reshape(shape) for k, start, shape in layout]
-
-
-def join_flat(arrays: Sequence[np.ndarray], layout: Sequence[tuple[int, int, tuple]],
-              buffers: int) -> list[np.ndarray]:
-    """The inverse of :func:`split_flat`: the arrays concatenated into one flat buffer per dtype."""
-    parts: list[list[np.ndarray]] = [[] for _ in range(buffers)]
-    for a, (k, _, _) in zip(arrays, layout):
-        parts[k].append(np.asarray(a).reshape(-1))
-    return [p[0] if len(p) == 1 else np.concatenate(p) for p in parts]

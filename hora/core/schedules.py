@@ -16,13 +16,7 @@ from hora.base.errors import HoraValueError
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
 
-__all__ = ["as_multiplier", "warmup_multiplier", "schedule_epoch", "scheduled_lr", "average_logs", "pack_plan",
-           "PACK_LIMIT"]
-
-# Below this many bytes a gradient travels packed with the others of its dtype: the core's cost grows with the
-# number of members (at np=2, 50 small tensors cost ~1.9 ms, the same bytes as one ~0.5 ms, packing ~0.1 ms);
-# above it the copy would cost more than a member does. hora.jax's callback packing uses the same bound.
-PACK_LIMIT = 1 << 20
+__all__ = ["as_multiplier", "warmup_multiplier", "schedule_epoch", "scheduled_lr", "average_logs"]
 
 
 def as_multiplier(multiplier) -> Callable[[float], float]:
@@ -74,20 +68,3 @@ def average_logs(logs: Mapping, name: str = "MetricAverageCallback", op: int = A
     values = np.asarray([float(np.asarray(logs[k]).reshape(())) for k in keys], np.float64)
     reduced = _core.allreduce(values, op, name=f"{name}.{','.join(keys)}", process_set=process_set)
     return {**logs, **{k: float(v) for k, v in zip(keys, reduced)}}
-
-
-def pack_plan(dtypes: list[str], nbytes: list[int | None], limit: int = PACK_LIMIT) -> list[list[int]]:
-    """Buckets of member indices for one grouped allreduce: members under ``limit`` bytes packed together per
-    dtype (a bucket where the dtype first appears), larger ones and those of unknown size (None) alone; the
-    same inputs give the same plan on every rank."""
-    buckets: list[list[int]] = []
-    by_dtype: dict[str, int] = {}
-    for i, (dtype, n) in enumerate(zip(dtypes, nbytes)):
-        if n is None or n >= limit:
-            buckets.append([i])
-            continue
-        if dtype not in by_dtype:
-            by_dtype[dtype] = len(buckets)
-            buckets.append([])
-        buckets[by_dtype[dtype]].append(i)
-    return buckets

@@ -1,0 +1,33 @@
+"""hora.core.packing: the one plan by which the bindings pack a step's arrays into a host call."""
+
+import numpy as np
+
+from hora.core.packing import PACK_LIMIT, Packing, slices
+
+
+def test_small_arrays_share_a_buffer_per_dtype_large_and_unknown_ones_travel_alone():
+    big = PACK_LIMIT // 4  # float32 elements of PACK_LIMIT bytes
+    shapes = [(10,), (big,), (2,), (None, 3), (1,), (1,)]
+    dtypes = ["float32", "float32", "int32", "float32", "float32", "float16"]
+    plan = Packing(shapes, dtypes, [4, 4, 4, 4, 4, 2])
+    assert plan.buckets == [[0, 4], [1], [2], [3], [5]]
+    assert plan.buffer_shapes() == [(11,), (big,), (2,), (None, 3), (1,)]
+    assert Packing([], [], []).buckets == []
+
+
+def test_numpy_round_trip_gives_views_and_framework_ops_agree():
+    rng = np.random.default_rng(0)
+    arrays = [rng.normal(size=s).astype(d) for s, d in [((2, 3), np.float32), ((4,), np.int64), ((), np.float32),
+                                                         ((5, 1), np.int64), ((3,), np.float16)]]
+    plan = Packing([a.shape for a in arrays], [a.dtype for a in arrays], [a.itemsize for a in arrays])
+    assert plan.buckets == [[0, 2], [1, 3], [4]]
+    buffers = plan.pack_np(arrays)
+    assert [b.shape for b in buffers] == plan.buffer_shapes() == [(7,), (9,), (3,)]
+    back = plan.unpack_np(buffers)
+    for a, b in zip(arrays, back):
+        assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b)
+    assert np.shares_memory(back[0], buffers[0]) and np.shares_memory(back[3], buffers[1])
+    assert back[4] is buffers[2]  # alone in its bucket: passed as it is
+    # a framework's split (cut sizes) and the slicing default cut alike
+    assert [p.tolist() for p in slices(np.arange(5), [2, 3])] == [[0, 1], [2, 3, 4]]
+    assert plan.cuts(plan.buckets[1]) == [4, 5]
