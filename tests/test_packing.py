@@ -1,6 +1,8 @@
 """hora.core.packing: the one plan by which the bindings pack a step's arrays into a host call."""
 
 import numpy as np
+import pytest
+from harness import run_hora
 
 from hora.core.packing import PACK_LIMIT, Packing, slices
 
@@ -31,3 +33,48 @@ def test_numpy_round_trip_gives_views_and_framework_ops_agree():
     # a framework's split (cut sizes) and the slicing default cut alike
     assert [p.tolist() for p in slices(np.arange(5), [2, 3])] == [[0, 1], [2, 3, 4]]
     assert plan.cuts(plan.buckets[1]) == [4, 5]
+
+
+# --- agree: packed buffers hide their arrays' shapes from the core, so the plan is checked once across ranks
+
+def _agree_on_rank(hvd, same: bool):
+    from hora.base.errors import MismatchError
+
+    shapes = [(2, 3), (4,)] if same or hvd.rank() == 0 else [(3, 2), (4,)]  # same elements, other shapes
+    plan = Packing(shapes, ["float32"] * 2, [4, 4])
+    try:
+        plan.agree()
+        plan.agree()  # the second time costs nothing: no collective (the peers do not run one either)
+    except MismatchError as e:
+        return str(e)
+    hvd.barrier()
+    return "agreed"
+
+
+@pytest.mark.timeout(60)
+def test_agree_passes_when_the_ranks_pack_alike_and_fails_every_rank_when_not():
+    assert run_hora(2, _agree_on_rank, True, timeout=30) == ["agreed", "agreed"]
+    out = run_hora(3, _agree_on_rank, False, timeout=30)
+    assert all("tensor 0 is float32 (2, 3) on rank 0 and float32 (3, 2) on rank 1" in m for m in out), out
+
+
+def _jax_packed_mismatch(hvd):
+    import jax
+    import jax.numpy as jnp
+
+    from hora.jax import bridge
+
+    shapes = [(2, 3), (4,)] if hvd.rank() == 0 else [(3, 2), (4,)]
+    step = jax.jit(lambda xs: bridge.packed_allreduce(xs, hvd.Sum))
+    try:
+        step([jnp.ones(s, jnp.float32) for s in shapes])
+    except Exception as e:  # noqa: BLE001 - inside jit, JAX wraps hora's error; its text is what counts
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_a_packed_jax_reduction_of_differently_shaped_tensors_fails_every_rank():
+    pytest.importorskip("jax")
+    out = run_hora(2, _jax_packed_mismatch, timeout=60)
+    assert all("MismatchError" in m and "the ranks' tensors differ" in m for m in out), out

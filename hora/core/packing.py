@@ -7,15 +7,23 @@ So every binding that hands a step's gradients to the host packs them with :clas
 share a buffer, where each one sits in it, and the NumPy split (views, no copy) and join on the host side.
 A binding only does its framework's ravel/concatenate on the way in and split/reshape on the way out.
 
-The plan depends only on the shapes and dtypes, so it is the same on every rank.
+The plan depends only on the shapes and dtypes, so it is the same on every rank whose tensors are. A packed
+buffer hides its arrays' shapes from the core, which would otherwise refuse tensors that differ between
+ranks: two ranks whose models differ but whose gradients add up to as many elements per dtype would reduce
+unrelated numbers together, a wrong answer. So the host side calls :meth:`Packing.agree` before it reduces:
+the first time a plan is used (per initialisation and process set) every rank's shapes and dtypes are
+gathered once and compared, and a difference is a MismatchError on every rank naming the array and the ranks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
+
+from hora.base.errors import MismatchError
 
 __all__ = ["PACK_LIMIT", "Packing", "slices"]
 
@@ -35,6 +43,7 @@ class Packing:
     def __init__(self, shapes: Sequence[Sequence[int | None]], dtypes: Sequence[Hashable],
                  itemsizes: Sequence[int], limit: int = PACK_LIMIT) -> None:
         self.shapes = [tuple(s) for s in shapes]
+        self.dtypes = [str(d) for d in dtypes]
         self.sizes = [math.prod(s) if all(isinstance(d, int) for d in s) else None for s in self.shapes]
         self.buckets: list[list[int]] = []  # per buffer: the indices of its arrays, in order
         first: dict = {}
@@ -78,6 +87,30 @@ class Packing:
         return out
 
     # -- the host side, on NumPy -------------------------------------------------------------------------
+    def agree(self, process_set=None, what: str = "packed allreduce") -> None:
+        """Check once per initialisation and process set that every rank packs the same arrays (shapes and
+        dtypes, in order), raising MismatchError on every rank where they differ. Call it on the host side,
+        where the shapes are known, before the packed buffers are reduced; every rank must reach it at the
+        same point (it runs one allgather the first time), which holds since they run the same collectives."""
+        from hora.core import basics, ops
+        from hora.core.process_sets import global_process_set
+
+        ps = global_process_set if process_set is None else process_set
+        if ps.size() == 1:
+            return
+        layout = (self.dtypes, [list(s) for s in self.shapes])
+        key = (id(ps), hashlib.blake2b(repr(layout).encode(), digest_size=16).digest())
+        st = basics.state()
+        if key in st.agreed:
+            return
+        layouts = ops.allgather_object(layout, process_set=ps)
+        diff = _difference(layouts)
+        if diff:
+            raise MismatchError(f"{what}: the ranks' tensors differ: {diff}; every rank must reduce the same "
+                                "tensors (the same model and the same trainable variables)")
+        st.agreed.add(key)
+
+    # -- the host side, on NumPy -------------------------------------------------------------------------
     def pack_np(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         """:meth:`pack` on NumPy arrays (each packed bucket one copy)."""
         return self.pack([np.asarray(a) for a in arrays], np.ravel, np.concatenate)
@@ -85,6 +118,18 @@ class Packing:
     def unpack_np(self, buffers: Sequence[np.ndarray]) -> list[np.ndarray]:
         """:meth:`unpack` on NumPy buffers: the arrays are views of the buffers (no copy)."""
         return self.unpack([np.asarray(b) for b in buffers], slices, np.reshape)
+
+
+def _difference(layouts: list) -> str:
+    """What differs between the ranks' ``(dtypes, shapes)`` layouts ('' when nothing does)."""
+    first = layouts[0]
+    for r, (dtypes, shapes) in enumerate(layouts[1:], 1):
+        if len(shapes) != len(first[1]):
+            return f"rank 0 has {len(first[1])} tensors, rank {r} has {len(shapes)}"
+        for i, (a, b) in enumerate(zip(zip(*first), zip(dtypes, shapes))):
+            if tuple(a[0:1]) != tuple(b[0:1]) or list(a[1]) != list(b[1]):
+                return f"tensor {i} is {a[0]} {tuple(a[1])} on rank 0 and {b[0]} {tuple(b[1])} on rank {r}"
+    return ""
 
 
 def slices(buffer, cuts: Sequence[int]) -> list:

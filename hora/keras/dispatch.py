@@ -32,8 +32,10 @@ def backend() -> str:
 
 
 def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
-    """Allreduce ``tensors`` (native tensors of the Keras backend) in one grouped host call."""
+                      name: str | None = None, process_set: ProcessSet = global_process_set, *,
+                      check=None) -> list:
+    """Allreduce ``tensors`` (native tensors of the Keras backend) in one grouped host call; ``check()`` runs
+    on the host first (see :meth:`hora.core.packing.Packing.agree`)."""
     which = backend()
     if which == "tensorflow":
         _refuse_xla()
@@ -43,9 +45,11 @@ def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, post
     else:
         import hora.torch
 
+        if check is not None:  # eager: this is the host side
+            check()
         return list(hora.torch.grouped_allreduce(list(tensors), name=name, op=op, prescale_factor=prescale_factor,
                                                  postscale_factor=postscale_factor, process_set=process_set))
-    return reduce(list(tensors), op, prescale_factor, postscale_factor, name, process_set)
+    return reduce(list(tensors), op, prescale_factor, postscale_factor, name, process_set, check=check)
 
 
 def packed_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -55,7 +59,8 @@ def packed_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, posts
     dtypes = [keras.backend.standardize_dtype(t.dtype) for t in tensors]
     plan = Packing([tuple(t.shape) for t in tensors], dtypes, [_itemsize(dt) for dt in dtypes])
     ins = plan.pack(tensors, lambda t: keras.ops.reshape(t, (-1,)), keras.ops.concatenate)
-    outs = grouped_allreduce(ins, op, prescale_factor, postscale_factor, name, process_set)
+    outs = grouped_allreduce(ins, op, prescale_factor, postscale_factor, name, process_set,
+                             check=lambda: plan.agree(process_set))
     return plan.unpack(outs, _split, keras.ops.reshape)
 
 

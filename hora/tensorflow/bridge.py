@@ -128,9 +128,11 @@ def host_call(fn, inputs: list, touts: list, shapes: list | None = None, name: s
 
 
 def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
+                      name: str | None = None, process_set: ProcessSet = global_process_set, *,
+                      check=None) -> list:
     """Allreduce ``tensors`` as one group in one host call; new tensors of the same dtypes and shapes.
-    Not differentiable (a wrapper's gradients are its input); :func:`hora.tensorflow.grouped_allreduce` is."""
+    Not differentiable (a wrapper's gradients are its input); :func:`hora.tensorflow.grouped_allreduce` is.
+    ``check()``, when given, runs on the host first (a packing plan's :meth:`~hora.core.packing.Packing.agree`)."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
@@ -138,5 +140,7 @@ def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, post
         name = op_name("GroupedAllreduce", tensors[0], None, last=tensors[-1])
 
     def run(*arrays):
+        if check is not None:
+            check()
         return _core.grouped_allreduce(list(arrays), op, prescale_factor, postscale_factor, name, process_set)
     return host_call(run, tensors, [t.dtype for t in tensors])
