@@ -310,3 +310,26 @@ def test_xla_bad_input_and_mismatches_fail_every_rank_then_work_continues():
 
     assert run(2, body, timeout=110, env=ENV) == [True, True]
 
+
+
+@pytest.mark.timeout(120)
+def test_v1_ops_with_other_feeds_run_alone_and_ops_sharing_feeds_keep_their_order():
+    """In a v1 graph a collective waits only for earlier ones whose feeds it has (the reviewer's case: with a
+    plain chain, fetching ``rb`` demanded a value for ``a``, ``ra``'s placeholder); one on both feeds waits for
+    both, so a Session running all three runs them in one order on every rank."""
+    def body():
+        import numpy as np
+
+        tf, hvd = _tf()
+        with tf.Graph().as_default():
+            a = tf.compat.v1.placeholder(tf.float32, [2])
+            b = tf.compat.v1.placeholder(tf.float32, [2])
+            ra, rb = hvd.allreduce(a, op=hvd.Sum), hvd.allreduce(b, op=hvd.Sum)
+            rab = hvd.allreduce(a + b, op=hvd.Sum)
+            with tf.compat.v1.Session() as s:
+                one = np.ones(2, np.float32)
+                got = [s.run(rb, {b: one}), s.run(ra, {a: one}), *s.run([rab, ra, rb], {a: one, b: one})]
+        return [g.tolist() for g in got]
+
+    for got in run(2, body, timeout=90, env=ENV):
+        assert got == [[2.0, 2.0]] * 2 + [[4.0, 4.0], [2.0, 2.0], [2.0, 2.0]]

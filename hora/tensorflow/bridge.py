@@ -38,7 +38,11 @@ XLA_MESSAGE = ("hora.tensorflow: collectives cannot run under XLA: this tf.funct
                "calls hora: tf.function(jit_compile=False) (Keras: model.compile(..., jit_compile=False)).")
 
 _names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {name: times used}
-_chain: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # v1 graph -> (last chained op, its context)
+# v1 graph -> its chained host calls, newest last: (op, control flow context, the placeholders it needs, the
+# chained calls it waits for, transitively)
+_chain: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_feeds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # v1 graph -> {op: placeholders it needs}
+_CHAIN_LOOKBACK = 64  # chained calls remembered per graph
 _lock = threading.Lock()
 
 
@@ -60,6 +64,30 @@ def traced(fn):
             e.ag_pass_through = True
             raise
     return op
+
+
+def _placeholders(graph, ops) -> frozenset:
+    """The placeholders (that must be fed) which running ``ops`` needs: their ancestors through data and
+    control inputs, remembered per op."""
+    memo = _feeds.setdefault(graph, {})
+    stack = [(op, False) for op in ops]
+    while stack:  # iterative post-order (graphs are deep): an op's inputs are done before it
+        op, expanded = stack.pop()
+        if op in memo:
+            continue
+        deps = [t.op for t in op.inputs] + list(op.control_inputs)
+        if not expanded:
+            stack.append((op, True))
+            stack.extend((d, False) for d in deps if d not in memo)
+            continue
+        mine: set = {op} if op.type == "Placeholder" else set()
+        for d in deps:
+            mine |= memo.get(d, frozenset())
+        memo[op] = frozenset(mine)
+    out: set = set()
+    for op in ops:
+        out |= memo[op]
+    return frozenset(out)
 
 
 def _check_xla(graph) -> None:
@@ -99,11 +127,13 @@ def host_call(fn, inputs: list, touts: list, shapes: list | None = None, name: s
     """``fn(*arrays) -> list of arrays`` run on the host with ``inputs``' values; returns tensors of dtypes
     ``touts`` with static ``shapes`` (default: the inputs' shapes, one per output).
 
-    ``chain``: in a v1 graph, this call waits for the previous chained call of the graph (in the same control
-    flow context). A host call blocks an executor thread until its peers join in, so a ``Session`` running
-    independent collectives in a different order on each rank would deadlock once its threads are all
-    blocked; chained, they run in creation order, the same on every rank (what ``tf.function`` does by
-    itself). Calls that must run alone (``broadcast_`` for a hook, the ``*_op`` queries) pass False."""
+    ``chain``: in a v1 graph, this call waits for the earlier chained calls of the graph (in the same control
+    flow context) that need no placeholder this one does not need. A host call blocks an executor thread
+    until its peers join in, so a ``Session`` running independent collectives in a different order on each
+    rank would deadlock once its threads are all blocked; chained, they run in creation order, the same on
+    every rank (what ``tf.function`` does by itself). A call is never chained to one that needs other feeds
+    (an eval metric's allreduce before the train op), which would make running this one demand those feeds.
+    Calls that must run alone (``broadcast_`` for a hook, the ``*_op`` queries) pass False."""
     inputs = [tf.convert_to_tensor(t) for t in inputs]
     if not in_graph():
         outs = fn(*[t.numpy() for t in inputs])
@@ -112,15 +142,22 @@ def host_call(fn, inputs: list, touts: list, shapes: list | None = None, name: s
     _check_xla(graph)
     chain = chain and not getattr(graph, "building_function", False)
     context = graph._get_control_flow_context() if chain else None
-    prev = _chain.get(graph) if chain else None
-    deps = [prev[0]] if prev is not None and prev[1] is context else []
+    needs = _placeholders(graph, [t.op for t in inputs]) if chain else frozenset()
+    deps, waits = [], set()
+    for op, ctx, feeds, before in reversed(_chain.get(graph, [])):  # every compatible call, once
+        if ctx is context and feeds <= needs and op not in waits:
+            deps.append(op)
+            waits |= before | {op}
     with tf.control_dependencies(deps):
         outs = tf.numpy_function(lambda *a: list(fn(*a)), inputs, list(touts), stateful=True, name=name)
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
     outs = list(outs)
     if chain and outs:
-        _chain[graph] = (outs[0].op, context)
+        chained = _chain.setdefault(graph, [])
+        chained.append((outs[0].op, context, needs | (_placeholders(graph, deps) if deps else frozenset()),
+                        frozenset(waits)))
+        del chained[:-_CHAIN_LOOKBACK]
     shapes = shapes if shapes is not None else [t.shape for t in inputs]
     for o, s in zip(outs, shapes):
         o.set_shape(s)
