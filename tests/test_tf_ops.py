@@ -333,3 +333,29 @@ def test_v1_ops_with_other_feeds_run_alone_and_ops_sharing_feeds_keep_their_orde
 
     for got in run(2, body, timeout=90, env=ENV):
         assert got == [[2.0, 2.0]] * 2 + [[4.0, 4.0], [2.0, 2.0], [2.0, 2.0]]
+
+
+@pytest.mark.timeout(120)
+def test_broadcast_takes_keras_variables_and_a_refused_broadcast_variables_tells_the_peers():
+    def body():
+        import keras
+        import numpy as np
+
+        tf, hvd = _tf()
+        r = hvd.rank()
+        m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])  # Keras 3 variables: what TF 2.16+ has
+        for v in m.variables:
+            v.assign(np.full(v.shape, r, v.dtype))
+        hvd.broadcast_(m.variables, 1)
+        got = [float(np.asarray(v).mean()) for v in m.variables]
+        try:  # same length on every rank, one element not a variable on rank 0
+            hvd.broadcast_variables([1.0, m.variables[1]] if r == 0 else m.variables, 0)
+            error = None
+        except Exception as e:  # noqa: BLE001 - its class is what is checked
+            error = type(e).__name__
+        hvd.barrier()
+        return got, error
+
+    out = run(2, body, timeout=90, env=ENV)
+    assert [g for g, _ in out] == [[1.0, 1.0]] * 2
+    assert [e for _, e in out] == ["HoraValueError", "MismatchError"]

@@ -7,8 +7,11 @@ in a v1 graph (the returned op does it when run).
 
 from __future__ import annotations
 
+import itertools
+
 import tensorflow as tf
 
+import hora.core.ops as _core
 from hora.base.errors import HoraValueError
 from hora.core.gradients import broadcast_all
 from hora.core.process_sets import ProcessSet, global_process_set
@@ -17,8 +20,7 @@ from hora.tensorflow import bridge
 __all__ = ["broadcast_variables"]
 
 
-def _name(v, i: int) -> str:
-    return str(getattr(v, "path", None) or getattr(v, "name", None) or i)
+_calls = itertools.count()  # broadcast_variables calls (built ops, in graphs) in this process: part of the names
 
 
 def broadcast_variables(variables, root_rank: int, process_set: ProcessSet = global_process_set,
@@ -27,13 +29,18 @@ def broadcast_variables(variables, root_rank: int, process_set: ProcessSet = glo
     ``None`` (eager). ``inplace``: accepted, no effect (the variables are assigned in place either way;
     Horovod's in-place path is a graph-mode optimisation of the same result)."""
     variables = list(variables)
+    # the wire names: the call's number and positions, the same on every rank whatever it passed (so a refusal
+    # below reaches the peers under their names) and distinct for duplicate TF names (two "Variable:0")
+    call = next(_calls)
+    names = [f"broadcast_variables.{call}.{i}" for i in range(len(variables))]
     if any(not hasattr(v, "assign") for v in variables):
-        raise HoraValueError("broadcast_variables: every element must be a variable (with .assign), got "
-                             f"{sorted({type(v).__name__ for v in variables if not hasattr(v, 'assign')})}")
+        e = HoraValueError("broadcast_variables: every element must be a variable (with .assign), got "
+                           f"{sorted({type(v).__name__ for v in variables if not hasattr(v, 'assign')})}")
+        for n in names:  # the peers wait on every member: each is refused
+            _core.refused("broadcast", e, n, process_set)
+        raise e
     if not variables:
         return None if tf.executing_eagerly() else tf.no_op()
-    # the wire names: positions make duplicate TF names (two "Variable:0") distinct and keep ranks in step
-    names = [f"broadcast_variables.{i}.{_name(v, i)}" for i, v in enumerate(variables)]
     values = [tf.convert_to_tensor(v) for v in variables]
 
     def run(*arrays):

@@ -220,17 +220,17 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
 
 @traced
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
-    """Overwrite ``variables`` (a list of tf.Variable, or one) in place with rank ``root_rank``'s values, all in
-    one host call; returns their new values (a list, or one tensor for one variable)."""
-    single = isinstance(variables, tf.Variable)
+    """Overwrite ``variables`` (a list of tf.Variable or Keras 3 variables, or one) in place with rank
+    ``root_rank``'s values, all in one host call; returns their new values (a list, or one tensor for one)."""
+    single = _is_variable(variables)
     vs = [variables] if single else list(variables)
     names = [op_name("BroadcastInplace", v, None if name is None else f"{name}.{i}") for i, v in enumerate(vs)]
     for v in vs:
         try:
-            if not isinstance(v, tf.Variable):
-                raise HoraValueError(f"broadcast_: expected tf.Variable objects, got {type(v).__name__}; use "
-                                     "broadcast() for tensors")
-            _view(v, "broadcast_")
+            if not _is_variable(v):
+                raise HoraValueError(f"broadcast_: expected variables (tf.Variable or keras.Variable), got "
+                                     f"{type(v).__name__}; use broadcast() for tensors")
+            _view(tf.convert_to_tensor(v), "broadcast_")
         except HoraValueError as e:
             for m in names:  # the peers wait on every member: each is refused
                 _core.refused("broadcast", e, m, process_set)
@@ -239,7 +239,14 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     def run(*arrays):
         handles = [_core.broadcast_async(a, root_rank, n, process_set) for a, n in zip(arrays, names)]
         return [_core.synchronize(h) for h in handles]
-    values = host_call(run, [v.value() for v in vs], [v.dtype for v in vs], [v.shape for v in vs], chain=False)
+    current = [tf.convert_to_tensor(v) for v in vs]
+    values = host_call(run, current, [t.dtype for t in current], [t.shape for t in current], chain=False)
     with tf.control_dependencies([v.assign(x) for v, x in zip(vs, values)]):
-        out = [v.read_value() for v in vs]
+        out = [tf.identity(tf.convert_to_tensor(v)) for v in vs]
     return out[0] if single else out
+
+
+def _is_variable(v) -> bool:
+    """A tf.Variable, or a Keras 3 variable (``keras.Variable``: on the TensorFlow backend it holds a
+    tf.Variable and assigns through it), which TF 2.16+ scripts mostly have."""
+    return isinstance(v, tf.Variable) or (hasattr(v, "assign") and hasattr(v, "dtype") and hasattr(v, "shape"))

@@ -249,18 +249,19 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     """
     try:
         _check_sparse(tensor, op)
+        t = tensor.detach()
+        values = t._values()
+        shape = values.shape[1:]
+        # on the host: the views (and the packing's dtype check) may refuse too, before anything is submitted
+        rows, index_cols = _fe.pack_sparse(t._indices().t().cpu().numpy(), _view(values, "sparse_allreduce")[0])
     except HoraValueError as e:  # the peers wait on the allgather under ``name``: they are told, as in _array
         _core.refused("allgather", e, name, process_set)
         raise
-    t = tensor.detach()
-    values = t._values()
-    shape = values.shape[1:]
-    rows, index_cols = _fe.pack_sparse(t._indices().t().numpy(), _view(values, "sparse_allreduce")[0])
     handle = allgather_async(_tensor(rows, t.device), name, process_set)
 
     def wait():
         idx, vals = _fe.unpack_sparse(_view(synchronize(handle), "sparse_allreduce")[0], index_cols, tuple(shape))
-        out = torch.sparse_coo_tensor(torch.from_numpy(idx).t(), _tensor(vals, t.device), t.size(),
+        out = torch.sparse_coo_tensor(torch.from_numpy(idx).t().to(t.device), _tensor(vals, t.device), t.size(),
                                       check_invariants=True).coalesce()
         if op == Average:  # the indices of a coalesced tensor: checking them again would only cost (and warn)
             out = torch.sparse_coo_tensor(out.indices(), out.values() / process_set.size(), t.size(),
