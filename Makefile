@@ -57,8 +57,11 @@ $(FW_STAMP): $(STAMP)
 	$(PIP) install -q $(TORCH_PIN) $(FRAMEWORK_PINS)
 	touch $@
 
-# hora without torch: its core on NumPy 1.23, and the mxnet binding
-setup-mxnet: $(MX_STAMP)
+# hora without torch: its core on NumPy 1.23, and the mxnet binding (the same checkout check as setup's)
+setup-mxnet:
+	@$(MXPY) -I -c 'import importlib.util as u, sys; sys.exit(u.find_spec("hora").origin != sys.argv[1])' \
+		'$(CURDIR)/hora/__init__.py' >/dev/null 2>&1 || rm -f $(MX_STAMP)
+	@$(MAKE) --no-print-directory -q $(MX_STAMP) || $(MAKE) --no-print-directory $(MX_STAMP)
 
 $(MX_STAMP): pyproject.toml Makefile
 	test -x $(MXPY) || $(PYTHON) -m venv $(MXVENV)
