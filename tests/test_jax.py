@@ -18,7 +18,7 @@ pytest.importorskip("jax")
 pytest.importorskip("optax")
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+ENV = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
        "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "2"}
 SUM, AVERAGE, MIN, MAX, PRODUCT = 1, 0, 3, 4, 5
 
@@ -148,9 +148,10 @@ def _grads_body():
         np.testing.assert_allclose(g, mean_c, err_msg=f"allreduce Average {mode}")
         g = grad(lambda t: (hvd.grouped_allreduce([t, t * 2], op=hvd.Sum)[1] * w).sum(), x)
         np.testing.assert_allclose(g, 2 * sum(c), err_msg=f"grouped_allreduce {mode}")
-        wg = jnp.asarray(np.concatenate(c)[:n * 2 * n])
+        base = np.concatenate(c)[:n * 2 * n]
+        wg = jnp.asarray(base * (r + 1))  # a different upstream gradient on each rank: their average flows back
         g = grad(lambda t, wg=wg: (hvd.allgather(t) * wg).sum(), x)
-        mean_all = np.concatenate(c)[:n * 2 * n]  # every rank gave the same weights wg: its own rows back
+        mean_all = base * (n + 1) / 2  # the mean over ranks of base * (q + 1); this rank gets its own rows of it
         np.testing.assert_allclose(g, mean_all[r * 2 * n:(r + 1) * 2 * n], err_msg=f"allgather {mode}")
         g = grad(lambda t: (hvd.broadcast(t, 0) * w).sum(), x)
         np.testing.assert_allclose(g, mean_c if r == 0 else 0 * mean_c, err_msg=f"broadcast {mode}")
@@ -352,6 +353,15 @@ def _misuse_body():
     expect(lambda: jax.block_until_ready(jax.jit(lambda t: hvd.broadcast(t, bad_root))({"a": jnp.ones(2),
                                                                                           "b": jnp.ones(3)})),
            hvd.HoraError, jax.errors.JaxRuntimeError, text="rank" if r else "root_rank 5")
+    # a pytree broadcast is one broadcast per leaf: a bad leaf on rank 0 is refused under every leaf's
+    # automatic name (no group's), so rank 1's broadcasts are told and the ranks' names stay in step
+    ones = jnp.ones(3)
+    for fn in (lambda t: hvd.broadcast(t, 0), jax.jit(lambda t: hvd.broadcast(t, 0)), hvd.broadcast_parameters):
+        tree = {"a": ones, "b": jnp.ones(3, jnp.complex64) if r == 0 else ones, "c": ones}
+        expect(lambda fn=fn, tree=tree: jax.block_until_ready(fn(tree)), hvd.HoraError, jax.errors.JaxRuntimeError,
+               text="complex64" if r == 0 else "rank 0")
+        out = hvd.allreduce(jnp.full(2, float(r)), op=hvd.Sum)
+        np.testing.assert_allclose(np.asarray(out), 1.0)
     out = hvd.allreduce(jnp.full(2, float(r)), op=hvd.Sum)  # still usable, and still in step
     np.testing.assert_allclose(np.asarray(out), 1.0)
     assert hvd.broadcast_object({"r": r}, root_rank=1) == {"r": 1} and hvd.allgather_object(r) == [0, 1]

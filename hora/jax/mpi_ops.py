@@ -45,7 +45,17 @@ _ROWS = ("allgather", "alltoall", "reducescatter")  # the collectives that split
 
 # -- inputs --------------------------------------------------------------------------------------
 def _view(x, what: str):
-    """``x`` as a jax array or tracer the core can take (a NumPy array or a number is made a jax array)."""
+    """``x`` as a jax array or tracer the core can take (a NumPy array or a number is made a jax array). A
+    refusal first lets the queued host calls run (``settle``): the caller then tells the peers under the next
+    automatic name, which a jitted collective still queued must take first."""
+    try:
+        return _checked(x, what)
+    except HoraValueError:
+        settle()
+        raise
+
+
+def _checked(x, what: str):
     kind = what.removeprefix("grouped_").removesuffix("_async")
     if isinstance(x, (np.ndarray, np.generic, int, float, bool)) and not isinstance(x, jax.core.Tracer):
         x = jnp.asarray(x)
@@ -78,10 +88,13 @@ def _leaves(tree, what: str, name, process_set, group: bool) -> tuple[list, Call
 
 def _op(op, average, what: str, name, process_set, n: int) -> int:
     """The op (``average=`` resolved), checked now so that a bad one raises at trace time; the peers told."""
+    if average is not None and op is not None:
+        settle()  # resolve_op refuses: the queued host calls take their automatic names first
     op = _fe.resolve_op(op, average, what, name, process_set, n, stacklevel=5)
     try:
         return _core.check_op(op, what)
     except (HoraValueError, NotSupportedError) as e:
+        settle()
         kind = "reducescatter" if "reducescatter" in what else "allreduce"
         if n:
             _core.refused_group(kind, e, n, name, process_set)
@@ -157,14 +170,13 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 def _start(tensor, what: str, name, process_set):
     """An async form's input on the host: checked (the peers told of a refusal), queued work done."""
-    x = _fe.viewed(_eager_view, tensor, what, name, process_set)
-    settle()
-    return np.asarray(x)
+    settle()  # first: a refusal takes the next automatic name, which a queued jitted call must take first
+    return np.asarray(_fe.viewed(_eager_view, tensor, what, name, process_set))
 
 
 def _start_group(tensors, what: str, name, process_set) -> list:
-    xs = _fe.grouped_viewed(_eager_view, list(tensors), what, name, process_set)
     settle()
+    xs = _fe.grouped_viewed(_eager_view, list(tensors), what, name, process_set)
     return [np.asarray(x) for x in xs]
 
 
@@ -277,7 +289,7 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """Return global rank ``root_rank``'s ``tensor`` (an array or a pytree, in one host call) on every rank;
     differentiable (the gradient is the averaged gradient on the root, zeros elsewhere)."""
-    arrays, rebuild, _ = _leaves(tensor, "broadcast", name, process_set, False)
+    arrays, rebuild = _broadcast_leaves(tensor, name, process_set)
     if not arrays:
         return rebuild([])
     _check_root(root_rank, process_set, name, len(arrays))
@@ -293,6 +305,28 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     return rebuild(_differentiable(forward, rule, arrays, "broadcast"))
 
 
+def _broadcast_leaves(tree, name, process_set) -> tuple[list, Callable]:
+    """:func:`_leaves` for a broadcast: a pytree's broadcasts are separate collectives, one per leaf (``name.0``,
+    ``name.1``, ... or the next automatic names), so a refused leaf is refused under every leaf's name, as
+    the peers will submit them (a group refusal would take a group's name and id, which they never use)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    leaves = [tree] if tree is None else leaves
+    try:
+        arrays = [_view(x, "broadcast") for x in leaves]
+    except HoraValueError as e:
+        _refuse_each("broadcast", e, name, process_set, len(leaves))
+        raise
+    return arrays, lambda out: jax.tree_util.tree_unflatten(treedef, list(out))
+
+
+def _refuse_each(kind: str, e: Exception, name, process_set, n: int) -> None:
+    """Tell the peers of ``n`` separate collectives this rank refuses, once the queued host calls have run
+    (a refusal takes the next automatic name, which a queued call must take first)."""
+    settle()
+    for i in range(n):
+        _core.refused(kind, e, _member(name, i, n), process_set)
+
+
 def _check_root(root_rank, process_set, name, n: int) -> None:
     """Refuse a root outside the set now, before the host call, telling the peers about every member (a
     pytree's broadcasts are separate collectives, ``name.0``, ``name.1``, ...): the core would refuse only
@@ -303,8 +337,7 @@ def _check_root(root_rank, process_set, name, n: int) -> None:
             or int(root_rank) not in ranks:
         e = HoraValueError(f"broadcast: root_rank {root_rank!r} is not a rank of the process set (ranks "
                            f"{list(ranks)}); root_rank is a global rank")
-        for i in range(n):
-            _core.refused("broadcast", e, _member(name, i, n), process_set)
+        _refuse_each("broadcast", e, name, process_set, n)
         raise e
 
 

@@ -46,14 +46,16 @@ def broadcast_parameters(params, root_rank: int = 0, prefix: str | None = None) 
             p._init_impl = types.MethodType(_broadcast_after(p._init_impl, root_rank, name), p)
             continue
         tensors.append((name, data[0], data[1:]))
-    hosts: list = []
-
-    def start(name: str, t) -> int:
-        a, host = mpi_ops._array(t, "broadcast_", name, write=True)
-        hosts.append(host)
-        return _core.broadcast_async_(a, root_rank, name)
-    start_then_wait([functools.partial(start, name, t) for name, t, _ in tensors])  # all in flight together
-    for (_, t, copies), host in zip(tensors, hosts):
+    try:  # every entry checked before any is submitted: a refusal tells the peers under every name they use
+        views = [mpi_ops._view(t, "broadcast_", write=True) for _, t, _ in tensors]
+    except HoraValueError as e:
+        for name, _, _ in tensors:
+            _core.refused("broadcast", e, name)
+        raise
+    # all in flight together, and all waited for even after one fails
+    start_then_wait([functools.partial(_core.broadcast_async_, a, root_rank, name)
+                     for (name, _, _), (a, _) in zip(tensors, views)])
+    for (_, t, copies), (_, host) in zip(tensors, views):
         mpi_ops._fill(t, host)
         for c in copies:  # the same parameter on this rank's other devices
             t.copyto(c)

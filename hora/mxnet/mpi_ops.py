@@ -37,7 +37,8 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "init", "shutdow
            "grouped_allreduce", "grouped_allreduce_", "allgather", "grouped_allgather", "broadcast", "broadcast_",
            "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier"]
 
-_MX_DTYPES = "uint8, int8, int32, int64, float16, float32, float64 or bool"
+_MX_DTYPES = frozenset({"uint8", "int8", "int32", "int64", "float16", "float32", "float64", "bool"})
+_MX_DTYPE_NAMES = "uint8, int8, int32, int64, float16, float32, float64 or bool"
 # the dtypes nd.from_numpy(zero_copy=True) takes (DLPack's, as MXNet 1.9 maps them; its bool is broken)
 _ZERO_COPY = frozenset({"uint8", "int32", "int64", "float16", "float32", "float64"})
 
@@ -82,7 +83,7 @@ def _view(tensor, what: str, write: bool = False) -> tuple[np.ndarray, mx.nd.NDA
     except TypeError:
         dtype = None
     if dtype is None or dtype.name not in _MX_DTYPES:
-        raise HoraValueError(f"{what}: NDArray type {tensor.dtype} is not supported; use {_MX_DTYPES}")
+        raise HoraValueError(f"{what}: NDArray type {tensor.dtype} is not supported; use {_MX_DTYPE_NAMES}")
     host = None
     if tensor.context.device_type != "cpu":
         host = tensor = tensor.as_in_context(mx.cpu())  # staged: a GPU transport would reduce on the device
@@ -140,9 +141,15 @@ def _op(op, average, what: str, name=None, process_set=global_process_set, n: in
     return _fe.resolve_op(op, average, what, name, process_set, n, stacklevel=stacklevel)
 
 
-def _listed(tensors, what: str) -> list:
+def _listed(tensors, what: str, name=None, process_set: ProcessSet = global_process_set) -> list:
+    """A grouped op's tensors as a list. Anything else (a bare NDArray, which MXNet would iterate row by row)
+    is refused, and the peers told as of a group of one member: this rank cannot know how many its peers
+    pass, and one is what a rank passing a lone NDArray meant (the peers' ``[x]``)."""
     if tensors is None or isinstance(tensors, mx.nd.NDArray) or not hasattr(tensors, "__iter__"):
-        raise HoraValueError(f"{what}: expected a list of NDArrays, got {type(tensors).__name__}")
+        e = HoraValueError(f"{what}: expected a list of NDArrays, got {type(tensors).__name__}; wrap one NDArray "
+                           "in a list")
+        _core.refused_group(what.removeprefix("grouped_").rstrip("_"), e, 1, name, process_set)
+        raise e
     return list(tensors)
 
 
@@ -205,7 +212,7 @@ def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
 
 def _grouped_allreduce(what: str, tensors, average, name, prescale_factor, postscale_factor, process_set, op,
                        inplace: bool) -> list:
-    tensors = _listed(tensors, what)
+    tensors = _listed(tensors, what, name, process_set)
     if not tensors:
         return tensors
     op = _op(op, average, what, name, process_set, len(tensors), stacklevel=6)
@@ -250,7 +257,7 @@ def allgather(tensor, name=None, priority=0, process_set=global_process_set) -> 
 @mxnet_errors
 def grouped_allgather(tensors, name=None, priority=0, process_set=global_process_set) -> list:
     """:func:`allgather` of several NDArrays as one unit."""
-    tensors = _listed(tensors, "grouped_allgather")
+    tensors = _listed(tensors, "grouped_allgather", name, process_set)
     arrays, _ = _arrays(tensors, "grouped_allgather", name, process_set)
     return [_nd(a, t) for a, t in zip(_core.grouped_allgather(arrays, name, process_set), tensors)]
 
@@ -304,7 +311,7 @@ def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_
 def grouped_reducescatter(tensors, op=Average, name=None, priority=0, process_set=global_process_set,
                           prescale_factor=1.0, postscale_factor=1.0) -> list:
     """:func:`reducescatter` of several NDArrays as one unit."""
-    tensors = _listed(tensors, "grouped_reducescatter")
+    tensors = _listed(tensors, "grouped_reducescatter", name, process_set)
     arrays, _ = _arrays(tensors, "grouped_reducescatter", name, process_set)
     out = _core.grouped_reducescatter(arrays, op, name, process_set, prescale_factor, postscale_factor)
     return [_nd(a, t) for a, t in zip(out, tensors)]

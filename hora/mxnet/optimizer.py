@@ -41,25 +41,26 @@ def _reduce(items: list[tuple[str, mx.nd.NDArray]], num_groups: int, prescale: f
             process_set: ProcessSet) -> None:
     """Sum ``(name, grad)`` pairs over the ranks in place (prescaled), as grouped allreduces: the pairs split
     into ``num_groups`` groups (one when 0), each group by dtype; all are submitted, then all waited for."""
-    starts, fills = [], []
-    for r in split_groups(len(items), num_groups):
-        for group in _by_dtype([items[i] for i in r]):
-            grads = [g for _, g in group]
-            fill: list = []
-            fills.append((grads, fill))
-            starts.append(functools.partial(_start, grads, f"{group[0][0]}:{group[-1][0]}", prescale, process_set,
-                                            fill))
-    start_then_wait(starts)  # every started group is waited for, even after a failure: none left in flight
-    for grads, (hosts,) in fills:
-        for g, host in zip(grads, hosts):
+    groups = [([g for _, g in group], f"{group[0][0]}:{group[-1][0]}")
+              for r in split_groups(len(items), num_groups) for group in _by_dtype([items[i] for i in r])]
+    try:  # every gradient checked before any group is submitted: a refusal tells the peers of every group
+        views = [[mpi_ops._view(g, "grouped_allreduce_", write=True) for g in grads] for grads, _ in groups]
+    except HoraValueError as e:
+        for grads, name in groups:
+            _core.refused_group("allreduce", e, len(grads), name, process_set)
+        raise
+    # every started group is waited for, even after a failure: none left in flight
+    start_then_wait([functools.partial(_core.grouped_allreduce_async_, [a for a, _ in pairs], Sum, prescale, 1.0,
+                                       name, process_set) for (_, name), pairs in zip(groups, views)])
+    for (grads, _), pairs in zip(groups, views):
+        for g, (_, host) in zip(grads, pairs):
             mpi_ops._fill(g, host)
 
 
-def _start(grads: list, name: str, prescale: float, process_set: ProcessSet, fill: list) -> int:
-    """Submit one group's in-place allreduce (its host arrays appended to ``fill``, to copy back from)."""
-    arrays, hosts = mpi_ops._arrays(grads, "grouped_allreduce_", name, process_set, write=True)
-    fill.append(hosts)
-    return _core.grouped_allreduce_async_(arrays, Sum, prescale, 1.0, name, process_set)
+def _check_args(where: str, gradient_predivide_factor: float, num_groups: int) -> None:
+    """The argument checks both wrappers make (before any state is changed)."""
+    check_optimizer_args(where, Average, gradient_predivide_factor)
+    split_groups(0, num_groups)  # checks num_groups
 
 
 # -- DistributedOptimizer ----------------------------------------------------------------------------
@@ -80,8 +81,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     """
 
     def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0, process_set=global_process_set):
-        check_optimizer_args("DistributedOptimizer", Average, gradient_predivide_factor)
-        split_groups(0, num_groups)  # checks num_groups
+        _check_args("DistributedOptimizer", gradient_predivide_factor, num_groups)
         for k, v in zip(_OWN, (optimizer, gradient_predivide_factor, num_groups, process_set)):
             object.__setattr__(self, k, v)
         optimizer.rescale_grad *= gradient_predivide_factor / process_set.size()
@@ -148,8 +148,7 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     def __init__(self, params, optimizer, optimizer_params=None, compression=Compression.none,
                  gradient_predivide_factor=1.0, prefix=None, num_groups=0, process_set=global_process_set):
-        check_optimizer_args("DistributedTrainer", Average, gradient_predivide_factor)
-        split_groups(0, num_groups)
+        _check_args("DistributedTrainer", gradient_predivide_factor, num_groups)
         if prefix is not None and not isinstance(prefix, str):
             raise HoraValueError(f"DistributedTrainer: prefix must be a str or None, not {type(prefix).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
