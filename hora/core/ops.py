@@ -367,8 +367,11 @@ def _grouped(kind: str, arrays, name, flush, process_set, inplace=False, reduce:
     factor tells the peers, as a refused member does."""
     st = state()
     if arrays is None or isinstance(arrays, (np.ndarray, str, bytes)) or not hasattr(arrays, "__iter__"):
-        raise HoraValueError(f"grouped_{kind}: expected a list of arrays, got {type(arrays).__name__}; use "
-                             f"{kind}() for one array, or wrap it in a list")
+        e = HoraValueError(f"grouped_{kind}: expected a list of arrays, got {type(arrays).__name__}; use "
+                           f"{kind}() for one array, or wrap it in a list")
+        # the peers are told as of a group of one: how many members theirs has, this rank cannot know
+        refused_group(kind, e, 1, name, process_set)
+        raise e
     arrays = list(arrays)
     pid = _ps_id(process_set, st, f"grouped_{kind}")
     gid = _group_id(name, pid, len(arrays))
