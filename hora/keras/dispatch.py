@@ -12,12 +12,15 @@ from __future__ import annotations
 import itertools
 
 import keras
+import numpy as np
 
 from hora.base.errors import NotSupportedError
+from hora.core.gradients import reduce_groups
 from hora.core.packing import Packing
 from hora.core.process_sets import ProcessSet, global_process_set
 
-__all__ = ["backend", "grouped_allreduce", "packed_allreduce", "is_sparse", "densify", "sparse_allreduce"]
+__all__ = ["backend", "grouped_allreduce", "packed_allreduce", "packed_allreduces", "is_sparse", "densify",
+           "sparse_allreduce"]
 
 BACKENDS = ("tensorflow", "jax", "torch")
 
@@ -56,12 +59,61 @@ def packed_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, posts
                      name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
     """:func:`grouped_allreduce` with the small tensors packed into one flat tensor per dtype
     (:class:`hora.core.packing.Packing`) by ``keras.ops`` inside the step, and unpacked after."""
-    dtypes = [keras.backend.standardize_dtype(t.dtype) for t in tensors]
-    plan = Packing([tuple(t.shape) for t in tensors], dtypes, [_itemsize(dt) for dt in dtypes])
+    plan = _packing(tensors)
     ins = plan.pack(tensors, lambda t: keras.ops.reshape(t, (-1,)), keras.ops.concatenate)
     outs = grouped_allreduce(ins, op, prescale_factor, postscale_factor, name, process_set,
                              check=lambda: plan.agree(process_set))
     return plan.unpack(outs, _split, keras.ops.reshape)
+
+
+def packed_allreduces(groups: list[list], op: int, prescale_factor: float, postscale_factor: float,
+                      names: list[str | None], process_set: ProcessSet = global_process_set) -> list[list]:
+    """Several groups (``groups=`` of ``DistributedOptimizer``), each packed as by :func:`packed_allreduce`
+    and allreduced as its own core group, all in ONE host call (one per step, as the TensorFlow tape's path):
+    every group is started before any is waited for (:func:`hora.core.gradients.reduce_groups`)."""
+    if len(groups) == 1:
+        return [packed_allreduce(groups[0], op, prescale_factor, postscale_factor, names[0], process_set)]
+    plans = [_packing(g) for g in groups]
+    flat: list = []
+    members: list[list[int]] = []
+    for plan, group in zip(plans, groups):
+        buffers = plan.pack(group, lambda t: keras.ops.reshape(t, (-1,)), keras.ops.concatenate)
+        members.append(list(range(len(flat), len(flat) + len(buffers))))
+        flat += buffers
+
+    def run(*arrays):
+        for plan in plans:
+            plan.agree(process_set)
+        return reduce_groups([np.asarray(a) for a in arrays], members, op, prescale_factor, postscale_factor,
+                             names, process_set)
+    outs = _host_call(run, flat)
+    return [plan.unpack([outs[i] for i in m], _split, keras.ops.reshape) for plan, m in zip(plans, members)]
+
+
+def _host_call(fn, tensors: list) -> list:
+    """``fn(*numpy arrays) -> arrays of the same shapes and dtypes`` run on the host inside the backend's
+    step: the TensorFlow or JAX bridge's host call; torch's step is eager, so directly."""
+    which = backend()
+    if which == "tensorflow":
+        _refuse_xla()
+        from hora.tensorflow.bridge import host_call
+
+        return host_call(fn, tensors, [t.dtype for t in tensors])
+    if which == "jax":
+        import jax
+
+        from hora.jax.bridge import host_call
+
+        return host_call(fn, tensors, [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tensors],
+                         "grouped_allreduce")
+    outs = fn(*[keras.ops.convert_to_numpy(t) for t in tensors])
+    return [keras.ops.convert_to_tensor(o, dtype=t.dtype) for o, t in zip(outs, tensors)]
+
+
+def _packing(tensors: list) -> Packing:
+    """The packing plan of Keras tensors (shapes, dtype names, item sizes)."""
+    dtypes = [keras.backend.standardize_dtype(t.dtype) for t in tensors]
+    return Packing([tuple(t.shape) for t in tensors], dtypes, [_itemsize(dt) for dt in dtypes])
 
 
 def _split(buffer, cuts: list[int]) -> list:

@@ -3,11 +3,12 @@
 Every Keras 3 trainer updates through ``Optimizer.apply(grads, trainable_variables)`` (TensorFlow:
 ``apply_gradients`` -> ``apply`` inside ``model.fit``'s ``tf.function``; torch: ``apply`` under ``no_grad``;
 JAX: ``stateless_apply`` -> ``apply`` in a ``StatelessScope`` inside the jitted step). So the wrapper is a
-dynamic subclass of ``type(optimizer)`` whose ``apply`` reduces the step's gradients in ONE grouped host call
-(one per group with ``groups=``) before the base class applies them. ``isinstance(opt, type(optimizer))``
-holds, and the class keeps the base's name and ``__module__``, so ``get_config``/``from_config`` and ``.keras``
-save/load see the plain optimizer (a saved model loads without hora; :func:`hora.keras.load_model` wraps it
-again). Keras 3 variables are unhashable (Horovod #4290), so variables are keyed by ``id()``.
+dynamic subclass of ``type(optimizer)`` whose ``apply`` reduces the step's gradients in ONE host call (with
+``groups=``, each group its own core group, all in that one call) before the base class applies them.
+``isinstance(opt, type(optimizer))`` holds, and the class keeps the base's name and ``__module__``, so
+``get_config``/``from_config`` and ``.keras`` save/load see the plain optimizer (a saved model loads without
+hora; :func:`hora.keras.load_model` wraps it again). Keras 3 variables are unhashable (Horovod #4290), so
+variables are keyed by ``id()``.
 
 ``backward_passes_per_step=k > 1`` uses Keras's own ``gradient_accumulation_steps=k``: Keras accumulates the
 gradients locally and, on the step that applies, hands their average to ``_clip_gradients`` before the
@@ -126,8 +127,9 @@ def _active(ps: ProcessSet) -> bool:
 
 
 def _reduce(s: _Settings, grads: list, variables: list, scale: float) -> list:
-    """The step's gradients reduced over ``s.process_set``: dense ones in one grouped call per group, sparse
-    ones allgathered (or densified), local ones kept (divided by the size with ``scale_local_gradients``)."""
+    """The step's gradients reduced over ``s.process_set``: dense ones in one host call (each group its
+    own core group), sparse ones allgathered (or densified), local ones kept (divided by the size with
+    ``scale_local_gradients``)."""
     ps = s.process_set
     if not _active(ps):
         return grads
@@ -146,12 +148,15 @@ def _reduce(s: _Settings, grads: list, variables: list, scale: float) -> list:
             if dispatch.is_sparse(g):
                 g = out[i] = dispatch.densify(g)
             dense.append(i)
-    for k, members in enumerate(_groups(s, dense, variables)):
-        packed = [s.compression.compress(out[i]) for i in members]
-        name = s.name if k == 0 else f"{s.name}.group{k}"
-        reduced = dispatch.packed_allreduce([c for c, _ in packed], s.op, s.prescale, s.postscale * scale, name,
-                                             ps)
-        for i, r, (_, ctx) in zip(members, reduced, packed):
+    plan = _groups(s, dense, variables)
+    if not plan:
+        return out
+    packed = [[s.compression.compress(out[i]) for i in members] for members in plan]
+    names = [s.name if k == 0 else f"{s.name}.group{k}" for k in range(len(plan))]
+    reduced = dispatch.packed_allreduces([[c for c, _ in group] for group in packed], s.op, s.prescale,
+                                         s.postscale * scale, names, ps)
+    for members, group, results in zip(plan, packed, reduced):
+        for i, r, (_, ctx) in zip(members, results, group):
             out[i] = s.compression.decompress(r, ctx)
     return out
 
