@@ -134,7 +134,7 @@ def _reduce(s: _Settings, grads: list, variables: list, scale: float) -> list:
     if not _active(ps):
         return grads
     out = list(grads)
-    dense = []
+    dense, sparse = [], []
     for i, (g, v) in enumerate(zip(grads, variables)):
         if g is None:
             continue
@@ -143,18 +143,21 @@ def _reduce(s: _Settings, grads: list, variables: list, scale: float) -> list:
             if local_scale != 1.0:
                 out[i] = g * local_scale
         elif dispatch.is_sparse(g) and not s.sparse_as_dense:
-            out[i] = dispatch.sparse_allreduce(g, s.op, f"{s.name}.sparse.{i}", ps)
+            sparse.append(i)
         else:
             if dispatch.is_sparse(g):
                 g = out[i] = dispatch.densify(g)
             dense.append(i)
     plan = _groups(s, dense, variables)
-    if not plan:
+    if not plan and not sparse:
         return out
     packed = [[s.compression.compress(out[i]) for i in members] for members in plan]
     names = [s.name if k == 0 else f"{s.name}.group{k}" for k in range(len(plan))]
-    reduced = dispatch.packed_allreduces([[c for c, _ in group] for group in packed], s.op, s.prescale,
-                                         s.postscale * scale, names, ps)
+    reduced, gathered = dispatch.packed_allreduces([[c for c, _ in group] for group in packed], s.op, s.prescale,
+                                                   s.postscale * scale, names, ps, [out[i] for i in sparse],
+                                                   [f"{s.name}.sparse.{i}" for i in sparse])
+    for i, g in zip(sparse, gathered):
+        out[i] = g
     for members, group, results in zip(plan, packed, reduced):
         for i, r, (_, ctx) in zip(members, results, group):
             out[i] = s.compression.decompress(r, ctx)
