@@ -232,9 +232,12 @@ def _wrap(optimizer, settings: _Settings):
                                  f"optimizer has gradient_accumulation_steps={have}; give one of them")
         config["gradient_accumulation_steps"] = settings.accumulate
     wrapped = cls.from_config(config)
-    if optimizer.built:
-        wrapped.build(optimizer._trainable_variables)
-        for dst, src in zip(wrapped.variables, optimizer.variables):
+    # a LossScaleOptimizer hora just put around a built optimizer: only the inner one has state to keep
+    built = optimizer if optimizer.built or not isinstance(optimizer, _LossScale) else optimizer.inner_optimizer
+    if built.built:
+        wrapped.build(built._trainable_variables)
+        mine = wrapped.variables if built is optimizer else wrapped.inner_optimizer.variables
+        for dst, src in zip(mine, built.variables):
             dst.assign(src)
     object.__setattr__(wrapped, "_hora_ready", True)
     return wrapped
