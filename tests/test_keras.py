@@ -194,7 +194,7 @@ def _battery(full: bool, tmp: str) -> None:
     _, history = fit(hvd.DistributedOptimizer(sgd(0.2)), mine(X), mine(Y), per, epochs=4, callbacks=[schedule])
     np.testing.assert_allclose(history["lr"], [0.2, 0.05, 0.025, 0.025], rtol=1e-6)
     # a constant multiplier is exponential decay from start_epoch: initial_lr * c ** (epoch - start_epoch)
-    decay = hvd.callbacks.LearningRateScheduleCallback(0.1, 0.5, start_epoch=1, end_epoch=3, staircase=False)
+    decay = hvd.callbacks.LearningRateScheduleCallback(0.1, 0.5, start_epoch=1, end_epoch=3)
     _, history = fit(hvd.DistributedOptimizer(sgd(0.2)), mine(X), mine(Y), per, epochs=4, callbacks=[decay])
     np.testing.assert_allclose(history["lr"], [0.2, 0.1, 0.05, 0.05], rtol=1e-6)
 

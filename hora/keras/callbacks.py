@@ -82,15 +82,13 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     """Between ``start_epoch`` and ``end_epoch`` (exclusive) set the rate to ``initial_lr * multiplier(epoch)``:
     at each epoch's start with ``staircase``, else at each batch with the fractional epoch
     ``epoch + batch / steps_per_epoch`` (taken from Keras when not given). A constant ``multiplier`` ``c`` is
-    exponential decay, ``c ** (epoch - start_epoch)``, per epoch (staircase), as Horovod's."""
+    exponential decay, ``c ** (epoch - start_epoch)`` (smooth with ``staircase=False``), as Horovod's."""
 
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
                  momentum_correction=True, steps_per_epoch=None):
         super().__init__()
         self.initial_lr = initial_lr
         self.multiplier = _fk.as_multiplier(multiplier, start_epoch)
-        if not callable(multiplier):
-            staircase = True  # Horovod's: a constant decays once per epoch
         self.start_epoch, self.end_epoch = start_epoch, end_epoch
         self.staircase, self.momentum_correction = staircase, momentum_correction
         self.steps_per_epoch = steps_per_epoch
