@@ -19,22 +19,29 @@ from hora.core.process_sets import ProcessSet, global_process_set
 __all__ = ["as_multiplier", "warmup_multiplier", "schedule_epoch", "scheduled_lr", "average_logs"]
 
 
-def as_multiplier(multiplier) -> Callable[[float], float]:
-    """Horovod's ``multiplier``: a constant or a function of the (possibly fractional) epoch."""
+def as_multiplier(multiplier, start_epoch: float = 0) -> Callable[[float], float]:
+    """Horovod's ``multiplier``: a function of the (possibly fractional) epoch, or a constant ``c``, which
+    means exponential decay: ``c ** (epoch - start_epoch)`` (1 at ``start_epoch``, ``c`` one epoch later)."""
     if callable(multiplier):
         return multiplier
     if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)):
         raise HoraValueError(f"multiplier={multiplier!r}: give a number or a function f(epoch) -> number")
     value = float(multiplier)
-    return lambda epoch: value
+    return lambda epoch: value ** (epoch - start_epoch)
 
 
-def warmup_multiplier(warmup_epochs: float, size: int) -> Callable[[float], float]:
+def warmup_multiplier(warmup_epochs: float, size: int, steps_per_epoch: int) -> Callable[[float], float]:
     """Goyal et al.'s gradual warmup (Horovod's ``LearningRateWarmupCallback``): the multiplier of the
-    target rate, ``1/size`` at epoch 0 rising linearly to 1 at ``warmup_epochs``."""
+    target rate, rising linearly from ``1/size`` to 1 at ``warmup_epochs``. As Horovod's, the epoch a batch
+    begins at is shifted by one batch (``1/steps_per_epoch``), so each epoch's last batch lands on a round
+    value and the warmup's last batch runs at exactly the target rate."""
     if not warmup_epochs > 0:
         raise HoraValueError(f"warmup_epochs={warmup_epochs!r} must be positive")
-    return lambda epoch: 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
+    if not steps_per_epoch or steps_per_epoch < 1:
+        raise HoraValueError("the warmup needs steps_per_epoch (Keras did not report the number of steps; pass "
+                             "steps_per_epoch=)")
+    shift = 1.0 / steps_per_epoch
+    return lambda epoch: 1.0 / size * ((epoch + shift) * (size - 1) / warmup_epochs + 1)
 
 
 def schedule_epoch(epoch: int, batch: int | None, steps_per_epoch: int | None, staircase: bool) -> float:

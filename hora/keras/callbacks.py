@@ -79,15 +79,16 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
-    """Between ``start_epoch`` and ``end_epoch`` (exclusive) set the rate to ``initial_lr * multiplier``
-    (a constant or ``f(epoch)``): at each epoch's start with ``staircase``, else at each batch with the
-    fractional epoch ``epoch + batch / steps_per_epoch`` (taken from Keras when not given)."""
+    """Between ``start_epoch`` and ``end_epoch`` (exclusive) set the rate to ``initial_lr * multiplier(epoch)``:
+    at each epoch's start with ``staircase``, else at each batch with the fractional epoch
+    ``epoch + batch / steps_per_epoch`` (taken from Keras when not given). A constant ``multiplier`` ``c`` is
+    exponential decay, ``c ** (epoch - start_epoch)`` (smooth with ``staircase=False``), as Horovod's."""
 
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
                  momentum_correction=True, steps_per_epoch=None):
         super().__init__()
         self.initial_lr = initial_lr
-        self.multiplier = _fk.as_multiplier(multiplier)
+        self.multiplier = _fk.as_multiplier(multiplier, start_epoch)
         self.start_epoch, self.end_epoch = start_epoch, end_epoch
         self.staircase, self.momentum_correction = staircase, momentum_correction
         self.steps_per_epoch = steps_per_epoch
@@ -124,14 +125,19 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     ``warmup_epochs``, adjusted at every batch; ``initial_lr`` is the rate to reach (already scaled)."""
 
     def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
-        super().__init__(initial_lr, _fk.warmup_multiplier(warmup_epochs, _basics.size()), start_epoch=0,
-                         end_epoch=warmup_epochs, staircase=False, momentum_correction=momentum_correction,
-                         steps_per_epoch=steps_per_epoch)
-        self.warmup_epochs, self.verbose = warmup_epochs, verbose
+        size = _basics.size()
+        _fk.warmup_multiplier(warmup_epochs, size, 1)  # refuse a bad warmup_epochs here, not at fit
+        super().__init__(initial_lr, lambda epoch: 1.0, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
+                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)
+        self.warmup_epochs, self.verbose, self._size = warmup_epochs, verbose, size
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)  # steps_per_epoch, from Keras when not given
+        self.multiplier = _fk.warmup_multiplier(self.warmup_epochs, self._size, self.steps_per_epoch)
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
-        if epoch == self.warmup_epochs - 1 and self.verbose > 0:
+        if epoch == self.warmup_epochs - 1 and self.verbose > 0 and _basics.rank() == 0:
             lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}.")
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 import itertools
 
 import keras
+import numpy as np
 
 from hora.base.errors import NotSupportedError
+from hora.core.gradients import SPARSE_OPS, step_collectives
+from hora.core.ops import Average, Sum
 from hora.core.packing import Packing
 from hora.core.process_sets import ProcessSet, global_process_set
 
-__all__ = ["backend", "grouped_allreduce", "packed_allreduce", "is_sparse", "densify", "sparse_allreduce"]
+__all__ = ["backend", "grouped_allreduce", "packed_allreduce", "packed_allreduces", "is_sparse", "densify"]
 
 BACKENDS = ("tensorflow", "jax", "torch")
 
@@ -56,12 +59,83 @@ def packed_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, posts
                      name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
     """:func:`grouped_allreduce` with the small tensors packed into one flat tensor per dtype
     (:class:`hora.core.packing.Packing`) by ``keras.ops`` inside the step, and unpacked after."""
-    dtypes = [keras.backend.standardize_dtype(t.dtype) for t in tensors]
-    plan = Packing([tuple(t.shape) for t in tensors], dtypes, [_itemsize(dt) for dt in dtypes])
+    plan = _packing(tensors)
     ins = plan.pack(tensors, lambda t: keras.ops.reshape(t, (-1,)), keras.ops.concatenate)
     outs = grouped_allreduce(ins, op, prescale_factor, postscale_factor, name, process_set,
                              check=lambda: plan.agree(process_set))
     return plan.unpack(outs, _split, keras.ops.reshape)
+
+
+def packed_allreduces(groups: list[list], op: int, prescale_factor: float, postscale_factor: float,
+                      names: list[str | None], process_set: ProcessSet = global_process_set, sparse: list = (),
+                      sparse_names: list[str | None] = ()) -> tuple[list[list], list]:
+    """A step's collectives in ONE host call (as the TensorFlow tape's path): several groups (``groups=`` of
+    ``DistributedOptimizer``), each packed as by :func:`packed_allreduce` and allreduced as its own core
+    group, and each sparse gradient (``tf.IndexedSlices``) gathered (Horovod's treatment: every rank's rows, divided
+    by the size for Average; ``prescale``/``postscale`` apply to the dense ones only); all
+    started before any is waited for (:func:`hora.core.gradients.step_collectives`). Returns the groups'
+    results and the sparse ones."""
+    sparse = list(sparse)
+    if len(groups) == 1 and not sparse:
+        return [packed_allreduce(groups[0], op, prescale_factor, postscale_factor, names[0], process_set)], []
+    if sparse and op not in (Average, Sum):
+        raise NotSupportedError(SPARSE_OPS)
+    plans = [_packing(g) for g in groups]
+    flat: list = []
+    members: list[list[int]] = []
+    for plan, group in zip(plans, groups):
+        buffers = plan.pack(group, lambda t: keras.ops.reshape(t, (-1,)), keras.ops.concatenate)
+        members.append(list(range(len(flat), len(flat) + len(buffers))))
+        flat += buffers
+    nd = len(flat)
+
+    def run(*arrays):
+        for plan in plans:
+            plan.agree(process_set)
+        pairs = list(zip(arrays[nd::2], arrays[nd + 1::2]))
+        out, gathered = step_collectives([np.asarray(a) for a in arrays[:nd]], members, op, prescale_factor,
+                                         postscale_factor, names, pairs, sparse_names, process_set)
+        return out + [x for pair in gathered for x in pair]
+    if sparse:  # TensorFlow only (is_sparse): the gathered rows' number is known when the call runs
+        import tensorflow as tf
+
+        ins = [x for g in sparse for x in (tf.convert_to_tensor(g.indices), g.values)]
+        shapes = [t.shape for t in flat] + [s for g in sparse for s in (
+            tf.TensorShape([None]), tf.TensorShape([None]).concatenate(g.values.shape[1:]))]
+        outs = _host_call(run, flat + ins, shapes)
+        gathered = [tf.IndexedSlices(outs[nd + 2 * k + 1], outs[nd + 2 * k], g.dense_shape)
+                    for k, g in enumerate(sparse)]
+    else:
+        outs, gathered = _host_call(run, flat), []
+    return [plan.unpack([outs[i] for i in m], _split, keras.ops.reshape) for plan, m in zip(plans, members)], \
+        gathered
+
+
+def _host_call(fn, tensors: list, shapes: list | None = None) -> list:
+    """``fn(*numpy arrays) -> arrays of the inputs' dtypes`` (and shapes, unless ``shapes`` says otherwise:
+    TensorFlow only) run on the host inside the backend's step: the TensorFlow or JAX bridge's host call;
+    torch's step is eager, so directly."""
+    which = backend()
+    if which == "tensorflow":
+        _refuse_xla()
+        from hora.tensorflow.bridge import host_call
+
+        return host_call(fn, tensors, [t.dtype for t in tensors], shapes)
+    if which == "jax":
+        import jax
+
+        from hora.jax.bridge import host_call
+
+        return host_call(fn, tensors, [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tensors],
+                         "grouped_allreduce")
+    outs = fn(*[keras.ops.convert_to_numpy(t) for t in tensors])
+    return [keras.ops.convert_to_tensor(o, dtype=t.dtype) for o, t in zip(outs, tensors)]
+
+
+def _packing(tensors: list) -> Packing:
+    """The packing plan of Keras tensors (shapes, dtype names, item sizes)."""
+    dtypes = [keras.backend.standardize_dtype(t.dtype) for t in tensors]
+    return Packing([tuple(t.shape) for t in tensors], dtypes, [_itemsize(dt) for dt in dtypes])
 
 
 def _split(buffer, cuts: list[int]) -> list:
@@ -98,16 +172,3 @@ def densify(grad):
     import tensorflow as tf
 
     return tf.convert_to_tensor(grad)
-
-
-def sparse_allreduce(grad, op: int, name: str | None, process_set: ProcessSet):
-    """Horovod's reduction of an ``IndexedSlices`` gradient: its values and indices allgathered (the sum
-    of the ranks' rows; divided by the size for Average), by ``hora.tensorflow.allreduce``."""
-    import hora.tensorflow as htf
-
-    _refuse_xla()
-    allreduce = getattr(htf, "allreduce", None)
-    if allreduce is None:
-        raise NotSupportedError("not supported yet: sparse (IndexedSlices) gradients need hora.tensorflow's "
-                                "allreduce, which this installation lacks; pass sparse_as_dense=True")
-    return allreduce(grad, op=op, name=name, process_set=process_set)

@@ -3,11 +3,12 @@
 Every Keras 3 trainer updates through ``Optimizer.apply(grads, trainable_variables)`` (TensorFlow:
 ``apply_gradients`` -> ``apply`` inside ``model.fit``'s ``tf.function``; torch: ``apply`` under ``no_grad``;
 JAX: ``stateless_apply`` -> ``apply`` in a ``StatelessScope`` inside the jitted step). So the wrapper is a
-dynamic subclass of ``type(optimizer)`` whose ``apply`` reduces the step's gradients in ONE grouped host call
-(one per group with ``groups=``) before the base class applies them. ``isinstance(opt, type(optimizer))``
-holds, and the class keeps the base's name and ``__module__``, so ``get_config``/``from_config`` and ``.keras``
-save/load see the plain optimizer (a saved model loads without hora; :func:`hora.keras.load_model` wraps it
-again). Keras 3 variables are unhashable (Horovod #4290), so variables are keyed by ``id()``.
+dynamic subclass of ``type(optimizer)`` whose ``apply`` reduces the step's gradients in ONE host call (with
+``groups=``, each group its own core group, all in that one call) before the base class applies them.
+``isinstance(opt, type(optimizer))`` holds, and the class keeps the base's name and ``__module__``, so
+``get_config``/``from_config`` and ``.keras`` save/load see the plain optimizer (a saved model loads without
+hora; :func:`hora.keras.load_model` wraps it again). Keras 3 variables are unhashable (Horovod #4290), so
+variables are keyed by ``id()``.
 
 ``backward_passes_per_step=k > 1`` uses Keras's own ``gradient_accumulation_steps=k``: Keras accumulates the
 gradients locally and, on the step that applies, hands their average to ``_clip_gradients`` before the
@@ -15,7 +16,17 @@ update. That method is the hook (private, but it is where Keras's three backends
 step's gradients, and only those, before clipping), so the ranks communicate once per ``k`` steps. On JAX
 the update is computed every step and selected by ``lax.cond``, so the reduction itself sits in a
 ``lax.cond`` on the applying step. ``average_aggregated_gradients=False`` (Horovod's default) sums the
-``k`` passes: the allreduce's postscale multiplies Keras's average by ``k``.
+``k`` passes: the allreduce's postscale multiplies Keras's average by ``k`` (and the local gradients of
+:func:`PartialDistributedOptimizer` by ``k`` too).
+
+Mixed precision: Keras's ``LossScaleOptimizer`` checks the gradients for inf/NaN and applies the inner
+optimizer only when they are finite. That check must see the REDUCED gradients, or a rank that overflows
+skips the step that its peers reduce, and the ranks fall out of step. So a wrapped ``LossScaleOptimizer``
+reduces in its own ``apply``/``stateless_apply``, before the check (an inf on one rank is an inf on all, and
+every rank skips the step and lowers its scale alike); under the global ``mixed_float16`` policy
+:func:`DistributedOptimizer` adds the ``LossScaleOptimizer`` itself (so ``compile`` does not add one outside
+it); and a ``LossScaleOptimizer`` put around a distributed optimizer afterwards (a model's own
+``mixed_float16`` policy at ``compile``) is refused on every rank, with the fix in the message.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ from dataclasses import dataclass, field
 import keras
 
 from hora.base import knobs
-from hora.base.errors import HoraValueError
+from hora.base.errors import HoraValueError, NotSupportedError
 from hora.core.frontend import check_optimizer_args, predivide, split_groups
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
@@ -81,6 +92,34 @@ class _DistributedOptimizer:
         """Keep ``var``'s gradient local to this rank (model parallelism): it is not reduced."""
         self._hora.local.add(id(var))
 
+    def __setattr__(self, name, value):
+        # A LossScaleOptimizer made around this one clears its loss_scale_factor (keras's __init__ does): its
+        # finiteness check would then see each rank's own gradients, before ours reduces them.
+        if name == "loss_scale_factor" and value is None and getattr(self, "_hora_ready", False) \
+                and not isinstance(self, _LossScale):
+            raise HoraValueError(
+                "DistributedOptimizer: a LossScaleOptimizer (mixed_float16; model.compile adds one when the "
+                "model's dtype policy is mixed_float16) is being put around a distributed optimizer; it would "
+                "check each rank's gradients before they are reduced, and the ranks would fall out of step. "
+                "Wrap the other way round: hvd.DistributedOptimizer(keras.mixed_precision.LossScaleOptimizer(opt))"
+                ", or set keras.mixed_precision.set_global_policy('mixed_float16') before DistributedOptimizer")
+        super().__setattr__(name, value)
+
+
+class _DistributedLossScale(_DistributedOptimizer):
+    """For a wrapped ``LossScaleOptimizer``: the gradients are reduced before its finiteness check, in its
+    ``apply`` (TensorFlow, torch) and its ``stateless_apply`` (JAX, which does not call ``apply``); its inner
+    optimizer applies them as they come."""
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        grads = list(grads)
+        if grads and self.built:
+            grads = _reduce(self._hora, grads, list(self._trainable_variables), 1.0)
+        return super().stateless_apply(optimizer_variables, grads, trainable_variables)
+
+
+_LossScale = keras.optimizers.LossScaleOptimizer
+
 
 def _active(ps: ProcessSet) -> bool:
     """As in Horovod: no communication in a world of one, unless elastic training may grow it."""
@@ -88,31 +127,39 @@ def _active(ps: ProcessSet) -> bool:
 
 
 def _reduce(s: _Settings, grads: list, variables: list, scale: float) -> list:
-    """The step's gradients reduced over ``s.process_set``: dense ones in one grouped call per group, sparse
-    ones allgathered (or densified), local ones kept (divided by the size with ``scale_local_gradients``)."""
+    """The step's gradients reduced over ``s.process_set``: dense ones in one host call (each group its
+    own core group), sparse ones allgathered (or densified), local ones kept (divided by the size with
+    ``scale_local_gradients``)."""
     ps = s.process_set
     if not _active(ps):
         return grads
     out = list(grads)
-    dense = []
+    dense, sparse = [], []
     for i, (g, v) in enumerate(zip(grads, variables)):
         if g is None:
             continue
-        if id(v) in s.local:
-            if s.scale_local_gradients:
-                out[i] = g / ps.size()
+        if id(v) in s.local:  # with backward_passes_per_step, summed like the reduced ones (scale)
+            local_scale = scale / ps.size() if s.scale_local_gradients else scale
+            if local_scale != 1.0:
+                out[i] = g * local_scale
         elif dispatch.is_sparse(g) and not s.sparse_as_dense:
-            out[i] = dispatch.sparse_allreduce(g, s.op, f"{s.name}.sparse.{i}", ps)
+            sparse.append(i)
         else:
             if dispatch.is_sparse(g):
                 g = out[i] = dispatch.densify(g)
             dense.append(i)
-    for k, members in enumerate(_groups(s, dense, variables)):
-        packed = [s.compression.compress(out[i]) for i in members]
-        name = s.name if k == 0 else f"{s.name}.group{k}"
-        reduced = dispatch.packed_allreduce([c for c, _ in packed], s.op, s.prescale, s.postscale * scale, name,
-                                             ps)
-        for i, r, (_, ctx) in zip(members, reduced, packed):
+    plan = _groups(s, dense, variables)
+    if not plan and not sparse:
+        return out
+    packed = [[s.compression.compress(out[i]) for i in members] for members in plan]
+    names = [s.name if k == 0 else f"{s.name}.group{k}" for k in range(len(plan))]
+    reduced, gathered = dispatch.packed_allreduces([[c for c, _ in group] for group in packed], s.op, s.prescale,
+                                                   s.postscale * scale, names, ps, [out[i] for i in sparse],
+                                                   [f"{s.name}.sparse.{i}" for i in sparse])
+    for i, g in zip(sparse, gathered):
+        out[i] = g
+    for members, group, results in zip(plan, packed, reduced):
+        for i, r, (_, ctx) in zip(members, results, group):
             out[i] = s.compression.decompress(r, ctx)
     return out
 
@@ -173,7 +220,8 @@ def _wrap(optimizer, settings: _Settings):
     """A new instance of a dynamic subclass of ``type(optimizer)`` with ``optimizer``'s config and, when it is
     built (a loaded model's), its state."""
     base = type(optimizer)
-    cls = type(base.__name__, (_DistributedOptimizer, base),
+    mixin = _DistributedLossScale if isinstance(optimizer, _LossScale) else _DistributedOptimizer
+    cls = type(base.__name__, (mixin, base),
                {"__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__,
                 "_hora": settings})
     config = optimizer.get_config()
@@ -184,10 +232,14 @@ def _wrap(optimizer, settings: _Settings):
                                  f"optimizer has gradient_accumulation_steps={have}; give one of them")
         config["gradient_accumulation_steps"] = settings.accumulate
     wrapped = cls.from_config(config)
-    if optimizer.built:
-        wrapped.build(optimizer._trainable_variables)
-        for dst, src in zip(wrapped.variables, optimizer.variables):
+    # a LossScaleOptimizer hora just put around a built optimizer: only the inner one has state to keep
+    built = optimizer if optimizer.built or not isinstance(optimizer, _LossScale) else optimizer.inner_optimizer
+    if built.built:
+        wrapped.build(built._trainable_variables)
+        mine = wrapped.variables if built is optimizer else wrapped.inner_optimizer.variables
+        for dst, src in zip(mine, built.variables):
             dst.assign(src)
+    object.__setattr__(wrapped, "_hora_ready", True)
     return wrapped
 
 
@@ -209,6 +261,12 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         raise HoraValueError("DistributedOptimizer: this optimizer is already distributed; wrapping it twice "
                              "would reduce every gradient twice")
     check_optimizer_args("DistributedOptimizer", op, gradient_predivide_factor, backward_passes_per_step)
+    if not isinstance(optimizer, _LossScale) and keras.mixed_precision.global_policy().name == "mixed_float16":
+        optimizer = _LossScale(optimizer)  # what compile would add, but inside: reduced before its check
+    if isinstance(optimizer, _LossScale) and backward_passes_per_step > 1:
+        raise NotSupportedError("not supported yet: backward_passes_per_step > 1 with a LossScaleOptimizer "
+                                "(mixed_float16): Keras accumulates inside the inner optimizer, after the "
+                                "finiteness check; use backward_passes_per_step=1 or the float32 policy")
     if num_groups:
         warnings.warn("DistributedOptimizer(num_groups=...) is deprecated; use groups=", DeprecationWarning,
                       stacklevel=2)
