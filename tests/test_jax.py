@@ -214,7 +214,9 @@ def _data_parallel_body(steps, k):
     micro = half // k
     cut = [slice(r * half + m * micro, r * half + (m + 1) * micro) for m in range(k)]
     batches = [(xs[s, c], ys[s, c]) for s in range(steps) for c in cut]
-    got = train(hvd.DistributedOptimizer(optax.adam(0.05), backward_passes_per_step=k), mine, batches)
+    # the mean of the k passes is the whole batch's gradient (the default sums them, as hora.torch does)
+    got = train(hvd.DistributedOptimizer(optax.adam(0.05), backward_passes_per_step=k,
+                                         average_aggregated_gradients=True), mine, batches)
     for key in want:
         np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=1e-5, atol=1e-6, err_msg=key)
     return [float(v) for v in np.asarray(got["w"]).ravel()]
@@ -281,7 +283,8 @@ def _optimizer_options_body():
             pass
         else:
             raise AssertionError(f"{bad} was accepted")
-    # backward_passes_per_step=3: two calls make no host call; a peer never waits for them
+    # backward_passes_per_step=3: two calls make no host call; a peer never waits for them; the third applies the
+    # sum of the three passes' (equal) gradients
     tx = hvd.DistributedOptimizer(optax.sgd(1.0), backward_passes_per_step=3)
     import hora.core.ops as core
 
@@ -300,7 +303,7 @@ def _optimizer_options_body():
             assert not np.asarray(u["w"]).any()
         assert not calls, "an accumulating call communicated"
         u, state = step(g, state, p)
-        np.testing.assert_allclose(np.asarray(u["w"]), -total / n)
+        np.testing.assert_allclose(np.asarray(u["w"]), -3 * total / n)  # the 3 passes summed, as in hora.torch
         assert len(calls) == 1
     finally:
         core.grouped_allreduce = real

@@ -35,27 +35,33 @@ def test_numpy_round_trip_gives_views_and_framework_ops_agree():
     assert plan.cuts(plan.buckets[1]) == [4, 5]
 
 
-# --- agree: packed buffers hide their arrays' shapes from the core, so the plan is checked once across ranks
+# --- layout: packed buffers hide their arrays' shapes from the core, so the plan's digest travels instead
 
-def _agree_on_rank(hvd, same: bool):
+def _packed_on_rank(hvd, same: bool):
     from hora.base.errors import MismatchError
 
     shapes = [(2, 3), (4,)] if same or hvd.rank() == 0 else [(3, 2), (4,)]  # same elements, other shapes
     plan = Packing(shapes, ["float32"] * 2, [4, 4])
-    try:
-        plan.agree()
-        plan.agree()  # the second time costs nothing: no collective (the peers do not run one either)
-    except MismatchError as e:
-        return str(e)
+    arrays = [np.ones(s, np.float32) for s in shapes]
+    out = []
+    for _ in range(2):  # the second step too (its request comes from the response cache on a match)
+        try:
+            got = plan.unpack_np(hvd.grouped_allreduce(plan.pack_np(arrays), op=hvd.Sum, name="packed",
+                                                       layout=plan.layout))
+            out.append(float(sum(g.sum() for g in got)))
+        except MismatchError as e:
+            out.append(str(e))
     hvd.barrier()
-    return "agreed"
+    return out
 
 
 @pytest.mark.timeout(60)
-def test_agree_passes_when_the_ranks_pack_alike_and_fails_every_rank_when_not():
-    assert run_hora(2, _agree_on_rank, True, timeout=30) == ["agreed", "agreed"]
-    out = run_hora(3, _agree_on_rank, False, timeout=30)
-    assert all("tensor 0 is float32 (2, 3) on rank 0 and float32 (3, 2) on rank 1" in m for m in out), out
+def test_a_packed_layout_is_compared_across_ranks_every_step():
+    assert Packing([(2, 3)], ["float32"], [4]).layout != Packing([(3, 2)], ["float32"], [4]).layout
+    assert run_hora(2, _packed_on_rank, True, timeout=30) == [[20.0, 20.0]] * 2
+    out = run_hora(3, _packed_on_rank, False, timeout=30)
+    assert all(len(o) == 2 and all("packed buffer whose tensors' shapes or dtypes differ" in m for m in o)
+               for o in out), out
 
 
 def _jax_packed_mismatch(hvd):
@@ -77,4 +83,4 @@ def _jax_packed_mismatch(hvd):
 def test_a_packed_jax_reduction_of_differently_shaped_tensors_fails_every_rank():
     pytest.importorskip("jax")
     out = run_hora(2, _jax_packed_mismatch, timeout=60)
-    assert all("MismatchError" in m and "the ranks' tensors differ" in m for m in out), out
+    assert all("MismatchError" in m and "shapes or dtypes differ" in m for m in out), out

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("tensorflow")
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -329,10 +329,23 @@ def test_v1_ops_with_other_feeds_run_alone_and_ops_sharing_feeds_keep_their_orde
             with tf.compat.v1.Session() as s:
                 one = np.ones(2, np.float32)
                 got = [s.run(rb, {b: one}), s.run(ra, {a: one}), *s.run([rab, ra, rb], {a: one, b: one})]
+        # a v1 while loop (control flow v1, as under disable_v2_behavior) is a cycle in the graph: the chaining's
+        # walk over the feeds must end
+        tf.compat.v1.disable_control_flow_v2()
+        try:
+            with tf.Graph().as_default():
+                x = tf.compat.v1.placeholder(tf.float32, [2])
+                looped = tf.compat.v1.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v * 2.0),
+                                                 [tf.constant(0), x])[1]
+                ry, rz = hvd.allreduce(looped, op=hvd.Sum), hvd.allreduce(looped + 1.0, op=hvd.Sum)
+                with tf.compat.v1.Session() as s:
+                    got += s.run([ry, rz], {x: np.ones(2, np.float32)})
+        finally:
+            tf.compat.v1.enable_control_flow_v2()
         return [g.tolist() for g in got]
 
     for got in run(2, body, timeout=90, env=ENV):
-        assert got == [[2.0, 2.0]] * 2 + [[4.0, 4.0], [2.0, 2.0], [2.0, 2.0]]
+        assert got == [[2.0, 2.0]] * 2 + [[4.0, 4.0], [2.0, 2.0], [2.0, 2.0], [16.0, 16.0], [18.0, 18.0]]
 
 
 @pytest.mark.timeout(120)

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from harness import run
 
+pytest.importorskip("tensorflow")
+
 STEPS = 3
 LR = 0.1
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "3"}

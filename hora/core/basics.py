@@ -39,7 +39,6 @@ class _State:
         self.barriers: dict[int, int] = {}  # barrier count per process set (names them)
         self.ps_calls = 0  # add/remove_process_set calls (names them)
         self.names: dict = {}  # process set id -> counter naming unnamed ops (noname.N)
-        self.agreed: set = set()  # packing plans every rank of a set has checked (core/packing.py)
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -22,7 +22,7 @@ from hora.core.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER,
                                 REDUCESCATTER, REMOVE_PS, Refusal, Request, Response, error)
 
 _COMPARED = {  # fields that must agree across ranks, by op kind
-    ALLREDUCE: ("op", "dtype", "shape", "pre", "post"),
+    ALLREDUCE: ("op", "dtype", "shape", "pre", "post", "layout"),
     REDUCESCATTER: ("op", "dtype", "shape", "pre", "post"),
     BROADCAST: ("dtype", "shape", "root"),
     ALLGATHER: ("dtype", "trailing"),
@@ -187,8 +187,9 @@ class Coordinator:
             for f in _COMPARED[first.kind]:
                 a, b = _field(req, f), _field(first, f)
                 if a != b:
-                    label = "dimensions" if f == "trailing" else {"pre": "prescale factor", "post":
-                                                                  "postscale factor"}.get(f, f)
+                    label = "dimensions" if f == "trailing" else {
+                        "pre": "prescale factor", "post": "postscale factor",
+                        "layout": "a packed buffer whose tensors' shapes or dtypes differ: layout"}.get(f, f)
                     return self._error(ps, name, f"{first.kind} '{name}': rank {r} sent {label} "
                                                  f"{_show(f, a)}, rank {first_rank} sent {_show(f, b)}", first)
         if self.joined and ps == 0 and first.kind not in (ALLREDUCE, BARRIER):

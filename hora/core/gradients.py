@@ -12,9 +12,8 @@ and turns the results back into its tensors.
   gradients gathered) started together and waited for together (:func:`start_then_wait`), inside one
   host call.
 
-How the gradients cross into that host call (small ones packed into one flat buffer per dtype and split back
-into views there, so the core still sees and checks every gradient with its own shape) is
-:mod:`hora.core.packing`.
+How the gradients cross into that host call (small ones packed into one flat buffer per dtype, whose layout
+digest the core compares across ranks as it compares shapes) is :mod:`hora.core.packing`.
 """
 
 from __future__ import annotations
@@ -90,17 +89,19 @@ def start_then_wait(starts: Sequence[Callable[[], int]]) -> list:
 def step_collectives(arrays: Sequence[np.ndarray], plan: list[list[int]], op: int, prescale_factor: float,
                      postscale_factor: float, names: Sequence[str | None],
                      sparse: Sequence[tuple[np.ndarray, np.ndarray]] = (), sparse_names: Sequence[str | None] = (),
-                     process_set: ProcessSet = global_process_set) -> tuple[list, list]:
+                     process_set: ProcessSet = global_process_set, layout: int = 0) -> tuple[list, list]:
     """A step's collectives, all started before any is waited for (:func:`start_then_wait`): ``arrays``
     allreduced in the groups of ``plan``, and each sparse gradient ``(indices, values)`` gathered from every
     rank in one allgather (:func:`pack_sparse`; Horovod's treatment of ``IndexedSlices``), its values divided
-    by the set's size for Average. Returns ``(reduced arrays in order, [(indices, values)])``."""
+    by the set's size for Average. ``layout``: packed buffers' digest (:attr:`hora.core.packing.Packing.layout`),
+    compared across ranks. Returns ``(reduced arrays in order, [(indices, values)])``."""
     if sparse and op not in (Average, Sum):
         raise NotSupportedError(SPARSE_OPS)
     arrays = list(arrays)
     packed = [pack_sparse(np.asarray(i).reshape(-1), v) for i, v in sparse]
     starts = [functools.partial(_core.grouped_allreduce_async, [arrays[i] for i in members], op, prescale_factor,
-                                postscale_factor, name, process_set) for members, name in zip(plan, names)]
+                                postscale_factor, name, process_set, layout=layout)
+              for members, name in zip(plan, names)]
     starts += [functools.partial(_core.allgather_async, rows, name, process_set)
                for (rows, _), name in zip(packed, sparse_names)]
     results = start_then_wait(starts)

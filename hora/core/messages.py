@@ -52,6 +52,9 @@ class Request(NamedTuple):
     ps: int = 0
     splits: tuple | None = None
     group: tuple | None = None  # (group id, number of tensors) for grouped ops
+    # a packed buffer's layout (hora.core.packing): the digest of the shapes and dtypes packed into it, which
+    # the buffer's own shape no longer shows; compared across ranks like the shape (0: not packed)
+    layout: int = 0
 
     @property
     def cacheable(self) -> bool:

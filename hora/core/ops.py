@@ -394,10 +394,12 @@ def _grouped(kind: str, arrays, name, flush, process_set, inplace=False, reduce:
 
 def grouped_allreduce_async(arrays, op: int = Average, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, name: str | None = None,
-                            process_set: ProcessSet = global_process_set) -> int:
-    """Allreduce several arrays as one unit (negotiated together, fused together)."""
+                            process_set: ProcessSet = global_process_set, *, layout: int = 0) -> int:
+    """Allreduce several arrays as one unit (negotiated together, fused together); ``layout`` as in
+    :func:`grouped_allreduce`."""
     return _grouped(m.ALLREDUCE, arrays, name, False, process_set,
-                    reduce=(op, prescale_factor, postscale_factor, "allreduce"))
+                    reduce=(op, prescale_factor, postscale_factor, "allreduce"),
+                    **({"layout": int(layout)} if layout else {}))
 
 
 def _reduce_fields(op, pre, post, what) -> dict:
@@ -413,9 +415,14 @@ def grouped_allreduce_async_(arrays, op: int = Average, prescale_factor: float =
 
 
 def grouped_allreduce(arrays, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
+                      name: str | None = None, process_set: ProcessSet = global_process_set, *,
+                      layout: int = 0) -> list:
+    """``layout``: the digest of what a binding packed into these buffers (:attr:`hora.core.packing.Packing.
+    layout`), compared across ranks as a shape is, so that ranks whose packed tensors differ get a
+    MismatchError rather than reduce unrelated numbers together."""
     return synchronize(_grouped(m.ALLREDUCE, arrays, name, True, process_set,
-                                reduce=(op, prescale_factor, postscale_factor, "allreduce")))
+                                reduce=(op, prescale_factor, postscale_factor, "allreduce"),
+                                **({"layout": int(layout)} if layout else {})))
 
 
 def grouped_allreduce_(arrays, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,

@@ -10,9 +10,10 @@ A binding only does its framework's ravel/concatenate on the way in and split/re
 The plan depends only on the shapes and dtypes, so it is the same on every rank whose tensors are. A packed
 buffer hides its arrays' shapes from the core, which would otherwise refuse tensors that differ between
 ranks: two ranks whose models differ but whose gradients add up to as many elements per dtype would reduce
-unrelated numbers together, a wrong answer. So the host side calls :meth:`Packing.agree` before it reduces:
-the first time a plan is used (per initialisation and process set) every rank's shapes and dtypes are
-gathered once and compared, and a difference is a MismatchError on every rank naming the array and the ranks.
+unrelated numbers together, a wrong answer. So a plan has a :attr:`Packing.layout`, a digest of its shapes,
+dtypes and buckets, which the binding hands the core with the buffers (``grouped_allreduce(..., layout=)``):
+the coordinator compares it across ranks every step, as it compares shapes, and a difference is a
+MismatchError on every rank; in the steady state it costs nothing (the response cache holds it).
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
-
-from hora.base.errors import MismatchError
 
 __all__ = ["PACK_LIMIT", "Packing", "slices"]
 
@@ -55,6 +54,8 @@ class Packing:
             else:
                 first[dtype] = len(self.buckets)
                 self.buckets.append([i])
+        digest = hashlib.blake2b(repr((self.dtypes, self.shapes, self.buckets)).encode(), digest_size=8).digest()
+        self.layout = int.from_bytes(digest, "big") >> 1 or 1  # non-zero (0: not packed), fits an int64
 
     @staticmethod
     def packed(bucket: Sequence[int]) -> bool:
@@ -87,30 +88,6 @@ class Packing:
         return out
 
     # -- the host side, on NumPy -------------------------------------------------------------------------
-    def agree(self, process_set=None, what: str = "packed allreduce") -> None:
-        """Check once per initialisation and process set that every rank packs the same arrays (shapes and
-        dtypes, in order), raising MismatchError on every rank where they differ. Call it on the host side,
-        where the shapes are known, before the packed buffers are reduced; every rank must reach it at the
-        same point (it runs one allgather the first time), which holds since they run the same collectives."""
-        from hora.core import basics, ops
-        from hora.core.process_sets import global_process_set
-
-        ps = global_process_set if process_set is None else process_set
-        if ps.size() == 1:
-            return
-        layout = (self.dtypes, [list(s) for s in self.shapes])
-        key = (id(ps), hashlib.blake2b(repr(layout).encode(), digest_size=16).digest())
-        st = basics.state()
-        if key in st.agreed:
-            return
-        layouts = ops.allgather_object(layout, process_set=ps)
-        diff = _difference(layouts)
-        if diff:
-            raise MismatchError(f"{what}: the ranks' tensors differ: {diff}; every rank must reduce the same "
-                                "tensors (the same model and the same trainable variables)")
-        st.agreed.add(key)
-
-    # -- the host side, on NumPy -------------------------------------------------------------------------
     def pack_np(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         """:meth:`pack` on NumPy arrays (each packed bucket one copy)."""
         return self.pack([np.asarray(a) for a in arrays], np.ravel, np.concatenate)
@@ -118,18 +95,6 @@ class Packing:
     def unpack_np(self, buffers: Sequence[np.ndarray]) -> list[np.ndarray]:
         """:meth:`unpack` on NumPy buffers: the arrays are views of the buffers (no copy)."""
         return self.unpack([np.asarray(b) for b in buffers], slices, np.reshape)
-
-
-def _difference(layouts: list) -> str:
-    """What differs between the ranks' ``(dtypes, shapes)`` layouts ('' when nothing does)."""
-    first = layouts[0]
-    for r, (dtypes, shapes) in enumerate(layouts[1:], 1):
-        if len(shapes) != len(first[1]):
-            return f"rank 0 has {len(first[1])} tensors, rank {r} has {len(shapes)}"
-        for i, (a, b) in enumerate(zip(zip(*first), zip(dtypes, shapes))):
-            if tuple(a[0:1]) != tuple(b[0:1]) or list(a[1]) != list(b[1]):
-                return f"tensor {i} is {a[0]} {tuple(a[1])} on rank 0 and {b[0]} {tuple(b[1])} on rank {r}"
-    return ""
 
 
 def slices(buffer, cuts: Sequence[int]) -> list:

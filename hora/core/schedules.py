@@ -7,6 +7,7 @@ the numbers here, so the schedule a test checks is the schedule training uses, o
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -24,7 +25,7 @@ def as_multiplier(multiplier, start_epoch: float = 0) -> Callable[[float], float
     means exponential decay: ``c ** (epoch - start_epoch)`` (1 at ``start_epoch``, ``c`` one epoch later)."""
     if callable(multiplier):
         return multiplier
-    if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)):
+    if isinstance(multiplier, bool) or not isinstance(multiplier, numbers.Real):  # np.float32 too
         raise HoraValueError(f"multiplier={multiplier!r}: give a number or a function f(epoch) -> number")
     value = float(multiplier)
     return lambda epoch: value ** (epoch - start_epoch)

@@ -51,8 +51,10 @@ class Submissions:
             keys = [(p.req.ps, p.req.name) for p in pends]
             seen: set[tuple[int, str]] = set()
             for key, pend in zip(keys, pends):
-                if len(pends) == 1 and type(pend.req) is Refusal and (key in self.local or key in self.pending):
-                    self.deferred.setdefault(key, []).append(pend)
+                flying = self.local.get(key) or self.pending.get(key)
+                if len(pends) == 1 and type(pend.req) is Refusal and flying is not None \
+                        and type(flying.req) is Refusal:
+                    self.deferred.setdefault(key, []).append(pend)  # released by that refusal's error response
                     return
                 if key in self.local or key in self.pending or key in seen:
                     raise HoraValueError(f"{pend.req.kind} '{pend.req.name}': a collective with this name is "

@@ -107,18 +107,17 @@ def _structs(plan: Packing, arrays: Sequence) -> list:
 
 def grouped_allreduce(arrays: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       name: str | None = None, process_set: ProcessSet = global_process_set, *,
-                      check=None) -> list:
+                      layout: int = 0) -> list:
     """Allreduce ``arrays`` (jax arrays or tracers) as one group in one host call; not differentiable
-    (``hora.jax.grouped_allreduce`` is). ``check()``, when given, runs on the host first (a packing plan's
-    :meth:`~hora.core.packing.Packing.agree`)."""
+    (``hora.jax.grouped_allreduce`` is). ``layout``: a packing plan's digest
+    (:attr:`hora.core.packing.Packing.layout`), compared across ranks."""
     arrays = [a if isinstance(a, jax.core.Tracer) else jnp.asarray(a) for a in arrays]
     if not arrays:
         return []
 
     def run(*xs):
-        if check is not None:
-            check()
-        return _core.grouped_allreduce(list(xs), op, prescale_factor, postscale_factor, name, process_set)
+        return _core.grouped_allreduce(list(xs), op, prescale_factor, postscale_factor, name, process_set,
+                                       layout=layout)
     return host_call(run, arrays, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays], "grouped_allreduce")
 
 
@@ -129,4 +128,4 @@ def packed_allreduce(arrays: list, op: int, prescale_factor: float = 1.0, postsc
     the sum of a concatenation is the concatenation of the sums."""
     plan = packing(arrays)
     return unpack(plan, grouped_allreduce(pack(plan, arrays), op, prescale_factor, postscale_factor, name,
-                                          process_set, check=lambda: plan.agree(process_set)))
+                                          process_set, layout=plan.layout))

@@ -5,11 +5,11 @@
 the wrapped transformation then sees the same gradients on every rank and every rank's parameters stay
 equal.
 
-With ``backward_passes_per_step=k`` the gradients are accumulated locally, as ``optax.MultiSteps`` does
-(their mean over the k calls), and only every k-th call communicates and applies the wrapped
-transformation (inside ``jax.lax.cond``, so the other calls make no host call at all); those calls return
-zero updates. hora.torch sums the k passes' gradients instead (they accumulate in ``.grad``): scale the
-learning rate by k for the same step.
+With ``backward_passes_per_step=k`` the gradients are accumulated locally and only every k-th call
+communicates and applies the wrapped transformation (inside ``jax.lax.cond``, so the other calls make no host
+call at all); those calls return zero updates. The k passes are summed, as in hora.torch (where they
+accumulate in ``.grad``) and Horovod's other bindings; ``average_aggregated_gradients=True`` takes their mean
+instead (Horovod's TensorFlow name for it; what ``optax.MultiSteps`` does).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class AccumulationState(NamedTuple):
 
 def DistributedOptimizer(optimizer, op: int = Average, compression=Compression.none,  # noqa: N802 - Horovod's name
                          backward_passes_per_step: int = 1, gradient_predivide_factor: float = 1.0,
-                         process_set: ProcessSet = global_process_set) -> optax.GradientTransformationExtraArgs:
+                         process_set: ProcessSet = global_process_set,
+                         average_aggregated_gradients: bool = False) -> optax.GradientTransformationExtraArgs:
     """Wrap the optax transformation ``optimizer`` so that its ``update`` gets the gradients reduced over the
     ranks of ``process_set`` (``op``: Average or Sum; ``compression``: how they travel;
     ``gradient_predivide_factor``: divide before the sum and by size/factor after it).
@@ -88,8 +89,9 @@ def DistributedOptimizer(optimizer, op: int = Average, compression=Compression.n
         acc = jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), state.acc, updates)
 
         def applying(acc, inner_state):
-            mean = jax.tree_util.tree_map(lambda a, g: (a / k).astype(g.dtype), acc, updates)
-            out, new_inner = apply(mean, inner_state, params, extra)
+            scale = k if average_aggregated_gradients else 1
+            total = jax.tree_util.tree_map(lambda a, g: (a / scale).astype(g.dtype), acc, updates)
+            out, new_inner = apply(total, inner_state, params, extra)
             return out, AccumulationState(jnp.zeros((), jnp.int32), jax.tree_util.tree_map(jnp.zeros_like, acc),
                                           new_inner)
 

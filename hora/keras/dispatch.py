@@ -36,9 +36,9 @@ def backend() -> str:
 
 def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       name: str | None = None, process_set: ProcessSet = global_process_set, *,
-                      check=None) -> list:
-    """Allreduce ``tensors`` (native tensors of the Keras backend) in one grouped host call; ``check()`` runs
-    on the host first (see :meth:`hora.core.packing.Packing.agree`)."""
+                      layout: int = 0) -> list:
+    """Allreduce ``tensors`` (native tensors of the Keras backend) in one grouped host call; ``layout``: a
+    packing plan's digest, compared across ranks (:attr:`hora.core.packing.Packing.layout`)."""
     which = backend()
     if which == "tensorflow":
         _refuse_xla()
@@ -48,11 +48,14 @@ def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, post
     else:
         import hora.torch
 
-        if check is not None:  # eager: this is the host side
-            check()
+        if layout:  # packed buffers: straight to the core, which compares their layout (eager: no host call)
+            import hora.core.ops as _core
+
+            return _host_call(lambda *a: _core.grouped_allreduce(list(a), op, prescale_factor, postscale_factor,
+                                                                 name, process_set, layout=layout), list(tensors))
         return list(hora.torch.grouped_allreduce(list(tensors), name=name, op=op, prescale_factor=prescale_factor,
                                                  postscale_factor=postscale_factor, process_set=process_set))
-    return reduce(list(tensors), op, prescale_factor, postscale_factor, name, process_set, check=check)
+    return reduce(list(tensors), op, prescale_factor, postscale_factor, name, process_set, layout=layout)
 
 
 def packed_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -61,8 +64,7 @@ def packed_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, posts
     (:class:`hora.core.packing.Packing`) by ``keras.ops`` inside the step, and unpacked after."""
     plan = _packing(tensors)
     ins = plan.pack(tensors, lambda t: keras.ops.reshape(t, (-1,)), keras.ops.concatenate)
-    outs = grouped_allreduce(ins, op, prescale_factor, postscale_factor, name, process_set,
-                             check=lambda: plan.agree(process_set))
+    outs = grouped_allreduce(ins, op, prescale_factor, postscale_factor, name, process_set, layout=plan.layout)
     return plan.unpack(outs, _split, keras.ops.reshape)
 
 
@@ -89,12 +91,13 @@ def packed_allreduces(groups: list[list], op: int, prescale_factor: float, posts
         flat += buffers
     nd = len(flat)
 
+    # one digest for every group's plan: a difference in any of them is a mismatch on every group
+    layout = Packing([[p.layout for p in plans]], ["layouts"], [8]).layout
+
     def run(*arrays):
-        for plan in plans:
-            plan.agree(process_set)
         pairs = list(zip(arrays[nd::2], arrays[nd + 1::2]))
         out, gathered = step_collectives([np.asarray(a) for a in arrays[:nd]], members, op, prescale_factor,
-                                         postscale_factor, names, pairs, sparse_names, process_set)
+                                         postscale_factor, names, pairs, sparse_names, process_set, layout)
         return out + [x for pair in gathered for x in pair]
     if sparse:  # TensorFlow only (is_sparse): the gathered rows' number is known when the call runs
         import tensorflow as tf

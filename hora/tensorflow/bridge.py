@@ -71,15 +71,23 @@ def _placeholders(graph, ops) -> frozenset:
     control inputs, remembered per op."""
     memo = _feeds.setdefault(graph, {})
     stack = [(op, False) for op in ops]
+    open_: set = set()  # expanded, not done: an edge back into one closes a v1 while loop's cycle
     while stack:  # iterative post-order (graphs are deep): an op's inputs are done before it
         op, expanded = stack.pop()
         if op in memo:
             continue
-        deps = [t.op for t in op.inputs] + list(op.control_inputs)
+        # a v1 loop (tf.while_loop under disable_v2_behavior) is a cycle Merge -> ... -> NextIteration -> Merge;
+        # the loop's feeds come in through its Enter ops, so the way back round is not followed
+        deps = [] if op.type in ("NextIteration", "RefNextIteration") else \
+            [t.op for t in op.inputs] + list(op.control_inputs)
         if not expanded:
+            if op in open_:
+                continue
+            open_.add(op)
             stack.append((op, True))
-            stack.extend((d, False) for d in deps if d not in memo)
+            stack.extend((d, False) for d in deps if d not in memo and d not in open_)
             continue
+        open_.discard(op)
         mine: set = {op} if op.type == "Placeholder" else set()
         for d in deps:
             mine |= memo.get(d, frozenset())
@@ -166,10 +174,10 @@ def host_call(fn, inputs: list, touts: list, shapes: list | None = None, name: s
 
 def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       name: str | None = None, process_set: ProcessSet = global_process_set, *,
-                      check=None) -> list:
+                      layout: int = 0) -> list:
     """Allreduce ``tensors`` as one group in one host call; new tensors of the same dtypes and shapes.
     Not differentiable (a wrapper's gradients are its input); :func:`hora.tensorflow.grouped_allreduce` is.
-    ``check()``, when given, runs on the host first (a packing plan's :meth:`~hora.core.packing.Packing.agree`)."""
+    ``layout``: a packing plan's digest (:attr:`hora.core.packing.Packing.layout`), compared across ranks."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
@@ -177,7 +185,6 @@ def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, post
         name = op_name("GroupedAllreduce", tensors[0], None, last=tensors[-1])
 
     def run(*arrays):
-        if check is not None:
-            check()
-        return _core.grouped_allreduce(list(arrays), op, prescale_factor, postscale_factor, name, process_set)
+        return _core.grouped_allreduce(list(arrays), op, prescale_factor, postscale_factor, name, process_set,
+                                       layout=layout)
     return host_call(run, tensors, [t.dtype for t in tensors])

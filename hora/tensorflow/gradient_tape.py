@@ -6,7 +6,8 @@ which starts every core group (``groups``) and, for sparse gradients (``IndexedS
 unless ``sparse_as_dense``), one allgather of values and indices each, before waiting for any. A ``None``
 gradient stays ``None`` (as Horovod). Names are taken when the function is traced, by position, so the
 ranks agree on them, each group hits the response cache, and ranks whose gradients differ get a mismatch
-error rather than a hang.
+error rather than a hang: the core compares the shapes, or, for gradients packed into one buffer per dtype,
+the packing's layout digest (:mod:`hora.core.packing`).
 
 As in Horovod the wrapped tape is an instance of a dynamic subclass of the tape's own class, sharing
 its recording, so ``isinstance(tape, tf.GradientTape)`` holds.
@@ -136,9 +137,9 @@ class GradientReducer:
         def run(*arrays):
             pairs = list(zip(arrays[nd::2], arrays[nd + 1::2]))
             if whole:  # one member per buffer: ~40 us each in the core where 50 small tensors cost ~1 ms
-                plan.agree(ps, "DistributedGradientTape")  # the shapes the buffers hide, checked once across ranks
+                # the shapes the buffers hide travel as the plan's digest, which the core compares across ranks
                 out, gathered = _g.step_collectives(arrays[:nd], [list(range(nd))], op, pre, post, wire, pairs,
-                                                    sparse_wire, ps)
+                                                    sparse_wire, ps, layout=plan.layout)
                 return out + [x for pair in gathered for x in pair]
             out, gathered = _g.step_collectives(plan.unpack_np(arrays[:nd]), groups, op, pre, post, wire, pairs,
                                                 sparse_wire, ps)
