@@ -132,3 +132,15 @@ def machine() -> str:
 
 def size_label(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def finish(res: dict, markdown, out: Path, stem: str) -> str:
+    """Record the load at the end, write ``<stem>.md`` (``markdown(res)``) and ``<stem>.json`` under ``out``, print
+    the table and return it."""
+    res["load_after"] = os.getloadavg()
+    text = markdown(res)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    print(text)
+    return text

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import collect, free_port, machine, worker_env  # noqa: E402
+from common import collect, finish, free_port, machine, worker_env  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve())
 # model -> (description, per-rank batch)
@@ -333,12 +333,7 @@ def main() -> None:
         entry["horovod"] = entry["horovod"]["rate"] if have_horovod else (
             entry["ddp"]["rate"] * ISSUE["horovod_mpi"] / ISSUE["ddp"] if m == "mlp1k" else None)
         res["models"][m] = entry
-    res["load_after"] = os.getloadavg()
-    text = markdown(res)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "train.md").write_text(text)
-    (args.out / "train.json").write_text(json.dumps(res, indent=1))
-    print(text)
+    finish(res, markdown, args.out, "train")
     log(f"wrote {args.out / 'train.md'}, train.json")
 
 

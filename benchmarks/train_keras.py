@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import collect, free_port, machine, run_job, worker_env  # noqa: E402
+from common import collect, finish, free_port, machine, run_job, worker_env  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve())
 BATCH = 64  # per rank
@@ -211,12 +211,7 @@ def main() -> None:
             res["grad_mib"] = r["grad_mib"]
             print(f"[{time.monotonic() - start:6.1f} s] round {rnd + 1}/{rounds} {kind}: {r['rate']:.0f} samples/s "
                   f"({r['ms_step']:.1f} ms/step)", file=sys.stderr, flush=True)
-    res["load_after"] = os.getloadavg()
-    text = markdown(res)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "train_keras.md").write_text(text)
-    (args.out / "train_keras.json").write_text(json.dumps(res, indent=1))
-    print(text)
+    finish(res, markdown, args.out, "train_keras")
 
 
 if __name__ == "__main__":
