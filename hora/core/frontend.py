@@ -119,10 +119,6 @@ class Posts:
         result = _core.synchronize(handle)
         return post(result) if post is not None else result
 
-    @staticmethod
-    def poll(handle: int) -> bool:
-        return _core.poll(handle)
-
     def clear(self) -> None:
         self._post.clear()
 
