@@ -99,6 +99,7 @@ class Autotuner:
         self.chosen: Settings | None = None
         self.rows: list[str] = []  # the CSV's rows, as written (rank 0 tests read them)
         self.steps = 0  # steps seen
+        self.samples = 0  # samples scored
         self._scores: dict[Settings, list[float]] = {}
         self._names: set[str] = set()
         self._t_step: float | None = None
@@ -167,9 +168,11 @@ class Autotuner:
         score = statistics.median(b / max(s, 1e-9) for b, s in scored)
         total_b, total_s = sum(b for b, _ in scored), sum(s for _, s in scored)
         c = self.current
-        self._write(f"{len(self.rows)},{self.phase},{c.fusion_threshold / (1 << 20):g},{c.cycle_time:g},"
+        self.samples += 1
+        self._write(f"{self.samples},{self.phase},{c.fusion_threshold / (1 << 20):g},{c.cycle_time:g},"
                     f"{int(c.cache)},{score:.6g},{self._sample_first},{len(scored)},{total_b},{total_s:.6g}")
-        self._scores.setdefault(c, []).append(score)
+        if self.phase != "warmup":  # discarded: start-up costs, and not a setting of the search space
+            self._scores.setdefault(c, []).append(score)
         self._sample_first = self.steps
         self._sample = []
         return score
@@ -241,7 +244,7 @@ class Autotuner:
         self.done, self.chosen = True, chosen
         c = chosen
         score = self._median(c) if c in self._scores else float("nan")
-        self._write(f"{len(self.rows)},chosen,{c.fusion_threshold / (1 << 20):g},{c.cycle_time:g},{int(c.cache)},"
+        self._write(f",chosen,{c.fusion_threshold / (1 << 20):g},{c.cycle_time:g},{int(c.cache)},"
                     f"{score:.6g},{self.steps},,,")
         self._write(f"# use these: {c.describe()}")
         log.warning("hora autotune: converged after %d steps; use these: %s", self.steps, c.describe())
