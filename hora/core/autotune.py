@@ -26,7 +26,8 @@ discarded; ``bayes_opt_max_samples`` over fusion threshold (0-64 MiB) x cycle ti
 seeded with Horovod's four points (4 MiB, 5 ms), (32, 50), (16, 25), (8, 10) and then the point of
 most expected improvement of a Gaussian process (:mod:`hora.core.gp`); the best 3 measured again
 (``recheck``), the chosen one the best median of its samples; then, if the response cache is not
-fixed, the chosen settings with the cache off and on again (``cache``). A knob the user set (flag,
+fixed, the chosen settings with the cache off and on again (``cache``; off is kept only when it
+scores 5% better, since on is hora's default and one sample each is noisy). A knob the user set (flag,
 environment or override: :func:`hora.base.knobs.is_set`) is not searched. The job needs
 ``(warmup + max_samples + 3 + 2) x steps_per_sample`` steps (280 with the defaults); from then on the
 settings stay fixed and the engine no longer calls the tuner.
@@ -58,6 +59,7 @@ FUSION_MAX_MB = 64.0
 CYCLE_MIN_MS, CYCLE_MAX_MS = 1.0, 100.0
 SEEDS = ((4.0, 5.0), (32.0, 50.0), (16.0, 25.0), (8.0, 10.0))  # Horovod's: (fusion MiB, cycle ms)
 RECHECK = 3
+SWITCH_MARGIN = 1.05  # the cache is turned off only if off scores at least 5% better: one sample each is noisy
 TUNED = ("fusion_threshold", "cycle_time", "cache_capacity")
 HEADER = ("sample,phase,fusion_threshold_mb,cycle_time_ms,response_cache,score_bytes_per_s,"
           "first_step,steps,bytes,seconds")
@@ -225,7 +227,7 @@ class Autotuner:
             off = best._replace(cache=False)
             yield off, "cache"
             yield best, "cache"
-            if self._scores[off][-1] > self._scores[best][-1]:
+            if self._scores[off][-1] > SWITCH_MARGIN * self._scores[best][-1]:
                 best = off
         self.chosen = best
 
