@@ -96,16 +96,17 @@ def test_the_search_converges_in_its_stated_budget_near_the_best_settings(tmp_pa
     tuner = autotune.Autotuner(_cfg(autotune_log=str(log)), set())
     lines_seen = []
     per_step = _simulate(tuner, after_step=lambda step: lines_seen.append(len(log.read_text().splitlines())))
-    assert tuner.done and tuner.steps == tuner.steps_needed() == (3 + 20 + 3 + 2) * 10
+    assert tuner.done and tuner.steps == tuner.steps_needed() == (3 + 20 + 3 + 1 + 2) * 10
     c = tuner.chosen
     assert abs(c.fusion_threshold / MiB - 24) <= 12 and abs(c.cycle_time - 20) <= 12 and c.cache
     assert per_step[-1] == c  # applied
     # a row is on disk as each sample ends, not only at the end (Horovod #2206)
     assert lines_seen[9] == 1 and lines_seen[10] == 2 and lines_seen[100] == 11
     rows = log.read_text().splitlines()
-    assert rows[0] == autotune.HEADER and len(rows) == 1 + 28 + 2
+    assert rows[0] == autotune.HEADER and len(rows) == 1 + 29 + 2
     phases = [r.split(",")[1] for r in rows[1:-2]]
-    assert phases == ["warmup"] * 3 + ["bayes"] * 20 + ["recheck"] * 3 + ["cache"] * 2
+    assert phases == ["warmup"] * 3 + ["bayes"] * 20 + ["recheck"] * 4 + ["cache"] * 2
+    assert rows[27].split(",")[2:5] == ["128", "1", "1"]  # the starting settings, measured again
     assert [r.split(",")[2:4] for r in rows[4:8]] == [["4", "5"], ["32", "50"], ["16", "25"], ["8", "10"]]
     assert rows[-2].startswith(",chosen,")
     mb = c.fusion_threshold / MiB
@@ -121,7 +122,7 @@ def test_fixed_knobs_are_not_searched_and_the_cache_is_tried_off_and_on():
     per_step = _simulate(tuner)
     assert {s.fusion_threshold for s in per_step} == {5 * MiB}
     assert len({s.cycle_time for s in per_step}) > 3 and {s.cache for s in per_step} == {True, False}
-    assert tuner.steps == (1 + 6 + 3 + 2) * 3 and "--fusion-threshold-mb 5 " in tuner.rows[-1]
+    assert tuner.steps == (1 + 6 + 3 + 1 + 2) * 3 and "--fusion-threshold-mb 5 " in tuner.rows[-1]
     only_cache = autotune.Autotuner(_cfg(autotune_warmup_samples=0, autotune_steps_per_sample=2),
                                     {"fusion_threshold", "cycle_time"})
     per_step = _simulate(only_cache)
@@ -136,7 +137,7 @@ def test_a_job_shorter_than_the_search_logs_its_best_so_far(tmp_path):
     _simulate(tuner, steps=75)  # 74 ended: a step ends where the next begins
     tuner.close()
     last = log.read_text().splitlines()[-1]
-    assert last.startswith("# not converged after 74 steps (it needs 280); best so far: use these: "
+    assert last.startswith("# not converged after 74 steps (it needs 290); best so far: use these: "
                            "--fusion-threshold-mb ")
 
 
@@ -202,7 +203,7 @@ def test_np2_autotune_finds_the_short_cycle_and_every_rank_switches_at_the_same_
     log = str(tmp_path / "at.csv")
     env = {"HORA_AUTOTUNE": "1", "HORA_AUTOTUNE_LOG": log, "HORA_AUTOTUNE_WARMUP_SAMPLES": "1",
            "HORA_AUTOTUNE_STEPS_PER_SAMPLE": "3", "HORA_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "8"}
-    steps = (1 + 8 + 3 + 2) * 3
+    steps = (1 + 8 + 3 + 1 + 2) * 3
     (t0, chosen, rows, lines), (t1, *_) = harness.run(2, _polling_job, log, steps + 3, env=env, timeout=110)
     assert chosen is not None and chosen.cycle_time <= 20, rows
     assert t0 == t1 and len(t0) >= 5  # the same settings, each after the same number of tensors
@@ -212,7 +213,7 @@ def test_np2_autotune_finds_the_short_cycle_and_every_rank_switches_at_the_same_
     assert text[-1].startswith("# use these: --fusion-threshold-mb ") and text[-2].startswith(",chosen,")
     # the user's fusion threshold and cache capacity (environment) are left as set
     env.update(HORA_FUSION_THRESHOLD=str(3 * MiB), HORA_CACHE_CAPACITY="64", HORA_AUTOTUNE_BAYES_OPT_MAX_SAMPLES="4")
-    (t0, chosen, rows, _), (t1, *_) = harness.run(2, _polling_job, log, (1 + 4 + 3) * 3 + 3, env=env, timeout=110)
+    (t0, chosen, rows, _), (t1, *_) = harness.run(2, _polling_job, log, (1 + 4 + 3 + 1) * 3 + 3, env=env, timeout=110)
     assert t0 == t1 and t0 and all(v[0] == 3 * MiB and v[2] for _, v in t0)
     assert chosen.fusion_threshold == 3 * MiB and os.path.getsize(log) > 0
 

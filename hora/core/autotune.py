@@ -24,12 +24,13 @@ only between steps, at the end of a sample.
 **The search**, each phase a number of samples: ``warmup_samples`` under the starting settings,
 discarded; ``bayes_opt_max_samples`` over fusion threshold (0-64 MiB) x cycle time (1-100 ms),
 seeded with Horovod's four points (4 MiB, 5 ms), (32, 50), (16, 25), (8, 10) and then the point of
-most expected improvement of a Gaussian process (:mod:`hora.core.gp`); the best 3 measured again
-(``recheck``), the chosen one the best median of its samples; then, if the response cache is not
+most expected improvement of a Gaussian process (:mod:`hora.core.gp`); the best 3 measured again,
+and the starting settings too (``recheck``: the search never settles on settings that measured worse
+than where it started), the chosen one the best median of its samples; then, if the response cache is not
 fixed, the chosen settings with the cache off and on again (``cache``; off is kept only when it
 scores 5% better, since on is hora's default and one sample each is noisy). A knob the user set (flag,
 environment or override: :func:`hora.base.knobs.is_set`) is not searched. The job needs
-``(warmup + max_samples + 3 + 2) x steps_per_sample`` steps (280 with the defaults); from then on the
+``(warmup + max_samples + 3 + 1 + 2) x steps_per_sample`` steps (290 with the defaults); from then on the
 settings stay fixed and the engine no longer calls the tuner.
 
 Hierarchical allreduce and allgather are not tuned: the hierarchical transport is chosen when the
@@ -219,7 +220,8 @@ class Autotuner:
                 x = seeds[i] if i < len(seeds) else gp.suggest(np.array(xs), np.array(ys), self.noise, self._rng)
                 ys.append((yield self._at(x), "bayes"))
                 xs.append(np.asarray(x, np.float64))
-            ranked = sorted({self._at(x) for x in xs}, key=self._median, reverse=True)[:RECHECK]
+            ranked = sorted({self._at(x) for x in xs} - {self.initial}, key=self._median, reverse=True)[:RECHECK]
+            ranked.append(self.initial)  # so that the search never settles on what measured worse than the start
             for s in ranked:
                 yield s, "recheck"
             best = max(ranked, key=self._median)
@@ -267,6 +269,7 @@ class Autotuner:
             self._file = None
 
     def steps_needed(self) -> int:
-        bayes = self.max_samples + min(RECHECK, self.max_samples) if self.free else 0
+        """The steps the search takes (at most: fewer when two suggestions round to the same settings)."""
+        bayes = self.max_samples + min(RECHECK, self.max_samples) + 1 if self.free else 0
         samples = self.warmup + bayes + (2 if self.tune_cache else 0)
         return samples * self.steps_per_sample
