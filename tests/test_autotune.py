@@ -202,8 +202,8 @@ def _polling_job(log: str, steps: int):
 def test_np2_autotune_finds_the_short_cycle_and_every_rank_switches_at_the_same_point(tmp_path):
     log = str(tmp_path / "at.csv")
     env = {"HORA_AUTOTUNE": "1", "HORA_AUTOTUNE_LOG": log, "HORA_AUTOTUNE_WARMUP_SAMPLES": "1",
-           "HORA_AUTOTUNE_STEPS_PER_SAMPLE": "3", "HORA_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "8"}
-    steps = (1 + 8 + 3 + 1 + 2) * 3
+           "HORA_AUTOTUNE_STEPS_PER_SAMPLE": "4", "HORA_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "8"}
+    steps = (1 + 8 + 3 + 1 + 2) * 4
     (t0, chosen, rows, lines), (t1, *_) = harness.run(2, _polling_job, log, steps + 3, env=env, timeout=110)
     assert chosen is not None and chosen.cycle_time <= 20, rows
     assert t0 == t1 and len(t0) >= 5  # the same settings, each after the same number of tensors
@@ -213,7 +213,7 @@ def test_np2_autotune_finds_the_short_cycle_and_every_rank_switches_at_the_same_
     assert text[-1].startswith("# use these: --fusion-threshold-mb ") and text[-2].startswith(",chosen,")
     # the user's fusion threshold and cache capacity (environment) are left as set
     env.update(HORA_FUSION_THRESHOLD=str(3 * MiB), HORA_CACHE_CAPACITY="64", HORA_AUTOTUNE_BAYES_OPT_MAX_SAMPLES="4")
-    (t0, chosen, rows, _), (t1, *_) = harness.run(2, _polling_job, log, (1 + 4 + 3 + 1) * 3 + 3, env=env, timeout=110)
+    (t0, chosen, rows, _), (t1, *_) = harness.run(2, _polling_job, log, (1 + 4 + 3 + 1) * 4 + 3, env=env, timeout=110)
     assert t0 == t1 and t0 and all(v[0] == 3 * MiB and v[2] for _, v in t0)
     assert chosen.fusion_threshold == 3 * MiB and os.path.getsize(log) > 0
 
