@@ -3,14 +3,17 @@
     python benchmarks/autotune.py                     # mlp, np=2, Horovod's default budget (280 steps)
     python benchmarks/autotune.py --model cnn --steps-per-sample 5 --max-samples 10
 
-Three jobs of fresh processes (one thread each), the same model, data and optimizer as train.py (hora's
-DistributedOptimizer, SGD with momentum, synthetic data):
+Two ranks (one thread each), the same model, data and optimizer as train.py (hora's DistributedOptimizer,
+SGD with momentum, synthetic data), and three ways, each a hora job (``init`` ... ``shutdown``) in the same
+processes:
 
 * **autotune**: ``HORA_AUTOTUNE=1``; it trains until the search has converged (the number of steps
-  ``(warmup + max_samples + 3 + 2) x steps_per_sample`` plus one, since a step ends where the next
+  ``(warmup + max_samples + 3 + 1 + 2) x steps_per_sample`` plus one, since a step ends where the next
   begins), then times ``--windows`` windows of ``--steps`` steps with the settings it chose;
-* **chosen**: autotune off, the "use these" flags of the first job set by hand: the same windows;
-* **defaults**: autotune off, hora's defaults (128 MiB fusion, 1 ms cycle, cache on): the same windows.
+* **chosen**: autotune off, the values the first job chose set by hand;
+* **defaults**: autotune off, hora's defaults (128 MiB fusion, 1 ms cycle, cache on).
+
+**chosen** and **defaults** take turns, one window per job (ABBA...), so both see the same load.
 
 The overhead after convergence is autotune's windows against **chosen**'s (the tuner is dropped once it
 has converged, so this should be noise); the gain is **chosen** against **defaults**. Rank 0's median
@@ -34,39 +37,59 @@ from common import machine, run_job  # noqa: E402
 SCRIPT = str(Path(__file__).resolve())
 
 
-def worker(model: str, tune_steps: int, steps: int, windows: int) -> None:
+def _job(model: str, tune_steps: int, steps: int, windows: int, settings: dict | None):
+    """One hora job in this process (``settings``: knob overrides, autotune off); the window times."""
     import hora.torch as hvd
+    from hora.base import knobs
     from hora.core import ops
-    from train import MODELS, _setup
+    from train import _setup
 
-    hvd.init()
+    with knobs.override(**({} if settings is None else dict(settings, autotune=False))):
+        hvd.init()
 
-    def wrap(m, o):
-        hvd.broadcast_parameters(m.state_dict(), root_rank=0)
-        return m, hvd.DistributedOptimizer(o, named_parameters=m.named_parameters())
+        def wrap(m, o):
+            hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+            return m, hvd.DistributedOptimizer(o, named_parameters=m.named_parameters())
 
-    step, _, batch, nparams = _setup(model, hvd.rank(), wrap)
-    tuner = ops.state().engine.tuner
-    t0 = time.perf_counter()
-    for i in range(tune_steps):
-        step(i)
-    tune_s = time.perf_counter() - t0
-    for i in range(5):  # warm-up (the jobs without autotune have no tuning phase)
-        step(i)
-    times = []
-    for _ in range(windows):
+        step, _, batch, nparams = _setup(model, hvd.rank(), wrap)
+        tuner = ops.state().engine.tuner
         t0 = time.perf_counter()
-        for i in range(steps):
+        for i in range(tune_steps):
             step(i)
-        times.append(time.perf_counter() - t0)
-    if hvd.rank() == 0:
-        res = {"rate": hvd.size() * batch * steps / statistics.median(times), "windows": times,
-               "params": nparams, "batch": MODELS[model][1], "tune_s": tune_s, "tune_steps": tune_steps}
+        tune_s = time.perf_counter() - t0
+        for i in range(3):  # warm-up (the jobs without autotune have no tuning phase)
+            step(i)
+        times = []
+        for _ in range(windows):
+            t0 = time.perf_counter()
+            for i in range(steps):
+                step(i)
+            times.append(time.perf_counter() - t0)
+        info = {"batch": batch, "params": nparams, "tune_s": tune_s, "size": hvd.size()}
         if tuner is not None:
-            res.update(done=tuner.done, steps=tuner.steps, needed=tuner.steps_needed(),
-                       chosen=list(tuner.chosen or ()), use=tuner.rows[-1], rows=tuner.rows)
-        print("RESULT " + json.dumps(res), flush=True)
-    hvd.shutdown()
+            info.update(done=tuner.done, steps=tuner.steps, needed=tuner.steps_needed(),
+                        chosen=list(tuner.chosen or ()), use=tuner.rows[-1], rows=tuner.rows)
+        info = hvd.broadcast_object(info, root_rank=0)
+        hvd.shutdown()
+    return times, info
+
+
+def worker(model: str, tune_steps: int, steps: int, windows: int) -> None:
+    """The autotune job, then the chosen settings and the defaults as jobs in the same processes, their
+    windows taking turns (ABBA), so that both see the same load."""
+    tuned, info = _job(model, tune_steps, steps, windows, None)
+    fusion, cycle, cache = info["chosen"]
+    ways = {"chosen": {"fusion_threshold": fusion, "cycle_time": cycle, "cache_capacity": 1024 if cache else 0},
+            "defaults": {}}
+    times = {k: [] for k in ways}
+    order = list(ways)
+    for w in range(windows):
+        for k in (order if w % 2 == 0 else order[::-1]):
+            times[k] += _job(model, 0, steps, 1, ways[k])[0]
+    if int(os.environ["HORA_RANK"]) == 0:
+        rate = {k: info["size"] * info["batch"] * steps / statistics.median(v)
+                for k, v in [("autotune", tuned)] + list(times.items())}
+        print("RESULT " + json.dumps(dict(info, rate=rate, windows={"autotune": tuned, **times})), flush=True)
 
 
 def main() -> None:
@@ -83,28 +106,26 @@ def main() -> None:
     if a.worker:
         worker(a.worker[0], *map(int, a.worker[1:]))
         return
-    needed = (a.warmup_samples + a.max_samples + min(3, a.max_samples) + 2) * a.steps_per_sample + 1
+    needed = (a.warmup_samples + a.max_samples + min(3, a.max_samples) + 1 + 2) * a.steps_per_sample + 1
     log = os.path.join(tempfile.mkdtemp(), "autotune.csv")
     tune_env = {"HORA_AUTOTUNE": "1", "HORA_AUTOTUNE_LOG": log, "HORA_AUTOTUNE_WARMUP_SAMPLES": str(a.warmup_samples),
                 "HORA_AUTOTUNE_STEPS_PER_SAMPLE": str(a.steps_per_sample),
                 "HORA_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": str(a.max_samples)}
-    tuned = run_job(a.np, [SCRIPT, "--worker", a.model, str(needed), str(a.steps), str(a.windows)], tune_env)
-    fusion, cycle, cache = tuned["chosen"]
-    chosen_env = {"HORA_FUSION_THRESHOLD": str(fusion), "HORA_CYCLE_TIME": f"{cycle:g}",
-                  "HORA_CACHE_CAPACITY": "1024" if cache else "0"}
-    chosen = run_job(a.np, [SCRIPT, "--worker", a.model, "0", str(a.steps), str(a.windows)], chosen_env)
-    default = run_job(a.np, [SCRIPT, "--worker", a.model, "0", str(a.steps), str(a.windows)], {})
-    print(f"# autotune on {a.model} ({tuned['params']} parameters, batch {tuned['batch']} per rank), np={a.np}")
-    print(f"{machine()}; load {os.getloadavg()[0]:.2f}; {time.strftime('%Y-%m-%d %H:%M')}\n")
-    print(f"converged: {tuned['done']} after {tuned['steps']} steps (stated budget {tuned['needed']}), "
-          f"{tuned['tune_s']:.1f} s; {tuned['use']}\n")
-    print("| job | samples/s (median window) | vs chosen |\n|---|---|---|")
-    for name, r in (("autotune, after convergence", tuned), ("chosen values set by hand", chosen),
-                    ("defaults", default)):
-        print(f"| {name} | {r['rate']:.0f} | {r['rate'] / chosen['rate']:.3f} |")
+    res = run_job(a.np, [SCRIPT, "--worker", a.model, str(needed), str(a.steps), str(a.windows)], tune_env,
+                  timeout=3000)
+    rate = res["rate"]
+    print(f"# autotune on {a.model} ({res['params']} parameters, batch {res['batch']} per rank), np={a.np}")
+    print(f"{machine()}; load {os.getloadavg()[0]:.2f} at the end; {time.strftime('%Y-%m-%d %H:%M')}\n")
+    print(f"converged: {res['done']} after {res['steps']} steps (stated budget {res['needed']}), "
+          f"{res['tune_s']:.1f} s; {res['use']}\n")
+    print(f"| job ({a.windows} windows of {a.steps} steps) | samples/s (median window) | vs chosen |\n|---|---|---|")
+    for name, k in (("autotune, after convergence", "autotune"), ("chosen values set by hand", "chosen"),
+                    ("defaults", "defaults")):
+        print(f"| {name} | {rate[k]:.0f} | {rate[k] / rate['chosen']:.3f} |")
+    tuned = res
     print("\nthe search's CSV:\n")
     print("\n".join(tuned["rows"]))
-    print("\nRESULT " + json.dumps({"tuned": tuned, "chosen": chosen, "default": default}))
+    print("\nRESULT " + json.dumps(res))
 
 
 if __name__ == "__main__":
