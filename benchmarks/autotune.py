@@ -2,6 +2,7 @@
 
     python benchmarks/autotune.py                     # mlp, np=2, Horovod's default budget (280 steps)
     python benchmarks/autotune.py --model cnn --steps-per-sample 5 --max-samples 10
+    python benchmarks/autotune.py --cost              # the tuner's own CPU time per step and per sample
 
 Two ranks (one thread each), the same model, data and optimizer as train.py (hora's DistributedOptimizer,
 SGD with momentum, synthetic data), and three ways, each a hora job (``init`` ... ``shutdown``) in the same
@@ -92,6 +93,37 @@ def worker(model: str, tune_steps: int, steps: int, windows: int) -> None:
         print("RESULT " + json.dumps(dict(info, rate=rate, windows={"autotune": tuned, **times})), flush=True)
 
 
+def cost() -> None:
+    """The tuner's own CPU time (``time.process_time``, so other processes' load does not count): its
+    step accounting per step of 200 gradients, and one Gaussian-process suggestion."""
+    import numpy as np
+
+    from hora.base import knobs
+    from hora.core import autotune, gp
+    from hora.core import messages as m
+
+    cfg = knobs.current()
+    cfg.update(autotune=True, autotune_steps_per_sample=10**6)  # accounting only, no search
+    names = tuple(f"g{i}" for i in range(200))
+    fused = [m.Response(m.ALLREDUCE, 0, names, dtype="float32", shapes=((256,),) * 200)]
+    single = [m.Response(m.ALLREDUCE, 0, (n,), dtype="float32", shapes=((256,),)) for n in names]
+    for label, batches in (("200 gradients fused into one response", [fused]),
+                           ("200 one-tensor responses in 2 batches", [single[:100], single[100:]])):
+        tuner, now, n = autotune.Autotuner(cfg, set()), 0.0, 2000
+        t0 = time.process_time()
+        for _ in range(n):
+            now += 0.01
+            for b in batches:
+                tuner.observe(b, now)
+        print(f"step accounting, {label}: {(time.process_time() - t0) / n * 1e6:.1f} us CPU per step")
+    rng = np.random.default_rng(0)
+    x, y = rng.random((20, 2)), rng.random(20)
+    t0 = time.process_time()
+    for _ in range(50):
+        gp.suggest(x, y, 0.8, rng)
+    print(f"one suggestion from 20 samples: {(time.process_time() - t0) / 50 * 1e3:.2f} ms CPU (once per sample)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="mlp", choices=("cnn", "mlp", "mlp1k"))
@@ -101,10 +133,14 @@ def main() -> None:
     ap.add_argument("--max-samples", type=int, default=20)
     ap.add_argument("--steps", type=int, default=20, help="steps per timed window")
     ap.add_argument("--windows", type=int, default=5)
+    ap.add_argument("--cost", action="store_true", help="only the tuner's own CPU cost (no job)")
     ap.add_argument("--worker", nargs=4, metavar=("MODEL", "TUNE_STEPS", "STEPS", "WINDOWS"))
     a = ap.parse_args()
     if a.worker:
         worker(a.worker[0], *map(int, a.worker[1:]))
+        return
+    if a.cost:
+        cost()
         return
     needed = (a.warmup_samples + a.max_samples + min(3, a.max_samples) + 1 + 2) * a.steps_per_sample + 1
     log = os.path.join(tempfile.mkdtemp(), "autotune.csv")

@@ -44,6 +44,7 @@ collectives around it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 from typing import Iterator, NamedTuple
@@ -105,6 +106,7 @@ class Autotuner:
         self.samples = 0  # samples scored
         self._scores: dict[Settings, list[float]] = {}
         self._names: set[str] = set()
+        self._sizes: dict[str, int] = {}  # dtype -> bytes per element
         self._t_step: float | None = None
         self._step_bytes = 0
         self._sample: list[tuple[int, float]] = []  # (bytes, seconds) of the current sample's steps
@@ -133,23 +135,34 @@ class Autotuner:
             return None
         switch, self._pending = self._pending, None
         names = self._names
+        if self._t_step is None:
+            self._t_step = now
         for r in responses:
-            shapes = r.shapes
-            per_name = len(shapes) == len(r.names) and r.dtype
-            for i, name in enumerate(r.names):
-                if name in names:  # the first tensor of the next step
-                    got = self._end_step(now)
-                    if got is not None:
-                        switch = got
-                    names.clear()
-                    if self.done:
-                        return switch
-                elif self._t_step is None:
-                    self._t_step = now
-                names.add(name)
-                if per_name:
-                    self._step_bytes += nbytes_of(r.dtype, shapes[i])
+            rnames = r.names
+            shapes = r.shapes if r.dtype and len(r.shapes) == len(rnames) else None
+            while not names.isdisjoint(rnames):  # a name seen again: the next step starts at it
+                i = next(i for i, n in enumerate(rnames) if n in names)
+                self._count(rnames[:i], shapes[:i] if shapes else None, r.dtype)
+                rnames, shapes = rnames[i:], shapes[i:] if shapes else None
+                got = self._end_step(now)
+                if got is not None:
+                    switch = got
+                names.clear()
+                if self.done:
+                    return switch
+            self._count(rnames, shapes, r.dtype)
         return switch
+
+    def _count(self, rnames: tuple, shapes: tuple | None, dtype: str) -> None:
+        self._names.update(rnames)
+        if shapes:
+            self._step_bytes += sum(map(math.prod, shapes)) * self._itemsize(dtype)
+
+    def _itemsize(self, dtype: str) -> int:
+        size = self._sizes.get(dtype)
+        if size is None:
+            size = self._sizes[dtype] = nbytes_of(dtype, (1,))
+        return size
 
     def _end_step(self, now: float) -> Settings | None:
         self._sample.append((self._step_bytes, now - self._t_step))
