@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # common, this hora
 from common import machine, run_job  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve())
