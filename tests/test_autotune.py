@@ -230,3 +230,12 @@ def test_the_config_file_autotune_section_sets_the_knobs(tmp_path):
         "HORA_AUTOTUNE": "1", "HORA_AUTOTUNE_LOG": "/tmp/at.csv", "HORA_AUTOTUNE_WARMUP_SAMPLES": "1",
         "HORA_AUTOTUNE_STEPS_PER_SAMPLE": "4", "HORA_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "5",
         "HORA_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5"}
+
+
+def test_an_unwritable_log_is_warned_about_and_the_search_runs(tmp_path, caplog):
+    (tmp_path / "file").write_text("")
+    tuner = autotune.Autotuner(_cfg(autotune_log=str(tmp_path / "file" / "at.csv"), autotune_warmup_samples=0,
+                                    autotune_steps_per_sample=2), {"fusion_threshold", "cycle_time"})
+    assert "cannot write the log" in caplog.text
+    _simulate(tuner)
+    assert tuner.done and tuner.rows[0] == autotune.HEADER and tuner.rows[-1].startswith("# use these: ")

@@ -115,9 +115,13 @@ class Autotuner:
         self._pending: Settings | None = None
         path = cfg.get("autotune_log") or ""
         if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._file = open(path, "w", buffering=1)  # noqa: SIM115 - open for the whole search
-            self._write(HEADER)
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                self._file = open(path, "w", buffering=1)  # noqa: SIM115 - open for the whole search
+            except OSError as e:  # the search still runs, and its result is still logged
+                log.warning("hora autotune: cannot write the log %s (%s); the result will only be logged", path,
+                            e.strerror or e)
+        self._write(HEADER)
         self.current, self.phase = self.initial, "warmup"
         if not self.free and not self.tune_cache:
             log.warning("hora autotune: nothing to tune: fusion threshold, cycle time and cache capacity are all "
