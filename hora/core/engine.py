@@ -156,10 +156,11 @@ class Engine:
 
     def shutdown(self) -> None:
         self.subs.stop()
-        if self.tuner is not None:
-            self.tuner.close()  # a search the job outlived: the best so far goes to the log
         if self.thread is not threading.current_thread():
             self.thread.join(10)
+        tuner = self.tuner
+        if tuner is not None:
+            tuner.close()  # a search the job ended before: the best so far goes to the log
         if self.subs.broken is None and not self.thread.is_alive():
             self.control.tell(self.control.peers, (m.BYE, self.rank))  # a close that follows is no crash
         err = ShutdownError("hora was shut down before this collective ran; call hora.init() again")
