@@ -111,6 +111,33 @@ KNOBS = [
          "in benchmarks/mpi_allreduce.py) or native (MPI's own Iallreduce)", **_one_of("ring", "native")),
     Knob("dynamic_process_sets", bool, False, "DYNAMIC_PROCESS_SETS", None,
          "allow add_process_set/remove_process_set after init"),
+    # autotune (hora.core.autotune): rank 0 tunes fusion_threshold, cycle_time and the response cache while
+    # training, leaving alone those the user set
+    Knob("autotune", bool, False, "AUTOTUNE", "--autotune",
+         "tune fusion threshold, cycle time and the response cache while training (rank 0 searches; the knobs "
+         "set by flag or environment are left as set); docs/autotune.md", config="autotune.enabled",
+         group="autotune"),
+    Knob("autotune_log", str, "", "AUTOTUNE_LOG", "--autotune-log-file",
+         "CSV written by rank 0 as each autotune sample ends, closed by the chosen values and a 'use these' line "
+         "('' = no file; the choice is logged anyway)", config="autotune.log_file", group="autotune",
+         metavar="FILE"),
+    Knob("autotune_warmup_samples", int, 3, "AUTOTUNE_WARMUP_SAMPLES", "--autotune-warmup-samples",
+         "autotune samples measured first and discarded (start-up: caches, allocation, compilation)", 1, _nonneg,
+         ">= 0", config="autotune.warmup_samples", group="autotune"),
+    Knob("autotune_steps_per_sample", int, 10, "AUTOTUNE_STEPS_PER_SAMPLE", "--autotune-steps-per-sample",
+         "training steps per autotune sample (a step: until a tensor name is negotiated again); the first step "
+         "of a sample, under a change of settings, is not scored", 1, lambda v: v >= 2, ">= 2",
+         config="autotune.steps_per_sample", group="autotune"),
+    Knob("autotune_bayes_opt_max_samples", int, 20, "AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+         "--autotune-bayes-opt-max-samples",
+         "settings of fusion threshold and cycle time tried by the Bayesian search (4 seeds, then expected "
+         "improvement), before the best 3 are measured again", 1, _positive, "> 0",
+         config="autotune.bayes_opt_max_samples", group="autotune"),
+    Knob("autotune_gaussian_process_noise", float, 0.8, "AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
+         "--autotune-gaussian-process-noise",
+         "noise variance of the Gaussian process, relative to the variance of the standardised scores (higher: "
+         "smoother, trusts single samples less)", 1, _positive, "> 0",
+         config="autotune.gaussian_process_noise", group="autotune"),
     # basic
     Knob("start_timeout", float, 30.0, "START_TIMEOUT", "--start-timeout",
          "seconds ranks wait for each other at init", 1, _positive, "> 0", group="basic"),
@@ -201,6 +228,12 @@ def value(name: str) -> Any:
         where = "override" if name in _overrides else env.source(knob.env)
         raise HoraValueError(f"{name} ({where}) = {v!r} is out of range; it must be {knob.allowed}")
     return v
+
+
+def is_set(name: str) -> bool:
+    """Whether the user chose this knob (an override, or its ``HORA_``/``HOROVOD_`` variable; ``hora run``'s
+    flags and config file set the variable): autotune leaves such a knob alone."""
+    return name in _overrides or env.get(BY_NAME[name].env) is not None
 
 
 def current() -> dict[str, Any]:

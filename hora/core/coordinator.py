@@ -19,7 +19,7 @@ import time
 from hora.base.errors import HoraError, HoraValueError, InternalError, MismatchError
 from hora.collectives.reduce import OP_NAMES
 from hora.core.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
-                                REDUCESCATTER, REMOVE_PS, Refusal, Request, Response, error)
+                                REDUCESCATTER, REMOVE_PS, TUNE, Refusal, Request, Response, error)
 
 _COMPARED = {  # fields that must agree across ranks, by op kind
     ALLREDUCE: ("op", "dtype", "shape", "pre", "post", "layout"),
@@ -103,6 +103,7 @@ class Coordinator:
         self.size = size
         self.fusion_threshold = fusion_threshold
         self.cache = ResponseCache(cache_capacity)
+        self.cache_on = True  # autotune may switch the cache off and on (set_cache)
         self._next_bit = 0
         self.process_sets: dict[int, tuple[int, ...]] = {0: tuple(range(size))}
         self._removing: dict[int, tuple[int, ...]] = {}  # removals agreed since the last take()
@@ -228,21 +229,35 @@ class Coordinator:
         """Give ``req`` a bit (evicting the least recently used entry when full). Auto-named ops
         (``noname.N``) are never seen twice, so they are not cached at all."""
         cache = self.cache
-        if not req.cacheable or cache.capacity == 0 or req.name.startswith("noname."):
+        if not req.cacheable or cache.capacity == 0 or not self.cache_on or req.name.startswith("noname."):
             return
         if req in cache.bit_of:
             cache.touch(req)
             return
         if len(cache.bit_of) >= cache.capacity:
-            old_req, old_bit = next(iter(cache.bit_of.items()))
-            cache.evict(old_bit)
-            cache.tombstones[old_bit] = old_req
-            while len(cache.tombstones) > 4 * cache.capacity:
-                cache.tombstones.popitem(last=False)
-            self.evictions.append((old_bit, old_req.ps))
+            self._evict(*next(iter(cache.bit_of.items())))
         cache.add(self._next_bit, req)
         self.additions.append((self._next_bit, req))
         self._next_bit += 1
+
+    def _evict(self, req: Request, bit: int) -> None:
+        cache = self.cache
+        cache.evict(bit)
+        cache.tombstones[bit] = req
+        while len(cache.tombstones) > 4 * cache.capacity:
+            cache.tombstones.popitem(last=False)
+        self.evictions.append((bit, req.ps))
+
+    def set_cache(self, on: bool) -> None:
+        """Autotune's switch of the response cache. Off evicts every entry (the ranks hear it with the
+        next responses and send full requests from then on; bits already in flight resolve through the
+        tombstones); on lets new signatures get bits again."""
+        if on == self.cache_on:
+            return
+        self.cache_on = on
+        if not on:
+            for req, bit in list(self.cache.bit_of.items()):
+                self._evict(req, bit)
 
     @staticmethod
     def _error(ps: int, name: str, msg: str, first: Request) -> Response:
@@ -285,9 +300,10 @@ class Coordinator:
     def share(self, peer: int, responses: list[Response], additions: list[tuple[int, Request]],
               evictions: list[tuple[int, int]]) -> tuple[list, list, list]:
         """What rank ``peer`` hears of one :meth:`take`: the responses on its sets (process-set changes
-        go to everyone, since every rank keeps the table), and the cache bits of its sets."""
+        and autotune's settings go to everyone, since every rank keeps the table and the settings), and
+        the cache bits of its sets."""
         ranks_of = self.ranks_of
-        mine = [r for r in responses if peer in ranks_of(r.ps) or r.kind in (ADD_PS, REMOVE_PS)]
+        mine = [r for r in responses if peer in ranks_of(r.ps) or r.kind in (ADD_PS, REMOVE_PS, TUNE)]
         adds = [(b, q) for b, q in additions if peer in ranks_of(q.ps)]
         evicts = [b for b, ps in evictions if peer in ranks_of(ps)]
         return mine, adds, evicts

@@ -33,7 +33,7 @@ import threading
 import time
 
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
-from hora.core import inline
+from hora.core import autotune, inline
 from hora.core import messages as m
 from hora.core.baton import CALLER, Baton
 from hora.core.interrupts import GATE
@@ -98,6 +98,10 @@ class Engine:
             self.process_sets: dict[int, tuple[int, ...]] = {0: tuple(range(self.size))}
         self._cycle_s = cfg["cycle_time"] / 1000
         self.subs = Submissions(self._cycle_s)
+        # autotune: rank 0 searches (hora.core.autotune); every rank records the settings it applied, with
+        # the number of tensors it had run by then (the same on every rank of a global-set job)
+        self.tuner = autotune.create(cfg) if self.rank == 0 else None
+        self.tuned: list[tuple[int, tuple]] = []
         self._unsent: list[Pending] = []  # taken from the queue, not yet sent to the coordinator
         self._batch_start = 0.0
         self._inbox: list[tuple[int, tuple]] = []  # messages read but not yet handled, in order
@@ -154,6 +158,9 @@ class Engine:
         self.subs.stop()
         if self.thread is not threading.current_thread():
             self.thread.join(10)
+        tuner = self.tuner
+        if tuner is not None:
+            tuner.close()  # a search the job ended before: the best so far goes to the log
         if self.subs.broken is None and not self.thread.is_alive():
             self.control.tell(self.control.peers, (m.BYE, self.rank))  # a close that follows is no crash
         err = ShutdownError("hora was shut down before this collective ran; call hora.init() again")
@@ -482,6 +489,12 @@ class Engine:
         if responses:
             responses = inline.answer(responses, self._payloads, self.subs.local, coord.ranks_of, self.rank,
                                       self.cfg["inline_threshold"])
+            if self.tuner is not None:
+                switch = self.tuner.observe(responses, time.monotonic())
+                if switch is not None:  # every rank applies it after this batch's collectives
+                    responses.append(m.Response(m.TUNE, 0, (), value=tuple(switch)))
+                if self.tuner.done:
+                    self.tuner = None  # the settings stay fixed: no more cost per batch
         if not responses and not evictions:
             return []
         tl = self.executor.timeline
@@ -507,14 +520,28 @@ class Engine:
             tl.negotiate(req.name, req.kind, rank)
 
     # -- running responses ---------------------------------------------------------------------
+    def _tune(self, value: tuple) -> None:
+        """Autotune's settings (:mod:`hora.core.autotune`), at the same point of the stream on every rank:
+        the cycle time everywhere; fusion and the response cache are rank 0's coordinator's."""
+        fusion, cycle_ms, cache = value
+        self._cycle_s = cycle_ms / 1000
+        self.subs._cycle_s = self._cycle_s  # (Submissions reads it for the age of a queued batch)
+        if self.coord is not None:
+            self.coord.fusion_threshold = fusion
+            self.coord.set_cache(cache)
+        self.tuned.append((self.stats.tensors, value))
+
     def _execute(self, resp: m.Response) -> None:
         if resp.data is not None and len(resp.names) == 1:  # inline: only a copy out (the common case)
             p = self.subs.local.pop((resp.ps, resp.names[0]), None)
             if p is not None:
                 self.executor.inline_result(resp, [p])
             return
-        pends = [self.subs.local.pop((resp.ps, n), None) for n in resp.names]
         kind = resp.kind
+        if kind == m.TUNE:
+            self._tune(resp.value)
+            return
+        pends = [self.subs.local.pop((resp.ps, n), None) for n in resp.names]
         tl = self.executor.timeline
         if tl is not None and kind in (m.ERROR, m.BARRIER, m.JOIN, m.ADD_PS, m.REMOVE_PS):
             for n in resp.names:

@@ -23,6 +23,9 @@ ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, ADD_PS,
     "allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join",
     "add_process_set", "remove_process_set")
 ERROR = "error"  # a response kind: the request failed negotiation; ``Response.error`` says how
+# a response kind: autotune's new settings, ``value`` = (fusion threshold, cycle time ms, response cache on);
+# sent to every rank, each applies it at this point of the stream (hora.core.autotune)
+TUNE = "tune"
 UNCACHED = {ALLTOALL, BARRIER, JOIN, ADD_PS, REMOVE_PS}  # their requests vary call to call
 
 # control message tags (what each carries; the engine's handler table, engine.Engine._handlers,

@@ -95,7 +95,6 @@ def from_knob(knob: knobs.Knob) -> list[Flag]:
 
 _ELASTIC = "elastic training (--min-np, --max-np, --host-discovery-script, ...) comes in a later release"
 _JSRUN = "jsrun (IBM Spectrum MPI under LSF) is not supported; use --mpi (mpirun) or hora's own launcher"
-_AUTOTUNE = "hora has no autotuner yet; set --fusion-threshold-mb and --cycle-time-ms by hand"
 _ALGO = "hora has no {} algorithm yet; allreduce runs as a ring (or hierarchically, --hierarchical-allreduce)"
 _NCCL = "hora has no NCCL (GPU) transport yet"
 
@@ -136,21 +135,7 @@ LAUNCHER_FLAGS: tuple[Flag, ...] = (
           config=("params", "torus_allreduce")),
     _noop("--no-torus-allreduce", "torus_allreduce", "tuning", "turn torus allreduce off", _ALGO.format("torus"),
           const=False),
-    # autotune
-    _noop("--autotune", "autotune", "autotune", "tune fusion threshold and cycle time while training", _AUTOTUNE,
-          config=("autotune", "enabled")),
-    _noop("--autotune-log-file", "autotune_log_file", "autotune", "CSV file for autotune samples", _AUTOTUNE,
-          kind=str, metavar="FILE", config=("autotune", "log_file")),
-    _noop("--autotune-warmup-samples", "autotune_warmup_samples", "autotune", "samples discarded first (3)",
-          _AUTOTUNE, kind=int, config=("autotune", "warmup_samples")),
-    _noop("--autotune-steps-per-sample", "autotune_steps_per_sample", "autotune", "steps per sample (10)",
-          _AUTOTUNE, kind=int, config=("autotune", "steps_per_sample")),
-    _noop("--autotune-bayes-opt-max-samples", "autotune_bayes_opt_max_samples", "autotune",
-          "Bayesian optimisation samples at most (20)", _AUTOTUNE, kind=int,
-          config=("autotune", "bayes_opt_max_samples")),
-    _noop("--autotune-gaussian-process-noise", "autotune_gaussian_process_noise", "autotune",
-          "noise of the Gaussian process (0.8)", _AUTOTUNE, kind=float,
-          config=("autotune", "gaussian_process_noise")),
+    # autotune: the knobs' flags (hora.base.knobs, group "autotune")
     # elastic
     _f("--min-np --min-num-proc", "min_num_proc", "elastic", "fewest workers to keep training with", kind=int,
        status="not yet", why=_ELASTIC, kwarg="min_num_proc"),
