@@ -206,9 +206,131 @@ def _torch_checks(epochs):
 
 @pytest.mark.timeout(120)
 def test_torch_digits_accuracy():
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
     accs = run(2, _torch_checks, EPOCHS, timeout=110)
     assert accs[0] == accs[1]
     a = accs[0]
     assert a["none"] > 0.9, a
     for label in ("topk", "powersgd"):
         assert a[label] >= a["none"] - TOLERANCE, a
+
+
+def _binding_checks():
+    """TensorFlow's DistributedGradientTape (eager and in a tf.function), Keras's DistributedOptimizer and
+    JAX's optax DistributedOptimizer with each compressor: their reduced gradients are those of the core
+    compressor given the same NumPy gradients, step after step (so their state evolves alike)."""
+    import os
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import numpy as np
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import jax
+    import jax.numpy as jnp
+    import keras
+    import optax
+
+    import hora.jax as hjax
+    import hora.keras as hkeras
+    import hora.tensorflow as htf
+    from hora.base.errors import HoraValueError
+    from hora.core.compressors import PowerSGD, TopK
+
+    htf.init()
+    r = htf.rank()
+    shapes = [(12, 10), (10,), (5, 4)]
+
+    def grads(step):
+        g = np.random.default_rng([step, r])
+        return [g.standard_normal(s).astype(np.float32) for s in shapes]
+
+    for make in (lambda: TopK(0.2), lambda: PowerSGD(rank=2)):
+        ref = make()
+        # tf tape, eager then traced
+        comp, xs = make(), [tf.Variable(np.zeros(s, np.float32)) for s in shapes]
+
+        def tape_step(consts, comp=comp, xs=xs):
+            with tf.GradientTape() as tape:
+                loss = tf.add_n([tf.reduce_sum(x * c) for x, c in zip(xs, consts)])
+            return htf.DistributedGradientTape(tape, compression=comp).gradient(loss, xs)
+        traced = tf.function(tape_step)
+        for step in range(4):
+            g = grads(step)
+            out = (tape_step if step < 2 else traced)([tf.constant(a) for a in g])
+            want = ref.reduce([str(i) for i in range(len(g))], g, name="ref")
+            for o, w in zip(out, want):
+                np.testing.assert_allclose(o.numpy(), w, rtol=1e-6, atol=1e-6)
+        # keras (TensorFlow backend): SGD(1) applies minus the reduced gradient
+        ref, comp = make(), make()
+        vs = [keras.Variable(np.zeros(s, np.float32), name=f"v{i}") for i, s in enumerate(shapes)]
+        opt = hkeras.DistributedOptimizer(keras.optimizers.SGD(1.0), compression=comp)
+        for step in range(3):
+            g = grads(10 + step)
+            before = [v.numpy().copy() for v in vs]
+            opt.apply([tf.constant(a) for a in g], vs)
+            want = ref.reduce([v.path for v in vs], g, name="ref")
+            for v, b, w in zip(vs, before, want):
+                np.testing.assert_allclose(b - v.numpy(), w, rtol=1e-6, atol=1e-6)
+        # jax, jitted
+        ref, comp = make(), make()
+        tx = hjax.DistributedOptimizer(optax.sgd(1.0), compression=comp)
+        params = {"a": jnp.zeros(shapes[0]), "b": jnp.zeros(shapes[1]), "c": jnp.zeros(shapes[2])}
+        state = tx.init(params)
+        update = jax.jit(tx.update)
+        for step in range(3):
+            g = grads(20 + step)
+            updates, state = update({"a": jnp.asarray(g[0]), "b": jnp.asarray(g[1]), "c": jnp.asarray(g[2])},
+                                    state, params)
+            want = ref.reduce(["['a']", "['b']", "['c']"], g, name="ref")
+            for k, w in zip("abc", want):
+                np.testing.assert_allclose(-np.asarray(updates[k]), w, rtol=1e-6, atol=1e-6)
+    with pytest.raises(HoraValueError, match="op=Average"):
+        hjax.DistributedOptimizer(optax.sgd(1.0), op=hjax.Max, compression=TopK())
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_tensorflow_keras_jax():
+    pytest.importorskip("tensorflow")
+    assert run(2, _binding_checks, timeout=110, env={"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"})
+
+
+def _mxnet_checks():
+    """MXNet's DistributedTrainer with each compressor sums as the core compressor does (its rescale_grad
+    divides by the size)."""
+    import mxnet as mx
+    import numpy as np
+
+    import hora.mxnet as hmx
+    from hora.core.compressors import PowerSGD, TopK
+
+    hmx.init()
+    r = hmx.rank()
+    for make in (lambda: TopK(0.2), lambda: PowerSGD(rank=2)):
+        ref = make()
+        net = mx.gluon.nn.Dense(6, in_units=8, use_bias=True)
+        net.initialize(mx.init.Zero())
+        trainer = hmx.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 1.0},
+                                         compression=make(), prefix="t.")
+        for step in range(3):
+            g = np.random.default_rng([step, r])
+            x = mx.nd.array(g.standard_normal((4, 8)).astype(np.float32))
+            before = [p.data().asnumpy().copy() for p in trainer._params]
+            with mx.autograd.record():
+                loss = net(x).sum()
+            loss.backward()
+            raw = [p.grad().asnumpy().copy() for p in trainer._params]
+            trainer.step(1)
+            want = ref.reduce([f"t.{i}" for i in range(len(raw))], raw, hmx.Sum, name="ref")
+            for p, b, w in zip(trainer._params, before, want):
+                np.testing.assert_allclose(b - p.data().asnumpy(), w / hmx.size(), rtol=1e-5, atol=1e-6)
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_mxnet():
+    pytest.importorskip("mxnet")
+    assert run(2, _mxnet_checks, timeout=110)
