@@ -110,6 +110,7 @@ def features() -> list[tuple[str, bool, str]]:
         ("tensor fusion, response cache, process sets", True, ""),
         ("timeline, stall inspector", True, ""),
         ("elastic training", elastic, "" if elastic else "not yet"),
+        ("gradient compression: fp16, bf16, top-k, PowerSGD", _found("hora.core.compressors"), ""),
     ]
 
 

@@ -200,6 +200,10 @@ def _torch_checks(epochs):
                 for k, v in s.items():
                     assert other._stateful.state[n][k].tobytes() == v.tobytes(), (label, n, k)
             assert other.param_groups[0]["momentum"] == MOM
+            # broadcast_optimizer_state walks the compressor's state too: every rank gets the root's buffers
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+            mine = b"".join(v.tobytes() for n in sorted(comp.state) for v in comp.state[n].values())
+            assert len(set(hvd.allgather_object(mine))) == 1
         out[label] = acc
     return out
 

@@ -182,7 +182,7 @@ class TopK(StatefulCompressor):
     def _reduce(self, names, arrays, op, pre, post, scale, ps, name):
         idx_dtype = self._index_dtype([a.size for a in arrays])
         dense = [i for i, a in enumerate(arrays) if not self._sparse(a.size, a.dtype, idx_dtype.itemsize)]
-        sparse = [i for i in range(len(arrays)) if i not in set(dense)]
+        sparse = sorted(set(range(len(arrays))) - set(dense))
         for i in dense:  # a tensor sent whole carries its error along (one that used to be sparse)
             if names[i] in self.state and _is_float(arrays[i]):
                 arrays[i] = self._error(names[i], arrays[i]).astype(arrays[i].dtype)
@@ -195,8 +195,7 @@ class TopK(StatefulCompressor):
             idx, vals = [], []
             for i in members:
                 m = self._error(names[i], arrays[i]).reshape(-1)
-                k = self.k(m.size)
-                top = np.sort(np.argpartition(np.abs(m), m.size - k)[m.size - k:])
+                top = _top(m, self.k(m.size))
                 idx.append(top.astype(idx_dtype))
                 vals.append(m[top])
                 m[top] = 0  # what was sent leaves the error; the rest waits for the next step
@@ -221,13 +220,28 @@ class TopK(StatefulCompressor):
                 per_rank = sum(counts)
                 starts_at = np.cumsum([0] + counts)
                 for j, i in enumerate(members):
-                    n = arrays[i].size
-                    # this tensor's pairs from every rank, in rank order: the same sum on every rank
-                    sel = np.concatenate([np.arange(r * per_rank + starts_at[j], r * per_rank + starts_at[j + 1])
-                                          for r in range(len(idx) // per_rank)])
-                    total = np.bincount(idx[sel].astype(np.int64), weights=vals[sel], minlength=n)
-                    out[i] = (total * scale).astype(arrays[i].dtype).reshape(arrays[i].shape)
+                    total = np.zeros(arrays[i].size, vals.dtype)
+                    for r in range(len(idx) // per_rank):  # in rank order: the same sum on every rank
+                        at = slice(r * per_rank + starts_at[j], r * per_rank + starts_at[j + 1])
+                        total[idx[at]] += vals[at]  # a rank's indices are distinct
+                    total *= scale
+                    out[i] = total.astype(arrays[i].dtype, copy=False).reshape(arrays[i].shape)
         return out
+
+
+def _top(m: np.ndarray, k: int) -> np.ndarray:
+    """The sorted indices of ``m``'s ``k`` entries of largest magnitude (ties: the first ones). A partition of
+    the magnitudes and a comparison are ~3x faster than ``argpartition`` on millions of entries."""
+    a = np.abs(m)
+    if k >= a.size:
+        return np.arange(a.size)
+    threshold = np.partition(a, a.size - k)[a.size - k]
+    top = np.flatnonzero(a > threshold)
+    if top.size < k:
+        top = np.sort(np.concatenate([top, np.flatnonzero(a == threshold)[:k - top.size]]))
+    if top.size != k:  # NaN among the magnitudes: no threshold compares
+        top = np.sort(np.argpartition(a, a.size - k)[a.size - k:])
+    return top
 
 
 def _orthonormal(a: np.ndarray) -> np.ndarray:
@@ -300,7 +314,7 @@ class PowerSGD(StatefulCompressor):
         for i, (n, m, r) in mats.items():
             ms[i] = self._error(names[i], arrays[i]).reshape(n, m)
             qs[i] = self._q(names[i], m, r, ms[i].dtype)
-            ps_[i] = ms[i] @ qs[i]
+            ps_[i] = np.dot(ms[i], qs[i])
         # 1: the uncompressed tensors and every P, in one collective (P's scale does not matter: it is
         # orthonormalised next)
         first = start_then_wait([_start_allreduce([arrays[i] for i in plain] + list(ps_.values()), op, pre, post,
@@ -313,13 +327,15 @@ class PowerSGD(StatefulCompressor):
         local_q = {}
         for i, p in zip(mats, first[len(plain):]):
             ps_[i] = _orthonormal(p)
-            local_q[i] = ms[i].T @ ps_[i]
-            # the error: what this rank's own factors did not carry (summed over the ranks, torch's M - P Qᵀ)
-            self.state[names[i]] = {"error": (ms[i] - ps_[i] @ local_q[i].T).reshape(arrays[i].shape)}
+            local_q[i] = np.dot(ms[i].T, ps_[i])
+            # the error: what this rank's own factors did not carry (summed over the ranks, torch's M - P Qᵀ);
+            # np.dot: matmul with a transposed thin factor takes a slow path (4-6x on 2048 x 2048)
+            ms[i] -= np.dot(ps_[i], local_q[i].T)
+            self.state[names[i]] = {"error": ms[i].reshape(arrays[i].shape)}
         # 2: every Q
         second = start_then_wait([_start_allreduce(list(local_q.values()), op, pre, post, f"{name}.q", ps)])[0]
         for i, q in zip(mats, second):
-            out[i] = (ps_[i] @ q.T).astype(arrays[i].dtype).reshape(arrays[i].shape)
+            out[i] = np.dot(ps_[i], q.T).astype(arrays[i].dtype, copy=False).reshape(arrays[i].shape)
             if self.warm_start:  # the same on every rank; its span is what matters, kept orthonormal
                 ok = np.isfinite(q).all() and np.any(q)
                 self.state[names[i]]["q"] = _orthonormal(q) if ok else self._random_q(names[i], *q.shape, q.dtype)

@@ -146,9 +146,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 except Exception as e:  # noqa: BLE001 - re-raised below, after the others are drained
                     error = error or e
         if stateful and error is None:
-            _compression.reduce_step(self._stateful, [p.grad for p in stateful],
-                                     [self._parameter_names[p] for p in stateful], self.op, *self._scales,
-                                     self.process_set)
+            try:
+                _compression.reduce_step(self._stateful, [p.grad for p in stateful],
+                                         [self._parameter_names[p] for p in stateful], self.op, *self._scales,
+                                         self.process_set)
+            except Exception as e:  # noqa: BLE001 - raised below, after the reset
+                error = e
         self._reset()
         if error is not None:
             raise error
@@ -201,6 +204,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def register_comm_hook(self, state, hook) -> None:
         """Replace how gradients are reduced: ``hook(state, bucket) -> handle`` (see :mod:`hora.torch.hooks`)."""
         hooks.check_hook(hook, "register_comm_hook")
+        if self._stateful is not None:
+            raise HoraValueError(f"register_comm_hook: this optimizer reduces through {self._stateful!r}, which "
+                                 "runs its own collectives; a hook would never be called. Pick one of the two")
         self._comm_state, self._comm_hook = state, hook
 
     def _reset(self) -> None:
