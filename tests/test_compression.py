@@ -159,6 +159,21 @@ def _torch_checks(epochs):
     with pytest.raises(HoraValueError, match="op=Average or op=Sum"):
         hvd.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
                                  compression=hvd.Compression.topk(0.1), op=hvd.Max)
+    # sparse (embedding) gradients keep their own path beside a stateful compressor; a comm hook is refused
+    torch.manual_seed(0)
+    emb, lin = torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([*emb.parameters(), *lin.parameters()], lr=0.1),
+                                   named_parameters=[("emb", emb.weight), ("w", lin.weight), ("b", lin.bias)],
+                                   compression=hvd.Compression.topk(0.25))
+    with pytest.raises(HoraValueError, match="register_comm_hook"):
+        opt.register_comm_hook(hvd.hooks.AllreduceState(), hvd.hooks.allreduce_hook)
+    for step in range(3):
+        opt.zero_grad()
+        lin(emb(torch.tensor([hvd.rank() * 3 + step, 7]))).sum().backward()
+        opt.step()
+    flat = torch.cat([emb.weight.detach().reshape(-1), lin.weight.detach().reshape(-1)])
+    gathered = hvd.allgather(flat.unsqueeze(0))
+    assert (gathered == gathered[0]).all() and set(opt._stateful.state) == {"w"}  # b: 2 entries, cheaper whole
     d = load_digits()
     x = torch.tensor(d.images / 16.0, dtype=torch.float32).unsqueeze(1)
     y = torch.tensor(d.target)

@@ -37,8 +37,8 @@ import numpy as np
 
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError, NotSupportedError
-from hora.core.gradients import start_then_wait
 from hora.collectives.reduce import OP_NAMES
+from hora.core.gradients import start_then_wait
 from hora.core.ops import Average, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
 
@@ -91,7 +91,8 @@ class StatefulCompressor:
                                 "step at once; pass it as DistributedOptimizer(compression=...) (torch), not "
                                 "to a single collective or to this binding's optimizer")
 
-    decompress = compress
+    def decompress(self, tensor, ctx):
+        self.compress(tensor)
 
     # -- one step -------------------------------------------------------------------------------
     def reduce(self, names: Sequence[str], arrays: Sequence[np.ndarray], op: int = Average,
