@@ -353,3 +353,27 @@ def _mxnet_checks():
 def test_mxnet():
     pytest.importorskip("mxnet")
     assert run(2, _mxnet_checks, timeout=110)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["jax"])
+def test_keras_backends(backend):
+    """Keras reads KERAS_BACKEND once, at import: fresh processes (hora run). JAX, whose step is jitted;
+    torch's is eager and passes the same way (``backend`` "torch" runs it; left out to keep the suite short)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("keras")
+    pytest.importorskip(backend)
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    env.update(PYTHONPATH=str(root), KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1",
+               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
+    cmd = [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable,
+           str(root / "tests" / "scripts" / "compression_keras.py")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(re.findall(rf"rank \d: keras {backend} compression passed", proc.stdout)) == 2, proc.stdout
