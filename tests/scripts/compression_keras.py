@@ -1,7 +1,6 @@
 """hora.keras's DistributedOptimizer with Compression.topk/powersgd on the backend KERAS_BACKEND names
 (tests/test_compression.py runs it under ``hora run -np 2`` for jax, and it passes for torch; TensorFlow runs in
-the pool):
-each step's update is minus what the core compressor makes of the same gradients. On JAX the step is the
+the pool): each step's update is minus what the core compressor makes of the same gradients. On JAX the step is the
 jitted ``stateless_apply`` that Keras's trainer runs."""
 
 import numpy as np
