@@ -126,6 +126,15 @@ def _core_checks():
                 lambda: PowerSGD(min_compression_rate=0.5)):
         with pytest.raises(HoraValueError):
             bad()
+    if w >= 3:  # in a process set of ranks 0 and 1: Average divides by its size, 2
+        hora.shutdown()
+        ps = hora.ProcessSet([0, 1])
+        hora.init(process_sets=[ps])
+        if r in (0, 1):
+            top = TopK(0.25).reduce(["x"], [np.full(100, float(r + 1))], hora.Average, process_set=ps)[0]
+            assert np.count_nonzero(top) == 25 and (top[:25] == 1.5).all()
+            low = PowerSGD(rank=1).reduce(["m"], [np.full((20, 30), float(r + 1))], process_set=ps)[0]
+            np.testing.assert_allclose(low, 1.5, rtol=1e-12)
     return digests
 
 

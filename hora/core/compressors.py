@@ -167,8 +167,9 @@ class TopK(StatefulCompressor):
         return max(1, math.ceil(self.ratio * n))
 
     def _sparse(self, n: int, dtype: np.dtype, index_bytes: int) -> bool:
-        """Sent as pairs: a float tensor whose pairs take fewer bytes than the tensor itself."""
-        return _is_float(np.empty(0, dtype)) and self.k(n) * (dtype.itemsize + index_bytes) < n * dtype.itemsize
+        """Sent as pairs: a float tensor whose pairs (values in the work dtype) take fewer bytes than it."""
+        pair = _work_dtype(dtype).itemsize + index_bytes
+        return _is_float(np.empty(0, dtype)) and self.k(n) * pair < n * dtype.itemsize
 
     @staticmethod
     def _index_dtype(sizes) -> np.dtype:
