@@ -3,6 +3,7 @@
     python benchmarks/train.py            # cnn, mlp, mlp1k; 2 rounds; writes benchmarks/results/train.{md,json}
     python benchmarks/train.py --quick    # shorter windows, one round (about 2.5 minutes on 2 busy CPUs)
     python benchmarks/train.py --models cnn --steps 50
+    python benchmarks/train.py --models mlp --compression topk:0.01,powersgd:4   # results/train_compression.md
 
 The same model, per-rank batch, synthetic data (``torch.randn``, fixed seeds) and SGD with momentum,
 trained three ways, each as its own job of fresh processes limited to one thread each
@@ -23,6 +24,11 @@ so rank 0's clock is the job's). Scaling efficiency is
 ``rate(np=2) / (2 x rate(single))``. Horovod is used if importable; otherwise its figure is an estimate
 from issue 5's table (MLP 784-1024-1024-10): Horovod = our DDP rate x (Horovod/DDP in the issue), labelled
 as such. Compare ratios within one run, not absolute figures across runs.
+
+``--compression`` adds, in the same interleaved job, hora trained with each listed compressor (``fp16``,
+``bf16``, ``topk:<ratio>``, ``powersgd:<rank>``; docs/compression.md) and a table of the bytes each rank
+hands to the collectives per step (``payload_bytes``; at np=2 a ring allreduce and an allgather both send
+each rank exactly that many bytes) against samples/s, beside hora uncompressed.
 """
 
 from __future__ import annotations
@@ -134,11 +140,32 @@ def train(model_name: str, rank: int, size: int, steps: int, windows: int, warmu
     return train_interleaved(model_name, rank, size, steps, windows, warmup, {"one": wrap})["one"]
 
 
+def _compression(spec: str, hvd):
+    """``none``, ``fp16``, ``bf16``, ``topk:<ratio>`` or ``powersgd:<rank>`` as a ``compression=`` value."""
+    kind, _, arg = spec.partition(":")
+    if kind == "topk":
+        return hvd.Compression.topk(float(arg or 0.01))
+    if kind == "powersgd":
+        return hvd.Compression.powersgd(rank=int(arg or 1))
+    return getattr(hvd.Compression, kind)
+
+
+def _payload(model_name: str, comp) -> int:
+    """Bytes one rank hands to the collectives per step for ``model_name``'s gradients under ``comp``."""
+    import torch
+
+    params = list(build(model_name).parameters())
+    if hasattr(comp, "payload_bytes"):
+        return comp.payload_bytes([tuple(p.shape) for p in params], [torch.empty(0).numpy().dtype] * len(params))
+    width = 2 if comp.__name__ in ("FP16Compressor", "BF16Compressor") else 4
+    return sum(p.numel() * width for p in params)
+
+
 def _report(res: dict) -> None:
     print("RESULT " + json.dumps(res), flush=True)
 
 
-def worker(kind: str, model: str, steps: int, windows: int, warmup: int) -> None:
+def worker(kind: str, model: str, steps: int, windows: int, warmup: int, compressions: list[str] = ()) -> None:
     if kind == "single":
         _report(train(model, 0, 1, steps, windows, warmup, lambda m, o: (m, o)))
     elif kind == "hora":
@@ -166,13 +193,17 @@ def worker(kind: str, model: str, steps: int, windows: int, warmup: int) -> None
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())
 
-        def wrap_hora(m, o):
+        def wrap_hora(m, o, comp=hvd.Compression.none):
             hvd.broadcast_parameters(m.state_dict(), root_rank=0)
             hvd.broadcast_optimizer_state(o, root_rank=0)
-            return m, hvd.DistributedOptimizer(o, named_parameters=m.named_parameters())
+            return m, hvd.DistributedOptimizer(o, named_parameters=m.named_parameters(), compression=comp)
 
-        res = train_interleaved(model, hvd.rank(), hvd.size(), steps, windows, warmup,
-                                {"hora": wrap_hora, "ddp": lambda m, o: (DistributedDataParallel(m), o)})
+        comps = {f"hora:{c}": _compression(c, hvd) for c in compressions}
+        wraps = {"hora": wrap_hora, "ddp": lambda m, o: (DistributedDataParallel(m), o)}
+        wraps.update({k: (lambda m, o, c=c: wrap_hora(m, o, c)) for k, c in comps.items()})
+        res = train_interleaved(model, hvd.rank(), hvd.size(), steps, windows, warmup, wraps)
+        for k, c in [("hora", hvd.Compression.none), *comps.items()]:
+            res[k]["payload"] = _payload(model, c)
         if hvd.rank() == 0:
             _report(res)
         dist.destroy_process_group()
@@ -274,7 +305,25 @@ def markdown(res: dict) -> str:
                      f"{ISSUE['ddp']}, Horovod gloo {ISSUE['horovod_gloo']}, Horovod MPI {ISSUE['horovod_mpi']} "
                      "images/s), using the faster Horovod (MPI, ratio "
                      f"{ISSUE['horovod_mpi'] / ISSUE['ddp']:.3f}); it applies to mlp1k, the issue's model.")
+    lines += _compression_table(res)
     return "\n".join(lines) + "\n"
+
+
+def _compression_table(res: dict) -> list[str]:
+    rows = [(m, k, r[k]) for m, r in res["models"].items() for k in r if k.startswith("hora:")]
+    if not rows:
+        return []
+    lines = ["", "Compression (hora np=2, in the same job as the table above): bytes each rank hands to the "
+             "collectives per step (at np=2 also the bytes it sends), and samples/s against hora uncompressed:", "",
+             "| model | compression | bytes/step/rank | vs none | samples/s | vs none |", "|---|---|---|---|---|---|"]
+    for m, r in res["models"].items():
+        base = r["hora"]
+        lines.append(f"| {m} | none | {base['payload']:,} | 1 | {base['rate']:.0f} | 1.00 |")
+        for mm, k, c in rows:
+            if mm == m:
+                lines.append(f"| {m} | {k[5:]} | {c['payload']:,} | 1/{base['payload'] / c['payload']:.0f} | "
+                             f"{c['rate']:.0f} | {c['rate'] / base['rate']:.2f} |")
+    return lines
 
 
 def main() -> None:
@@ -288,6 +337,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--separate", action="store_true", help="hora and DDP as separate jobs, taking turns "
                     "(default: one job of two processes running both, their timed windows interleaved)")
+    ap.add_argument("--compression", default="", help="comma-separated compressors to add as hora rows: fp16, "
+                    "bf16, topk:<ratio>, powersgd:<rank> (with --separate: not supported)")
     ap.add_argument("--worker", choices=["single", "hora", "ddp", "both", "horovod"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=None, help=argparse.SUPPRESS)
@@ -296,12 +347,14 @@ def main() -> None:
     windows = args.windows or (3 if args.quick else 4)
     warmup = args.warmup or (3 if args.quick else 5)
     if args.worker:
-        worker(args.worker, args.model, steps, windows, warmup)
+        worker(args.worker, args.model, steps, windows, warmup, [c for c in args.compression.split(",") if c])
         return
     models = [m for m in args.models.split(",") if m]
     unknown = set(models) - set(MODELS)
     if unknown:
         ap.error(f"unknown models {sorted(unknown)}; choose from {','.join(MODELS)}")
+    if args.compression and args.separate:
+        ap.error("--compression runs in the interleaved job; leave out --separate")
     rounds = args.rounds or (1 if args.quick else 2)
     have_horovod = importlib.util.find_spec("horovod") is not None
     kinds = ["single", "pair"] + (["ddp", "hora"] if args.separate else ["both"]) + (
@@ -317,7 +370,8 @@ def main() -> None:
     res = {"models": {}, "rounds": rounds, "steps": steps, "windows": windows, "quick": args.quick,
            "have_horovod": have_horovod, "machine": machine(), "load": load, "date": time.strftime("%Y-%m-%d %H:%M")}
     for m in models:
-        wargs = ["--model", m, "--steps", str(steps), "--windows", str(windows), "--warmup", str(warmup)]
+        wargs = ["--model", m, "--steps", str(steps), "--windows", str(windows), "--warmup", str(warmup),
+                 "--compression", args.compression]
         runs = {k: [] for k in kinds}
         for rnd in range(rounds):
             for k in kinds:
@@ -333,8 +387,9 @@ def main() -> None:
         entry["horovod"] = entry["horovod"]["rate"] if have_horovod else (
             entry["ddp"]["rate"] * ISSUE["horovod_mpi"] / ISSUE["ddp"] if m == "mlp1k" else None)
         res["models"][m] = entry
-    finish(res, markdown, args.out, "train")
-    log(f"wrote {args.out / 'train.md'}, train.json")
+    stem = "train_compression" if args.compression else "train"
+    finish(res, markdown, args.out, stem)
+    log(f"wrote {args.out / (stem + '.md')}, {stem}.json")
 
 
 if __name__ == "__main__":

@@ -111,6 +111,7 @@ def features() -> list[tuple[str, bool, str]]:
         ("timeline, stall inspector", True, ""),
         ("autotune (fusion threshold, cycle time, response cache)", _found("hora.core.autotune"), ""),
         ("elastic training", elastic, "" if elastic else "not yet"),
+        ("gradient compression: fp16, bf16, top-k, PowerSGD", _found("hora.core.compressors"), ""),
     ]
 
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from hora.base import knobs
+from hora.core.compressors import check_compression_op, is_stateful
 from hora.core.frontend import check_optimizer_args, predivide
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
@@ -57,6 +58,7 @@ def DistributedOptimizer(optimizer, op: int = Average, compression=Compression.n
     import optax  # only this needs it: hora.jax's collectives work without optax installed
 
     check_optimizer_args("DistributedOptimizer", op, gradient_predivide_factor, backward_passes_per_step)
+    check_compression_op(compression, op, "DistributedOptimizer")
     inner = optax.with_extra_args_support(optimizer)
     pre, post = predivide(op, gradient_predivide_factor)
     name = f"jax.DistributedOptimizer.{next(_ids)}"
@@ -66,6 +68,11 @@ def DistributedOptimizer(optimizer, op: int = Average, compression=Compression.n
         if not process_set.included() or (process_set.size() == 1 and not knobs.value("elastic")):
             return grads
         leaves, treedef = jax.tree_util.tree_flatten(grads)
+        if is_stateful(compression):  # Compression.topk/powersgd: the whole pytree in one host call
+            paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
+            out = bridge.host_call(lambda *a: compression.reduce(paths, list(a), op, pre, post, process_set, name),
+                                   leaves, [jax.ShapeDtypeStruct(g.shape, g.dtype) for g in leaves], name)
+            return jax.tree_util.tree_unflatten(treedef, out)
         pairs = [compression.compress(g) for g in leaves]
         wire = [c for c, _ in pairs]
         # one flat buffer per dtype (arrays of 1 MiB or more alone), see bridge.packed_allreduce

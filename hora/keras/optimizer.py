@@ -38,6 +38,7 @@ import keras
 
 from hora.base import knobs
 from hora.base.errors import HoraValueError, NotSupportedError
+from hora.core.compressors import check_compression_op, is_stateful
 from hora.core.frontend import check_optimizer_args, predivide, split_groups
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
@@ -149,6 +150,8 @@ def _reduce(s: _Settings, grads: list, variables: list, scale: float) -> list:
                 g = out[i] = dispatch.densify(g)
             dense.append(i)
     plan = _groups(s, dense, variables)
+    if plan and is_stateful(s.compression):  # Compression.topk/powersgd: the dense ones in their own host call
+        plan = _stateful(s, out, [i for members in plan for i in members], variables, scale)
     if not plan and not sparse:
         return out
     packed = [[s.compression.compress(out[i]) for i in members] for members in plan]
@@ -162,6 +165,19 @@ def _reduce(s: _Settings, grads: list, variables: list, scale: float) -> list:
         for i, r, (_, ctx) in zip(members, results, group):
             out[i] = s.compression.decompress(r, ctx)
     return out
+
+
+def _stateful(s: _Settings, out: list, dense: list[int], variables: list, scale: float) -> list:
+    """Reduce ``out[dense]`` in place through the stateful compressor (its state keyed by the variables'
+    paths); no groups are left for the packed allreduce."""
+    names = [str(variables[i].path) for i in dense]
+
+    def run(*arrays):
+        return s.compression.reduce(names, list(arrays), s.op, s.prescale, s.postscale * scale, s.process_set,
+                                    s.name)
+    for i, r in zip(dense, dispatch._host_call(run, [out[i] for i in dense])):
+        out[i] = r
+    return []
 
 
 def _groups(s: _Settings, dense: list[int], variables: list) -> list[list[int]]:
@@ -261,6 +277,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         raise HoraValueError("DistributedOptimizer: this optimizer is already distributed; wrapping it twice "
                              "would reduce every gradient twice")
     check_optimizer_args("DistributedOptimizer", op, gradient_predivide_factor, backward_passes_per_step)
+    check_compression_op(compression, op, "DistributedOptimizer")
     if not isinstance(optimizer, _LossScale) and keras.mixed_precision.global_policy().name == "mixed_float16":
         optimizer = _LossScale(optimizer)  # what compile would add, but inside: reduced before its check
     if isinstance(optimizer, _LossScale) and backward_passes_per_step > 1:

@@ -2,6 +2,9 @@
 
 MXNet 1.9's Python API cannot hold bfloat16 data (NumPy has no such type and MXNet's own is not exposed to
 it), so ``Compression.bf16`` is refused when used, not silently turned into fp16.
+
+``Compression.topk(ratio)`` and ``Compression.powersgd(rank)`` (hora only) are the stateful compressors of
+:mod:`hora.core.compressors` (``docs/compression.md``), for this binding's optimizer wrapper.
 """
 
 from __future__ import annotations
@@ -9,9 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from hora.base.errors import NotSupportedError
+from hora.core.compressors import PowerSGD, TopK
 from hora.core.frontend import Compressor, NoneCompressor, cast_compressors
 
-__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor"]
+__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "TopK", "PowerSGD"]
 
 
 def _is_float(tensor) -> bool:
@@ -27,3 +31,4 @@ def _cast(tensor, dtype):
 
 FP16Compressor, BF16Compressor, Compression = cast_compressors(
     __name__, _is_float, lambda t: np.dtype(t.dtype), _cast, np.dtype(np.float16), "bfloat16")
+Compression.topk, Compression.powersgd = TopK, PowerSGD

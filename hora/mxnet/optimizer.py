@@ -19,6 +19,7 @@ import mxnet as mx
 
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
+from hora.core.compressors import is_stateful
 from hora.core.frontend import check_optimizer_args, predivide, split_groups
 from hora.core.gradients import start_then_wait
 from hora.core.ops import Average, Sum
@@ -165,11 +166,26 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._num_groups = num_groups
         self._process_set = process_set
 
+    def _stateful_step(self, params) -> None:
+        """The gradients summed through ``Compression.topk/powersgd`` (:mod:`hora.core.compressors`), its state
+        keyed by the gradients' names; the results are written back into the gradients."""
+        grads = [p.list_grad()[0] for _, p in params]
+        views = [mpi_ops._view(g, "DistributedTrainer", write=True) for g in grads]
+        pre, _ = predivide(Average, self._gradient_predivide_factor)
+        names = [f"{self._prefix}{i}" for i, _ in params]
+        out = self._compression.reduce(names, [a for a, _ in views], Sum, pre, 1.0, self._process_set,
+                                       f"{self._prefix}compress")
+        for g, (a, host), r in zip(grads, views, out):
+            a[...] = r
+            mpi_ops._fill(g, host)
+
     @mpi_ops.mxnet_errors
     def _allreduce_grads(self):
         if self._process_set.size() == 1:
             return
         params = [(i, p) for i, p in enumerate(self._params) if p.grad_req != "null"]
+        if is_stateful(self._compression):
+            return self._stateful_step(params)
         pairs = [self._compression.compress(p.list_grad()[0]) for _, p in params]
         pre, _ = predivide(Average, self._gradient_predivide_factor)
         _reduce([(f"{self._prefix}{i}", c) for (i, _), (c, _) in zip(params, pairs)], self._num_groups, pre,

@@ -22,6 +22,7 @@ import tensorflow as tf
 from hora.base import knobs
 from hora.base.errors import HoraValueError, NotSupportedError
 from hora.core import gradients as _g
+from hora.core.compressors import check_compression_op, is_stateful
 from hora.core.frontend import check_optimizer_args, predivide
 from hora.core.ops import Average, Sum
 from hora.core.packing import Packing
@@ -42,6 +43,7 @@ class GradientReducer:
                  process_set: ProcessSet = global_process_set, device_dense: str = "", device_sparse: str = "",
                  scale_local_gradients: bool = True):
         check_optimizer_args(where, op, gradient_predivide_factor)
+        check_compression_op(compression, op, where)
         self.local: dict[int, object] = {}  # id(variable) -> variable whose gradient stays on this rank
         self.scale_local_gradients = scale_local_gradients
         if num_groups:
@@ -104,13 +106,27 @@ class GradientReducer:
         if sparse and self.op not in (Average, Sum):
             raise NotSupportedError(f"{self.where}: {_g.SPARSE_OPS}")
         with tf.device(self.device_dense):
-            reduced, gathered = self._host_step([out[i] for i in dense], [sources[i] for i in dense],
+            if is_stateful(self.compression):  # Compression.topk/powersgd: their own host call, then the sparse
+                reduced = self._stateful_step([out[i] for i in dense], dense) if dense else []
+                gathered = self._host_step([], [], [out[i] for i in sparse])[1] if sparse else []
+            else:
+                reduced, gathered = self._host_step([out[i] for i in dense], [sources[i] for i in dense],
                                                 [out[i] for i in sparse])
         for i, r in zip(dense, reduced):
             out[i] = r
         for i, g in zip(sparse, gathered):
             out[i] = g
         return out
+
+    def _stateful_step(self, grads: list, positions: list[int]) -> list:
+        """The dense gradients through a stateful compressor (:mod:`hora.core.compressors`) in one host call;
+        its state is keyed by the gradients' positions, the same on every rank."""
+        grads = [tf.convert_to_tensor(g) for g in grads]
+        names, comp = [str(i) for i in positions], self.compression
+        prefix = bridge.op_name("Compress", grads[0], self.where) or self.where
+        op, pre, post, ps = self.op, self.prescale, self.postscale, self.process_set
+        return bridge.host_call(lambda *a: comp.reduce(names, list(a), op, pre, post, ps, prefix), grads,
+                                [g.dtype for g in grads], [g.shape for g in grads], chain=False)
 
     def _host_step(self, grads: list, sources: list, sparse: list) -> tuple[list, list]:
         """The step's ONE host call: the dense gradients allreduced in their groups (entering as one flat

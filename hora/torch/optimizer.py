@@ -17,10 +17,11 @@ import torch
 
 from hora.base import knobs
 from hora.base.errors import HoraValueError
+from hora.core.compressors import check_compression_op, is_stateful
 from hora.core.frontend import check_optimizer_args, predivide, split_groups
 from hora.core.ops import Average
 from hora.core.process_sets import global_process_set
-from hora.torch import hooks, mpi_ops
+from hora.torch import compression as _compression, hooks, mpi_ops
 from hora.torch.compression import Compression
 
 __all__ = ["DistributedOptimizer"]
@@ -50,9 +51,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.op, self.process_set, self.sparse_as_dense = op, process_set, sparse_as_dense
         self._sparse_dims: dict = {}  # parameter -> sparse_dim of its last sparse gradient
         self._compression = compression
+        # Compression.topk/powersgd: the whole step's dense gradients go to it at synchronize (no comm hook)
+        self._stateful = compression if is_stateful(compression) else None
         pre, post = predivide(op, gradient_predivide_factor)
+        self._scales = (pre, post)
         self._comm_state = hooks.AllreduceState(op, pre, post, process_set)
-        self._comm_hook = hooks.compressed(hooks.allreduce_hook, compression)
+        self._comm_hook = hooks.compressed(hooks.allreduce_hook, Compression.none if self._stateful else compression)
         self._requires_update = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._groups = _make_groups(groups, self._requires_update)
         self._p_to_group = {p: g for g in self._groups for p in g}
@@ -103,7 +107,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             (sparse if p.grad.is_sparse else dense).append(p)
         parts = [("sparse", p, mpi_ops.sparse_allreduce_async(p.grad, self._parameter_names[p], self.op,
                                                               self.process_set)) for p in sparse]
-        if dense:
+        if dense and self._stateful is not None:
+            parts += [("stateful", p, None) for p in dense]
+        elif dense:
             bucket = [(self._parameter_names[p], p.grad) for p in dense]
             parts.append(("dense", None, self._comm_hook(self._comm_state, bucket)))
         return parts
@@ -127,16 +133,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for key in list(self._groups) + [p for p in self._requires_update if p not in self._p_to_group]:
             if self._handles.get(key) is None:
                 self._handles[key] = self._submit(key if isinstance(key, tuple) else [key])
-        error = None
+        error, stateful = None, []
         for parts in self._handles.values():
             for kind, p, handle in parts:
                 try:  # wait for every handle even after a failure, so none is left in flight
-                    if kind == "sparse":
+                    if kind == "stateful":
+                        stateful.append(p)
+                    elif kind == "sparse":
                         p.grad = handle()
                     else:
                         mpi_ops.synchronize(handle)
                 except Exception as e:  # noqa: BLE001 - re-raised below, after the others are drained
                     error = error or e
+        if stateful and error is None:
+            try:
+                _compression.reduce_step(self._stateful, [p.grad for p in stateful],
+                                         [self._parameter_names[p] for p in stateful], self.op, *self._scales,
+                                         self.process_set)
+            except Exception as e:  # noqa: BLE001 - raised below, after the reset
+                error = e
         self._reset()
         if error is not None:
             raise error
@@ -168,15 +183,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = passes
         self._reset()
 
+    def state_dict(self):
+        """The wrapped optimizer's, plus a stateful compressor's error buffers and factors
+        (``"hora_compression"``), so that checkpoints and elastic resets keep them."""
+        out = self._hora_base.state_dict(self)
+        if self._stateful is not None:
+            out["hora_compression"] = _compression.state_to_torch(self._stateful.state_dict())
+        return out
+
     def load_state_dict(self, state_dict) -> None:
         self._reset()
         self._synchronized = False
         self._should_synchronize = True
+        if "hora_compression" in state_dict:
+            if self._stateful is not None:
+                self._stateful.load_state_dict(_compression.state_from_torch(state_dict["hora_compression"]))
+            state_dict = {k: v for k, v in state_dict.items() if k != "hora_compression"}
         return self._hora_base.load_state_dict(self, state_dict)
 
     def register_comm_hook(self, state, hook) -> None:
         """Replace how gradients are reduced: ``hook(state, bucket) -> handle`` (see :mod:`hora.torch.hooks`)."""
         hooks.check_hook(hook, "register_comm_hook")
+        if self._stateful is not None:
+            raise HoraValueError(f"register_comm_hook: this optimizer reduces through {self._stateful!r}, which "
+                                 "runs its own collectives; a hook would never be called. Pick one of the two")
         self._comm_state, self._comm_hook = state, hook
 
     def _reset(self) -> None:
@@ -245,6 +275,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     ...                                named_parameters=model.named_parameters())
     """
     check_optimizer_args("DistributedOptimizer", op, gradient_predivide_factor, backward_passes_per_step)
+    check_compression_op(compression, op, "DistributedOptimizer")
     if num_groups:
         warnings.warn("DistributedOptimizer(num_groups=...) is deprecated; use groups=", DeprecationWarning,
                       stacklevel=2)
