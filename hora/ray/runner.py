@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from hora.base.errors import HoraValueError, LaunchError, NotSupportedError
 from hora.ray import placement
-from hora.ray.worker import BaseHorovodWorker
+from hora.ray.worker import RayWorker
 
 # After one rank raised, how long the others get to finish or fail in turn (they normally fail within
 # seconds, with a lost peer) before they are stopped.
@@ -137,7 +137,7 @@ class RayExecutor:
                                                        self.cpus_per_worker, self.gpus_per_worker)
             self._pg = placement.reserve(specs, strategy, self.settings.placement_group_timeout_s)
             self._own_pg = True
-        actor = ray.remote(BaseHorovodWorker)
+        actor = ray.remote(RayWorker)
         started = [actor.options(num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker, max_restarts=0,
                                  scheduling_strategy=PlacementGroupSchedulingStrategy(
                                      self._pg, placement_group_bundle_index=index[i])).remote(i, n)

@@ -14,9 +14,11 @@ so a function defined in a module next to the driver's script (or in a test modu
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import sys
+import types
 from typing import Any, Callable
 
 from hora.base import contract
@@ -114,3 +116,19 @@ class BaseHorovodWorker:
             return self.execute(func)
         finally:
             ray_logger.configure(None, self._rank)
+
+
+
+def _own_copy(f: Callable) -> Callable:
+    """A function like ``f`` that is a different object (same code, defaults and globals)."""
+    g = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    g.__kwdefaults__, g.__doc__, g.__qualname__ = f.__kwdefaults__, f.__doc__, f.__qualname__
+    return g
+
+
+# What the executor makes a Ray actor. ``ray.remote`` sets a new ``__signature__`` (with a ``_ray_trace_ctx``
+# parameter) on the functions of the class it is given, so it is given a subclass with its own copies of them
+# and Horovod's ``BaseHorovodWorker`` keeps the signatures users see.
+RayWorker = type("RayWorker", (BaseHorovodWorker,),
+                 {"__module__": __name__, "__qualname__": "RayWorker", "__doc__": "A BaseHorovodWorker as a Ray actor",
+                  **{k: _own_copy(v) for k, v in vars(BaseHorovodWorker).items() if inspect.isfunction(v)}})
