@@ -121,6 +121,10 @@ class RayExecutor:
         from ray.util.placement_group import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if ray.util.client.ray.is_connected():
+            raise NotSupportedError("not supported yet: RayExecutor through Ray Client (ray://): the store is "
+                                    "served by the driver, which the workers may not reach; run the driver on a "
+                                    "node of the cluster (e.g. as a Ray job)")
         current = get_current_placement_group() if self.use_current_placement_group else None
         if current is None and self.num_workers is None and self.num_hosts is None:
             raise HoraValueError("RayExecutor: set num_workers, or num_hosts and num_workers_per_host")
@@ -291,7 +295,7 @@ class RayExecutor:
     def _lost(self, rank: int, error: Exception, what: str) -> None:
         where = self.places[rank] if rank < len(self.places) else None
         at = f" (pid {where.pid} on node {where.address})" if where else ""
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip(".")
         self.shutdown()
         raise LaunchError(f"RayExecutor: the worker actor of rank {rank}{at} died during a {what}: {reason}. A job "
                           "cannot go on without one of its ranks, so its other workers were stopped; call start() "
