@@ -191,6 +191,40 @@ def test_executable_cls_and_extra_env_vars(cluster):
 
 
 @pytest.mark.timeout(120)
+def test_workers_join_the_current_placement_group(cluster):
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    class Trial:  # a driver that is itself a Ray actor in a placement group, as a Ray Tune trial is (defined
+        # here so that Ray pickles it by value: the workers cannot import this test module)
+        def go(self):
+            from hora.ray import RayExecutor
+
+            def where():
+                import hora
+
+                hora.init()
+                return hora.rank(), hora.size()
+
+            ex = RayExecutor(RayExecutor.create_settings(), num_workers=2)
+            ex.start()
+            try:
+                return ex.run(where), ex._own_pg, ex._pg.id == ray.util.get_current_placement_group().id
+            finally:
+                ex.shutdown()
+
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}])
+    ray.get(pg.ready(), timeout=30)
+    try:
+        trial = ray.remote(num_cpus=0)(Trial).options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_capture_child_tasks=True)).remote()
+        assert ray.get(trial.go.remote(), timeout=90) == ([(0, 2), (1, 2)], False, True)
+        ray.kill(trial)
+    finally:
+        remove_placement_group(pg)
+
+
+@pytest.mark.timeout(120)
 def test_exception_on_a_worker_is_raised_with_its_traceback(executor):
     with pytest.raises(KeyError, match="no such thing on rank one") as info:
         executor.run(_raise_on_one)
