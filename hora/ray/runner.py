@@ -25,11 +25,12 @@ from typing import Any, Callable
 
 from hora.base.errors import HoraValueError, LaunchError, NotSupportedError
 from hora.ray import placement
-from hora.ray.worker import RayWorker
+from hora.ray.worker import ABORT, RayWorker
 
-# After one rank raised, how long the others get to finish or fail in turn (they normally fail within
-# seconds, with a lost peer) before they are stopped.
-FAILURE_GRACE_S = 30.0
+# After one rank raised, how long the others get to finish or fail in turn before they are stopped: they are
+# told to shut hora down and normally end within a second; one waiting in hora.init() for the failed rank
+# ends when its start timeout (settings.timeout_s) runs out, so the grace is that plus this.
+FAILURE_GRACE_S = 15.0
 ELASTIC_NOT_YET = ("not supported yet: elastic Ray jobs (min_workers / max_workers, ElasticRayExecutor) need "
                    "hora's elastic driver, which is not built yet; use num_workers for a fixed-size job")
 
@@ -215,7 +216,7 @@ class RayExecutor:
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(executable)`` on the rank 0 worker only; its return value."""
         payload, scope = self._payload(fn)
-        return self._gather([self._live()[0].call.remote(payload, scope, None)])[0]
+        return self._gather([self._live()[0].call.remote(payload, scope, None)], scope=scope)[0]
 
     def run_remote(self, fn: Callable[..., Any], args: list | None = None, kwargs: dict | None = None) -> list:
         """Like :meth:`run`, without waiting: one ``ray.ObjectRef`` per rank, in rank order (``ray.get`` them)."""
@@ -242,11 +243,11 @@ class RayExecutor:
         workers = self._live()
         payload, scope = self._payload(fn)
         if not callbacks:
-            return self._gather([w.call.remote(payload, scope, None) for w in workers])
+            return self._gather([w.call.remote(payload, scope, None) for w in workers], scope=scope)
         key = f"{scope}/ray_log"
         relay = Relay(f"127.0.0.1:{self._store.address.rpartition(':')[2]}", self._secret, key, callbacks)
         try:
-            results = self._gather([w.call.remote(payload, scope, key) for w in workers])
+            results = self._gather([w.call.remote(payload, scope, key) for w in workers], scope=scope)
         except BaseException:
             try:
                 relay.close()
@@ -257,8 +258,11 @@ class RayExecutor:
         return results
 
     # --- results and failures ----------------------------------------------------------------------------------
-    def _gather(self, refs: list, timeout: float | None = None, what: str = "call") -> list:
-        """The values of ``refs`` (one per rank, in rank order), or the error that explains the failure."""
+    def _gather(self, refs: list, timeout: float | None = None, what: str = "call", scope: str | None = None
+                ) -> list:
+        """The values of ``refs`` (one per rank, in rank order), or the error that explains the failure. Once a
+        rank of call ``scope`` failed, the ranks still running are told to shut hora down (see
+        :func:`hora.ray.worker._watch`), so none waits for the failed one in a collective."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -279,13 +283,16 @@ class RayExecutor:
                 self._lost(rank, e, what)
             except RayTaskError as e:
                 failed.append((rank, e))
-                if deadline is None or deadline - time.monotonic() > FAILURE_GRACE_S:
-                    deadline = time.monotonic() + FAILURE_GRACE_S
+                if scope is not None and pending and self._store is not None:
+                    self._store.set(f"{scope}/{ABORT}", b"1")
+                grace = self.settings.timeout_s + FAILURE_GRACE_S
+                if deadline is None or deadline - time.monotonic() > grace:
+                    deadline = time.monotonic() + grace
         late = sorted(rank_of[r] for r in pending)
         if failed:
             if late:
                 self.shutdown()
-            _raise_task_error(failed, late)
+            _raise_task_error(failed, late, self.settings.timeout_s + FAILURE_GRACE_S)
         if late:
             self.shutdown()
             raise LaunchError(f"RayExecutor: ranks {late} did not {'start' if what == 'start' else 'answer'} within "
@@ -308,7 +315,7 @@ def _clean(tb: str) -> str:
     return "\n".join(line for line in tb.splitlines() if line.strip().strip("^~") or not line.strip())
 
 
-def _raise_task_error(failed: list, late: list[int]) -> None:
+def _raise_task_error(failed: list, late: list[int], grace: float) -> None:
     """Re-raise the root cause: the first rank whose error was its own (not a lost peer or a shutdown)."""
     from hora.base.errors import PeerLostError, ShutdownError
     from hora.runner.api import RemoteTraceback
@@ -323,6 +330,6 @@ def _raise_task_error(failed: list, late: list[int]) -> None:
         exc = LaunchError(f"RayExecutor: rank {rank} raised {type(err).__name__}")
     if hasattr(exc, "add_note"):  # Python >= 3.11
         exc.add_note(f"(raised on rank {rank} of a RayExecutor job; its traceback is above"
-                     + (f"; ranks {late} had not finished {FAILURE_GRACE_S:g} s later and were stopped)" if late
+                     + (f"; ranks {late} had not finished {grace:g} s later and were stopped)" if late
                         else ")"))
     raise exc.with_traceback(None) from RemoteTraceback(f"\n\nTraceback on rank {rank}:\n{tb}")

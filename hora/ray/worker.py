@@ -18,6 +18,7 @@ import inspect
 import os
 import socket
 import sys
+import threading
 import types
 from typing import Any, Callable
 
@@ -104,19 +105,53 @@ class BaseHorovodWorker:
 
     def call(self, payload: bytes, scope: str, log_key: str | None) -> Any:
         """Run a cloudpickled ``func(executable)`` under a fresh store scope (``HORA_STORE_SCOPE``), so one
-        call's ``hvd.init()`` can never meet a rendezvous left half done by an earlier failed call."""
+        call's ``hvd.init()`` can never meet a rendezvous left half done by an earlier failed call. While it
+        runs, a thread watches the store for the driver's word that another rank failed (:func:`_watch`)."""
         import cloudpickle
 
         from hora.ray import ray_logger
 
         os.environ["HORA_STORE_SCOPE"] = scope
         ray_logger.configure(log_key, self._rank)
+        done = threading.Event()
+        threading.Thread(target=_watch, args=(f"{scope}/{ABORT}", done), daemon=True, name="hora-ray-abort").start()
         try:
             func = cloudpickle.loads(payload)
             return self.execute(func)
         finally:
+            done.set()
             ray_logger.configure(None, self._rank)
 
+
+ABORT = "abort"  # the key, under a call's scope, that the driver sets when a rank of that call failed
+
+
+def _watch(key: str, done: threading.Event) -> None:
+    """Until the call is ``done``: if the driver sets ``key`` (another rank failed), shut hora down here, so a
+    collective this rank waits in raises ``ShutdownError`` at once (a peer that shut down on purpose need not
+    end a collective that this rank submits afterwards)."""
+    from hora.base import env
+    from hora.transport.store import StoreClient, StoreTimeout
+
+    try:
+        client = StoreClient(env.get("STORE_ADDR") or "", env.get("SECRET") or "")
+    except Exception:  # noqa: BLE001 - no store (the executor is gone): nothing to watch
+        return
+    try:
+        while not done.is_set():
+            try:
+                client.get(key, timeout=0.5)
+            except StoreTimeout:
+                continue
+            # and again until the call ends: an hvd.init() that was under way completes after the first
+            while not done.is_set():
+                _shutdown_hora()
+                done.wait(0.05)
+            return
+    except Exception:  # noqa: BLE001 - the store closed (shutdown): the call is over anyway
+        return
+    finally:
+        client.close()
 
 
 def _own_copy(f: Callable) -> Callable:
