@@ -8,7 +8,8 @@ actor-method argument. Each call (``run``, ``execute``...) then sends a cloudpic
 and gathers the results in rank order.
 
 Failures: a function that raises on a rank is re-raised here with that rank's traceback as its ``__cause__``
-(the first rank to fail for a reason of its own, not one that failed only because it lost a peer); a worker
+(the first rank to fail for a reason of its own, not one that failed only because it lost a peer), and the
+ranks still running are told through the store to shut hora down, so none waits for it in a collective; a worker
 actor that dies (killed, out of memory, its node lost) fails the call at once with a :class:`LaunchError`
 naming its rank, and the executor's other actors are stopped, since a job cannot go on without a rank.
 """
