@@ -316,6 +316,54 @@ def test_a_killed_worker_fails_the_run_naming_it(cluster):
         ex.shutdown()
 
 
+# Two Ray nodes (two raylets on this machine): one worker on each, so ranks come from node IDs, cross ranks
+# count nodes, and the store listens on every interface, advertised at the driver's node address.
+_TWO_NODES = r"""
+import json, os
+import numpy as np, ray
+from ray.cluster_utils import Cluster
+from hora.ray import RayExecutor
+
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+cluster.add_node(num_cpus=1)
+ray.init(address=cluster.address, log_to_driver=False)
+cluster.wait_for_nodes()
+
+def where():
+    import hora
+    hora.init()
+    total = hora.allreduce(np.ones(1 << 16, np.float32), op=hora.Sum, name="x")
+    return [hora.rank(), hora.local_rank(), hora.local_size(), hora.cross_rank(), hora.cross_size(),
+            os.environ["HORA_HOSTNAME"], os.environ["HORA_STORE_ADDR"], float(total[0])]
+
+ex = RayExecutor(RayExecutor.create_settings(), num_hosts=2, num_workers_per_host=1)
+ex.start()
+try:
+    print(json.dumps({"ranks": ex.run(where), "nodes": len({p.node_id for p in ex.places}),
+                      "bind": ex._store.address, "ip": ray.util.get_node_ip_address()}))
+finally:
+    ex.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+"""
+
+
+@pytest.mark.timeout(150)
+def test_two_ray_nodes_give_two_hosts():
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", _TWO_NODES], cwd=ROOT, env=dict(env, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    ip = out["ip"]
+    assert out["nodes"] == 2
+    assert out["ranks"] == [[0, 0, 1, 0, 2, ip, out["ranks"][0][6], 2.0], [1, 0, 1, 1, 2, f"{ip}#1",
+                                                                         out["ranks"][0][6], 2.0]]
+    assert out["ranks"][0][6] == f"{ip}:{out['bind'].rpartition(':')[2]}" and out["bind"].startswith("0.0.0.0:")
+
+
 @pytest.mark.timeout(60)
 def test_resources_that_never_come_fail_start(cluster):
     from hora.base.errors import HoraTimeoutError
