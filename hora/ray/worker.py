@@ -28,9 +28,9 @@ _HIDDEN = "<hidden>"
 
 
 def _shutdown_hora() -> None:
-    """After the user's function raised: close hora on this rank (as the process exiting would under
-    ``hora run``), so that peers blocked in a collective with this rank fail within seconds instead of
-    waiting for it forever. A later call starts again with ``hvd.init()``."""
+    """Close hora on this rank, if it is open: after the user's function raised here (as the process exiting
+    would under ``hora run``, so that peers blocked in a collective with this rank fail within seconds), or
+    when another rank's did (:func:`_watch`). A later call starts again with ``hvd.init()``."""
     core = sys.modules.get("hora.core.basics")
     if core is not None and core.is_initialized():
         core.shutdown()
