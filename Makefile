@@ -33,6 +33,8 @@ BENCH_ARGS ?=
 SYSTEM_PACKAGES := iproute2 openssh-server openssh-client openmpi-bin libopenmpi-dev
 
 .PHONY: setup setup-frameworks setup-mxnet test demo lint sz deps-system clean bench
+# hora.ray's tests: Ray (2.60.0 adds packages to the stack above and changes none of its versions)
+FRAMEWORK_PINS += ray==2.60.0
 
 # The stamp alone is not enough: an editable install records the package layout it saw (hora was once a
 # namespace without __init__.py) and the checkout's path (a .venv copied along with a moved tree). So setup

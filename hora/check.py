@@ -98,6 +98,7 @@ def launchers() -> list[tuple[str, bool, str]]:
          ("no ssh client on PATH" if _found("hora.runner.remote") else "not in this version")),
         ("mpirun / hora run --mpi", bool(mpirun) and _found("mpi4py"),
          mpirun or "no mpirun on PATH"),
+        ("Ray (hora.ray.RayExecutor)", _found("ray"), _version(("ray",)) or "needs pip install 'hora[ray]'"),
         ("torchrun", True, "RANK, LOCAL_RANK, MASTER_ADDR ...; store on MASTER_PORT+1"),
         ("srun (SLURM job steps)", True, "SLURM_PROCID, SLURM_STEP_ID ..."),
     ]

@@ -1,0 +1,336 @@
+"""``RayExecutor``: a hora job whose ranks are Ray actors (Horovod's ``horovod.ray.RayExecutor``).
+
+Ray places and starts the processes; hora does the rest as under ``hora run``. :meth:`RayExecutor.start`
+reserves a placement group, starts one :class:`~hora.ray.worker.BaseHorovodWorker` actor per rank, asks each
+where Ray put it, plans ranks node by node from that (:mod:`hora.ray.placement`), serves the job's store in
+this process (the driver), and gives every actor its ``HORA_*`` environment, the secret included, as an
+actor-method argument. Each call (``run``, ``execute``...) then sends a cloudpickled function to the actors
+and gathers the results in rank order.
+
+Failures: a function that raises on a rank is re-raised here with that rank's traceback as its ``__cause__``
+(the first rank to fail for a reason of its own, not one that failed only because it lost a peer), and the
+ranks still running are told through the store to shut hora down, so none waits for it in a collective; a worker
+actor that dies (killed, out of memory, its node lost) fails the call at once with a :class:`LaunchError`
+naming its rank, and the executor's other actors are stopped, since a job cannot go on without a rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from hora.base.errors import HoraValueError, LaunchError, NotSupportedError
+from hora.ray import placement
+from hora.ray.worker import ABORT, RayWorker
+
+# After one rank raised, how long the others get to finish or fail in turn before they are stopped: they are
+# told to shut hora down and normally end within a second; one waiting in hora.init() for the failed rank
+# ends when its start timeout (settings.timeout_s) runs out, so the grace is that plus this.
+FAILURE_GRACE_S = 15.0
+ELASTIC_NOT_YET = ("not supported yet: elastic Ray jobs (min_workers / max_workers, ElasticRayExecutor) need "
+                   "hora's elastic driver, which is not built yet; use num_workers for a fixed-size job")
+
+
+@dataclass
+class MiniSettings:
+    """The settings of a Ray job (Horovod's name). ``timeout_s``: how long workers get to start and meet
+    (hora's ``start_timeout``); ``nics``: the network interfaces hora may use (``HORA_NETWORK_INTERFACES``);
+    the ssh fields are accepted and unused (Ray starts the processes, not ssh)."""
+
+    nics: set | None = None
+    verbose: int = 1
+    key: str | None = None
+    ssh_port: int | None = None
+    ssh_identity_file: str | None = None
+    timeout_s: int = 30
+    placement_group_timeout_s: int = 100
+    elastic: bool = False
+
+
+def _apply(fn: Callable, args: tuple, kwargs: dict, _executable: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+class RayExecutor:
+    """A fixed group of Ray actors that run hora ranks. See the module docstring and docs/ray.md."""
+
+    @classmethod
+    def create_settings(cls, timeout_s: int = 30, ssh_identity_file: str | None = None, ssh_str: str | None = None,
+                        placement_group_timeout_s: int = 100, nics: set | None = None) -> MiniSettings:
+        """Horovod's settings. ``ssh_identity_file`` / ``ssh_str`` are accepted and have no effect: hora does
+        not ssh between Ray nodes (Horovod wrote ``ssh_str`` to the file; hora writes no key anywhere)."""
+        return MiniSettings(nics=nics, ssh_identity_file=ssh_identity_file, timeout_s=timeout_s,
+                            placement_group_timeout_s=placement_group_timeout_s)
+
+    def __init__(self, settings: MiniSettings, num_workers: int | None = None, num_hosts: int | None = None,
+                 num_workers_per_host: int = 1, cpus_per_worker: int = 1, use_gpu: bool = False,
+                 gpus_per_worker: int | None = None, use_current_placement_group: bool = True,
+                 min_workers: int | None = None, max_workers: int | None = None, reset_limit: int | None = None,
+                 cooldown_range: list | None = None, elastic_timeout: int = 600, override_discovery: bool = True):
+        if max_workers and (not min_workers or min_workers <= 0):
+            raise HoraValueError("RayExecutor: max_workers was given without a positive min_workers; an elastic "
+                                 "job needs min_workers")
+        if min_workers is not None and num_workers is not None:
+            raise HoraValueError("RayExecutor: give num_workers (a fixed-size job) or min_workers (elastic), not both")
+        if min_workers is not None:
+            raise NotSupportedError(ELASTIC_NOT_YET)
+        if num_workers is not None and num_hosts is not None:
+            raise HoraValueError("RayExecutor: give num_workers, or num_hosts and num_workers_per_host, not both")
+        if gpus_per_worker and not use_gpu:
+            raise HoraValueError("RayExecutor: gpus_per_worker is set but use_gpu is False; set use_gpu=True")
+        if use_gpu and gpus_per_worker is not None and gpus_per_worker < 1:
+            raise HoraValueError(f"RayExecutor: gpus_per_worker must be at least 1, got {gpus_per_worker}")
+        for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts),
+                            ("num_workers_per_host", num_workers_per_host), ("cpus_per_worker", cpus_per_worker)):
+            if value is not None and (not isinstance(value, (int, float)) or value < (0 if name == "cpus_per_worker"
+                                                                                     else 1)):
+                raise HoraValueError(f"RayExecutor: {name} must be a positive number, got {value!r}")
+        self.settings = settings
+        self.num_workers, self.num_hosts, self.num_workers_per_host = num_workers, num_hosts, num_workers_per_host
+        self.cpus_per_worker, self.use_gpu = cpus_per_worker, use_gpu
+        self.gpus_per_worker = (gpus_per_worker or 1) if use_gpu else 0
+        self.use_current_placement_group = use_current_placement_group
+        self.workers: list = []  # the actors, in rank order
+        self.places: list[placement.Place] = []  # where each rank runs, in rank order
+        self._pg = None
+        self._own_pg = False
+        self._store = None
+        self._secret = ""
+        self._scope = ""
+        self._calls = 0
+
+    # --- start / shutdown ------------------------------------------------------------------------------------
+    def start(self, executable_cls: type | None = None, executable_args: list | None = None,
+              executable_kwargs: dict | None = None, extra_env_vars: dict | None = None) -> None:
+        """Start the actors, give them their ranks, and make ``executable_cls(*args, **kwargs)`` on each."""
+        if self.workers:
+            raise HoraValueError("RayExecutor.start: already started; call shutdown() first")
+        try:
+            self._start(extra_env_vars or {})
+            self._gather([w.start_executable.remote(executable_cls, executable_args, executable_kwargs)
+                          for w in self.workers])
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, extra_env_vars: dict) -> None:
+        import ray
+        from ray.util.placement_group import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if ray.util.client.ray.is_connected():
+            raise NotSupportedError("not supported yet: RayExecutor through Ray Client (ray://): the store is "
+                                    "served by the driver, which the workers may not reach; run the driver on a "
+                                    "node of the cluster (e.g. as a Ray job)")
+        current = get_current_placement_group() if self.use_current_placement_group else None
+        if current is None and self.num_workers is None and self.num_hosts is None:
+            raise HoraValueError("RayExecutor: set num_workers, or num_hosts and num_workers_per_host")
+        if self.num_workers is not None:
+            n = self.num_workers
+        elif self.num_hosts is not None:
+            n = self.num_hosts * self.num_workers_per_host
+        else:  # only a current placement group: one worker per bundle
+            n = len(current.bundle_specs)
+        if current is not None:  # running inside a Ray Tune trial, say: its group holds our resources
+            self._pg, index = current, [-1] * n
+        else:
+            specs, strategy, index = placement.bundles(self.num_workers, self.num_hosts, self.num_workers_per_host,
+                                                       self.cpus_per_worker, self.gpus_per_worker)
+            self._pg = placement.reserve(specs, strategy, self.settings.placement_group_timeout_s)
+            self._own_pg = True
+        actor = ray.remote(RayWorker)
+        started = [actor.options(num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker, max_restarts=0,
+                                 scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                     self._pg, placement_group_bundle_index=index[i])).remote(i, n)
+                   for i in range(n)]
+        self.workers = started  # so that shutdown() stops them if what follows fails
+        places = [placement.Place(*p) for p in self._gather([w.place.remote() for w in started],
+                                                            timeout=self.settings.timeout_s, what="start")]
+        plan = placement.plan_ranks(places)
+        self.workers = [started[i] for i, _ in plan]
+        self.places = [places[i] for i, _ in plan]
+        envs = self._serve([s for _, s in plan], places, extra_env_vars)
+        path = [p for p in sys.path if isinstance(p, str)]
+        self._gather([w.setup.remote(env, path) for w, env in zip(self.workers, envs)],
+                     timeout=self.settings.timeout_s, what="start")
+
+    def _serve(self, slots: list, places: list[placement.Place], extra_env_vars: dict) -> list[dict[str, str]]:
+        """Serve the store here and return each rank's environment. The store listens on loopback when every
+        worker shares this node, else on all interfaces, advertised as this node's Ray address."""
+        import ray
+
+        from hora.runner.launch import worker_envs
+        from hora.transport.auth import new_secret
+        from hora.transport.store import StoreServer
+
+        here = ray.get_runtime_context().get_node_id()
+        local = all(p.node_id == here for p in places)
+        self._secret = new_secret()
+        self._store = StoreServer(self._secret, host="127.0.0.1" if local else "", port=0)
+        port = self._store.address.rpartition(":")[2]
+        addr = f"127.0.0.1:{port}" if local else f"{ray.util.get_node_ip_address()}:{port}"
+        self._scope = f"ray-{uuid.uuid4().hex[:12]}"
+        knobs = {"HORA_START_TIMEOUT": str(self.settings.timeout_s)}
+        if self.settings.nics:
+            knobs["HORA_NETWORK_INTERFACES"] = ",".join(sorted(self.settings.nics))
+        extra = {str(k): str(v) for k, v in extra_env_vars.items()}
+        return worker_envs(slots, knobs, addr, self._secret, self._scope, base={}, extra=extra)
+
+    def shutdown(self) -> None:
+        """Stop the actors, release the placement group (when this executor made it) and close the store."""
+        import ray
+
+        workers, self.workers, self.places = self.workers, [], []
+        for w in workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self._pg is not None and self._own_pg:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._pg)
+            except Exception:  # noqa: BLE001 - the cluster went away first
+                pass
+        self._pg, self._own_pg = None, False
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    # --- calls ----------------------------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: list | None = None, kwargs: dict | None = None,
+            callbacks: list[Callable[[Any], Any]] | None = None) -> list:
+        """``fn(*args, **kwargs)`` on every worker; the return values in rank order. Every callback is called
+        on every value rank 0 sends with :func:`hora.ray.ray_logger.log`."""
+        return self._call(functools.partial(_apply, fn, tuple(args or ()), dict(kwargs or {})), callbacks)
+
+    def execute(self, fn: Callable[[Any], Any], callbacks: list[Callable[[Any], Any]] | None = None) -> list:
+        """``fn(executable)`` on every worker (the object ``start(executable_cls)`` made); results in rank order."""
+        return self._call(fn, callbacks)
+
+    def execute_single(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(executable)`` on the rank 0 worker only; its return value."""
+        payload, scope = self._payload(fn)
+        return self._gather([self._live()[0].call.remote(payload, scope, None)], scope=scope)[0]
+
+    def run_remote(self, fn: Callable[..., Any], args: list | None = None, kwargs: dict | None = None) -> list:
+        """Like :meth:`run`, without waiting: one ``ray.ObjectRef`` per rank, in rank order (``ray.get`` them)."""
+        payload, scope = self._payload(functools.partial(_apply, fn, tuple(args or ()), dict(kwargs or {})))
+        return [w.call.remote(payload, scope, None) for w in self._live()]
+
+    def _live(self) -> list:
+        if not self.workers:
+            raise LaunchError("RayExecutor: not started (call start() first; after a worker died, shutdown() "
+                              "and start() again)")
+        return self.workers
+
+    def _payload(self, fn: Callable) -> tuple[bytes, str]:
+        import cloudpickle
+
+        if not callable(fn):
+            raise HoraValueError(f"RayExecutor needs a function, got {type(fn).__name__}")
+        self._calls += 1
+        return cloudpickle.dumps(fn), f"{self._scope}/{self._calls}"
+
+    def _call(self, fn: Callable, callbacks: list | None) -> list:
+        from hora.ray.ray_logger import Relay
+
+        workers = self._live()
+        payload, scope = self._payload(fn)
+        if not callbacks:
+            return self._gather([w.call.remote(payload, scope, None) for w in workers], scope=scope)
+        key = f"{scope}/ray_log"
+        relay = Relay(f"127.0.0.1:{self._store.address.rpartition(':')[2]}", self._secret, key, callbacks)
+        try:
+            results = self._gather([w.call.remote(payload, scope, key) for w in workers], scope=scope)
+        except BaseException:
+            try:
+                relay.close()
+            except Exception:  # noqa: BLE001 - the job's own error is the one to see
+                pass
+            raise
+        relay.close()
+        return results
+
+    # --- results and failures ----------------------------------------------------------------------------------
+    def _gather(self, refs: list, timeout: float | None = None, what: str = "call", scope: str | None = None
+                ) -> list:
+        """The values of ``refs`` (one per rank, in rank order), or the error that explains the failure. Once a
+        rank of call ``scope`` failed, the ranks still running are told to shut hora down (see
+        :func:`hora.ray.worker._watch`), so none waits for the failed one in a collective."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        results: list = [None] * len(refs)
+        failed: list[tuple[int, RayTaskError]] = []
+        pending = list(refs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                break
+            rank = rank_of[ready[0]]
+            try:
+                results[rank] = ray.get(ready[0])
+            except RayActorError as e:
+                self._lost(rank, e, what)
+            except RayTaskError as e:
+                failed.append((rank, e))
+                if scope is not None and pending and self._store is not None:
+                    self._store.set(f"{scope}/{ABORT}", b"1")
+                grace = self.settings.timeout_s + FAILURE_GRACE_S
+                if deadline is None or deadline - time.monotonic() > grace:
+                    deadline = time.monotonic() + grace
+        late = sorted(rank_of[r] for r in pending)
+        if failed:
+            if late:
+                self.shutdown()
+            _raise_task_error(failed, late, self.settings.timeout_s + FAILURE_GRACE_S)
+        if late:
+            self.shutdown()
+            raise LaunchError(f"RayExecutor: ranks {late} did not {'start' if what == 'start' else 'answer'} within "
+                              f"{timeout:g} s (settings.timeout_s); the workers were stopped")
+        return results
+
+    def _lost(self, rank: int, error: Exception, what: str) -> None:
+        where = self.places[rank] if rank < len(self.places) else None
+        at = f" (pid {where.pid} on node {where.address})" if where else ""
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip(".")
+        self.shutdown()
+        raise LaunchError(f"RayExecutor: the worker actor of rank {rank}{at} died during a {what}: {reason}. A job "
+                          "cannot go on without one of its ranks, so its other workers were stopped; call start() "
+                          "for a new job") from error
+
+
+def _clean(tb: str) -> str:
+    """Ray's remote traceback without its terminal colours and the caret lines left under frames it hid."""
+    tb = re.sub(r"\x1b\[[0-9;]*m", "", tb)
+    return "\n".join(line for line in tb.splitlines() if line.strip().strip("^~") or not line.strip())
+
+
+def _raise_task_error(failed: list, late: list[int], grace: float) -> None:
+    """Re-raise the root cause: the first rank whose error was its own (not a lost peer or a shutdown)."""
+    from hora.base.errors import PeerLostError, ShutdownError
+    from hora.runner.api import RemoteTraceback
+
+    def secondary(e) -> bool:
+        return isinstance(getattr(e, "cause", None), (PeerLostError, ShutdownError))
+
+    rank, err = next(((r, e) for r, e in failed if not secondary(e)), failed[0])
+    exc = getattr(err, "cause", None)
+    tb = _clean(getattr(err, "traceback_str", "") or str(err))
+    if not isinstance(exc, BaseException):
+        exc = LaunchError(f"RayExecutor: rank {rank} raised {type(err).__name__}")
+    if hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(f"(raised on rank {rank} of a RayExecutor job; its traceback is above"
+                     + (f"; ranks {late} had not finished {grace:g} s later and were stopped)" if late
+                        else ")"))
+    raise exc.with_traceback(None) from RemoteTraceback(f"\n\nTraceback on rank {rank}:\n{tb}")

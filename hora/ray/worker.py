@@ -1,0 +1,169 @@
+"""The body of one worker actor: Horovod's ``BaseHorovodWorker``, plus what hora needs to run a rank in it.
+
+The driver (:class:`hora.ray.RayExecutor`) makes this class a Ray actor, asks each instance where it runs
+(:meth:`place`), then hands it its rank's environment (:meth:`setup`: the ``HORA_*`` contract of
+:func:`hora.runner.launch.worker_envs`, the job secret included). The environment arrives as an actor-method
+argument, so the secret travels inside Ray's own (token-authenticated) channels and never on a command line;
+it goes into this process's ``os.environ`` after the process started, which ``/proc/<pid>/environ`` does not
+show. hora reads it when the user's function calls ``hvd.init()``.
+
+Functions arrive cloudpickled and are unpickled here, after the driver's ``sys.path`` has been added to ours,
+so a function defined in a module next to the driver's script (or in a test module) is found, as under
+``hora.run()``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import socket
+import sys
+import threading
+import types
+from typing import Any, Callable
+
+from hora.base import contract
+
+_HIDDEN = "<hidden>"
+
+
+def _shutdown_hora() -> None:
+    """Close hora on this rank, if it is open: after the user's function raised here (as the process exiting
+    would under ``hora run``, so that peers blocked in a collective with this rank fail within seconds), or
+    when another rank's did (:func:`_watch`). A later call starts again with ``hvd.init()``."""
+    core = sys.modules.get("hora.core.basics")
+    if core is not None and core.is_initialized():
+        core.shutdown()
+
+
+class BaseHorovodWorker:
+    """One rank of a Ray job (Horovod's name). ``executable`` is the object made by ``start(executable_cls)``,
+    passed to the functions of ``RayExecutor.execute``."""
+
+    executable: Any = None
+
+    def __init__(self, world_rank: int = 0, world_size: int = 1):
+        self._rank = world_rank
+        self._size = world_size
+
+    # --- Horovod's methods -------------------------------------------------------------------------------
+    def hostname(self) -> str:
+        return socket.gethostname()
+
+    def get_gpu_ids(self) -> list:
+        """The GPU IDs Ray assigned to this actor (``ray.get_gpu_ids()``)."""
+        import ray
+
+        return ray.get_gpu_ids()
+
+    def update_env_vars(self, env_vars: dict[str, Any]) -> None:
+        """Set variables in this actor's environment (values become strings)."""
+        os.environ.update({str(k): str(v) for k, v in env_vars.items()})
+
+    def env_vars(self) -> dict[str, str]:
+        """This actor's environment, with the job secret hidden."""
+        env = dict(os.environ)
+        if "HORA_SECRET" in env:
+            env["HORA_SECRET"] = _HIDDEN
+        return env
+
+    def start_executable(self, executable_cls: type | None = None, executable_args: list | None = None,
+                         executable_kwargs: dict | None = None) -> None:
+        """Make ``executable_cls(*args, **kwargs)`` this worker's ``executable`` (None when no class)."""
+        if executable_cls is not None:
+            self.executable = executable_cls(*(executable_args or []), **(executable_kwargs or {}))
+
+    def execute(self, func: Callable[[Any], Any]) -> Any:
+        """``func(self.executable)``. A raised exception shuts hora down on this rank (see :func:`_shutdown_hora`)."""
+        try:
+            return func(self.executable)
+        except BaseException:
+            _shutdown_hora()
+            raise
+
+    def set_queue(self, queue) -> None:
+        """Horovod's hook for a Ray queue; hora's callbacks travel through the job's store instead
+        (:mod:`hora.ray.ray_logger`), so this is accepted and has no effect."""
+
+    # --- hora's ------------------------------------------------------------------------------------------
+    def place(self) -> tuple[str, str, int]:
+        """(Ray node ID, node address, pid): what the driver plans ranks from."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+
+    def setup(self, env: dict[str, str], sys_path: list[str]) -> None:
+        """Take this rank's environment (replacing any ``HORA_*``/``HOROVOD_*`` topology a previous job left)
+        and the driver's ``sys.path``."""
+        for name in contract.ALL:
+            os.environ.pop("HORA_" + name, None)
+            os.environ.pop("HOROVOD_" + name, None)
+        os.environ.update(env)
+        self._rank = int(env["HORA_RANK"])
+        self._size = int(env["HORA_SIZE"])
+        sys.path.extend(p for p in sys_path if p not in sys.path)
+
+    def call(self, payload: bytes, scope: str, log_key: str | None) -> Any:
+        """Run a cloudpickled ``func(executable)`` under a fresh store scope (``HORA_STORE_SCOPE``), so one
+        call's ``hvd.init()`` can never meet a rendezvous left half done by an earlier failed call. While it
+        runs, a thread watches the store for the driver's word that another rank failed (:func:`_watch`)."""
+        import cloudpickle
+
+        from hora.ray import ray_logger
+
+        os.environ["HORA_STORE_SCOPE"] = scope
+        ray_logger.configure(log_key, self._rank)
+        done = threading.Event()
+        threading.Thread(target=_watch, args=(f"{scope}/{ABORT}", done), daemon=True, name="hora-ray-abort").start()
+        try:
+            func = cloudpickle.loads(payload)
+            return self.execute(func)
+        finally:
+            done.set()
+            ray_logger.configure(None, self._rank)
+
+
+ABORT = "abort"  # the key, under a call's scope, that the driver sets when a rank of that call failed
+
+
+def _watch(key: str, done: threading.Event) -> None:
+    """Until the call is ``done``: if the driver sets ``key`` (another rank failed), shut hora down here, so a
+    collective this rank waits in raises ``ShutdownError`` at once (a peer that shut down on purpose need not
+    end a collective that this rank submits afterwards)."""
+    from hora.base import env
+    from hora.transport.store import StoreClient, StoreTimeout
+
+    try:
+        client = StoreClient(env.get("STORE_ADDR") or "", env.get("SECRET") or "")
+    except Exception:  # noqa: BLE001 - no store (the executor is gone): nothing to watch
+        return
+    try:
+        while not done.is_set():
+            try:
+                client.get(key, timeout=0.5)
+            except StoreTimeout:
+                continue
+            # and again until the call ends: an hvd.init() that was under way completes after the first
+            while not done.is_set():
+                _shutdown_hora()
+                done.wait(0.05)
+            return
+    except Exception:  # noqa: BLE001 - the store closed (shutdown): the call is over anyway
+        return
+    finally:
+        client.close()
+
+
+def _own_copy(f: Callable) -> Callable:
+    """A function like ``f`` that is a different object (same code, defaults and globals)."""
+    g = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    g.__kwdefaults__, g.__doc__, g.__qualname__ = f.__kwdefaults__, f.__doc__, f.__qualname__
+    return g
+
+
+# What the executor makes a Ray actor. ``ray.remote`` sets a new ``__signature__`` (with a ``_ray_trace_ctx``
+# parameter) on the functions of the class it is given, so it is given a subclass with its own copies of them
+# and Horovod's ``BaseHorovodWorker`` keeps the signatures users see.
+RayWorker = type("RayWorker", (BaseHorovodWorker,),
+                 {"__module__": __name__, "__qualname__": "RayWorker", "__doc__": "A BaseHorovodWorker as a Ray actor",
+                  **{k: _own_copy(v) for k, v in vars(BaseHorovodWorker).items() if inspect.isfunction(v)}})

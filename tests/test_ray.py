@@ -1,0 +1,435 @@
+"""hora.ray on a real local Ray cluster: one cluster for the module (``ray.init`` with 4 logical CPUs, token
+authentication on, as Ray 2.60 has it by default), one 2-worker executor shared by most tests, and fresh ones
+for the tests that stop their workers.
+
+Without Ray these skip, except under CI (CI=true), where Ray is part of the test stack and a skip would hide a
+broken setup.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import api_check
+
+ROOT = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true")
+
+try:
+    import ray
+except ImportError:
+    ray = None
+if ray is None:
+    (pytest.fail if IN_CI else pytest.skip)("needs Ray (pip install 'hora[ray]'; CI installs it)",
+                                            allow_module_level=True)
+
+from hora.base.errors import LaunchError, NotSupportedError  # noqa: E402
+from hora.runner.api import RemoteTraceback  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def executor(cluster):
+    from hora.ray import RayExecutor
+
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
+    ex.start()
+    yield ex
+    ex.shutdown()
+
+
+def _gone(pids: list[int], within: float) -> bool:
+    import psutil
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+# --- rank functions (they run in the worker actors) ------------------------------------------------------
+def _place(base):
+    import hora
+
+    hora.init()
+    return (base + hora.rank(), hora.rank(), hora.size(), hora.local_rank(), hora.local_size(), hora.cross_rank(),
+            os.getpid())
+
+
+def _collectives():
+    """Allreduce (sum, average, several dtypes), allgather and broadcast across the workers."""
+    import hora
+
+    hora.init()
+    r, n = hora.rank(), hora.size()
+    out = {}
+    for dt in (np.float32, np.float64, np.int32):
+        x = (np.arange(1 << 12) % 7 + r).astype(dt)
+        out[f"sum/{np.dtype(dt).name}"] = hora.allreduce(x, op=hora.Sum, name=f"s{dt.__name__}")
+    out["avg"] = hora.allreduce(np.full(5, float(r)), name="avg")
+    out["gather"] = hora.allgather(np.full((r + 1, 2), r, np.int64), name="g")
+    out["bcast"] = hora.broadcast(np.full(3, 10.0 + r), root_rank=1, name="b")
+    out["big"] = float(hora.allreduce(np.ones(1 << 20, np.float32), op=hora.Sum, name="big")[-1])
+    return n, out
+
+
+def _raise_on_one():
+    import hora
+
+    hora.init()
+    if hora.rank() == 1:
+        raise KeyError("no such thing on rank one")
+    hora.allreduce(np.ones(3), name="waits_for_one")  # rank 0 waits here until rank 1's shutdown tells it
+    return "unreachable"
+
+
+def _log_then_return(n):
+    from hora.ray import ray_logger
+
+    import hora
+
+    hora.init()
+    for i in range(n):
+        ray_logger.log({"i": i, "rank": hora.rank()})
+    ray_logger.log({"from": hora.rank()}, chief_only=False)
+    return hora.rank()
+
+
+def _train_forever():
+    """Allreduce until the worker is killed; rank 0 tells the driver once the collectives run."""
+    from hora.ray import ray_logger
+
+    import hora
+
+    hora.init()
+    for step in range(10 ** 9):
+        hora.allreduce(np.ones(1 << 16, np.float32), name="step")
+        if step == 3:
+            ray_logger.log("running")
+
+
+class _Counter:
+    def __init__(self, start):
+        self.value = start
+
+    def bump(self):
+        self.value += 1
+        return self.value
+
+
+# --- tests -------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_run_returns_per_rank_results_in_rank_order(executor):
+    results = executor.run(_place, args=[100])
+    assert [r[:6] for r in results] == [(100, 0, 2, 0, 2, 0), (101, 1, 2, 1, 2, 0)]
+    pids = [r[6] for r in results]
+    assert pids == [p.pid for p in executor.places]  # the actors are held in rank order
+    assert executor.run(_place, kwargs={"base": 7})[1][0] == 8  # a second call: hora.init() again, a new scope
+
+
+@pytest.mark.timeout(120)
+def test_collectives_across_the_workers(executor):
+    results = executor.run(_collectives)
+    n = 2
+    for rank, (size, out) in enumerate(results):
+        assert size == n
+        for dt in ("float32", "float64", "int32"):
+            want = sum((np.arange(1 << 12) % 7 + r) for r in range(n))
+            assert out[f"sum/{dt}"].dtype == np.dtype(dt) and (out[f"sum/{dt}"] == want).all(), (rank, dt)
+        assert np.allclose(out["avg"], (n - 1) / 2)
+        assert out["gather"].tolist() == [[0, 0], [1, 1], [1, 1]]
+        assert (out["bcast"] == 11.0).all()
+        assert out["big"] == n
+
+
+@pytest.mark.timeout(120)
+def test_execute_execute_single_run_remote(executor):
+    pids = executor.execute(lambda w: os.getpid())
+    assert pids == [p.pid for p in executor.places]
+    assert executor.execute_single(lambda w: (os.environ["HORA_RANK"], os.getpid())) == ("0", pids[0])
+    refs = executor.run_remote(lambda a, b: (os.environ["HORA_RANK"], a + b), args=[1], kwargs={"b": 2})
+    assert len(refs) == 2 and all(isinstance(r, ray.ObjectRef) for r in refs)
+    assert ray.get(refs) == [("0", 3), ("1", 3)]
+    env = executor.execute(lambda w: None)
+    assert env == [None, None]
+
+
+@pytest.mark.timeout(180)
+def test_executable_cls_and_extra_env_vars(cluster):
+    from hora.ray import RayExecutor
+
+    ex = RayExecutor(RayExecutor.create_settings(), num_hosts=1, num_workers_per_host=2)
+    ex.start(executable_cls=_Counter, executable_args=[10], extra_env_vars={"HORA_CYCLE_TIME": "2.5", "MINE": 1})
+    try:
+        assert ex.execute(lambda c: c.bump()) == [11, 11]
+        assert ex.execute(lambda c: c.bump()) == [12, 12]  # the executable keeps its state between calls
+        assert ex.execute(lambda c: (os.environ["MINE"], os.environ["HORA_CYCLE_TIME"])) == [("1", "2.5")] * 2
+        env = ray.get(ex.workers[0].env_vars.remote())
+        assert env["HORA_SECRET"] == "<hidden>" and env["HORA_LOCAL_SIZE"] == "2"
+    finally:
+        ex.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_workers_join_the_current_placement_group(cluster):
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    class Trial:  # a driver that is itself a Ray actor in a placement group, as a Ray Tune trial is (defined
+        # here so that Ray pickles it by value: the workers cannot import this test module)
+        def go(self):
+            from hora.ray import RayExecutor
+
+            def where():
+                import hora
+
+                hora.init()
+                return hora.rank(), hora.size()
+
+            ex = RayExecutor(RayExecutor.create_settings(), num_workers=2)
+            ex.start()
+            try:
+                return ex.run(where), ex._own_pg, ex._pg.id == ray.util.get_current_placement_group().id
+            finally:
+                ex.shutdown()
+
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}])
+    ray.get(pg.ready(), timeout=30)
+    try:
+        trial = ray.remote(num_cpus=0)(Trial).options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_capture_child_tasks=True)).remote()
+        assert ray.get(trial.go.remote(), timeout=90) == ([(0, 2), (1, 2)], False, True)
+        ray.kill(trial)
+    finally:
+        remove_placement_group(pg)
+
+
+@pytest.mark.timeout(120)
+def test_exception_on_a_worker_is_raised_with_its_traceback(executor):
+    with pytest.raises(KeyError, match="no such thing on rank one") as info:
+        executor.run(_raise_on_one)
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert "Traceback on rank 1" in cause.tb and "_raise_on_one" in cause.tb and "\x1b[" not in cause.tb
+    assert any("rank 1" in n for n in getattr(info.value, "__notes__", ["rank 1"]))
+    # the job is still usable: the failed rank shut hora down, the next call initialises again
+    assert [r[1] for r in executor.run(_place, args=[0])] == [0, 1]
+
+
+@pytest.mark.timeout(120)
+def test_callbacks_get_what_rank_0_logs(executor):
+    seen = []
+    assert executor.run(_log_then_return, args=[5], callbacks=[seen.append]) == [0, 1]
+    chief = [v for v in seen if "i" in v]
+    assert chief == [{"i": i, "rank": 0} for i in range(5)]  # in order, rank 0's only
+    assert sorted(v["from"] for v in seen if "from" in v) == [0, 1]  # chief_only=False: every rank's
+    with pytest.warns(UserWarning, match="outside a RayExecutor call with callbacks"):
+        from hora.ray import ray_logger
+
+        ray_logger.log({"driver": 1})
+
+
+@pytest.mark.timeout(120)
+def test_secret_is_in_no_command_line_environment_or_log(executor, cluster):
+    secret = executor._secret
+    assert len(secret) >= 32
+    # the workers have it (hora.init needs it), from their in-process environment
+    assert executor.execute(lambda w: os.environ["HORA_SECRET"] == secret) == [True, True]
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        for what in ("cmdline", "environ"):
+            try:
+                if secret.encode() in (proc / what).read_bytes():
+                    found.append(f"{proc.name}/{what}")
+            except OSError:
+                pass
+    assert not found, f"the job secret is visible in /proc/{found}"
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    in_logs = [str(p) for p in session.rglob("*") if p.is_file() and p.stat().st_size < (64 << 20)
+               and secret.encode() in p.read_bytes()]
+    assert not in_logs, f"the job secret is written in Ray's files: {in_logs}"
+
+
+@pytest.mark.timeout(180)
+def test_pytorch_digits_example_trains(executor, cluster):
+    env = dict(os.environ, RAY_ADDRESS=cluster, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "examples/ray/train_digits.py"), "--num-workers", "2"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    m = re.search(r"final test accuracy (\d\.\d+) on every rank: True", proc.stdout)
+    assert m and float(m.group(1)) >= 0.95, proc.stdout
+    assert proc.stdout.count("epoch ") == 10  # the callbacks printed rank 0's epochs on the driver
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_fails_the_run_naming_it(cluster):
+    from hora.ray import RayExecutor
+
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
+    ex.start()
+    pids = [p.pid for p in ex.places]
+    running = threading.Event()
+    outcome: list[BaseException] = []
+
+    def drive():
+        try:
+            ex.run(_train_forever, callbacks=[lambda _v: running.set()])
+        except BaseException as e:  # noqa: BLE001
+            outcome.append(e)
+
+    t = threading.Thread(target=drive, daemon=True)
+    t.start()
+    try:
+        assert running.wait(60), "the collectives never started"
+        os.kill(pids[1], signal.SIGKILL)
+        t.join(15)
+        assert not t.is_alive(), "run() did not fail within 15 s of a worker's death"
+        assert outcome and isinstance(outcome[0], LaunchError), outcome
+        assert f"rank 1 (pid {pids[1]}" in str(outcome[0]) and "died" in str(outcome[0])
+        assert _gone(pids, 15), "worker processes outlived the failed job"
+        assert ex.workers == []
+        with pytest.raises(LaunchError, match="not started"):
+            ex.run(_place, args=[0])
+    finally:
+        ex.shutdown()
+
+
+# Two Ray nodes (two raylets on this machine): one worker on each, so ranks come from node IDs, cross ranks
+# count nodes, and the store listens on every interface, advertised at the driver's node address.
+_TWO_NODES = r"""
+import json, os
+import numpy as np, ray
+from ray.cluster_utils import Cluster
+from hora.ray import RayExecutor
+
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+cluster.add_node(num_cpus=1)
+ray.init(address=cluster.address, log_to_driver=False)
+cluster.wait_for_nodes()
+
+def where():
+    import hora
+    hora.init()
+    total = hora.allreduce(np.ones(1 << 16, np.float32), op=hora.Sum, name="x")
+    return [hora.rank(), hora.local_rank(), hora.local_size(), hora.cross_rank(), hora.cross_size(),
+            os.environ["HORA_HOSTNAME"], os.environ["HORA_STORE_ADDR"], float(total[0])]
+
+ex = RayExecutor(RayExecutor.create_settings(), num_hosts=2, num_workers_per_host=1)
+ex.start()
+try:
+    print(json.dumps({"ranks": ex.run(where), "nodes": len({p.node_id for p in ex.places}),
+                      "bind": ex._store.address, "ip": ray.util.get_node_ip_address()}))
+finally:
+    ex.shutdown()
+    ray.shutdown()
+    cluster.shutdown()
+"""
+
+
+@pytest.mark.timeout(150)
+def test_two_ray_nodes_give_two_hosts():
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", _TWO_NODES], cwd=ROOT, env=dict(env, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    ip = out["ip"]
+    assert out["nodes"] == 2
+    assert out["ranks"] == [[0, 0, 1, 0, 2, ip, out["ranks"][0][6], 2.0], [1, 0, 1, 1, 2, f"{ip}#1",
+                                                                         out["ranks"][0][6], 2.0]]
+    assert out["ranks"][0][6] == f"{ip}:{out['bind'].rpartition(':')[2]}" and out["bind"].startswith("0.0.0.0:")
+
+
+@pytest.mark.timeout(60)
+def test_resources_that_never_come_fail_start(cluster):
+    from hora.base.errors import HoraTimeoutError
+    from hora.ray import RayExecutor
+
+    ex = RayExecutor(RayExecutor.create_settings(placement_group_timeout_s=1), num_workers=2, cpus_per_worker=64)
+    with pytest.raises(HoraTimeoutError, match="could not reserve 2 bundle"):
+        ex.start()
+    assert ex.workers == []
+    asked = [pg["state"] for pg in ray.util.placement_group_table().values()
+             if pg["bundles"].get(0, {}).get("CPU") == 64]
+    assert asked == ["REMOVED"], asked  # the reservation that never came was withdrawn
+
+
+def test_names_and_signatures_match_horovod():
+    import hora.ray as hray
+
+    table = {
+        "RayExecutor": "settings, num_workers=None, num_hosts=None, num_workers_per_host=1, cpus_per_worker=1, "
+                       "use_gpu=False, gpus_per_worker=None, use_current_placement_group=True, min_workers=None, "
+                       "max_workers=None, reset_limit=None, cooldown_range=None, elastic_timeout=600, "
+                       "override_discovery=True",
+        "RayExecutor.create_settings": "timeout_s=30, ssh_identity_file=None, ssh_str=None, "
+                                       "placement_group_timeout_s=100, nics=None",
+        "RayExecutor.start": "self, executable_cls=None, executable_args=None, executable_kwargs=None, "
+                             "extra_env_vars=None",
+        "RayExecutor.run": "self, fn, args=None, kwargs=None, callbacks=None",
+        "RayExecutor.run_remote": "self, fn, args=None, kwargs=None",
+        "RayExecutor.execute": "self, fn, callbacks=None",
+        "RayExecutor.execute_single": "self, fn",
+        "RayExecutor.shutdown": "self",
+        "BaseHorovodWorker": "world_rank=0, world_size=1",
+        "BaseHorovodWorker.execute": "self, func",
+        "BaseHorovodWorker.start_executable": "self, executable_cls=None, executable_args=None, "
+                                              "executable_kwargs=None",
+        "BaseHorovodWorker.update_env_vars": "self, env_vars",
+        "ElasticRayExecutor": "settings=None, use_gpu=False, cpus_per_slot=1, gpus_per_slot=None, env_vars=None, "
+                              "override_discovery=True",
+        "ray_logger.log": "info_dict, chief_only=True",
+    }
+    for name, params in table.items():
+        obj = hray
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        api_check.check(name, api_check.actual(obj), api_check.expected(params, {}))
+    assert set(hray.__all__) >= {"RayExecutor", "BaseHorovodWorker", "ElasticRayExecutor"}
+
+
+def test_argument_errors_and_elastic_not_yet():
+    from hora.ray import ElasticRayExecutor, RayExecutor
+
+    s = RayExecutor.create_settings()
+    with pytest.raises(ValueError, match="not both"):
+        RayExecutor(s, num_workers=2, num_hosts=1)
+    with pytest.raises(ValueError, match="use_gpu"):
+        RayExecutor(s, num_workers=2, gpus_per_worker=1)
+    with pytest.raises(ValueError, match="min_workers"):
+        RayExecutor(s, max_workers=4)
+    with pytest.raises(NotSupportedError, match="not supported yet"):
+        RayExecutor(s, min_workers=1, max_workers=2)
+    with pytest.raises(NotSupportedError, match="not supported yet"):
+        ElasticRayExecutor(s)
+
+
+def test_import_hora_loads_no_ray_and_hora_ray_no_framework():
+    code = ("import sys, hora; assert 'ray' not in sys.modules, 'import hora loaded ray'; "
+            "import hora.ray; bad = [m for m in ('torch', 'tensorflow', 'jax', 'mxnet') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
