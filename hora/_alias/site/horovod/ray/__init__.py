@@ -1,0 +1,4 @@
+"""``horovod.ray`` is ``hora.ray``."""
+
+from hora.ray import *  # noqa: F401,F403
+from hora.ray import __all__, ray_logger  # noqa: F401
