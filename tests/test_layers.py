@@ -36,6 +36,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "hora.collectives": ("hora.core", "hora.runner", *BINDINGS, FACADE),
     "hora.core": ("hora.runner", *BINDINGS, FACADE),
     "hora.runner": ("hora.core", "hora.collectives", *BINDINGS, FACADE),
+    "hora.spark": ("hora.core", "hora.collectives", *BINDINGS, FACADE),  # a launcher, on the runner
 }
 # the ground may load only itself, the standard library and NumPy
 BASE_ALLOWED_HORA = ("hora.base",)
