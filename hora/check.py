@@ -100,6 +100,9 @@ def launchers() -> list[tuple[str, bool, str]]:
          mpirun or "no mpirun on PATH"),
         ("torchrun", True, "RANK, LOCAL_RANK, MASTER_ADDR ...; store on MASTER_PORT+1"),
         ("srun (SLURM job steps)", True, "SLURM_PROCID, SLURM_STEP_ID ..."),
+        ("Spark (hora.spark.run)", _found("pyspark") and shutil.which("java") is not None,
+         (f"pyspark {_version(('pyspark',))}" if _found("pyspark") else "needs pip install 'hora[spark]'")
+         + ("" if shutil.which("java") else ", no java on PATH (Java 17 or 21)")),
     ]
 
 

@@ -120,9 +120,10 @@ class Job:
                 if why is not None:
                     aborted_at = time.monotonic()
                     store.set("abort", why.encode())
+                    timeout = why.startswith("only")
                     if self.verbose:
-                        self._note(f"{why}; stopping the other ranks")
-                    if why.startswith("only"):  # tasks that never started cannot see the abort
+                        self._note(f"{why}; {'cancelling the Spark job' if timeout else 'stopping the other ranks'}")
+                    if timeout:  # tasks that never started cannot see the abort
                         self.sc.cancelJobGroup(self.group)
             elif time.monotonic() - aborted_at > CANCEL_AFTER_S:
                 self.sc.cancelJobGroup(self.group)
