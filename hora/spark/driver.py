@@ -27,6 +27,7 @@ from hora.spark import task
 from hora.transport.store import StoreServer
 
 CANCEL_AFTER_S = 10.0  # after an abort, how long the tasks get to stop their ranks before the job is cancelled
+GIVE_UP_S = 30.0  # after the cancel, how long the driver waits for Spark to end the job
 POLL_S = 0.05
 
 
@@ -83,7 +84,11 @@ class Job:
             store.set("func", cloudpickle.dumps((func, args, kwargs)))
             store.set("sys.path", pickle.dumps([p for p in sys.path if isinstance(p, str)]))
             thread = self._start_stage(spec)
-            failure = self._watch(store, thread)
+            try:
+                failure = self._watch(store, thread)
+            except BaseException:  # e.g. KeyboardInterrupt in a notebook: no rank may outlive the call
+                self.sc.cancelJobGroup(self.group)
+                raise
             self._relay(store, final=True)
             results = {r: store.get(f"result/{r}") for r in range(self.n)}
             codes = {r: store.get(f"exit/{r}") for r in range(self.n)}
@@ -111,7 +116,7 @@ class Job:
         """Until the stage ends: relay output, abort on the first failure, cancel if the tasks do not stop.
         Returns why the driver aborted (None when it did not)."""
         begun = time.monotonic()
-        aborted_at, why = None, None
+        aborted_at, why, cancelled = None, None, False
         while thread.is_alive():
             thread.join(POLL_S)
             self._relay(store)
@@ -125,9 +130,13 @@ class Job:
                         self._note(f"{why}; {'cancelling the Spark job' if timeout else 'stopping the other ranks'}")
                     if timeout:  # tasks that never started cannot see the abort
                         self.sc.cancelJobGroup(self.group)
-            elif time.monotonic() - aborted_at > CANCEL_AFTER_S:
+                        cancelled = True
+            elif time.monotonic() - aborted_at > CANCEL_AFTER_S + GIVE_UP_S:
+                self._note(f"the Spark job did not end {GIVE_UP_S:g} s after it was cancelled; not waiting for it")
+                break
+            elif time.monotonic() - aborted_at > CANCEL_AFTER_S and not cancelled:
                 self.sc.cancelJobGroup(self.group)
-                aborted_at = float("inf")
+                cancelled = True
         return why
 
     def _failure(self, store: StoreServer, begun: float) -> str | None:

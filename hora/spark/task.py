@@ -82,18 +82,21 @@ def _run_rank(spec: Spec, slots: list, rank: int, store: StoreClient) -> int:
     for p in pumps:
         p.start()
     stopping = None
-    while True:
-        try:
-            code = proc.wait(timeout=POLL_S)
-            break
-        except subprocess.TimeoutExpired:
-            pass
-        if stopping is None and store.check("abort"):
-            stopping = time.monotonic()
-            _signal(proc.pid, signal.SIGTERM)
-        elif stopping is not None and time.monotonic() - stopping > STOP_GRACE_S:
-            _signal(proc.pid, signal.SIGKILL)
-    _signal(proc.pid, signal.SIGKILL)  # what the rank left behind in its group
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if stopping is None and store.check("abort"):
+                stopping = time.monotonic()
+                _signal(proc.pid, signal.SIGTERM)
+            elif stopping is not None and time.monotonic() - stopping > STOP_GRACE_S:
+                _signal(proc.pid, signal.SIGKILL)
+    finally:  # also when the driver is gone (its store with it) or Spark kills this task
+        _signal(proc.pid, signal.SIGKILL)  # the rank if it still runs, and what it left behind in its group
+        proc.wait()
     for p in pumps:
         p.join(timeout=5)
     return code
