@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 import io
 import os
+import re
 import shutil
 import signal
 import sys
@@ -175,9 +176,9 @@ def test_mpi_and_elastic_are_refused_clearly():
 def test_results_in_rank_order_allreduce_output_and_no_secret_on_a_command_line(spark):
     import hora.spark
 
-    out = io.StringIO()
-    results = hora.spark.run(_collective, args=(7,), num_proc=2, stdout=out, use_gloo=True,
-                             env={"HORA_SPARK_TEST": "yes"})
+    out, err = io.StringIO(), io.StringIO()
+    results = hora.spark.run(_collective, args=(7,), num_proc=2, stdout=out, stderr=err, use_gloo=True,
+                             env={"HORA_SPARK_TEST": "yes"}, verbose=2, prefix_output_with_timestamp=True)
     assert [r["rank"] for r in results] == [0, 1]
     for r in results:
         assert r["size"] == 2 and r["x"] == 7 and r["env"] == "yes"
@@ -187,6 +188,8 @@ def test_results_in_rank_order_allreduce_output_and_no_secret_on_a_command_line(
     assert sorted(r["local_rank"] for r in results) == [0, 1]
     text = out.getvalue()
     assert "[0]<stdout>:rank 0 says hi" in text and "[1]<stdout>:rank 1 says hi" in text
+    assert re.search(r"^\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[1\]<stdout>:rank 1 says hi$", text, re.M), text
+    assert re.search(r"^hora.spark.run: rank 1: host \S+, pid \d+$", err.getvalue(), re.M), err.getvalue()
     # num_proc defaults to Spark's default parallelism (two slots here)
     assert [r["rank"] for r in hora.spark.run(_collective, args=(0,))] == [0, 1]
 

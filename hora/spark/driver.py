@@ -116,10 +116,12 @@ class Job:
         """Until the stage ends: relay output, abort on the first failure, cancel if the tasks do not stop.
         Returns why the driver aborted (None when it did not)."""
         begun = time.monotonic()
-        aborted_at, why, cancelled = None, None, False
+        aborted_at, why, cancelled, placed = None, None, False, False
         while thread.is_alive():
             thread.join(POLL_S)
             self._relay(store)
+            if self.verbose >= 2 and not placed:
+                placed = self._placement(store)
             if aborted_at is None:
                 why = self._failure(store, begun)
                 if why is not None:
@@ -138,6 +140,16 @@ class Job:
                 self.sc.cancelJobGroup(self.group)
                 cancelled = True
         return why
+
+    def _placement(self, store: StoreServer) -> bool:
+        """Once every rank started (verbose=2): where each runs."""
+        where = [store.get(f"started/{r}") for r in range(self.n)]
+        if any(w is None for w in where):
+            return False
+        for r, w in enumerate(where):
+            host, pid = w.decode().split()
+            self._note(f"rank {r}: host {host}, pid {pid}")
+        return True
 
     def _failure(self, store: StoreServer, begun: float) -> str | None:
         for r in range(self.n):
