@@ -222,6 +222,29 @@ def test_a_rank_killed_mid_collective_fails_the_run_naming_it(spark, tmp_path):
     assert [r["rank"] for r in hora.spark.run(_collective, args=(1,), num_proc=2)] == [0, 1]
 
 
+def _kill_own_task(directory):
+    import numpy as np
+
+    import hora
+
+    hora.init()
+    (Path(directory) / str(hora.rank())).write_text(str(os.getpid()))
+    for i in range(100000):
+        if hora.rank() == 1 and i == 3:
+            os.kill(os.getppid(), signal.SIGKILL)  # Spark's Python worker running this rank's task: a lost task
+        hora.allreduce(np.ones(1 << 16), name=f"step.{i}")
+    return "unreachable"
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_spark_task_fails_the_run_naming_its_rank(spark, tmp_path):
+    import hora.spark
+
+    with pytest.raises(LaunchError, match=r"rank 1 \(on \S+\) lost its Spark task.*barrier"):
+        hora.spark.run(_kill_own_task, args=(str(tmp_path),), num_proc=2, stderr=io.StringIO())
+    assert _wait_gone(_pids(tmp_path)) == []
+
+
 @pytest.mark.timeout(60)
 def test_more_ranks_than_task_slots_fails_at_the_start_timeout(spark):
     import hora.spark

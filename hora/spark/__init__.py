@@ -84,6 +84,9 @@ def run_elastic(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = 
                 elastic_timeout: float | None = None, reset_limit: int | None = None, env: dict | None = None,
                 stdout: IO[str] | None = None, stderr: IO[str] | None = None, verbose: int = 1,
                 nics: list[str] | None = None, prefix_output_with_timestamp: bool = False) -> list:
-    """Horovod's ``horovod.spark.run_elastic``: not built yet (hora's elastic driver is not there to run it on)."""
-    raise NotSupportedError("not supported yet: hora.spark.run_elastic: hora's elastic driver (issue 13) has no "
-                            "Spark discovery yet; use hora.spark.run, or hora.elastic under `hora run`")
+    """Horovod's ``horovod.spark.run_elastic``: not built yet. hora's elastic driver starts its workers itself
+    (here or over ssh) and discovers hosts with a script; running it on Spark needs a worker starter that
+    makes Spark tasks and a discovery that follows the executors, which it does not take yet."""
+    raise NotSupportedError("not supported yet: hora.spark.run_elastic: hora's elastic driver cannot start its "
+                            "workers as Spark tasks yet; use hora.spark.run (fixed size), or elastic training "
+                            "under `hora run --min-np ... --host-discovery-script ...`")

@@ -155,9 +155,12 @@ class Job:
         for r in range(self.n):
             if r not in self.seen and store.get(f"result/{r}") is not None:
                 self.seen.add(r)
-                if _is_error(store.get(f"result/{r}")):
+                raw = store.get(f"result/{r}")
+                if _is_error(raw, primary=True):
                     self.culprit = r
                     return f"rank {r} raised"
+                if _is_error(raw):
+                    return f"rank {r} lost a peer"
             code = store.get(f"exit/{r}")
             if code is not None and int(code) != 0:
                 self.culprit = r
