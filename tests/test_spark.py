@@ -172,6 +172,15 @@ def test_mpi_and_elastic_are_refused_clearly():
         hora.spark.run(_collective, extra_mpi_args="-x FOO")
     with pytest.raises(NotSupportedError, match="not supported yet"):
         hora.spark.run_elastic(_collective)
+    if not HAVE_PYSPARK:
+        with pytest.raises(LaunchError, match="needs pyspark"):
+            hora.spark.run(_collective)
+    else:
+        from pyspark import SparkContext
+
+        if SparkContext._active_spark_context is None:  # this module's Spark starts with the first test using it
+            with pytest.raises(LaunchError, match="no active SparkContext; start one first"):
+                hora.spark.run(_collective)
 
 
 @pytest.mark.timeout(120)
