@@ -201,8 +201,8 @@ def test_results_in_rank_order_allreduce_output_and_no_secret_on_a_command_line(
     assert "[0]<stdout>:rank 0 says hi" in text and "[1]<stdout>:rank 1 says hi" in text
     assert re.search(r"^\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[1\]<stdout>:rank 1 says hi$", text, re.M), text
     assert re.search(r"^hora.spark.run: rank 1: host \S+, pid \d+$", err.getvalue(), re.M), err.getvalue()
-    # num_proc defaults to Spark's default parallelism (two slots here)
-    assert [r["rank"] for r in hora.spark.run(_collective, args=(0,))] == [0, 1]
+    # num_proc defaults to Spark's default parallelism (two slots here); executable= runs the ranks
+    assert [r["rank"] for r in hora.spark.run(_collective, args=(0,), executable=sys.executable)] == [0, 1]
 
 
 @pytest.mark.timeout(120)
