@@ -200,7 +200,8 @@ def test_results_in_rank_order_allreduce_output_and_no_secret_on_a_command_line(
     text = out.getvalue()
     assert "[0]<stdout>:rank 0 says hi" in text and "[1]<stdout>:rank 1 says hi" in text
     assert re.search(r"^\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[1\]<stdout>:rank 1 says hi$", text, re.M), text
-    assert re.search(r"^hora.spark.run: rank 1: host \S+, pid \d+$", err.getvalue(), re.M), err.getvalue()
+    placed = err.getvalue()
+    assert re.search(r"^hora.spark.run: rank 1: host \S+, pid \d+, Spark partition 1$", placed, re.M), placed
     # num_proc defaults to Spark's default parallelism (two slots here); executable= runs the ranks
     assert [r["rank"] for r in hora.spark.run(_collective, args=(0,), executable=sys.executable)] == [0, 1]
 
@@ -214,6 +215,7 @@ def test_a_rank_that_raises_fails_the_run_naming_it(spark, tmp_path):
         hora.spark.run(_raise_on_one, args=(str(tmp_path),), num_proc=2, stderr=io.StringIO())
     elapsed = time.monotonic() - start
     assert "Traceback on rank 1" in str(info.value.__cause__) and "_raise_on_one" in str(info.value.__cause__)
+    assert "(raised on rank 1 of hora.spark.run; its traceback is above)" in info.value.__notes__
     assert elapsed < 15, f"took {elapsed:.1f} s"
     pids = _pids(tmp_path)
     assert len(pids) == 2 and _wait_gone(pids) == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import sys
 import threading
 import time
@@ -147,8 +148,8 @@ class Job:
         if any(w is None for w in where):
             return False
         for r, w in enumerate(where):
-            host, pid = w.decode().split()
-            self._note(f"rank {r}: host {host}, pid {pid}")
+            host, pid, partition = w.decode().split()
+            self._note(f"rank {r}: host {host}, pid {pid}, Spark partition {partition}")
         return True
 
     def _failure(self, store: StoreServer, begun: float) -> str | None:
@@ -175,12 +176,12 @@ class Job:
         error = self.outcome.get("error")
         primary = [r for r, raw in results.items() if _is_error(raw, primary=True)]
         if primary:
-            return _collect(results, 1)
+            return _reraise(results)
         lost = [r for r, raw in results.items() if raw is None]
         if failure is not None and failure.startswith("only"):
             raise HoraTimeoutError(f"hora.spark.run: {failure}")
         if lost:
-            r = self.culprit if self.culprit in lost else lost[0]
+            r = self.culprit if self.culprit in lost else _failed_task(error, started, lost)
             host = started[r].decode().split()[0] if started[r] else None
             where = f"rank {r}" + (f" (on {host})" if host else "")
             if codes[r] is not None:
@@ -193,7 +194,7 @@ class Job:
             raise LaunchError(f"hora.spark.run: {where} {how}{cause}") from error
         if error is not None:
             raise LaunchError(f"hora.spark.run: the Spark job failed: {_first_line(error)}") from error
-        return _collect(results, 0)
+        return _reraise(results)
 
     def _relay(self, store: StoreServer, final: bool = False) -> None:
         """Print the chunks of rank output that arrived, whole lines only (the rest at the end)."""
@@ -231,6 +232,30 @@ class Job:
             sink.flush()
         except (OSError, ValueError):
             pass
+
+
+def _reraise(results: dict[int, bytes | None]) -> list:
+    """``hora.run()``'s result handling (the values, or the root-cause rank's exception re-raised), with its
+    note naming this call."""
+    try:
+        return _collect(results, 0)
+    except BaseException as e:
+        notes = getattr(e, "__notes__", None)
+        if notes:
+            notes[-1] = notes[-1].replace(" of hora.run;", " of hora.spark.run;")
+        raise
+
+
+def _failed_task(error: BaseException | None, started: dict[int, bytes | None], lost: list[int]) -> int:
+    """Of the ranks whose task was lost, the one whose task Spark says failed first (its failure reason names
+    the barrier task by partition: ``ResultTask(<stage>, <partition>)``); else the first lost rank. When one
+    task fails Spark kills the others, so they are all lost alike in the store."""
+    m = re.search(r"barrier task ResultTask\(\d+, (\d+)\)", str(error or ""))
+    if m is not None:
+        for r in lost:
+            if started[r] is not None and started[r].decode().split()[2] == m.group(1):
+                return r
+    return lost[0]
 
 
 def _is_error(raw: bytes | None, primary: bool = False) -> bool:

@@ -61,14 +61,14 @@ def main(spec: Spec, _partition: Iterator) -> Iterator[tuple[int, int]]:
             return
         slots, ranks = layout([info.address for info in ctx.getTaskInfos()])
         rank = ranks[partition]
-        code = _run_rank(spec, slots, rank, store)
+        code = _run_rank(spec, slots, rank, partition, store)
         store.set(f"exit/{rank}", str(code).encode())
         yield partition, code
     finally:
         store.close()
 
 
-def _run_rank(spec: Spec, slots: list, rank: int, store: StoreClient) -> int:
+def _run_rank(spec: Spec, slots: list, rank: int, partition: int, store: StoreClient) -> int:
     base = dict(os.environ)
     base.update(spec.env or {})
     env = worker_envs(slots, spec.knobs, spec.store_addr, spec.secret, spec.scope, base=base,
@@ -76,7 +76,7 @@ def _run_rank(spec: Spec, slots: list, rank: int, store: StoreClient) -> int:
     command = [spec.executable or sys.executable, "-m", contract.RUN_TASK_MODULE]
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent())
-    store.set(f"started/{rank}", f"{slots[rank].host} {proc.pid}".encode())
+    store.set(f"started/{rank}", f"{slots[rank].host} {proc.pid} {partition}".encode())
     pumps = [threading.Thread(target=_relay, args=(spec, rank, name, pipe), daemon=True)
              for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
     for p in pumps:
