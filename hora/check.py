@@ -101,6 +101,9 @@ def launchers() -> list[tuple[str, bool, str]]:
         ("Ray (hora.ray.RayExecutor)", _found("ray"), _version(("ray",)) or "needs pip install 'hora[ray]'"),
         ("torchrun", True, "RANK, LOCAL_RANK, MASTER_ADDR ...; store on MASTER_PORT+1"),
         ("srun (SLURM job steps)", True, "SLURM_PROCID, SLURM_STEP_ID ..."),
+        ("Spark (hora.spark.run)", _found("pyspark") and shutil.which("java") is not None,
+         (f"pyspark {_version(('pyspark',))}" if _found("pyspark") else "needs pip install 'hora[spark]'")
+         + ("" if shutil.which("java") else ", no java on PATH (Java 17 or 21)")),
     ]
 
 

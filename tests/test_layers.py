@@ -37,6 +37,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "hora.core": ("hora.runner", *BINDINGS, FACADE),
     "hora.runner": ("hora.core", "hora.collectives", *BINDINGS, FACADE),
     "hora.ray": ("hora.core", "hora.collectives", *BINDINGS, FACADE),  # a launcher, on the runner
+    "hora.spark": ("hora.core", "hora.collectives", *BINDINGS, FACADE),  # a launcher, on the runner
 }
 # the ground may load only itself, the standard library and NumPy
 BASE_ALLOWED_HORA = ("hora.base",)

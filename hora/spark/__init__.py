@@ -1,0 +1,92 @@
+"""``hora.spark``: run a hora job as the tasks of a Spark barrier stage (Horovod's ``horovod.spark.run``).
+
+>>> def train(lr):
+...     import hora
+...     hora.init()
+...     return hora.rank(), lr
+>>> hora.spark.run(train, args=(0.1,), num_proc=2)     # inside a PySpark session
+[(0, 0.1), (1, 0.1)]
+
+Spark places and starts the ranks; hora's store (served by this process, the Spark driver) and its
+transports do the rest. How ranks map to tasks, where the store runs and what a failure does:
+docs/spark.md. Importing this package does not import pyspark; ``run`` needs an active SparkContext.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import IO, Any, Callable
+
+from hora.base import contract
+from hora.base.errors import HoraValueError, NotSupportedError
+
+__all__ = ["run", "run_elastic"]
+
+
+def run(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, num_proc: int | None = None,
+        start_timeout: float | None = None, use_mpi: bool | None = None, use_gloo: bool | None = None,
+        extra_mpi_args: str | None = None, env: dict[str, str] | None = None, stdout: IO[str] | None = None,
+        stderr: IO[str] | None = None, verbose: int = 1, nics: list[str] | set[str] | None = None,
+        prefix_output_with_timestamp: bool = False, executable: str | None = None) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``num_proc`` ranks, one per Spark task; return the results in rank order.
+
+    ``num_proc``: default the SparkContext's ``defaultParallelism``; the cluster needs that many free task
+    slots at once (a barrier stage). ``start_timeout``: seconds for all tasks to start, else
+    ``HOROVOD_SPARK_START_TIMEOUT``, else 600. ``env``: variables added to each rank's environment (which is
+    otherwise its executor's, plus the driver's ``HORA_*``/``HOROVOD_*`` settings). ``stdout`` / ``stderr``:
+    where the ranks' output is printed in the driver, each line tagged ``[rank]<stdout>:`` (default this
+    process's), with a timestamp before it when ``prefix_output_with_timestamp``. ``nics``: the network
+    interfaces the ranks use (``HORA_NETWORK_INTERFACES``). ``executable``: the Python that runs each rank
+    (default the executor's Python worker's). ``verbose``: 0 prints nothing of the driver's own.
+
+    ``use_gloo`` is accepted and has no effect: hora's own TCP and shared-memory transports connect the
+    ranks (gloo's role in Horovod). ``use_mpi=True`` and ``extra_mpi_args`` raise ``NotSupportedError``:
+    the ranks are Spark tasks, which no mpirun starts.
+
+    A rank that raises fails the run with that exception (its traceback as ``__cause__``, as ``hora.run``);
+    one that dies, or whose executor is lost, fails it with a ``LaunchError`` naming the rank; either way
+    the other ranks are stopped within seconds.
+    """
+    if use_mpi:
+        raise NotSupportedError("not supported yet: hora.spark.run(use_mpi=True): the ranks are Spark tasks, "
+                                "which mpirun cannot start; leave use_mpi unset (hora's own transports connect "
+                                "them)")
+    if extra_mpi_args:
+        raise NotSupportedError("not supported yet: hora.spark.run(extra_mpi_args=...): no mpirun runs under "
+                                "Spark; set hora's knobs through env= instead (docs/knobs.md)")
+    if not callable(fn):
+        raise TypeError(f"hora.spark.run needs a function, got {type(fn).__name__}")
+    from hora.spark import driver
+
+    sc = driver.spark_context()
+    n = sc.defaultParallelism if num_proc is None else num_proc
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise HoraValueError(f"hora.spark.run(num_proc={num_proc!r}): expected a positive int")
+    spec_args = dict(knobs=_knobs(nics), env={str(k): str(v) for k, v in (env or {}).items()} or None,
+                     executable=executable)
+    job = driver.Job(sc, n, spec_args, driver.start_timeout(start_timeout), stdout, stderr,
+                     prefix_output_with_timestamp, verbose)
+    return job.run(fn, tuple(args), dict(kwargs or {}))
+
+
+def _knobs(nics: list[str] | set[str] | None) -> dict[str, str]:
+    """The driver's hora settings for the ranks: its ``HORA_*`` / ``HOROVOD_*`` variables (not a launcher's)."""
+    own = {"HORA_" + n for n in contract.ALL} | {"HOROVOD_" + n for n in contract.ALL}
+    own |= {contract.RUNFUNC_ADDR, contract.RUNFUNC_SECRET}
+    knobs = {k: v for k, v in os.environ.items() if k.startswith(("HORA_", "HOROVOD_")) and k not in own}
+    if nics:
+        knobs["HORA_NETWORK_INTERFACES"] = ",".join(sorted(nics) if isinstance(nics, set) else nics)
+    return knobs
+
+
+def run_elastic(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, num_proc: int | None = None,
+                min_np: int | None = None, max_np: int | None = None, start_timeout: float | None = None,
+                elastic_timeout: float | None = None, reset_limit: int | None = None, env: dict | None = None,
+                stdout: IO[str] | None = None, stderr: IO[str] | None = None, verbose: int = 1,
+                nics: list[str] | None = None, prefix_output_with_timestamp: bool = False) -> list:
+    """Horovod's ``horovod.spark.run_elastic``: not built yet. hora's elastic driver starts its workers itself
+    (here or over ssh) and discovers hosts with a script; running it on Spark needs a worker starter that
+    makes Spark tasks and a discovery that follows the executors, which it does not take yet."""
+    raise NotSupportedError("not supported yet: hora.spark.run_elastic: hora's elastic driver cannot start its "
+                            "workers as Spark tasks yet; use hora.spark.run (fixed size), or elastic training "
+                            "under `hora run --min-np ... --host-discovery-script ...`")

@@ -1,0 +1,282 @@
+"""``hora.spark.run``'s driver side: the store, the barrier stage, the watch loop and the results.
+
+The driver (the process calling ``hora.spark.run``, where the SparkContext lives) serves the job's store
+and the function, as ``hora.run()`` does, then runs one barrier stage of ``num_proc`` tasks
+(:mod:`hora.spark.task`) from a background thread, and watches the store meanwhile: it prints the ranks'
+output, and the first rank to fail (a result that is an exception, or an exit without a result) sets the
+store's ``abort`` key, which every task acts on within a fraction of a second by stopping its rank. If the
+stage still has not ended ``CANCEL_AFTER_S`` later (an executor that does not answer), the driver cancels
+its job group, which kills the tasks. A stage that Spark reran (a task was lost) runs no rank a second
+time: its tasks return at once and the run fails, naming the ranks that never reported.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import sys
+import threading
+import time
+import uuid
+from typing import IO, Any, Callable
+
+from hora.base.errors import HoraTimeoutError, LaunchError
+from hora.runner.api import _collect
+from hora.runner.spawn import describe_exit
+from hora.spark import task
+from hora.transport.store import StoreServer
+
+CANCEL_AFTER_S = 10.0  # after an abort, how long the tasks get to stop their ranks before the job is cancelled
+GIVE_UP_S = 30.0  # after the cancel, how long the driver waits for Spark to end the job
+POLL_S = 0.05
+
+
+def spark_context():
+    """The active SparkContext (the one ``SparkSession.builder.getOrCreate()`` made)."""
+    try:
+        from pyspark import SparkContext
+    except ImportError as e:
+        raise LaunchError("hora.spark needs pyspark: pip install 'hora[spark]' (and Java 17 or 21)") from e
+    sc = SparkContext._active_spark_context
+    if sc is None:
+        raise LaunchError("hora.spark.run: no active SparkContext; start one first, e.g. "
+                          "SparkSession.builder.getOrCreate(), or run inside pyspark / spark-submit")
+    return sc
+
+
+def bind_address(sc) -> str:
+    """Where the store listens: loopback when Spark runs on this machine only (local, local-cluster),
+    else the driver's address as Spark advertises it to the executors (``spark.driver.host``)."""
+    master = sc.master or ""
+    if master.startswith("local"):
+        return "127.0.0.1"
+    return sc.getConf().get("spark.driver.host") or ""
+
+
+class Job:
+    """One ``hora.spark.run``: call :meth:`run` once."""
+
+    def __init__(self, sc, num_proc: int, spec_args: dict[str, Any], start_timeout: float,
+                 stdout: IO[str] | None, stderr: IO[str] | None, timestamps: bool, verbose: int):
+        self.sc, self.n, self.start_timeout, self.verbose = sc, num_proc, start_timeout, verbose
+        self.sinks = {"stdout": stdout, "stderr": stderr}
+        self.timestamps = timestamps
+        self.spec_args = spec_args
+        self.group = f"hora.spark.run-{uuid.uuid4().hex[:12]}"
+        self.outcome: dict[str, Any] = {}
+        self.seq: dict[tuple[int, str], int] = {}
+        self.partial: dict[tuple[int, str], bytes] = {}
+        self.seen: set[int] = set()  # ranks whose result was looked at
+        self.culprit: int | None = None  # the first rank seen failing
+
+    def run(self, func: Callable, args: tuple, kwargs: dict) -> list:
+        import cloudpickle
+
+        from hora.transport.auth import new_secret
+
+        secret = new_secret()
+        with StoreServer(secret, host=bind_address(self.sc), port=0) as store:
+            host, _, port = store.address.rpartition(":")
+            advertise = host if host not in ("0.0.0.0", "", "::") else (self.sc.getConf().get("spark.driver.host")
+                                                                          or host)
+            spec = task.Spec(store_addr=f"{advertise}:{port}", secret=secret,
+                             scope=f"spark-{uuid.uuid4().hex[:16]}", **self.spec_args)
+            store.set("func", cloudpickle.dumps((func, args, kwargs)))
+            store.set("sys.path", pickle.dumps([p for p in sys.path if isinstance(p, str)]))
+            thread = self._start_stage(spec)
+            try:
+                failure = self._watch(store, thread)
+            except BaseException:  # e.g. KeyboardInterrupt in a notebook: no rank may outlive the call
+                self.sc.cancelJobGroup(self.group)
+                raise
+            self._relay(store, final=True)
+            results = {r: store.get(f"result/{r}") for r in range(self.n)}
+            codes = {r: store.get(f"exit/{r}") for r in range(self.n)}
+            started = {r: store.get(f"started/{r}") for r in range(self.n)}
+        return self._results(results, codes, started, failure)
+
+    def _start_stage(self, spec: task.Spec) -> threading.Thread:
+        from functools import partial
+
+        from pyspark import InheritableThread
+
+        def stage() -> None:
+            try:
+                self.sc.setJobGroup(self.group, f"hora.spark.run: {self.n} ranks", interruptOnCancel=True)
+                rdd = self.sc.parallelize(range(self.n), self.n).barrier()
+                self.outcome["value"] = rdd.mapPartitions(partial(task.main, spec)).collect()
+            except BaseException as e:  # noqa: BLE001 - the driver reports it
+                self.outcome["error"] = e
+
+        thread = InheritableThread(target=stage, daemon=True)
+        thread.start()
+        return thread
+
+    def _watch(self, store: StoreServer, thread: threading.Thread) -> str | None:
+        """Until the stage ends: relay output, abort on the first failure, cancel if the tasks do not stop.
+        Returns why the driver aborted (None when it did not)."""
+        begun = time.monotonic()
+        aborted_at, why, cancelled, placed = None, None, False, False
+        while thread.is_alive():
+            thread.join(POLL_S)
+            self._relay(store)
+            if self.verbose >= 2 and not placed:
+                placed = self._placement(store)
+            if aborted_at is None:
+                why = self._failure(store, begun)
+                if why is not None:
+                    aborted_at = time.monotonic()
+                    store.set("abort", why.encode())
+                    timeout = why.startswith("only")
+                    if self.verbose:
+                        self._note(f"{why}; {'cancelling the Spark job' if timeout else 'stopping the other ranks'}")
+                    if timeout:  # tasks that never started cannot see the abort
+                        self.sc.cancelJobGroup(self.group)
+                        cancelled = True
+            elif time.monotonic() - aborted_at > CANCEL_AFTER_S + GIVE_UP_S:
+                self._note(f"the Spark job did not end {GIVE_UP_S:g} s after it was cancelled; not waiting for it")
+                break
+            elif time.monotonic() - aborted_at > CANCEL_AFTER_S and not cancelled:
+                self.sc.cancelJobGroup(self.group)
+                cancelled = True
+        return why
+
+    def _placement(self, store: StoreServer) -> bool:
+        """Once every rank started (verbose=2): where each runs."""
+        where = [store.get(f"started/{r}") for r in range(self.n)]
+        if any(w is None for w in where):
+            return False
+        for r, w in enumerate(where):
+            host, pid, partition = w.decode().split()
+            self._note(f"rank {r}: host {host}, pid {pid}, Spark partition {partition}")
+        return True
+
+    def _failure(self, store: StoreServer, begun: float) -> str | None:
+        for r in range(self.n):
+            if r not in self.seen and store.get(f"result/{r}") is not None:
+                self.seen.add(r)
+                raw = store.get(f"result/{r}")
+                if _is_error(raw, primary=True):
+                    self.culprit = r
+                    return f"rank {r} raised"
+                if _is_error(raw):
+                    return f"rank {r} lost a peer"
+            code = store.get(f"exit/{r}")
+            if code is not None and int(code) != 0:
+                self.culprit = r
+                return f"rank {r} {describe_exit(int(code))}"
+        started = sum(store.get(f"started/{r}") is not None for r in range(self.n))
+        if started < self.n and time.monotonic() - begun > self.start_timeout:
+            return (f"only {started} of {self.n} ranks started within start_timeout={self.start_timeout:g} s "
+                    f"(a barrier stage needs {self.n} free task slots at once)")
+        return None
+
+    def _results(self, results: dict, codes: dict, started: dict, failure: str | None) -> list:
+        error = self.outcome.get("error")
+        primary = [r for r, raw in results.items() if _is_error(raw, primary=True)]
+        if primary:
+            return _reraise(results)
+        lost = [r for r, raw in results.items() if raw is None]
+        if failure is not None and failure.startswith("only"):
+            raise HoraTimeoutError(f"hora.spark.run: {failure}")
+        if lost:
+            r = self.culprit if self.culprit in lost else _failed_task(error, started, lost)
+            host = started[r].decode().split()[0] if started[r] else None
+            where = f"rank {r}" + (f" (on {host})" if host else "")
+            if codes[r] is not None:
+                how = f"{describe_exit(int(codes[r]))} without a result"
+            elif started[r] is not None:
+                how = "lost its Spark task (its executor failed or was killed)"
+            else:
+                how = "never started"
+            cause = f"; Spark: {_first_line(error)}" if error is not None else ""
+            raise LaunchError(f"hora.spark.run: {where} {how}{cause}") from error
+        if error is not None:
+            raise LaunchError(f"hora.spark.run: the Spark job failed: {_first_line(error)}") from error
+        return _reraise(results)
+
+    def _relay(self, store: StoreServer, final: bool = False) -> None:
+        """Print the chunks of rank output that arrived, whole lines only (the rest at the end)."""
+        for r in range(self.n):
+            for stream in ("stdout", "stderr"):
+                key = (r, stream)
+                while True:
+                    seq = self.seq.get(key, 0)
+                    chunk = store.get(f"out/{r}/{stream}/{seq}")
+                    if chunk is None:
+                        break
+                    self.seq[key] = seq + 1
+                    store.set(f"out/{r}/{stream}/{seq}", b"")  # read once: free it
+                    text = self.partial.pop(key, b"") + chunk
+                    lines = text.split(b"\n")
+                    self.partial[key] = lines.pop()
+                    for line in lines:
+                        self._emit(r, stream, line)
+                if final and self.partial.get(key):
+                    self._emit(r, stream, self.partial.pop(key))
+
+    def _emit(self, rank: int, stream: str, line: bytes) -> None:
+        sink = self.sinks[stream] or (sys.stdout if stream == "stdout" else sys.stderr)
+        stamp = time.strftime("%a %b %d %H:%M:%S %Y") if self.timestamps else ""
+        try:
+            sink.write(f"{stamp}[{rank}]<{stream}>:{line.decode(errors='replace')}\n")
+            sink.flush()
+        except (OSError, ValueError):
+            pass
+
+    def _note(self, text: str) -> None:
+        sink = self.sinks["stderr"] or sys.stderr
+        try:
+            sink.write(f"hora.spark.run: {text}\n")
+            sink.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _reraise(results: dict[int, bytes | None]) -> list:
+    """``hora.run()``'s result handling (the values, or the root-cause rank's exception re-raised), with its
+    note naming this call."""
+    try:
+        return _collect(results, 0)
+    except BaseException as e:
+        notes = getattr(e, "__notes__", None)
+        if notes:
+            notes[-1] = notes[-1].replace(" of hora.run;", " of hora.spark.run;")
+        raise
+
+
+def _failed_task(error: BaseException | None, started: dict[int, bytes | None], lost: list[int]) -> int:
+    """Of the ranks whose task was lost, the one whose task Spark says failed first (its failure reason names
+    the barrier task by partition: ``ResultTask(<stage>, <partition>)``); else the first lost rank. When one
+    task fails Spark kills the others, so they are all lost alike in the store."""
+    m = re.search(r"barrier task ResultTask\(\d+, (\d+)\)", str(error or ""))
+    if m is not None:
+        for r in lost:
+            if started[r] is not None and started[r].decode().split()[2] == m.group(1):
+                return r
+    return lost[0]
+
+
+def _is_error(raw: bytes | None, primary: bool = False) -> bool:
+    """Whether a rank's stored result is an exception (``primary``: one not caused by another rank's failure)."""
+    if raw is None:
+        return False
+    kind, body = pickle.loads(raw)
+    return kind == "err" and not (primary and body[4])
+
+
+def _first_line(error: BaseException) -> str:
+    """What a Spark failure says, in one line: py4j's own first line only says which JVM call failed."""
+    lines = [ln.strip() for ln in str(error).strip().splitlines() if ln.strip()]
+    why = next((ln for ln in lines if "Job aborted" in ln or "Job cancelled" in ln or "Job group" in ln),
+               lines[0] if lines else "")
+    return f"{type(error).__name__}: {why.lstrip(': ')}"[:500]
+
+
+def start_timeout(value: float | None) -> float:
+    """Horovod's rule: the argument, else HOROVOD_SPARK_START_TIMEOUT, else 600 s."""
+    if value is not None:
+        return float(value)
+    return float(os.environ.get("HORA_SPARK_START_TIMEOUT") or os.environ.get("HOROVOD_SPARK_START_TIMEOUT")
+                 or 600)

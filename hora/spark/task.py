@@ -1,0 +1,129 @@
+"""One rank of ``hora.spark.run``: the body of a Spark task in the barrier stage.
+
+It runs inside Spark's Python worker on an executor. It works out its rank from where Spark placed the
+stage's tasks (:mod:`hora.spark.layout`), starts the rank as its own process (``executable -m
+hora.core.run_task``, as ``hora.run()`` does: a fresh interpreter, so the rank's hora and framework state
+never outlive the job in Spark's reused worker) and waits for it. The rank's environment carries its place
+and the driver's store address and secret; the secret came in this task's closure (Spark's own RPC), so it
+is on no command line and in no log. While the rank runs, this task relays its output to the driver
+through the store and watches for the driver's ``abort`` key (another rank failed): then it stops the
+rank's process group (SIGTERM, then SIGKILL). The rank's exit status goes to the store either way, so the
+driver can name a rank that died without a result. The task itself never raises for a failed rank: a
+failed task would make Spark rerun the whole barrier stage, the job included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Iterator
+
+from hora.base import contract
+from hora.runner.launch import worker_envs
+from hora.runner.spawn import _die_with_parent
+from hora.spark.layout import layout
+from hora.transport.store import StoreClient
+
+POLL_S = 0.2  # how often a task looks for the driver's abort while its rank runs
+STOP_GRACE_S = 3.0  # SIGTERM to SIGKILL when the driver aborts
+CHUNK = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What every task of one ``hora.spark.run`` gets in its closure."""
+
+    store_addr: str
+    secret: str
+    scope: str
+    knobs: dict[str, str]
+    env: dict[str, str] | None
+    executable: str | None
+
+
+def main(spec: Spec, _partition: Iterator) -> Iterator[tuple[int, int]]:
+    """The ``mapPartitions`` function of the barrier stage: yields (partition, the rank's exit status)."""
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    partition = ctx.partitionId()
+    store = StoreClient(spec.store_addr, spec.secret, timeout=60)
+    try:
+        if ctx.attemptNumber() > 0:
+            # a task Spark tries again after it failed (its executor lost) runs no rank: the job does not restart
+            store.set(f"retried/{partition}", b"1")
+            yield partition, -1
+            return
+        slots, ranks = layout([info.address for info in ctx.getTaskInfos()])
+        rank = ranks[partition]
+        code = _run_rank(spec, slots, rank, partition, store)
+        store.set(f"exit/{rank}", str(code).encode())
+        yield partition, code
+    finally:
+        store.close()
+
+
+def _run_rank(spec: Spec, slots: list, rank: int, partition: int, store: StoreClient) -> int:
+    base = dict(os.environ)
+    base.update(spec.env or {})
+    env = worker_envs(slots, spec.knobs, spec.store_addr, spec.secret, spec.scope, base=base,
+                      extra={contract.RUNFUNC_ADDR: spec.store_addr, contract.RUNFUNC_SECRET: spec.secret})[rank]
+    command = [spec.executable or sys.executable, "-m", contract.RUN_TASK_MODULE]
+    proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent())
+    store.set(f"started/{rank}", f"{slots[rank].host} {proc.pid} {partition}".encode())
+    pumps = [threading.Thread(target=_relay, args=(spec, rank, name, pipe), daemon=True)
+             for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    for p in pumps:
+        p.start()
+    stopping = None
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if stopping is None and store.check("abort"):
+                stopping = time.monotonic()
+                _signal(proc.pid, signal.SIGTERM)
+            elif stopping is not None and time.monotonic() - stopping > STOP_GRACE_S:
+                _signal(proc.pid, signal.SIGKILL)
+    finally:  # also when the driver is gone (its store with it) or Spark kills this task
+        _signal(proc.pid, signal.SIGKILL)  # the rank if it still runs, and what it left behind in its group
+        proc.wait()
+    for p in pumps:
+        p.join(timeout=5)
+    return code
+
+
+def _signal(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _relay(spec: Spec, rank: int, stream: str, pipe) -> None:
+    """The rank's ``stream`` to the store in chunks (``out/<rank>/<stream>/<n>``); the driver prints them."""
+    client = StoreClient(spec.store_addr, spec.secret, timeout=60)
+    seq = 0
+    try:
+        fd = pipe.fileno()
+        while True:
+            chunk = os.read(fd, CHUNK)
+            if not chunk:
+                break
+            client.set(f"out/{rank}/{stream}/{seq}", chunk)
+            seq += 1
+    except OSError:
+        pass
+    finally:
+        client.set(f"out/{rank}/{stream}/end", str(seq).encode())
+        client.close()
+        pipe.close()

@@ -1,0 +1,284 @@
+"""hora.spark.run on a real local Spark: ``local-cluster[2,1,1024]``, two executor JVMs with one task slot
+each, so the two ranks run in separate executors' Python workers as they would on a cluster.
+
+One Spark for the whole module (the JVMs take ~10 s to start), stopped at the end. Without Java or pyspark
+these tests skip, except under CI (CI=true), where ``make deps-system`` and the Makefile's pin install both
+and a skip would hide a regression. The layout and signature checks need neither.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import io
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hora.base.errors import LaunchError, NotSupportedError
+from hora.spark.layout import host_of, layout
+
+ROOT = Path(__file__).resolve().parents[1]
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true")
+HAVE_PYSPARK = importlib.util.find_spec("pyspark") is not None
+JAVA = shutil.which("java") or (os.environ.get("JAVA_HOME") and shutil.which("java", path=os.environ["JAVA_HOME"]
+                                                                               + "/bin"))
+
+# Horovod 0.28.1's horovod.spark.run / run_elastic: (name, default) in order
+HOROVOD_RUN = [("fn", inspect.Parameter.empty), ("args", ()), ("kwargs", {}), ("num_proc", None),
+               ("start_timeout", None), ("use_mpi", None), ("use_gloo", None), ("extra_mpi_args", None),
+               ("env", None), ("stdout", None), ("stderr", None), ("verbose", 1), ("nics", None),
+               ("prefix_output_with_timestamp", False), ("executable", None)]
+HOROVOD_RUN_ELASTIC = [("fn", inspect.Parameter.empty), ("args", ()), ("kwargs", {}), ("num_proc", None),
+                       ("min_np", None), ("max_np", None), ("start_timeout", None), ("elastic_timeout", None),
+                       ("reset_limit", None), ("env", None), ("stdout", None), ("stderr", None), ("verbose", 1),
+                       ("nics", None), ("prefix_output_with_timestamp", False)]
+
+
+@pytest.fixture(scope="module")
+def spark():
+    missing = [what for what, ok in (("Java 17 or 21 (make deps-system)", JAVA),
+                                     ("pyspark (pip install 'hora[spark]')", HAVE_PYSPARK)) if not ok]
+    if missing:
+        (pytest.fail if IN_CI else pytest.skip)(f"needs {' and '.join(missing)}")
+    from pyspark.sql import SparkSession
+
+    saved = os.environ.get("PYSPARK_PYTHON")
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # the executors' Python workers: this venv's
+    quick_jvm = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"  # less JIT work at start (session 57 s vs 79 s at load 22)
+    session = (SparkSession.builder.master("local-cluster[2,1,1024]").appName("hora tests")
+               .config("spark.ui.enabled", "false")
+               .config("spark.driver.extraJavaOptions", quick_jvm).config("spark.executor.extraJavaOptions", quick_jvm)
+               .config("spark.executorEnv.PYTHONPATH", str(ROOT))  # this checkout's hora in the executors
+               .config("spark.executorEnv.OMP_NUM_THREADS", "1")
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+    if saved is None:
+        os.environ.pop("PYSPARK_PYTHON", None)
+    else:
+        os.environ["PYSPARK_PYTHON"] = saved
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(pids: list[int], limit: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        left = [p for p in pids if not _gone(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if not _gone(p)]
+
+
+def _pids(directory: Path) -> list[int]:
+    return [int(f.read_text()) for f in directory.iterdir()]
+
+
+# --- rank-side functions (pickled by reference: the ranks import this module through the driver's sys.path)
+def _collective(x):
+    import numpy as np
+
+    import hora
+
+    hora.init()
+    total = hora.allreduce(np.arange(4.0) * (hora.rank() + 1), op=hora.Sum)
+    print(f"rank {hora.rank()} says hi")
+    secret = os.environ["HORA_SECRET"].encode()
+    leaks = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):  # every process on this machine: JVMs, driver, ranks
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if secret in f.read():
+                    leaks.append(int(pid))
+        except OSError:
+            pass
+    out = dict(rank=hora.rank(), size=hora.size(), local_rank=hora.local_rank(), local_size=hora.local_size(),
+               cross_size=hora.cross_size(), total=total.tolist(), x=x, env=os.environ.get("HORA_SPARK_TEST"),
+               leaks=leaks, secret_len=len(secret))
+    hora.shutdown()
+    return out
+
+
+def _raise_on_one(directory):
+    import numpy as np
+
+    import hora
+
+    hora.init()
+    (Path(directory) / str(hora.rank())).write_text(str(os.getpid()))
+    if hora.rank() == 1:
+        raise ValueError("rank one is broken")
+    hora.allreduce(np.ones(3), name="never")  # rank 1 never joins it
+    return "unreachable"
+
+
+def _killed_mid_collective(directory):
+    import numpy as np
+
+    import hora
+
+    hora.init()
+    (Path(directory) / str(hora.rank())).write_text(str(os.getpid()))
+    for i in range(100000):
+        if hora.rank() == 1 and i == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        hora.allreduce(np.ones(1 << 16), name=f"step.{i}")
+    return "unreachable"
+
+
+# --- tests ----------------------------------------------------------------------------------------------
+def test_names_and_signatures_are_horovods():
+    import hora.spark
+
+    for fn, table in ((hora.spark.run, HOROVOD_RUN), (hora.spark.run_elastic, HOROVOD_RUN_ELASTIC)):
+        params = list(inspect.signature(fn).parameters.values())
+        assert [p.name for p in params] == [n for n, _ in table], fn.__name__
+        for p, (name, default) in zip(params, table):
+            # kwargs={} is Horovod's mutable default: hora takes None for it and means the same
+            assert p.default == default or (name == "kwargs" and p.default is None), (fn.__name__, name)
+
+
+def test_layout_gives_consecutive_ranks_per_host():
+    slots, ranks = layout(["10.0.0.2:4001", "10.0.0.1:4002", "10.0.0.2:4003", "10.0.0.1:4004", "10.0.0.3:1"])
+    assert ranks == [0, 2, 1, 3, 4]
+    by_rank = [(s.host, s.local_rank, s.local_size, s.cross_rank, s.cross_size) for s in slots]
+    assert by_rank == [("10.0.0.2", 0, 2, 0, 3), ("10.0.0.2", 1, 2, 0, 2), ("10.0.0.1", 0, 2, 1, 3),
+                       ("10.0.0.1", 1, 2, 1, 2), ("10.0.0.3", 0, 1, 2, 3)]
+    assert host_of("[::1]:4000") == "::1" and host_of("host-a:77") == "host-a"
+
+
+def test_mpi_and_elastic_are_refused_clearly():
+    import hora.spark
+
+    with pytest.raises(NotSupportedError, match="mpirun"):
+        hora.spark.run(_collective, use_mpi=True)
+    with pytest.raises(NotSupportedError, match="extra_mpi_args"):
+        hora.spark.run(_collective, extra_mpi_args="-x FOO")
+    with pytest.raises(NotSupportedError, match="not supported yet"):
+        hora.spark.run_elastic(_collective)
+    if not HAVE_PYSPARK:
+        with pytest.raises(LaunchError, match="needs pyspark"):
+            hora.spark.run(_collective)
+    else:
+        from pyspark import SparkContext
+
+        if SparkContext._active_spark_context is None:  # this module's Spark starts with the first test using it
+            with pytest.raises(LaunchError, match="no active SparkContext; start one first"):
+                hora.spark.run(_collective)
+
+
+@pytest.mark.timeout(120)
+def test_results_in_rank_order_allreduce_output_and_no_secret_on_a_command_line(spark):
+    import hora.spark
+
+    out, err = io.StringIO(), io.StringIO()
+    results = hora.spark.run(_collective, args=(7,), num_proc=2, stdout=out, stderr=err, use_gloo=True,
+                             env={"HORA_SPARK_TEST": "yes"}, verbose=2, prefix_output_with_timestamp=True)
+    assert [r["rank"] for r in results] == [0, 1]
+    for r in results:
+        assert r["size"] == 2 and r["x"] == 7 and r["env"] == "yes"
+        assert r["total"] == [0.0, 3.0, 6.0, 9.0]  # (1 + 2) * arange(4)
+        assert (r["local_size"], r["cross_size"]) == (2, 1)  # two executors on one host: one host's ranks
+        assert r["leaks"] == [] and r["secret_len"] >= 32
+    assert sorted(r["local_rank"] for r in results) == [0, 1]
+    text = out.getvalue()
+    assert "[0]<stdout>:rank 0 says hi" in text and "[1]<stdout>:rank 1 says hi" in text
+    assert re.search(r"^\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[1\]<stdout>:rank 1 says hi$", text, re.M), text
+    placed = err.getvalue()
+    assert re.search(r"^hora.spark.run: rank 1: host \S+, pid \d+, Spark partition 1$", placed, re.M), placed
+    # num_proc defaults to Spark's default parallelism (two slots here); executable= runs the ranks
+    assert [r["rank"] for r in hora.spark.run(_collective, args=(0,), executable=sys.executable)] == [0, 1]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_raises_fails_the_run_naming_it(spark, tmp_path):
+    import hora.spark
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="rank one is broken") as info:
+        hora.spark.run(_raise_on_one, args=(str(tmp_path),), num_proc=2, stderr=io.StringIO())
+    elapsed = time.monotonic() - start
+    assert "Traceback on rank 1" in str(info.value.__cause__) and "_raise_on_one" in str(info.value.__cause__)
+    assert "(raised on rank 1 of hora.spark.run; its traceback is above)" in info.value.__notes__
+    assert elapsed < 15, f"took {elapsed:.1f} s"
+    pids = _pids(tmp_path)
+    assert len(pids) == 2 and _wait_gone(pids) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_mid_collective_fails_the_run_naming_it(spark, tmp_path):
+    import hora.spark
+
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 .*killed by signal 9") as info:
+        hora.spark.run(_killed_mid_collective, args=(str(tmp_path),), num_proc=2, stderr=io.StringIO())
+    elapsed = time.monotonic() - start
+    assert elapsed < 15, f"took {elapsed:.1f} s: {info.value}"
+    assert _wait_gone(_pids(tmp_path)) == []
+    # and the cluster is fine afterwards: the next run works
+    assert [r["rank"] for r in hora.spark.run(_collective, args=(1,), num_proc=2)] == [0, 1]
+
+
+def _kill_own_task(directory):
+    import numpy as np
+
+    import hora
+
+    hora.init()
+    (Path(directory) / str(hora.rank())).write_text(str(os.getpid()))
+    for i in range(100000):
+        if hora.rank() == 1 and i == 3:
+            os.kill(os.getppid(), signal.SIGKILL)  # Spark's Python worker running this rank's task: a lost task
+        hora.allreduce(np.ones(1 << 16), name=f"step.{i}")
+    return "unreachable"
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_spark_task_fails_the_run_naming_its_rank(spark, tmp_path):
+    import hora.spark
+
+    with pytest.raises(LaunchError, match=r"rank 1 \(on \S+\) lost its Spark task.*barrier"):
+        hora.spark.run(_kill_own_task, args=(str(tmp_path),), num_proc=2, stderr=io.StringIO())
+    assert _wait_gone(_pids(tmp_path)) == []
+
+
+@pytest.mark.timeout(60)
+def test_more_ranks_than_task_slots_fails_at_the_start_timeout(spark):
+    import hora.spark
+    from hora.base.errors import HoraTimeoutError
+
+    with pytest.raises(HoraTimeoutError, match="only 0 of 3 ranks started within start_timeout=3 s"):
+        hora.spark.run(_collective, args=(0,), num_proc=3, start_timeout=3, stderr=io.StringIO())
+
+
+@pytest.mark.timeout(180)
+def test_the_pytorch_digits_example_trains_through_spark(spark):
+    import cloudpickle
+
+    spec = importlib.util.spec_from_file_location("spark_train_digits", ROOT / "examples/spark/train_digits.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    sys.modules[spec.name] = example
+    cloudpickle.register_pickle_by_value(example)  # the ranks cannot import it by name
+    try:
+        accuracies = example.main(["--num-proc", "2"])  # it uses the running session
+    finally:
+        cloudpickle.unregister_pickle_by_value(example)
+        del sys.modules[spec.name]
+    assert len(accuracies) == 2 and min(accuracies) >= 0.95, accuracies
