@@ -267,7 +267,8 @@ def test_mpi(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("HORA_", "HOROVOD_", "OMPI_", "PMI_", "PMIX_", "SLURM_"))}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
-               HORA_TRANSPORT="mpi", HORA_INLINE_THRESHOLD="0", HORA_DYNAMIC_PROCESS_SETS="1", ADA_OUT=str(tmp_path), ADA_TESTS=str(ROOT / "tests"),
+               HORA_TRANSPORT="mpi", HORA_INLINE_THRESHOLD="0", HORA_DYNAMIC_PROCESS_SETS="1", ADA_OUT=str(tmp_path),
+               ADA_TESTS=str(ROOT / "tests"),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     forward = [x for k in ("HORA_TRANSPORT", "HORA_INLINE_THRESHOLD", "HORA_DYNAMIC_PROCESS_SETS", "ADA_OUT",
                                                     "ADA_TESTS") for x in ("-x", k)]
