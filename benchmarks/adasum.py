@@ -53,11 +53,13 @@ def _worker(sizes, budget, reps):
     out = {"Sum": {}, "Adasum": {}}
     for nbytes in sizes:
         rng = np.random.default_rng(hora.rank())
-        a = rng.standard_normal(nbytes // 4).astype(np.float32)  # Adasum's cost does not depend on the values
+        x = rng.standard_normal(nbytes // 4).astype(np.float32)
+        bufs = {"Sum": x.copy(), "Adasum": x}  # (Sum in place overflows to inf/nan after a while: no slower)
         samples = {"Sum": [], "Adasum": []}
         for _ in range(reps):
             for name, op in (("Sum", hora.Sum), ("Adasum", hora.Adasum)):
-                samples[name].append(time_collective(lambda op=op, a=a: direct(a, op), agree, barrier, budget, 1))
+                samples[name].append(time_collective(lambda op=op, a=bufs[name]: direct(a, op), agree, barrier,
+                                                     budget, 1))
         for name in samples:
             out[name][nbytes] = statistics.median(samples[name])
     if hora.rank() == 0:
