@@ -109,6 +109,7 @@ def features() -> list[tuple[str, bool, str]]:
         ("hora.run() (functions on every rank)", True, ""),
         ("tensor fusion, response cache, process sets", True, ""),
         ("timeline, stall inspector", True, ""),
+        ("Adasum (any np, every transport, process sets)", True, ""),
         ("elastic training", elastic, "" if elastic else "not yet"),
     ]
 

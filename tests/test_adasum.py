@@ -339,6 +339,16 @@ def _delta_semantics():
                 red = torch.from_numpy(adasum.reduce_local(list(every), [d.numel()])).reshape(b.shape)
                 expect = b + red.to(b.dtype)
                 assert torch.equal(p.detach(), expect), f"config {i} step {step} parameter {j}"
+    # synchronize() applies the update, and step() after it does not step again; skip_synchronize is refused
+    opt.zero_grad()
+    F.mse_loss(model(batches[0][0]), batches[0][1]).backward()
+    opt.synchronize()
+    synced = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), synced))
+    with pytest.raises(AssertionError, match="skip_synchronize"):
+        with opt.skip_synchronize():
+            pass
     hvd.shutdown()
     return True
 

@@ -15,6 +15,8 @@ and ``synchronize()`` (which ``step()`` calls) waits for every delta and sets ea
 were. Between the hook and ``synchronize()`` a parameter holds its delta, as in Horovod. ``step()`` runs the
 closure, if any, and never steps the optimizer again (the steps ran in the hooks); after
 ``synchronize()`` it only returns. A parameter without a gradient takes no local step (its delta is zero).
+``skip_synchronize()`` is refused, as in Horovod (a gradient changed after ``synchronize()`` would change
+nothing).
 
 These methods are merged over :class:`hora.torch.optimizer._DistributedOptimizer`'s in the dynamic
 subclass that ``DistributedOptimizer`` makes (so they call no ``super()``).
@@ -93,4 +95,13 @@ def step(self, closure=None):
     return loss
 
 
-METHODS = {"_submit": _submit, "synchronize": synchronize, "step": step}
+def skip_synchronize(self):
+    """Refused, as in Horovod: the local steps already ran during backward, so gradients changed between
+    ``synchronize()`` and ``step()`` (clipping, say) would change nothing."""
+    raise AssertionError("optimizer.skip_synchronize() is not supported with op=hvd.Adasum: the optimizer steps "
+                         "each parameter during backward and reduces the change, so synchronize() already applies "
+                         "the update and gradients changed after it (clipping) would have no effect; call step() "
+                         "alone, or use op=hvd.Average to clip between synchronize() and step()")
+
+
+METHODS = {"_submit": _submit, "synchronize": synchronize, "step": step, "skip_synchronize": skip_synchronize}
