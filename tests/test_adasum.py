@@ -2,8 +2,9 @@
 
 * **Reference, bitwise.** :func:`reference` below is written from docs/adasum.md alone: the tree in the
   documented order, each pair combined with the pairwise formula, the scalars summed as documented
-  (float64 products, each block of ``BLOCK`` elements of a tensor by ``np.add.reduceat``, the blocks'
-  sums by ``np.add.reduceat``), the combination in float64 (float32 for 16-bit floats) rounded once.
+  (float64 products, each whole block of ``BLOCK`` elements of a tensor by ``np.einsum``, a shorter one
+  by ``np.add.reduceat``, the blocks' sums by ``np.add.reduceat``), the combination in float64 (float32
+  for 16-bit floats) rounded once.
   hora's result must equal it **bitwise** for every np, dtype, transport and path: the design makes a
   tensor's bits depend on its inputs alone (not on how the buffer was cut between ranks, nor on fusion),
   so there is no rounding slack to allow for. Against an exact reference (``math.fsum`` of the scalars,
@@ -60,7 +61,8 @@ def _scalars(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
     x64, y64 = x.astype(np.float64), y.astype(np.float64)
     out = []
     for u, w in ((x64, y64), (x64, x64), (y64, y64)):
-        blocks = [np.add.reduceat(u[i:i + BLOCK] * w[i:i + BLOCK], [0])[0] for i in range(0, u.size, BLOCK)]
+        blocks = [np.einsum("i,i->", u[i:i + BLOCK], w[i:i + BLOCK]) if u[i:i + BLOCK].size == BLOCK else
+                  np.add.reduceat(u[i:i + BLOCK] * w[i:i + BLOCK], [0])[0] for i in range(0, u.size, BLOCK)]
         out.append(np.add.reduceat(np.array(blocks), [0])[0] if blocks else 0.0)
     return tuple(out)
 

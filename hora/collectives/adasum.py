@@ -30,9 +30,10 @@ So the tree is ordered left to right, the folded pairs first: np=3 is ``c(c(x0, 
 rank gets the same bits. And the bits do not depend on how the buffer was cut, nor on which tensors were
 fused with which (which depends on timing): the scalars are sums over fixed *blocks* (``BLOCK`` elements
 counted from each tensor's own start), the parts are cut only at block edges, each block's partial sums
-(float64 products, NumPy's pairwise ``add.reduceat``; no BLAS, whose threads would make the order depend
-on the machine) are made by exactly one rank of a block and travel as they are (the others add exact
-zeros), and a tensor's scalar is the pairwise sum of its blocks' partials, in order. So a tensor's result
+(of float64 products: ``np.einsum("i,i->")`` for a whole block, ``np.add.reduceat`` for a shorter one;
+NumPy's own loops, not BLAS, whose threads and kernels would make the order depend on the machine) are
+made by exactly one rank and travel as they are (the others add exact zeros), and a tensor's scalar is the
+``np.add.reduceat`` of its blocks' partials, in order. So a tensor's result
 is a function of that tensor's inputs alone: fused or not, on any transport, by the inline path (rank 0
 reducing small tensors with :func:`reduce_local`, the same tree on whole vectors) or not. The combination
 is computed in float64 (float32 for float16 and bfloat16) and rounded once to the buffer's dtype per
@@ -119,16 +120,20 @@ def partials(a: np.ndarray, b: np.ndarray, lo: int, blocks: Blocks) -> np.ndarra
         s, f = int(e[i]) - lo, int(e[k]) - lo
         x, y, t = xb[:f - s], yb[:f - s], tb[:f - s]
         x[...], y[...] = a[s:f], b[s:f]
-        rel = e[i:k] - e[i]
-        for row, (u, w) in enumerate(((x, y), (x, x), (y, y))):
-            np.multiply(u, w, out=t)
-            out[row, i:k] = np.add.reduceat(t, rel)
+        if f - s == BLOCK:  # a whole block (always alone in its batch): einsum's fused loop, 3x faster
+            for row, (u, w) in enumerate(((x, y), (x, x), (y, y))):
+                out[row, i] = np.einsum("i,i->", u, w)
+        else:  # shorter blocks (a tensor's last, small tensors), several at once
+            rel = e[i:k] - e[i]
+            for row, (u, w) in enumerate(((x, y), (x, x), (y, y))):
+                np.multiply(u, w, out=t)
+                out[row, i:k] = np.add.reduceat(t, rel)
         i = k
     return out
 
 
 def tensor_sums(blocks: Blocks, parts: np.ndarray) -> np.ndarray:
-    """``(T, 3)``: each tensor's ``(a.b, a.a, b.b)``, the pairwise sum of its blocks' ``parts``, in order."""
+    """``(T, 3)``: each tensor's ``(a.b, a.a, b.b)``, the ``add.reduceat`` of its blocks' ``parts``, in order."""
     out = np.zeros((len(blocks.bounds) - 1, 3))
     has = blocks.first[1:] > blocks.first[:-1]
     if has.any():
