@@ -114,6 +114,7 @@ def features() -> list[tuple[str, bool, str]]:
         ("tensor fusion, response cache, process sets", True, ""),
         ("timeline, stall inspector", True, ""),
         ("autotune (fusion threshold, cycle time, response cache)", _found("hora.core.autotune"), ""),
+        ("Adasum (any np, every transport, process sets)", True, ""),
         ("elastic training", elastic, "" if elastic else "not yet"),
         ("gradient compression: fp16, bf16, top-k, PowerSGD", _found("hora.core.compressors"), ""),
     ]

@@ -275,7 +275,7 @@ def _optimizer_options_body():
         return (optax.apply_updates(p_, u_), s_), None
     (scanned, _), _ = jax.jit(lambda p_: jax.lax.scan(one, (p_, tx.init(p_)), gs))(p)
     np.testing.assert_allclose(np.asarray(scanned["w"]), -sum(sum(q + i for q in range(n)) / n for i in range(3)))
-    for bad in (dict(op=hvd.Adasum), dict(op=hvd.Sum, gradient_predivide_factor=2.0),
+    for bad in (dict(op=hvd.Adasum, gradient_predivide_factor=2.0), dict(op=hvd.Sum, gradient_predivide_factor=2.0),
                 dict(backward_passes_per_step=0)):
         try:
             hvd.DistributedOptimizer(optax.sgd(1.0), **bad)
@@ -351,7 +351,7 @@ def _misuse_body():
     expect(lambda: jax.vmap(jax.jit(lambda t: hvd.broadcast(t, 0)))(jnp.ones((2, 3))), hvd.HoraError, text="vmap")
     expect(lambda: jax.jit(hvd.allreduce_async)(jnp.ones(3)), hvd.HoraError, text="outside jax.jit")
     expect(lambda: jax.jit(lambda t: hvd.alltoall(t, splits=[1, 1]))(jnp.ones(2)), hvd.HoraError, text="splits")
-    expect(lambda: hvd.allreduce(jnp.ones(2), op=hvd.Adasum), hvd.HoraError, text="Adasum")
+    expect(lambda: hvd.allreduce(jnp.ones(2, jnp.int32), op=hvd.Adasum), hvd.HoraError, text="Adasum")
     bad_root = 5 if r == 0 else 0  # rank 0 refuses its root; rank 1's broadcasts of both leaves are told
     expect(lambda: jax.block_until_ready(jax.jit(lambda t: hvd.broadcast(t, bad_root))({"a": jnp.ones(2),
                                                                                           "b": jnp.ones(3)})),

@@ -11,8 +11,8 @@ import math
 
 import numpy as np
 
-from hora.collectives import exchange, ring
-from hora.collectives.reduce import Average, fill_identity, reducer, scale
+from hora.collectives import adasum, exchange, ring
+from hora.collectives.reduce import Adasum, Average, fill_identity, reducer, scale
 from hora.core import messages as m
 from hora.core.handles import Handle
 from hora.transport.base import SubCommunicator
@@ -40,9 +40,17 @@ def nbytes_of(dtype: str, shape: tuple) -> int:
 
 
 def allreduce_flat(comm, flat: np.ndarray, op: int, prescale: float, postscale: float,
-                   scratch: ring.Scratch, src: np.ndarray | None = None) -> None:
+                   scratch: ring.Scratch, src: np.ndarray | None = None, counts: list[int] | None = None) -> None:
     """Horovod's allreduce numerics on a 1-D buffer, in place; or, with ``src``, of ``src`` into
-    ``flat`` (``src`` is never written: a transport that can read it where it is saves a copy)."""
+    ``flat`` (``src`` is never written: a transport that can read it where it is saves a copy).
+    ``counts``: the sizes of the tensors fused in ``flat``, which Adasum combines each with its own
+    coefficients (no transport has a native Adasum: it runs over point-to-point everywhere)."""
+    if op == Adasum:
+        if src is not None:
+            flat[...] = src
+        scale(flat, prescale)
+        adasum.allreduce(comm, flat, counts or [flat.size], scratch, finish=lambda seg: scale(seg, postscale))
+        return
     if op == Average:
         postscale = postscale * (1.0 / comm.size)  # Horovod folds the average into the postscale
     # a transport's own (shared memory, MPI, hierarchical): ``native_allreduce(flat, op, src=None)``
@@ -189,7 +197,7 @@ class Executor:
             off += c
         self._tl(names, "MEMCPY_IN_FUSION_BUFFER", False)
         self._tl(names, op_name, True)
-        allreduce_flat(comm, fb, resp.op, 1.0 if joined else resp.pre, resp.post, self.scratch)
+        allreduce_flat(comm, fb, resp.op, 1.0 if joined else resp.pre, resp.post, self.scratch, counts=counts)
         self._tl(names, op_name, False)
         self.stats.tensors_fused += len(names)
         self.stats.bytes_fused += total * dtype.itemsize

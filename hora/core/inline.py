@@ -24,7 +24,8 @@ import math
 
 import numpy as np
 
-from hora.collectives.reduce import Average, fill_identity, reducer, scale
+from hora.collectives import adasum
+from hora.collectives.reduce import Adasum, Average, fill_identity, reducer, scale
 from hora.core import messages as m
 from hora.core.execute import Pending, dtype_of
 
@@ -95,7 +96,8 @@ def reduce(resp: m.Response, ranks: tuple[int, ...], inputs) -> bytes:
     that rank's input (bytes or array) or None for a rank that joined without submitting the tensor
     (it contributes the op's neutral element, :func:`hora.collectives.reduce.fill_identity`)."""
     dtype = dtype_of(resp.dtype)
-    combine = reducer(resp.op)
+    adasum_of = [] if resp.op == Adasum else None  # Adasum: every rank's input, then the ranks' own steps
+    combine = None if resp.op == Adasum else reducer(resp.op)
     acc = None
     for r in ranks:
         parts = [inputs(r, n) for n in resp.names]
@@ -108,10 +110,15 @@ def reduce(resp: m.Response, ranks: tuple[int, ...], inputs) -> bytes:
             if acc is None or resp.pre != 1.0:
                 x = np.array(x)  # a copy: inputs (a caller's array, a message) are never written
                 scale(x, resp.pre)
-        if acc is None:
+        if adasum_of is not None:
+            adasum_of.append(x)
+        elif acc is None:
             acc = x
         else:
             combine(acc, x)
+    if adasum_of is not None:  # the same bits as the collective would give (adasum.reduce_local)
+        out = adasum.reduce_local(adasum_of, [math.prod(s) for s in resp.shapes], lambda seg: scale(seg, resp.post))
+        return out.tobytes()
     post = resp.post * (1.0 / len(ranks) if resp.op == Average else 1.0)
     scale(acc, post)
     return acc.tobytes()

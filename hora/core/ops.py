@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from hora.base.errors import HoraError, HoraValueError, NotSupportedError
+from hora.collectives.adasum import check_dtype as adasum_dtype
 from hora.collectives.reduce import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, check_dtype
 from hora.core import messages as m
 from hora.core.basics import state
@@ -66,13 +67,14 @@ def _new_epoch(st) -> None:
 
 
 def check_op(op: int, what: str) -> int:
-    """``op`` if hora can reduce with it; the one place that refuses Adasum (bindings call it too)."""
-    if op == Adasum:
-        raise NotSupportedError(f"{what}: op=Adasum is not implemented in hora yet; use op=Average (the default) "
-                                "or Sum")
+    """``op`` if hora can reduce with it for ``what`` (bindings call it too). Adasum combines whole
+    vectors, so a reducescatter (each rank keeping a slice) cannot use it, as in Horovod."""
     if op not in OP_NAMES:
         raise HoraValueError(f"{what}: unknown op {op!r}; use one of "
-                             + ", ".join(f"hora.{n} ({v})" for v, n in OP_NAMES.items() if v != Adasum))
+                             + ", ".join(f"hora.{n} ({v})" for v, n in OP_NAMES.items()))
+    if op == Adasum and "reducescatter" in what.lower():
+        raise NotSupportedError(f"{what}: op=Adasum is not supported by reducescatter (Adasum combines whole "
+                                "vectors); use op=Sum or Average, or allreduce(op=Adasum)")
     return op
 
 
@@ -179,6 +181,8 @@ def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False
     if kind in _DATA_KINDS:
         a = array if type(array) is np.ndarray else _as_array(array, kind, inplace)
         dtype = check_dtype(a.dtype, kind)
+        if fields.get("op") == Adasum:
+            adasum_dtype(dtype, kind)
         if kind in (m.ALLGATHER, m.ALLTOALL, m.REDUCESCATTER) and a.ndim == 0:
             raise HoraValueError(f"{kind}: a scalar has no first dimension; reshape it to (1,)")
         if inplace and not a.flags.writeable:

@@ -25,7 +25,8 @@ from jax.experimental import io_callback
 
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
-from hora.core.packing import Packing, slices
+from hora.core.frontend_adasum import pack_limit
+from hora.core.packing import PACK_LIMIT, Packing, slices
 from hora.core.process_sets import ProcessSet, global_process_set
 
 __all__ = ["host_call", "grouped_allreduce", "packed_allreduce", "traced", "settle", "packing", "pack", "unpack"]
@@ -84,10 +85,10 @@ def host_call(fn: Callable, inputs: list, result_shapes: list | None, what: str 
     return unpack(outs, call(*pack(ins, inputs)))
 
 
-def packing(arrays: Sequence) -> Packing:
+def packing(arrays: Sequence, limit: int = PACK_LIMIT) -> Packing:
     """The packing plan of ``arrays`` (jax arrays, tracers or ``jax.ShapeDtypeStruct``s)."""
     dtypes = [np.dtype(a.dtype) for a in arrays]
-    return Packing([a.shape for a in arrays], dtypes, [d.itemsize for d in dtypes])
+    return Packing([a.shape for a in arrays], dtypes, [d.itemsize for d in dtypes], limit)
 
 
 def pack(plan: Packing, arrays: Sequence) -> list:
@@ -126,6 +127,6 @@ def packed_allreduce(arrays: list, op: int, prescale_factor: float = 1.0, postsc
     """:func:`grouped_allreduce` of the small arrays packed into one flat buffer per dtype (:func:`packing`),
     so the core sees one member per dtype: one tensor costs it ~40 us where 50 small ones cost ~500 us, and
     the sum of a concatenation is the concatenation of the sums."""
-    plan = packing(arrays)
+    plan = packing(arrays, pack_limit(op))  # Adasum: each array its own member (its own coefficients)
     return unpack(plan, grouped_allreduce(pack(plan, arrays), op, prescale_factor, postscale_factor, name,
                                           process_set, layout=plan.layout))

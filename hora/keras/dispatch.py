@@ -17,6 +17,7 @@ import numpy as np
 from hora.base.errors import NotSupportedError
 from hora.core.gradients import SPARSE_OPS, step_collectives
 from hora.core.ops import Average, Sum
+from hora.core.frontend_adasum import pack_limit
 from hora.core.packing import Packing
 from hora.core.process_sets import ProcessSet, global_process_set
 
@@ -62,7 +63,7 @@ def packed_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, posts
                      name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
     """:func:`grouped_allreduce` with the small tensors packed into one flat tensor per dtype
     (:class:`hora.core.packing.Packing`) by ``keras.ops`` inside the step, and unpacked after."""
-    plan = _packing(tensors)
+    plan = _packing(tensors, op)
     ins = plan.pack(tensors, lambda t: keras.ops.reshape(t, (-1,)), keras.ops.concatenate)
     outs = grouped_allreduce(ins, op, prescale_factor, postscale_factor, name, process_set, layout=plan.layout)
     return plan.unpack(outs, _split, keras.ops.reshape)
@@ -82,7 +83,7 @@ def packed_allreduces(groups: list[list], op: int, prescale_factor: float, posts
         return [packed_allreduce(groups[0], op, prescale_factor, postscale_factor, names[0], process_set)], []
     if sparse and op not in (Average, Sum):
         raise NotSupportedError(SPARSE_OPS)
-    plans = [_packing(g) for g in groups]
+    plans = [_packing(g, op) for g in groups]
     flat: list = []
     members: list[list[int]] = []
     for plan, group in zip(plans, groups):
@@ -135,10 +136,11 @@ def _host_call(fn, tensors: list, shapes: list | None = None) -> list:
     return [keras.ops.convert_to_tensor(o, dtype=t.dtype) for o, t in zip(outs, tensors)]
 
 
-def _packing(tensors: list) -> Packing:
-    """The packing plan of Keras tensors (shapes, dtype names, item sizes)."""
+def _packing(tensors: list, op: int) -> Packing:
+    """The packing plan of Keras tensors (shapes, dtype names, item sizes); none under Adasum (each tensor
+    keeps its own coefficients, :func:`hora.core.frontend_adasum.pack_limit`)."""
     dtypes = [keras.backend.standardize_dtype(t.dtype) for t in tensors]
-    return Packing([tuple(t.shape) for t in tensors], dtypes, [_itemsize(dt) for dt in dtypes])
+    return Packing([tuple(t.shape) for t in tensors], dtypes, [_itemsize(dt) for dt in dtypes], pack_limit(op))
 
 
 def _split(buffer, cuts: list[int]) -> list:

@@ -25,6 +25,7 @@ from hora.core import gradients as _g
 from hora.core.compressors import check_compression_op, is_stateful
 from hora.core.frontend import check_optimizer_args, predivide
 from hora.core.ops import Average, Sum
+from hora.core.frontend_adasum import pack_limit
 from hora.core.packing import Packing
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow import bridge
@@ -143,7 +144,7 @@ class GradientReducer:
         packed = [self.compression.compress(tf.convert_to_tensor(g)) for g in grads]
         tensors = [t for t, _ in packed]
         plan = Packing([t.shape.as_list() if t.shape.rank is not None else [None] for t in tensors],
-                       [t.dtype for t in tensors], [t.dtype.size for t in tensors])
+                       [t.dtype for t in tensors], [t.dtype.size for t in tensors], pack_limit(self.op))
         dense_in = plan.pack(tensors, lambda t: tf.reshape(t, [-1]), lambda ts: tf.concat(ts, 0))
         sparse_in = [x for g in sparse for x in (tf.convert_to_tensor(g.indices), g.values)]
         nd, op, pre, post, ps = len(dense_in), self.op, self.prescale, self.postscale, self.process_set

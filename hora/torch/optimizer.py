@@ -19,7 +19,7 @@ from hora.base import knobs
 from hora.base.errors import HoraValueError
 from hora.core.compressors import check_compression_op, is_stateful
 from hora.core.frontend import check_optimizer_args, predivide, split_groups
-from hora.core.ops import Average
+from hora.core.ops import Adasum, Average
 from hora.core.process_sets import global_process_set
 from hora.torch import compression as _compression, hooks, mpi_ops
 from hora.torch.compression import Compression
@@ -269,7 +269,8 @@ def _make_groups(groups, params) -> list[tuple]:
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=global_process_set):
-    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged (``op``) over the ranks.
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged (``op``) over the ranks; with
+    ``op=hvd.Adasum``, the Adasum of each rank's own optimizer step instead (:mod:`hora.torch.adasum`).
 
     >>> opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
     ...                                named_parameters=model.named_parameters())
@@ -282,6 +283,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         groups = num_groups if groups is None else groups
     base = type(optimizer)
     namespace = {k: v for k, v in vars(_DistributedOptimizer).items() if k not in ("__dict__", "__weakref__")}
+    if op == Adasum:  # Horovod's delta semantics: the change of the weights is reduced (hora.torch.adasum)
+        from hora.torch.adasum import METHODS
+
+        namespace.update(METHODS)
     # torch wraps each optimizer class's step() once to run step hooks; ours is wrapped in turn, so call the
     # base's unwrapped step() or every hook would run twice
     base_step = base.step.__wrapped__ if getattr(base.step, "hooked", False) else base.step
