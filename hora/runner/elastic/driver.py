@@ -363,8 +363,12 @@ class Driver:
 
     def _fail(self) -> int:
         code, msg = self.failure
-        for p in self._ready():
+        told = self._ready()
+        for p in told:
             self._answer(p, f"fail {msg}")
+        deadline = time.monotonic() + EXIT_GRACE / 2  # time to say why on their own, before the teardown
+        while time.monotonic() < deadline and any(not p.done for p in told):
+            time.sleep(TICK)
         _say(f"elastic job failed: {msg}")
         return code
 
