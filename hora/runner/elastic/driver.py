@@ -62,6 +62,7 @@ from hora.runner.spawn import Output, describe_exit, exit_code
 TICK = 0.05
 EXIT_GRACE = 10.0  # s a worker told to exit gets before it is killed
 BLACKLIST_AFTER = 3
+RESPAWN_FIRST, RESPAWN_MAX = 0.25, 10.0  # s before a slot that failed again is started again (doubling)
 
 
 def _say(msg: str) -> None:
@@ -97,6 +98,8 @@ class Driver:
         self.failure: tuple[int, str] | None = None  # (exit status, message): the job failed
         self.member_failure: tuple[int, str] | None = None
         self._signal: int | None = None
+        self.slot_failures: dict[str, int] = {}  # failures of a slot's processes since one came through
+        self.respawn_at: dict[str, float] = {}
 
     # --- the loop
     def run(self) -> int:
@@ -169,7 +172,13 @@ class Driver:
                 _say(f"warning: worker {p.wid} failed after another worker had finished training; "
                      "the training is complete, so the job still succeeds")
                 continue
+            self.slot_failures[p.wid] = k = self.slot_failures.get(p.wid, 0) + 1
+            if k > 1:  # a slot that keeps failing is started again more and more slowly
+                self.respawn_at[p.wid] = now + min(RESPAWN_MAX, RESPAWN_FIRST * 2 ** (k - 2))
             if member:
+                # ranks still connecting the generation's mesh learn of it (the transport's abort note)
+                self.store.set(f"{self.scope}/{protocol.GENERATION_PREFIX}{self.gen}/1/abort",
+                               f"{self.member_numbers.index(p.number)}|worker {p.wid} {what}".encode())
                 self.failed_member = True
                 self.breaking = self.breaking or now
                 self.first_failure = self.first_failure or p.ended
@@ -216,15 +225,18 @@ class Driver:
             if p is not None and not p.seen:
                 continue  # running, or its end not handled yet
             env = dict(self.base_env)
-            env.update({protocol.ID_VAR: wid, "HORA_HOSTNAME": host, "HORA_ELASTIC": "1",
-                        "HORA_STORE_ADDR": self.store_addr(host)})
+            if now < self.respawn_at.get(wid, 0.0):
+                continue
+            env = dict(self.base_env)
+            env.update({protocol.ID_VAR: wid, protocol.NUMBER_VAR: str(self.pool.next_number), "HORA_HOSTNAME": host,
+                        "HORA_ELASTIC": "1", "HORA_STORE_ADDR": self.store_addr(host)})
             self.slots[wid] = self.pool.start(wid, host, index, env)
 
     def _ready(self) -> list[Proc]:
         """Live workers waiting for an answer, with their request numbers in ``p.asked``."""
         out = []
         for p in self.pool.live():
-            raw = self.store.get(protocol.ready_key(self.scope, p.wid))
+            raw = self.store.get(protocol.ready_key(self.scope, p.wid, p.number))
             n = int(raw) if raw else 0
             if n > p.answered:
                 p.asked = n
@@ -310,8 +322,10 @@ class Driver:
         return [p for h in hosts for p in first if p.host == h]
 
     def _start_generation(self, chosen: list[Proc], now: float) -> None:
-        for h in {p.host for p in chosen if p.number in self.member_numbers}:
-            self.blacklist.healthy(h)  # a worker there came through the end of a generation
+        for p in chosen:
+            if p.number in self.member_numbers:  # it came through the end of a generation alive
+                self.blacklist.healthy(p.host)
+                self.slot_failures.pop(p.wid, None)
         fresh = any(p.number not in self.member_numbers for p in chosen)
         self.gen += 1
         plan = protocol.make_plan(self.gen, self.update_ts, self.resets, [(p.wid, p.host) for p in chosen], fresh)
@@ -345,7 +359,7 @@ class Driver:
     # --- answers and stopping
     def _answer(self, p: Proc, text: str) -> None:
         n = p.asked if p.asked > p.answered else p.answered + 1
-        self.store.set(protocol.answer_key(self.scope, p.wid, n), text.encode())
+        self.store.set(protocol.answer_key(self.scope, p.wid, p.number, n), text.encode())
         p.answered = n
         if text.startswith(("exit", "fail")):
             p.stopping = True
