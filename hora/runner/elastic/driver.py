@@ -269,7 +269,7 @@ class Driver:
         ready = [p for p in ready if p.answered < p.asked]
         for p in ready:
             if p.stopping:  # removed members (and others told to go) that came back for a place
-                self._answer(p, "exit its host was removed from the job")
+                self._answer(p, "exit its slot is no longer listed (host removed or fewer slots)")
         waiting = [p for p in ready if not p.stopping]
         if any(p.number in self.member_numbers for p in waiting) and self.breaking is None:
             self.breaking = now
