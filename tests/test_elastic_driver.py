@@ -86,15 +86,17 @@ def no_orphans(ev: dict[int, list[dict]]) -> None:
             time.sleep(0.05)
 
 
+def resumed(ev: dict[int, list[dict]], killed: float) -> float:
+    """Seconds from a kill to training resuming: the first commit after the first re-entry into the training
+    function (by a survivor of the re-formed generation) after the kill."""
+    entered = min(e["t"] for lines in ev.values() for e in lines if e["event"] == "enter" and e["t"] > killed)
+    return min(e["t"] for lines in ev.values() for e in lines if e["event"] == "commit" and e["t"] > entered) - killed
+
+
 def generations(stderr: str) -> list[int]:
     """The size of each generation the driver formed."""
     return [int(line.split(": ")[2].split()[0]) for line in stderr.splitlines()
             if line.startswith("hora run: generation ")]
-
-
-def resumed_after(stderr: str) -> list[float]:
-    return [float(line.rsplit("; ", 1)[1].split()[0]) for line in stderr.splitlines()
-            if line.startswith("hora run: generation ") and "after the failure" in line]
 
 
 @pytest.mark.timeout(90)
@@ -116,13 +118,11 @@ def test_sigkill_of_rank0_at_np4_and_the_slot_comes_back(tmp_path):
     r = elastic_run(tmp_path, ["-np", "4", "--min-np", "2", "--host-discovery-script", script,
                                "--elastic-timeout", "20"], EL_KILL_ID="localhost:0", EL_KILL_AT="12")
     ev = check_trained(tmp_path, r, 4)
-    assert generations(r.stderr) == [4, 4], r.stderr
+    assert generations(r.stderr) in ([4, 3, 4], [4, 4]), r.stderr  # the survivors go on, the slot joins later
     assert "localhost:0 (localhost:0, rank 0) was killed by signal 9" in r.stderr.replace("worker 1 ", "localhost:0 ")
     new = [e for e in ends(ev) if e["wid"] == "localhost:0"]
     assert new and new[0]["rank"] != 0  # the respawned slot joined, not as rank 0
-    took = resumed_after(r.stderr)
-    assert len(took) == 1, r.stderr
-    print(f"kill -> training resumed: {took[0]:.2f} s")
+    print(f"kill of rank 0 -> training resumed: {resumed(ev, (tmp_path / 'killed').stat().st_mtime):.2f} s")
 
 
 @pytest.mark.timeout(60)
@@ -206,6 +206,7 @@ def test_five_random_sigkills_on_two_local_hosts(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     rng = random.Random(5)
     kills = 0
+    killed_at: list[float] = []
     try:
         while kills < 5 and proc.poll() is None:
             time.sleep(rng.uniform(0.8, 2.0))  # the chaos's own pace, not a wait for a condition
@@ -220,12 +221,14 @@ def test_five_random_sigkills_on_two_local_hosts(tmp_path):
                 with contextlib.suppress(psutil.Error):
                     rng.choice(victims).kill()
                     kills += 1
+                    killed_at.append(time.time())
         out, err = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert kills == 5
-    check_trained(tmp_path, subprocess.CompletedProcess(cmd, proc.returncode, out, err), 4, steps=700)
-    took = resumed_after(err)
-    print(f"5 kills; kill -> re-formed (s): {sorted(took)}")
+    ev = check_trained(tmp_path, subprocess.CompletedProcess(cmd, proc.returncode, out, err), 4, steps=700)
+    gaps = sorted(resumed(ev, k) for k in killed_at)
+    print(f"5 kills; kill -> training resumed (s): median {gaps[2]:.2f}, max {gaps[-1]:.2f}; "
+          f"all {[round(g, 2) for g in gaps]}")

@@ -32,7 +32,7 @@ SLEEP = float(os.environ.get("EL_SLEEP", "0.02"))
 
 def log(**kw):
     with open(os.path.join(LOG, f"{os.getpid()}.jsonl"), "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "wid": WID, **kw}) + "\n")
+        f.write(json.dumps({"pid": os.getpid(), "wid": WID, "t": time.time(), **kw}) + "\n")
 
 
 log(event="start")

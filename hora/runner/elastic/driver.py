@@ -18,10 +18,12 @@ g's mesh give up at once. (Keys: :mod:`hora.elastic.protocol`.)
 States of the current generation g:
 
 * forming: some workers wait for an answer. The driver waits for every live member of g (they come once
-  they leave training: a lost peer, or a host update at their next commit) and for every newly started
-  worker (they come once started). A member that has not come ``--elastic-timeout`` s after g began to break
-  up, or a new worker not come ``--start-timeout`` s after its start, is killed and counted as a failure of
-  its host. Then generation g+1 is formed from the workers that came, at most ``--max-np``, in rank order:
+  they leave training: a lost peer, or a host update at their next commit), and for the first generation
+  (or when the members alone are fewer than ``--min-np``) for every newly started worker too; otherwise a
+  worker still starting joins the next generation through a host update, so that the survivors of a kill
+  go on at once. A member that has not come ``--elastic-timeout`` s after g began to break up, or a new
+  worker waited for that long after its start, is killed and counted as a failure of its host. Then generation
+  g+1 is formed from the workers that came, at most ``--max-np``, in rank order:
   g's members first, by their old rank (so the new rank 0 holds the committed state), hosts kept together;
   if fewer than ``--min-np`` came, it waits, and fails the job once that has lasted ``--elastic-timeout`` s.
 * running: the driver watches worker ends and the host list. A new worker that arrives, or a host of g
@@ -291,14 +293,17 @@ class Driver:
             self.below = None
         if not waiting:
             return
-        came = {p.wid for p in waiting}
+        came = {p.number for p in waiting}
         late = []
         for p in active:
-            if p.wid in came:
+            if p.number in came:
                 continue
-            if p.number in self.member_numbers and self.breaking is None:
+            member = p.number in self.member_numbers
+            if member and self.breaking is None:
                 return  # the generation runs: newcomers wait for its next commit
-            if now - (self.breaking if p.number in self.member_numbers else p.started) < self.timeout:
+            if not member and self.gen > 0 and len(waiting) >= self.min_np:
+                continue  # a worker still starting joins later (a host update), the survivors go on now
+            if now - (self.breaking if member else p.started) < self.timeout:
                 return
             late.append(p)
         for p in late:
@@ -336,6 +341,9 @@ class Driver:
                 self.blacklist.healthy(p.host)
                 self.slot_failures.pop(p.wid, None)
         fresh = any(p.number not in self.member_numbers for p in chosen)
+        if self.member_numbers and not any(p.number in self.member_numbers for p in chosen):
+            _say(f"warning: no worker of generation {self.gen} is left: the committed state died with them, and "
+                 f"generation {self.gen + 1} starts from the state its workers start with")
         self.gen += 1
         plan = protocol.make_plan(self.gen, self.update_ts, self.resets, [(p.wid, p.host) for p in chosen], fresh)
         self.store.set(protocol.plan_key(self.scope, self.gen), plan.encode())
