@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 import os
+import queue
 import signal
 import sys
 import threading
@@ -164,7 +165,7 @@ class Driver:
         while True:
             try:
                 p = self.pool.exits.get_nowait()
-            except Exception:  # noqa: BLE001 - queue.Empty
+            except queue.Empty:
                 return
             rc, lost = p.returncode, p.worker.lost
             what = lost or describe_exit(rc if rc is not None else 1)
@@ -235,7 +236,6 @@ class Driver:
             p = self.slots.get(wid)
             if p is not None and not p.seen:
                 continue  # running, or its end not handled yet
-            env = dict(self.base_env)
             if now < self.respawn_at.get(wid, 0.0):
                 continue
             env = dict(self.base_env)
