@@ -182,6 +182,16 @@ def test_broadcast_outside_elastic_run_while_workers_are_added(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_that_never_comes_is_stopped_and_its_slot_joins_later(tmp_path):
+    script = discovery(tmp_path, "echo localhost:3\n")
+    r = elastic_run(tmp_path, ["-np", "3", "--min-np", "2", "--host-discovery-script", script,
+                               "--elastic-timeout", "3"], EL_HANG_ID="localhost:2", EL_STEPS="200")
+    check_trained(tmp_path, r, 3, steps=200)
+    assert "(localhost:2) did not come to form generation 1 within --elastic-timeout 3 s; stopping it" in r.stderr
+    assert generations(r.stderr) == [2, 3], r.stderr
+
+
+@pytest.mark.timeout(60)
 def test_reset_limit_reached_fails_the_job_with_a_clear_error(tmp_path):
     script = discovery(tmp_path, "echo localhost:2\n")
     r = elastic_run(tmp_path, ["-np", "2", "--min-np", "1", "--host-discovery-script", script, "--reset-limit", "1",

@@ -11,6 +11,7 @@ commit, and its end (rank, size, step, w as hex).
     EL_MARK_AT     at that step rank 0 creates EL_LOG/mark (discovery scripts read it)
     EL_FAIL_HOST   workers on this host exit 1 at start while EL_LOG/fail.N (N < EL_FAIL_TIMES) can be made
     EL_BCAST       1: broadcast w outside hora.elastic.run (Horovod #2189)
+    EL_HANG_ID     the worker id whose first process hangs before init()
 """
 
 import json
@@ -45,6 +46,11 @@ if fail_host and os.environ.get("HORA_HOSTNAME") == fail_host:
             continue
         log(event="fail")
         sys.exit(1)
+
+hang = os.path.join(LOG, "hung")
+if WID == os.environ.get("EL_HANG_ID") and not os.path.exists(hang):
+    open(hang, "w").close()
+    time.sleep(1000)  # never asks for a place: the driver stops it
 
 basics.init()
 state = elastic.ObjectState(step=0, w=np.zeros(4))

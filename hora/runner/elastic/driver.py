@@ -151,6 +151,9 @@ class Driver:
             if self.finishing:
                 for p in ready:
                     self._answer(p, "exit the job is over (a worker finished training)")
+                for p in self.pool.live():  # one still starting gets the same answer when it asks, or is stopped
+                    if not p.stopping and p.number not in self.member_numbers:
+                        self._stop([p], now, kill=False)
                 if not self.pool.live():
                     return self._result()
             else:
