@@ -52,16 +52,17 @@ def join() -> tuple[protocol.Place, str, protocol.Plan]:
     status 0 and a log line; a job the driver gave up on raises :class:`HoraError` with the driver's reason."""
     global _requests, _plan
     wid = env.raw(protocol.ID_VAR) or ""
+    k = int(env.raw(protocol.NUMBER_VAR) or "0")
     with _lock:
         store = _store()
         _requests += 1
         n = _requests
-        store.set(protocol.ready_key(scope(), wid), str(n).encode())
+        store.set(protocol.ready_key(scope(), wid, k), str(n).encode())
         from hora.transport.store import StoreTimeout
 
         while True:
             try:
-                raw = store.get(protocol.answer_key(scope(), wid, n), timeout=_WAIT)
+                raw = store.get(protocol.answer_key(scope(), wid, k, n), timeout=_WAIT)
                 break
             except StoreTimeout:
                 continue  # still forming (or below --min-np): the driver times that out, not us
