@@ -217,6 +217,29 @@ def _torch_battery():
     assert calls[1][3] == 22 and state.epoch == 22 and resets == [n], (calls[1][3], state.epoch, resets)
     same(snapshot()[:3], calls[1][:3], f"rank {r}: rolled back to the commit before the lost peer")
     assert hvd.is_initialized() and hvd.size() == n
+
+    # a step that really fails: a collective mismatched across ranks between backward (its gradients in
+    # flight) and step raises a MismatchError on every rank; the rollback is bitwise the commit, and the
+    # engine and the optimizer go on working
+    state.commit()
+    at_commit = snapshot()
+
+    @hvd.elastic.run
+    def failing(state):
+        opt.zero_grad()
+        model(torch.randn(6, 4, generator=gen)).pow(2).mean().backward()
+        hvd.allreduce(torch.zeros(r + 1), name="mismatched")
+        opt.step()
+
+    try:
+        failing(state)
+        raise AssertionError("the mismatched allreduce did not fail")
+    except hvd.HorovodInternalError as e:
+        assert "mismatched" in str(e), str(e)
+    same(snapshot(), at_commit, f"rank {r} after a failed step")
+    step()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert all(torch.equal(weights, w) for w in hvd.allgather_object(weights)), "ranks differ after the failure"
     hvd.shutdown()
 
 
