@@ -27,6 +27,10 @@ _plan: protocol.Plan | None = None  # the generation this process is in
 _WAIT = 60.0  # s per blocking read; the driver decides every timeout, we only wait for it
 
 
+class JobFailed(HoraError):
+    """The elastic driver gave up on the job (``--reset-limit``, below ``--min-np`` too long): not retried."""
+
+
 def active() -> bool:
     """True in a worker started by the elastic driver."""
     return bool(env.raw(protocol.ID_VAR)) and env.parse_bool(env.get("ELASTIC", "0") or "0") is True
@@ -75,7 +79,7 @@ def join() -> tuple[protocol.Place, str, protocol.Plan]:
             print(f"hora: elastic worker {wid} leaves the job: {rest}", file=sys.stderr, flush=True)
             raise SystemExit(0)
         if kind != "gen":
-            raise HoraError(f"hora elastic job failed: {rest}")
+            raise JobFailed(f"hora elastic job failed: {rest}")
         plan = protocol.Plan.decode(store.get(protocol.plan_key(scope(), int(rest)), timeout=_WAIT))
         _plan = plan
     place = plan.places[wid]
@@ -90,6 +94,12 @@ def host_update() -> tuple[int, int]:
         return 0, 0
     ts, res = protocol.parse_update(_client.try_get(protocol.update_key(scope())))
     return (ts, res) if ts > plan.update else (0, 0)
+
+
+def abort_note(prefix: str) -> str:
+    """The driver's note that generation ``prefix`` lost a member ("" when there is none)."""
+    raw = _client.try_get(f"{prefix}/abort") if _client is not None else None
+    return raw.decode(errors="replace").partition("|")[2] if raw else ""
 
 
 def current_plan() -> protocol.Plan | None:

@@ -6,11 +6,14 @@ a failing or hanging script cannot block a decision. The control plane is the jo
 :mod:`hora.elastic.protocol`), served in this process.
 
 Workers. One process per slot (``host:index``, the worker id, stable across respawns), started with
-``HORA_ELASTIC=1``, ``HORA_ELASTIC_ID``, ``HORA_HOSTNAME``, the store's address, scope and secret, and no
-rank. Each ``init()`` of a worker writes ``ready/<id> = n`` and waits for ``answer/<id>/<n>``:
-``gen g`` (its place is in ``plan/g``; the mesh of g rendezvouses under its own prefix), ``exit`` (its host
-was removed or the job is over: it exits 0), ``fail`` (the job failed: it raises), or ``solo`` (its first
-init() while a job is running: a world of one until it enters ``hora.elastic.run``, Horovod #2189).
+``HORA_ELASTIC=1``, ``HORA_ELASTIC_ID``, ``HORA_ELASTIC_WORKER`` (the process's number k, its output tag
+``[k]``), ``HORA_HOSTNAME``, the store's address, scope and secret, and no rank. Each ``init()`` of a worker
+writes ``ready/<id>/<k> = n`` and waits for ``answer/<id>/<k>/<n>``: ``gen g`` (its place is in ``plan/g``;
+the mesh of g rendezvouses under ``<scope>/e<g>/1``), ``exit`` (its slot is no longer listed, or the job is
+over: it exits 0), ``fail`` (the job failed: it raises ``JobFailed``), or ``solo`` (its first init() while a
+job is running: a world of one until it enters ``hora.elastic.run``, Horovod #2189). Host updates go to
+``update``; when a member of g dies the driver writes ``<scope>/e<g>/1/abort`` so that ranks still connecting
+g's mesh give up at once. (Keys: :mod:`hora.elastic.protocol`.)
 
 States of the current generation g:
 
@@ -33,10 +36,11 @@ States of the current generation g:
   a warning: the training is complete); otherwise it exits with the first such failure's status.
 
 Hosts (:mod:`hora.runner.elastic.blacklist`): a host whose workers fail 3 times in a row
-(``HORA_ELASTIC_BLACKLIST_AFTER``) is blacklisted (its workers are stopped, so no survivor waits on them),
-for good or for a growing cooldown within ``--blacklist-cooldown-range``. The count starts again whenever
-a worker of the host comes through the end of a generation alive: a host whose workers crash at start is
-blacklisted, one whose workers are killed now and then while the others there train is not.
+(``HORA_ELASTIC_BLACKLIST_AFTER``; an error exit, a crash, a worker that never came or a lost host count,
+a kill by SIGKILL/SIGTERM/SIGINT/SIGHUP does not) is blacklisted (its workers are stopped, so no survivor
+waits on them), for good or for a growing cooldown within ``--blacklist-cooldown-range``. The count starts
+again whenever a worker of the host comes through the end of a generation alive: a host whose workers crash
+at start is blacklisted, one whose workers are killed now and then while the others there train is not.
 
 Exit status: 0 on success; the failed worker's status (128+N for signal N); 1 when the driver gives up (below
 ``--min-np`` too long, ``--reset-limit``); 128+N when it is interrupted.
@@ -62,6 +66,7 @@ from hora.runner.spawn import Output, describe_exit, exit_code
 TICK = 0.05
 EXIT_GRACE = 10.0  # s a worker told to exit gets before it is killed
 BLACKLIST_AFTER = 3
+MESH_TIMEOUT = 10  # s: the workers' --start-timeout unless given (see Driver.__init__)
 RESPAWN_FIRST, RESPAWN_MAX = 0.25, 10.0  # s before a slot that failed again is started again (doubling)
 
 
@@ -77,7 +82,11 @@ class Driver:
         self.min_np, self.max_np = settings["min_np"], settings["max_np"]
         self.timeout, self.start_timeout = settings["elastic_timeout"], settings["start_timeout"]
         self.reset_limit = settings["reset_limit"]
-        self.base_env, self.store, self.store_addr = envs, store, store_addr
+        self.base_env, self.store, self.store_addr = dict(envs), store, store_addr
+        if "HORA_START_TIMEOUT" not in envs and "HOROVOD_START_TIMEOUT" not in envs:
+            # a generation's mesh connects processes that are all waiting already: when one of them dies in
+            # the middle, the others find out by this timeout, so it is shorter than a static job's 30 s
+            self.base_env["HORA_START_TIMEOUT"] = str(MESH_TIMEOUT)
         self.scope = envs["HORA_STORE_SCOPE"]
         self.pool = Pool(command, output, remote)
         self.discovery = Discovery(settings["script"], settings["slots"], _say, settings["discovery_interval"],
@@ -185,7 +194,7 @@ class Driver:
                 if self.member_failure is None:
                     self.member_failure = (exit_code(rc) if rc is not None else 255,
                                            f"worker {p.wid} {what}")
-            wait = self.blacklist.failed(p.host, now)
+            wait = self.blacklist.failed(p.host, now) if _host_fault(rc, lost) else None
             if wait is not None:
                 until = "for the rest of the job" if math.isinf(wait) else f"for {wait:g} s"
                 _say(f"host {p.host} is blacklisted {until}: {self.blacklist.limit} worker failures in a row there")
@@ -350,7 +359,7 @@ class Driver:
         have = [p.wid for p in self.pool.live() if not p.stopping]
         wanted = [w for w, _h, _i in self._wanted(hosts)]
         missing = sorted(set(wanted) - set(have))
-        listed = ", ".join(f"{h}:{n}" for h, n in hosts.items()) or "none"
+        listed = ", ".join(f"{h}:{n}" for h, n in (self.discovery.hosts or {}).items()) or "none"
         black = ", ".join(sorted(self.blacklist.until)) or "none"
         self.failure = (1, f"fewer than --min-np {self.min_np} workers for more than --elastic-timeout "
                            f"{self.timeout:g} s: {len(have)} running ({' '.join(have) or 'none'}); missing slots "
@@ -396,6 +405,16 @@ class Driver:
             _say(f"elastic job failed: {msg}")
             return code
         return 0
+
+
+# signals someone sends (an operator, the OOM killer, a chaos test): they say nothing about the host
+_SENT = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _host_fault(rc: int | None, lost: str | None) -> bool:
+    """Whether a worker's failure counts against its host: an error exit, a crash (SIGSEGV, SIGABRT ...), a
+    lost host do; a kill does not (its slot is started again, more slowly each time it fails again)."""
+    return lost is not None or rc is None or rc > 0 or -rc not in _SENT
 
 
 def settings_from(values: dict[str, Any]) -> dict[str, Any]:
