@@ -1,0 +1,128 @@
+"""Chaos, elastic (issue 13): 20 SIGKILLs of random workers during a training run on 2 namespace hosts x 2
+slots (tests/netns.py), the discovery script listing both hosts all along so the driver starts a worker
+in each killed slot again. Seeded (the seed is printed; set HORA_CHAOS_SEED to replay one), bounded by a
+timeout that kills the job.
+
+Training must complete with the checks of tests/test_elastic_hosts.py (same state on every rank after
+every reset, a committed state; exact final params and step; no sample repeated or skipped; launcher exit 0;
+no process left on any host), and the test prints the figures: kills survived, the time from a kill to
+training resuming (first ``start`` event after it) and to full strength again (np=4), and what was lost
+(steps redone past the last commit; committed steps lost, which must be none).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import statistics
+import time
+
+import psutil
+import pytest
+from test_elastic_hosts import (  # noqa: F401 - cluster and job are the fixtures
+    ELASTIC, assert_no_orphans, check_history, cluster, generation_on, job)
+
+KILLS = 20
+SEED = int(os.environ.get("HORA_CHAOS_SEED") or random.SystemRandom().randrange(1 << 30))
+FULL = {"hora-a": 2, "hora-b": 2}
+
+
+def _live_workers(evs: list[dict], since: float) -> list[dict]:
+    """The latest start of each rank since ``since`` whose process is alive: the workers training now."""
+    latest: dict[int, dict] = {}
+    for e in evs:
+        if e["ev"] == "start" and e["t"] > since:
+            latest[e["rank"]] = e
+    out = []
+    for e in latest.values():
+        try:
+            if psutil.Process(e["pid"]).status() != psutil.STATUS_ZOMBIE:
+                out.append(e)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _lost(evs: list[dict], kills: list[dict]) -> list[dict]:
+    """Per kill: steps redone (live step at the interruption minus the last commit, per survivor) and
+    committed steps lost (the step every survivor had committed minus the step training resumed at)."""
+    rows = []
+    for i, k in enumerate(kills):
+        nxt = kills[i + 1]["t"] if i + 1 < len(kills) else float("inf")
+        window = [e for e in evs if k["t"] < e["t"] < nxt]
+        redone = [e["live"] - e["committed"] for e in window
+                  if e["ev"] == "interrupted" and e["kind"] == "HorovodInternalError"]
+        resumed = next(e for e in window if e["ev"] == "start")
+        survivors = {e["pid"] for e in k["generation"]} - {k["pid"]}
+        last = {}
+        for e in evs:
+            if e["ev"] == "commit" and e["t"] < k["t"] and e["pid"] in survivors:
+                last[e["pid"]] = e["step"]
+        everyone = min(last.values(), default=0)
+        rows.append({"resume_s": resumed["t"] - k["t"], "full_s": k["full_t"] - k["t"], "redone": redone,
+                     "committed_lost": max(0, everyone - resumed["step"]),
+                     "some_ahead": max(last.values(), default=0) > resumed["step"]})
+    return rows
+
+
+@pytest.mark.timeout(300)
+def test_chaos_20_sigkills_on_two_hosts(job):  # noqa: F811 - the fixture imported above
+    rng = random.Random(SEED)
+    print(f"\nelastic chaos: HORA_CHAOS_SEED={SEED}")
+    job.set_hosts("hora-a:2", "hora-b:2")
+    job.start(4, ("--min-np", "2", "--max-np", "4", *ELASTIC), ("--pace", "0.02", "--commit-every", "5"))
+    t0 = time.time()
+    job.wait("a first generation on both hosts", lambda evs: generation_on(evs, 0, FULL), timeout=90)
+    since = 0.0
+    for k in range(KILLS):
+        gen = job.wait("two commits at np=4", lambda evs, s=since: len(
+            {e["step"] for e in evs if e["ev"] == "commit" and e["t"] > s and e["size"] == 4}) >= 2 and
+            generation_on(evs, s, FULL))
+        time.sleep(rng.uniform(0.0, 0.5))  # a random moment of the step, not a wait for a condition
+        live = _live_workers(job.events(), since)
+        if len(live) < 4:
+            continue  # a worker died by itself: the next wait sees the job re-form
+        victim = rng.choice(live)
+        t = time.time()
+        os.kill(victim["pid"], signal.SIGKILL)
+        kill = {"n": k, "t": t, "pid": victim["pid"], "rank": victim["rank"], "host": victim["host"],
+                "generation": gen}
+        job.kills.append(kill)
+        job.wait(f"training resumed after kill {k + 1}",
+                 lambda evs, t=t: any(e["ev"] == "start" and e["t"] > t for e in evs))
+        full = job.wait(f"np=4 again after kill {k + 1}", lambda evs, t=t: generation_on(evs, t, FULL))
+        kill["full_t"] = min(e["t"] for e in full)
+        since = kill["full_t"] - 1e-6
+    assert len(job.kills) == KILLS, f"only {len(job.kills)} kills"
+    job.wait("two commits at np=4 after the last kill", lambda evs: len(
+        {e["step"] for e in evs if e["ev"] == "commit" and e["t"] > since and e["size"] == 4}) >= 2)
+    final = job.committed() + 5
+    job.set_gate(final, stop=True)
+    rc = job.finish()
+    took = time.time() - t0
+    if rc != 0:
+        job.fail(f"the launcher exited {rc}")
+    evs = job.events()
+    res = check_history(evs, final)
+    rows = _lost(evs, job.kills)
+    resume = [r["resume_s"] for r in rows]
+    full = [r["full_s"] for r in rows]
+    redone = [x for r in rows for x in r["redone"]]
+    print(f"kills survived: {len(job.kills)} of {KILLS} (victims by host: "
+          f"{ {h: sum(k['host'] == h for k in job.kills) for h in FULL} }, "
+          f"rank 0 killed {sum(k['rank'] == 0 for k in job.kills)} times); training took {took:.1f} s, "
+          f"{final} steps, {res['epochs']} full epochs")
+    print(f"kill -> training resumed: median {statistics.median(resume):.2f} s, max {max(resume):.2f} s")
+    print(f"kill -> np=4 again: median {statistics.median(full):.2f} s, max {max(full):.2f} s")
+    print(f"lost: steps redone past the last commit per interrupted survivor: total {sum(redone)}, "
+          f"max {max(redone, default=0)} (commit every 5 steps); committed steps lost: "
+          f"{sum(r['committed_lost'] for r in rows)}; resumes behind a survivor's own newer commit (a "
+          f"collective that completed on some ranks only): {sum(r['some_ahead'] for r in rows)}")
+    print("kill  host    rank  resume_s  full_s  redone")
+    for k, r in zip(job.kills, rows):
+        print(f"{k['n'] + 1:4}  {k['host']}  {k['rank']:4}  {r['resume_s']:8.2f}  {r['full_s']:6.2f}  {r['redone']}")
+    assert all(r["committed_lost"] == 0 for r in rows), rows
+    assert all(x <= 5 for x in redone), redone  # never more than one commit interval
+    assert "Traceback" not in job.output(), job.output()[-4000:]
+    assert_no_orphans(job)
