@@ -129,6 +129,19 @@ def _hora_run() -> Job | None:
     return Job(topo, addr, secret, env.get("STORE_SCOPE", "job"), "hora run")
 
 
+def _elastic() -> Job | None:
+    """A worker of ``hora run``'s elastic driver: no fixed rank; each ``init()`` asks the driver for a place in
+    its next generation (:mod:`hora.elastic.worker`), which may differ from the last one."""
+    from hora.elastic import worker
+
+    if not worker.active():
+        return None
+    place, gen_scope, _plan = worker.join()
+    topo = Topology(place.rank, place.size, place.local_rank, place.local_size, place.cross_rank,
+                    place.cross_size, place.hostname).check()
+    return Job(topo, env.get("STORE_ADDR"), env.get("SECRET"), gen_scope, "hora run (elastic)")
+
+
 # --- torchrun (torch.distributed.run) ---------------------------------------------------------------
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -308,7 +321,7 @@ def _reachable_address(mine: list, others: list[list]) -> str:
     return mine[0][1]
 
 
-DETECTORS = [_hora_run, _torchrun, _mpirun, _slurm]  # first match wins
+DETECTORS = [_elastic, _hora_run, _torchrun, _mpirun, _slurm]  # first match wins
 
 
 def detect() -> Job:

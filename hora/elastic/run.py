@@ -4,14 +4,28 @@ Each round: sync the state from rank 0 (unless the last interrupt said hosts wer
 worker already holds it), call the function; on an ``InternalError`` (a lost peer, a failed collective)
 roll back to the last commit; on ``HostsUpdatedInterrupt`` keep the live state; then reset (shut down, join
 the job's next membership) and run the state's reset callbacks.
+
+Only the elastic driver (``hora run --host-discovery-script ...``) can replace a lost peer. Under any other
+launcher (plain ``hora run``, mpirun, srun, torchrun) a re-initialisation would wait for a peer that never
+comes back, so the loop rolls the state back and re-raises the error, with a message that says so; under
+``torchrun --max-restarts`` the process is then restarted and starts over (from the user's own checkpoint,
+not from the in-memory commit). The driver decides ``--reset-limit``: when it is reached, the next ``init()``
+raises a plain :class:`hora.base.errors.HoraError` (not an ``InternalError``), which ends the loop.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Callable
 
 from hora.base.errors import HostsChanged, InternalError
+
+log = logging.getLogger("hora")
+
+NOT_ELASTIC = ("a peer was lost and this job cannot replace it: it was not started by hora's elastic driver "
+               "(recovery needs `hora run -np N --min-np M --host-discovery-script S ...`); "
+               "the state was rolled back to its last commit")
 
 
 def _reset() -> None:
@@ -21,6 +35,36 @@ def _reset() -> None:
     basics.init()
 
 
+def _elastic() -> bool:
+    from hora.elastic import worker
+
+    return worker.active()
+
+
+def _provisional() -> bool:
+    from hora.elastic import worker
+
+    return worker.provisional()
+
+
+def _fresh() -> bool:
+    from hora.elastic import worker
+
+    plan = worker.current_plan()
+    return plan is None or plan.fresh
+
+
+def _rejoin(reset: Callable[[], None]) -> None:
+    """``reset`` until it works: a peer lost while the next generation connects makes the driver form
+    another one, which this worker then joins."""
+    while True:
+        try:
+            reset()
+            return
+        except InternalError as e:
+            log.warning("hora elastic: joining the next generation failed (%s); asking the driver again", e)
+
+
 def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:
     """``func(state, *args, **kwargs)`` wrapped in the retry loop, with ``reset`` re-forming the job (the
     bindings pass their own init/shutdown, which are the core's)."""
@@ -28,17 +72,23 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
     @functools.wraps(func)
     def wrapper(state, *args: Any, **kwargs: Any) -> Any:
         skip_sync = False
+        if _provisional():
+            _rejoin(reset)  # leave the world of one this late joiner started in, join the job
         while True:
             try:
                 if not skip_sync:
                     state.sync()
                 return func(state, *args, **kwargs)
-            except InternalError:
+            except InternalError as e:
                 state.restore()
+                if not _elastic():
+                    raise InternalError(f"{NOT_ELASTIC}: {e}") from e
+                log.warning("hora elastic: %s; rolled back to the last commit, re-forming the job", e)
                 skip_sync = False
             except HostsChanged as e:
                 skip_sync = e.skip_sync
-            reset()
+            _rejoin(reset)
+            skip_sync = skip_sync and not _fresh()  # a newcomer needs the state (Horovod #3494)
             state.on_reset()
 
     return wrapper

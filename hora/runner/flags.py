@@ -93,7 +93,6 @@ def from_knob(knob: knobs.Knob) -> list[Flag]:
                  metavar=knob.metavar, **common)]
 
 
-_ELASTIC = "elastic training (--min-np, --max-np, --host-discovery-script, ...) comes in a later release"
 _JSRUN = "jsrun (IBM Spectrum MPI under LSF) is not supported; use --mpi (mpirun) or hora's own launcher"
 _AUTOTUNE = "hora has no autotuner yet; set --fusion-threshold-mb and --cycle-time-ms by hand"
 _ALGO = "hora has no {} algorithm yet; allreduce runs as a ring (or hierarchically, --hierarchical-allreduce)"
@@ -152,21 +151,25 @@ LAUNCHER_FLAGS: tuple[Flag, ...] = (
           "noise of the Gaussian process (0.8)", _AUTOTUNE, kind=float,
           config=("autotune", "gaussian_process_noise")),
     # elastic
-    _f("--min-np --min-num-proc", "min_num_proc", "elastic", "fewest workers to keep training with", kind=int,
-       status="not yet", why=_ELASTIC, kwarg="min_num_proc"),
-    _f("--max-np --max-num-proc", "max_num_proc", "elastic", "most workers to scale up to", kind=int,
-       status="not yet", why=_ELASTIC, kwarg="max_num_proc"),
-    _f("--slots-per-host", "slots", "elastic", "slots of each discovered host", kind=int, status="not yet",
-       why=_ELASTIC, kwarg="slots"),
-    _f("--elastic-timeout", "elastic_timeout", "elastic", "seconds to wait for enough hosts (600)", kind=int,
-       status="not yet", why=_ELASTIC),
-    _f("--reset-limit", "reset_limit", "elastic", "most resets before the job fails", kind=int,
-       status="not yet", why=_ELASTIC, kwarg="reset_limit"),
-    _f("--blacklist-cooldown-range", "cooldown_range", "elastic", "MIN MAX seconds a failed host is skipped",
-       kind=int, nargs=2, metavar="MIN MAX", status="not yet", why=_ELASTIC, kwarg="cooldown_range"),
+    _f("--min-np --min-num-proc", "min_num_proc", "elastic",
+       "elastic: fewest workers to train with (default -np); below it for --elastic-timeout s the job fails",
+       kind=int, kwarg="min_num_proc"),
+    _f("--max-np --max-num-proc", "max_num_proc", "elastic",
+       "elastic: most workers to scale up to (default: every slot the hosts offer)", kind=int, kwarg="max_num_proc"),
+    _f("--slots-per-host", "slots", "elastic", "elastic: slots of a host the discovery script lists without a count",
+       kind=int, kwarg="slots"),
+    _f("--elastic-timeout", "elastic_timeout", "elastic",
+       "elastic: seconds to wait for --min-np workers, and for workers to join a new generation (600; env "
+       "HOROVOD_ELASTIC_TIMEOUT)", kind=float),
+    _f("--reset-limit", "reset_limit", "elastic",
+       "elastic: resets after failures the job survives; the next one fails it (membership changes do not count)",
+       kind=int, kwarg="reset_limit"),
+    _f("--blacklist-cooldown-range", "cooldown_range", "elastic",
+       "elastic: a blacklisted host comes back after MIN, 2*MIN, 4*MIN ... seconds, at most MAX (default: never)",
+       kind=int, nargs=2, metavar="MIN MAX", kwarg="cooldown_range"),
     _f("--host-discovery-script", "host_discovery_script", "hosts",
-       "script printing host[:slots] lines (elastic)", kind=str, metavar="FILE",
-       status="not yet", why=_ELASTIC, kwarg="host_discovery_script"),
+       "elastic: executable printing the current hosts, one 'host' or 'host:slots' a line; run every second",
+       kind=str, metavar="FILE", kwarg="host_discovery_script"),
     # library
     _f("--mpi-args", "mpi_args", "library", "extra mpirun arguments (with --mpi), split like a shell",
        kind=str, metavar="ARGS", kwarg="mpi_args"),

@@ -138,6 +138,10 @@ def run_job(values: dict[str, Any], command: list[str], extra_env: dict[str, str
         for name in ("mpi_args", "binding_args"):
             if values.get(name):
                 raise UsageError(f"--{name.replace('_', '-')} only works with --mpi")
+        from hora.runner.elastic import is_elastic, run_elastic
+
+        if is_elastic(values):  # the elastic driver: hora.runner.elastic.driver
+            return run_elastic(values, command, ignored, extra_env)
         slots = hostlib.plan_job(values)
     except (UsageError, hostlib.HostError) as e:
         _say(str(e))

@@ -1,0 +1,423 @@
+"""The elastic driver: ``hora run -np N --min-np A --max-np B --host-discovery-script S ...``.
+
+A small state machine, one thread (this one) deciding everything, polled every 50 ms; the discovery script
+runs in a thread of its own (:mod:`hora.runner.elastic.discovery`) and only ever hands over a host list, so
+a failing or hanging script cannot block a decision. The control plane is the job's store (keys:
+:mod:`hora.elastic.protocol`), served in this process.
+
+Workers. One process per slot (``host:index``, the worker id, stable across respawns), started with
+``HORA_ELASTIC=1``, ``HORA_ELASTIC_ID``, ``HORA_HOSTNAME``, the store's address, scope and secret, and no
+rank. Each ``init()`` of a worker writes ``ready/<id> = n`` and waits for ``answer/<id>/<n>``:
+``gen g`` (its place is in ``plan/g``; the mesh of g rendezvouses under its own prefix), ``exit`` (its host
+was removed or the job is over: it exits 0), ``fail`` (the job failed: it raises), or ``solo`` (its first
+init() while a job is running: a world of one until it enters ``hora.elastic.run``, Horovod #2189).
+
+States of the current generation g:
+
+* forming: some workers wait for an answer. The driver waits for every live member of g (they come once
+  they leave training: a lost peer, or a host update at their next commit) and for every newly started
+  worker (they come once started). A member that has not come ``--elastic-timeout`` s after g began to break
+  up, or a new worker not come ``--start-timeout`` s after its start, is killed and counted as a failure of
+  its host. Then generation g+1 is formed from the workers that came, at most ``--max-np``, in rank order:
+  g's members first, by their old rank (so the new rank 0 holds the committed state), hosts kept together;
+  if fewer than ``--min-np`` came, it waits, and fails the job once that has lasted ``--elastic-timeout`` s.
+* running: the driver watches worker ends and the host list. A new worker that arrives, or a host of g
+  that is no longer listed, is posted as a host update (``update = "<ts> <added|removed>"``): the members
+  raise ``HostsUpdatedInterrupt`` at their next commit and come back for g+1. A member that fails makes
+  the others fail with ``PeerLostError``: they roll back, come back, and g+1 is formed without it; its
+  slot is started again if its host is still listed and not blacklisted. Failures count towards
+  ``--reset-limit`` (membership changes do not); the reset that passes it fails the job.
+* finishing: a worker exits 0 without being told to (its training is done): no new generation is formed,
+  and whoever asks for a place is told to exit. The job succeeds when every worker has ended and none of
+  the last generation's members failed; otherwise it exits with the first such failure's status.
+
+Hosts (:mod:`hora.runner.elastic.blacklist`): a host whose workers fail 3 times in a row is blacklisted
+(its workers are stopped, so no survivor waits on them), for good or for a growing cooldown within
+``--blacklist-cooldown-range``. Exit status: 0 on success; the failed worker's status (128+N for signal N);
+1 when the driver gives up (below ``--min-np`` too long, ``--reset-limit``); 128+N when it is interrupted.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from hora.elastic import protocol
+from hora.runner.elastic.blacklist import Blacklist
+from hora.runner.elastic.discovery import Discovery
+from hora.runner.elastic.workers import Pool, Proc
+from hora.runner.spawn import Output, describe_exit, exit_code
+
+TICK = 0.05
+EXIT_GRACE = 10.0  # s a worker told to exit gets before it is killed
+BLACKLIST_AFTER = 3
+
+
+def _say(msg: str) -> None:
+    print(f"hora run: {msg}", file=sys.stderr, flush=True)
+
+
+class Driver:
+    def __init__(self, command: list[str], settings: dict[str, Any], envs: dict[str, str], store: Any,
+                 store_addr: Callable[[str], str], output: Output, remote: Any = None):
+        self.s = settings
+        self.np = settings["np"]
+        self.min_np, self.max_np = settings["min_np"], settings["max_np"]
+        self.timeout, self.start_timeout = settings["elastic_timeout"], settings["start_timeout"]
+        self.reset_limit = settings["reset_limit"]
+        self.base_env, self.store, self.store_addr = envs, store, store_addr
+        self.scope = envs["HORA_STORE_SCOPE"]
+        self.pool = Pool(command, output, remote)
+        self.discovery = Discovery(settings["script"], settings["slots"], _say, settings["discovery_interval"],
+                                   settings["discovery_timeout"], fixed=settings.get("fixed"))
+        self.blacklist = Blacklist(settings["blacklist_after"], settings["cooldown"])
+        self.slots: dict[str, Proc] = {}  # wid -> its current (or last) process
+        self.gen = 0
+        self.members: list[str] = []  # wids of generation gen, in rank order
+        self.member_numbers: list[int] = []  # and their worker numbers (a respawned slot is a new worker)
+        self.breaking: float | None = None  # when gen began to break up
+        self.gen_failed_hosts: set[str] = set()
+        self.failed_member = False  # a member of gen failed: the next generation is a failure reset
+        self.first_failure: float | None = None  # for the "resumed after" figure
+        self.resets = 0
+        self.update_ts = 0
+        self.posted = 0  # the update timestamp already posted for this generation
+        self.below: float | None = None
+        self.finishing = False
+        self.failure: tuple[int, str] | None = None  # (exit status, message): the job failed
+        self.member_failure: tuple[int, str] | None = None
+        self._signal: int | None = None
+
+    # --- the loop
+    def run(self) -> int:
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                old[sig] = signal.signal(sig, lambda n, _f: setattr(self, "_signal", self._signal or n))
+        self.discovery.start()
+        try:
+            return self._loop()
+        finally:
+            self.discovery.close()
+            self.pool.stop_all()
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+    def _loop(self) -> int:
+        started = time.monotonic()
+        while True:
+            if self._signal is not None:
+                _say(f"interrupted by {signal.Signals(self._signal).name}; stopping the workers")
+                return 128 + self._signal
+            now = time.monotonic()
+            self.pool.check_sessions()
+            self._exits(now)
+            if self.failure is not None:
+                return self._fail()
+            hosts = self._hosts(now)
+            if hosts is None:
+                if now - started > self.timeout:
+                    self.failure = (1, f"the host discovery script gave no host list within --elastic-timeout "
+                                       f"{self.timeout:g} s ({self.discovery.problem or 'no output yet'})")
+                    continue
+                time.sleep(TICK)
+                continue
+            ready = self._ready()
+            if self.finishing:
+                for p in ready:
+                    self._answer(p, "exit the job is over (a worker finished training)")
+                if not self.pool.live():
+                    return self._result()
+            else:
+                self._follow(hosts, now)
+                self._post_arrivals(ready)
+                self._form(ready, hosts, now)
+            self._escalate(now)
+            time.sleep(TICK)
+
+    # --- events
+    def _exits(self, now: float) -> None:
+        while True:
+            try:
+                p = self.pool.exits.get_nowait()
+            except Exception:  # noqa: BLE001 - queue.Empty
+                return
+            rc, lost = p.returncode, p.worker.lost
+            what = lost or describe_exit(rc if rc is not None else 1)
+            p.seen = True  # type: ignore[attr-defined]
+            member = p.number in self.member_numbers
+            if p.stopping:
+                continue
+            if rc == 0 and lost is None:
+                if not self.finishing:
+                    _say(f"worker {p.number} ({p.wid}) finished; the job ends when the others do")
+                self.finishing = True
+                continue
+            rank = f", rank {self.member_numbers.index(p.number)}" if member else ""
+            _say(f"worker {p.number} ({p.wid}{rank}) {what}")
+            if member and self.finishing:
+                _say(f"warning: worker {p.wid} failed after another worker had finished training; "
+                     "the training is complete, so the job still succeeds")
+                continue
+            if member:
+                self.failed_member = True
+                self.breaking = self.breaking or now
+                self.first_failure = self.first_failure or p.ended
+                self.gen_failed_hosts.add(p.host)
+                if self.member_failure is None:
+                    self.member_failure = (exit_code(rc) if rc is not None else 255,
+                                           f"worker {p.wid} {what}")
+            wait = self.blacklist.failed(p.host, now)
+            if wait is not None:
+                until = "for the rest of the job" if math.isinf(wait) else f"for {wait:g} s"
+                _say(f"host {p.host} is blacklisted {until}: {self.blacklist.limit} worker failures in a row there")
+                self._stop([q for q in self.pool.live() if q.host == p.host], now, kill=True)
+
+    def _hosts(self, now: float) -> dict[str, int] | None:
+        for h in self.blacklist.released(now):
+            _say(f"host {h} is back from the blacklist")
+        if self.discovery.hosts is None:
+            return None
+        return {h: n for h, n in self.discovery.hosts.items() if h not in self.blacklist}
+
+    def _wanted(self, hosts: dict[str, int]) -> list[tuple[str, str, int]]:
+        """The slots to run: the listed ones, at most -np until the first generation, then --max-np."""
+        out = [(f"{h}:{i}", h, i) for h, n in hosts.items() for i in range(n)]
+        cap = self.np if self.gen == 0 and self.np else self.max_np
+        return out[:cap] if cap else out
+
+    def _follow(self, hosts: dict[str, int], now: float) -> None:
+        """Start the wanted slots that have no worker; deal with workers whose slot is no longer wanted."""
+        wanted = self._wanted(hosts)
+        names = {w for w, _h, _i in wanted}
+        removed = False
+        for p in self.pool.live():
+            if p.wid in names or p.stopping:
+                continue
+            if p.number in self.member_numbers:
+                removed = removed or self.breaking is None  # it leaves at the next commit, with the others
+                p.stopping = True
+                p.stop_at = now + self.timeout
+            else:
+                self._stop([p], now, kill=True)
+        if removed:
+            self._post(protocol_result="removed")
+        for wid, host, index in wanted:
+            p = self.slots.get(wid)
+            if p is not None and not getattr(p, "seen", False):
+                continue  # running, or its end not handled yet
+            env = dict(self.base_env)
+            env.update({protocol.ID_VAR: wid, "HORA_HOSTNAME": host, "HORA_ELASTIC": "1",
+                        "HORA_STORE_ADDR": self.store_addr(host)})
+            self.slots[wid] = self.pool.start(wid, host, index, env)
+
+    def _ready(self) -> list[Proc]:
+        """Live workers waiting for an answer, with their request numbers in ``p.asked``."""
+        out = []
+        for p in self.pool.live():
+            raw = self.store.get(protocol.ready_key(self.scope, p.wid))
+            n = int(raw) if raw else 0
+            if n > p.answered:
+                p.asked = n  # type: ignore[attr-defined]
+                out.append(p)
+        return out
+
+    def _post_arrivals(self, ready: list[Proc]) -> None:
+        """A newcomer that arrives while a generation runs: answer its first request ``solo`` (see the module
+        docstring) and, once it asks to join, tell the members (a host update ``added``)."""
+        if not self.members:
+            return
+        for p in ready:
+            if p.number in self.member_numbers or p.stopping:
+                continue
+            if getattr(p, "asked", 0) == 1 and p.answered == 0:
+                self._answer(p, "solo")
+                continue
+            if not p.announced and self.breaking is None:
+                p.announced = True
+                self._post(protocol_result="added")
+
+    def _post(self, protocol_result: str) -> None:
+        code = {"removed": 1, "added": 2}[protocol_result]
+        self.update_ts += 1
+        self.store.set(protocol.update_key(self.scope), f"{self.update_ts} {code}".encode())
+        _say(f"hosts updated ({protocol_result}): generation {self.gen} re-forms at its next commit")
+
+    # --- forming
+    def _form(self, ready: list[Proc], hosts: dict[str, int], now: float) -> None:
+        ready = [p for p in ready if p.answered < getattr(p, "asked", 0)]
+        for p in ready:
+            if p.stopping:  # removed members (and others told to go) that came back for a place
+                self._answer(p, "exit its host was removed from the job")
+        waiting = [p for p in ready if not p.stopping]
+        if any(p.number in self.member_numbers for p in waiting) and self.breaking is None:
+            self.breaking = now
+        active = [p for p in self.pool.live() if not p.stopping]
+        if len(active) < self.min_np:
+            self._check_below(now, hosts)
+            if self.failure is not None:
+                return
+        elif self.members and self.breaking is None:
+            self.below = None
+        if not waiting:
+            return
+        came = {p.wid for p in waiting}
+        late = []
+        for p in active:
+            if p.wid in came:
+                continue
+            if p.number in self.member_numbers and self.breaking is None:
+                return  # the generation runs: newcomers wait for its next commit
+            if now - (self.breaking if p.number in self.member_numbers else p.started) < self.timeout:
+                return
+            late.append(p)
+        for p in late:
+            _say(f"worker {p.number} ({p.wid}) did not come to form generation {self.gen + 1} within "
+                 f"--elastic-timeout {self.timeout:g} s; stopping it")
+            self.blacklist.failed(p.host, now)
+            self._stop([p], now, kill=True)
+        order = self._order(waiting)
+        chosen = order[:self.max_np] if self.max_np else order
+        if len(chosen) < self.min_np:
+            self._check_below(now, hosts)
+            return
+        self.below = None
+        if self.failed_member:
+            if self.reset_limit is not None and self.resets >= self.reset_limit:
+                why = self.member_failure[1] if self.member_failure else "a worker failed"
+                self.failure = (1, f"--reset-limit {self.reset_limit} reached: the job was reset {self.resets} "
+                                   f"times after failures, and failed again ({why})")
+                return
+            self.resets += 1
+        for p in order[len(chosen):]:
+            self._answer(p, f"exit --max-np {self.max_np} workers are running")
+        self._start_generation(chosen, now)
+
+    def _order(self, waiting: list[Proc]) -> list[Proc]:
+        """Members first by old rank, then newcomers by slot; each host's workers kept together."""
+        old = {n: r for r, n in enumerate(self.member_numbers)}  # the very processes, not their slots
+        first = sorted(waiting, key=lambda p: (old.get(p.number, math.inf), p.host, p.index))
+        hosts = list(dict.fromkeys(p.host for p in first))
+        return [p for h in hosts for p in first if p.host == h]
+
+    def _start_generation(self, chosen: list[Proc], now: float) -> None:
+        for h in {self.slots[w].host for w in self.members if w in self.slots} - self.gen_failed_hosts:
+            self.blacklist.healthy(h)
+        fresh = any(p.number not in self.member_numbers for p in chosen)
+        self.gen += 1
+        plan = protocol.make_plan(self.gen, self.update_ts, self.resets, [(p.wid, p.host) for p in chosen], fresh)
+        self.store.set(protocol.plan_key(self.scope, self.gen), plan.encode())
+        for p in chosen:
+            self._answer(p, f"gen {self.gen}")
+            p.announced = True
+        self.members = [p.wid for p in chosen]
+        self.member_numbers = [p.number for p in chosen]
+        self.breaking, self.failed_member, self.gen_failed_hosts = None, False, set()
+        self.member_failure = None
+        took = f"; {now - self.first_failure:.2f} s after the failure" if self.first_failure else ""
+        self.first_failure = None
+        names = " ".join(f"{r}={p.wid}[{p.number}]" for r, p in enumerate(chosen))
+        _say(f"generation {self.gen}: {len(chosen)} workers (rank=slot[worker]): {names}"
+             f"{'; resets after failures ' + str(self.resets) if self.resets else ''}{took}")
+
+    def _check_below(self, now: float, hosts: dict[str, int]) -> None:
+        self.below = self.below or now
+        if now - self.below < self.timeout:
+            return
+        have = [p.wid for p in self.pool.live() if not p.stopping]
+        wanted = [w for w, _h, _i in self._wanted(hosts)]
+        missing = sorted(set(wanted) - set(have))
+        listed = ", ".join(f"{h}:{n}" for h, n in hosts.items()) or "none"
+        black = ", ".join(sorted(self.blacklist.until)) or "none"
+        self.failure = (1, f"fewer than --min-np {self.min_np} workers for more than --elastic-timeout "
+                           f"{self.timeout:g} s: {len(have)} running ({' '.join(have) or 'none'}); missing slots "
+                           f"{' '.join(missing) or 'none'}; listed hosts {listed}; blacklisted {black}")
+
+    # --- answers and stopping
+    def _answer(self, p: Proc, text: str) -> None:
+        n = getattr(p, "asked", p.answered + 1)
+        self.store.set(protocol.answer_key(self.scope, p.wid, n), text.encode())
+        p.answered = n
+        if text.startswith(("exit", "fail")):
+            p.stopping = True
+            p.stop_at = time.monotonic() + EXIT_GRACE
+
+    def _stop(self, procs: list[Proc], now: float, kill: bool) -> None:
+        for p in procs:
+            p.stopping = True
+            p.stop_at = now if kill else now + EXIT_GRACE
+        self._escalate(now)
+
+    def _escalate(self, now: float) -> None:
+        due = [p for p in self.pool.live() if p.stopping and p.stop_at is not None and p.stop_at <= now]
+        for p in due:
+            p.stop_at = None
+        if due:
+            self.pool.signal(due, signal.SIGKILL)
+
+    def _fail(self) -> int:
+        code, msg = self.failure
+        for p in self._ready():
+            self._answer(p, f"fail {msg}")
+        _say(f"elastic job failed: {msg}")
+        return code
+
+    def _result(self) -> int:
+        """Success unless a member of the last generation failed before any worker finished training."""
+        if self.member_failure is not None:
+            code, msg = self.member_failure
+            _say(f"elastic job failed: {msg}")
+            return code
+        return 0
+
+
+def settings_from(values: dict[str, Any]) -> dict[str, Any]:
+    """The driver's settings from ``hora run``'s flag values (and Horovod's environment knobs)."""
+    def num(name: str, default: float) -> float:
+        raw = os.environ.get("HORA_" + name) or os.environ.get("HOROVOD_" + name)
+        try:
+            return float(raw) if raw else default
+        except ValueError:
+            raise ValueError(f"bad HORA_{name}={raw!r}: expected a number") from None
+
+    from hora.runner import hosts as hostlib
+
+    np_ = values.get("num_proc")
+    script = values.get("host_discovery_script")
+    fixed = None
+    if not script:
+        listed = hostlib.listed(values)
+        if listed is None:
+            if np_ is None:
+                raise hostlib.HostError("elastic training needs --host-discovery-script, -H/-hostfile or -np")
+            listed = [hostlib.Host("localhost", np_)]
+        fixed = {h.name: h.slots for h in listed}
+    elif values.get("hosts") or values.get("hostfile"):
+        raise hostlib.HostError("--host-discovery-script lists the hosts: -H/-hostfile cannot be given with it")
+    timeout = values.get("elastic_timeout")
+    cooldown = values.get("cooldown_range")
+    return {
+        "np": np_,
+        "min_np": values.get("min_num_proc") or np_ or 1,
+        "max_np": values.get("max_num_proc"),
+        "slots": values.get("slots"),
+        "script": script,
+        "fixed": fixed,
+        "elastic_timeout": float(timeout if timeout is not None else num("ELASTIC_TIMEOUT", 600.0)),
+        "start_timeout": float(values.get("start_timeout") or num("START_TIMEOUT", 30.0)),
+        "reset_limit": values.get("reset_limit"),
+        "cooldown": (float(cooldown[0]), float(cooldown[1])) if cooldown else None,
+        "blacklist_after": int(num("ELASTIC_BLACKLIST_AFTER", BLACKLIST_AFTER)),
+        "discovery_interval": num("DISCOVERY_INTERVAL", 1.0),
+        "discovery_timeout": num("DISCOVERY_TIMEOUT", 10.0),
+    }
+
+
+def new_scope() -> str:
+    return f"job-{uuid.uuid4().hex[:16]}"

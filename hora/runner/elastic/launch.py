@@ -1,0 +1,103 @@
+"""Starting an elastic job: the store, the workers' common environment, ssh, then the driver.
+
+A job is elastic when any of ``--min-np``, ``--max-np`` or ``--host-discovery-script`` is given (as in
+horovodrun). Without a discovery script the hosts of ``-H``/``-hostfile`` (or ``localhost:<np>``) are a fixed
+list: workers that fail are started again and the job keeps going while ``--min-np`` of them run.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from hora.runner import hosts as hostlib
+from hora.runner import ssh
+from hora.runner.elastic.driver import Driver, new_scope, settings_from
+from hora.runner.flags import env_for
+from hora.runner.spawn import Output
+
+
+def _say(msg: str) -> None:
+    print(f"hora run: {msg}", file=sys.stderr, flush=True)
+
+
+def is_elastic(values: dict[str, Any]) -> bool:
+    return any(values.get(k) is not None for k in ("min_num_proc", "max_num_proc", "host_discovery_script"))
+
+
+def _first_hosts(settings: dict[str, Any]) -> dict[str, int]:
+    """The first host list (to decide where the store listens); empty when the script gives none yet."""
+    if settings["fixed"] is not None:
+        return settings["fixed"]
+    from hora.runner.elastic.discovery import Discovery, DiscoveryError
+
+    try:
+        return Discovery(settings["script"], settings["slots"], _say, timeout=settings["discovery_timeout"]
+                         ).run_once()
+    except DiscoveryError:
+        return {}
+
+
+def run_elastic(values: dict[str, Any], command: list[str], noops: list[str],
+                extra_env: dict[str, str] | None = None) -> int:
+    """Run ``command`` as an elastic job; returns the exit status."""
+    from hora.runner.launch import worker_envs
+    from hora.transport.auth import new_secret
+    from hora.transport.store import StoreServer
+
+    try:
+        settings = settings_from(values)
+    except (hostlib.HostError, ValueError) as e:
+        _say(str(e))
+        return 2
+    if settings["min_np"] < 1 or (settings["max_np"] is not None and settings["max_np"] < settings["min_np"]):
+        _say(f"--min-np {settings['min_np']} and --max-np {settings['max_np']}: need 1 <= min-np <= max-np")
+        return 2
+    first = _first_hosts(settings)
+    remote_hosts = [h for h in first if not hostlib.is_local(h)]
+    argv = ssh.ssh_command(values.get("ssh_port"), values.get("ssh_identity_file"))
+    remote = ssh.Remote(argv, set())
+    bind = "0.0.0.0" if remote_hosts else "127.0.0.1"
+    secret, scope = new_secret(), new_scope()
+    store = StoreServer(secret, host=bind, port=0)
+    port = store.address.rpartition(":")[2]
+    cache: dict[str, str] = {}
+
+    def store_addr(host: str) -> str:
+        """The store's address as ``host``'s workers reach it (the route towards it; for local workers, the
+        route towards the first remote host, which is also what remote ranks reach them by)."""
+        if not remote_hosts:
+            return f"127.0.0.1:{port}"
+        target = host if not hostlib.is_local(host) else remote_hosts[0]
+        if target not in cache:
+            try:
+                cache[target] = ssh.route_source(ssh.resolve(target, argv))
+            except ssh.SshError:
+                cache[target] = "127.0.0.1"
+        return f"{cache[target]}:{port}"
+
+    knobs = env_for(values)
+    common = _common_env(knobs, secret, scope, extra_env, worker_envs)
+    if values.get("verbose"):
+        _say(f"elastic job, store {store.address}, scope {scope}: {' '.join(command)}")
+        for k, v in sorted(settings.items()):
+            _say(f"  {k}={v}")
+        for n in noops:
+            _say(f"  ignored {n}")
+    output = Output(values.get("output_filename"), bool(values.get("prefix_timestamp")))
+    try:
+        return Driver(command, settings, common, store, store_addr, output, remote).run()
+    finally:
+        output.close()
+        store.close()
+
+
+def _common_env(knobs: dict[str, str], secret: str, scope: str, extra_env: dict[str, str] | None, worker_envs
+                ) -> dict[str, str]:
+    """Every worker's environment but its own variables: ``hora run``'s, without a rank."""
+    slot = hostlib.Slot(0, 1, "localhost", 0, 1, 0, 1)
+    env = worker_envs([slot], knobs, "", secret, scope, extra=extra_env)[0]
+    for name in ("HORA_RANK", "HORA_SIZE", "HORA_LOCAL_RANK", "HORA_LOCAL_SIZE", "HORA_CROSS_RANK",
+                 "HORA_CROSS_SIZE"):
+        env.pop(name, None)
+    return env
