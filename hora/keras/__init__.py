@@ -20,6 +20,7 @@ from hora.keras.compression import Compression
 from hora.keras.functions import (allgather, allreduce, broadcast, broadcast_global_variables, broadcast_variables,
                                   load_model, reducescatter)
 from hora.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
+from hora.keras import elastic
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank", "cross_rank",
@@ -29,7 +30,7 @@ __all__ = [
     "Average", "Sum", "Adasum", "Compression",
     "DistributedOptimizer", "PartialDistributedOptimizer",
     "allreduce", "allgather", "broadcast", "reducescatter", "broadcast_global_variables", "broadcast_variables",
-    "load_model", "callbacks",
+    "load_model", "callbacks", "elastic",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "HorovodInternalError", "HostsUpdatedInterrupt", "HoraError", "InternalError", "MismatchError",
     "NotInitializedError", "PeerLostError", "ShutdownError", "StallError",

@@ -25,6 +25,7 @@ from hora.tensorflow.gradient_tape import DistributedGradientTape, PartialDistri
 from hora.tensorflow.optimizer import DistributedOptimizer
 from hora.tensorflow.sync_batch_norm import SyncBatchNormalization
 from hora.tensorflow.v1 import BroadcastGlobalVariablesHook, broadcast_global_variables
+from hora.tensorflow import elastic
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank", "cross_rank",
@@ -38,7 +39,7 @@ __all__ = [
     "reducescatter", "grouped_reducescatter", "join", "barrier",
     "broadcast_object", "broadcast_object_fn", "allgather_object", "Compression",
     "broadcast_variables", "broadcast_global_variables", "BroadcastGlobalVariablesHook", "DistributedOptimizer",
-    "DistributedGradientTape", "PartialDistributedGradientTape", "SyncBatchNormalization",
+    "DistributedGradientTape", "PartialDistributedGradientTape", "SyncBatchNormalization", "elastic",
     "HorovodInternalError", "HostsUpdatedInterrupt", "HoraError", "InternalError", "MismatchError",
     "NotInitializedError", "PeerLostError", "ShutdownError", "StallError",
 ]

@@ -9,7 +9,7 @@ from hora.core.basics import (cross_rank, cross_size, is_homogeneous, is_initial
 from hora.base.errors import (HoraError, HorovodInternalError, HostsUpdatedInterrupt, InternalError,
                                 MismatchError, NotInitializedError, PeerLostError, ShutdownError, StallError)
 from hora.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from hora.torch import hooks
+from hora.torch import elastic, hooks
 from hora.core.build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
                                mpi_threads_supported, nccl_built, rocm_built)
 from hora.torch.compression import Compression
@@ -36,7 +36,7 @@ __all__ = [
     "broadcast_", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "poll", "synchronize", "join", "barrier",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-    "Compression", "DistributedOptimizer", "SyncBatchNorm", "hooks",
+    "Compression", "DistributedOptimizer", "SyncBatchNorm", "hooks", "elastic",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "HorovodInternalError", "HostsUpdatedInterrupt", "HoraError", "InternalError", "MismatchError",
     "NotInitializedError", "PeerLostError", "ShutdownError", "StallError",

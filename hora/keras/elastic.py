@@ -1,0 +1,114 @@
+"""``horovod.keras.elastic`` / ``horovod.tensorflow.keras.elastic`` for Keras 3: :func:`run`,
+:class:`KerasState` and the callbacks that commit and record progress from inside ``model.fit``.
+
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=10),
+                 hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state)]
+
+    @hvd.elastic.run
+    def train(state):
+        model.fit(x, y, initial_epoch=state.epoch, epochs=EPOCHS, callbacks=callbacks)
+
+The state is the model's and the optimizer's variables, copied to NumPy at each commit, assigned back after a
+failure and broadcast from rank 0 at a sync; it works on the TensorFlow, JAX and torch backends. A peer lost
+inside a compiled train step reaches Python as the backend's own error; :func:`run` recognises hora's in it.
+Keras 3 cannot shorten an epoch from a callback, so a ``fit`` resumed mid-epoch runs that epoch in full
+(Horovod's ``UpdateBatchStateCallback`` rewrote ``params['steps']``, which Keras 3's loop does not read).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import keras
+
+import hora.core.basics as _basics
+from hora.core import frontend as _frontend
+from hora.core import ops as _core
+from hora.core.frontend_elastic import HandledState, keras_handlers, raising_internal
+from hora.elastic import ObjectState, run_fn
+from hora.keras.callbacks import _sync
+from hora.keras.functions import broadcast_variables
+
+__all__ = ["run", "KerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
+
+
+def _reset() -> None:
+    from hora.elastic import run as elastic_run
+
+    _frontend.shutdown()
+    elastic_run._reset()
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate ``func(state, ...)`` (which calls ``fit``): roll back on a lost peer, keep the state on a
+    change of hosts, re-form the job, sync from rank 0 and call ``func`` again."""
+    return run_fn(raising_internal(func), _reset)
+
+
+def _bcast_object(obj):
+    return _core.broadcast_object(obj, 0, None)
+
+
+class KerasState(HandledState, ObjectState):
+    """``KerasState(model, optimizer=None, **kwargs)``: the model's variables and the optimizer's
+    (``model.optimizer`` when not given), plus plain values as attributes. ``backend``: accepted, no effect
+    (Keras 3 has one backend per process)."""
+
+    def __init__(self, model, optimizer=None, backend=None, **kwargs: Any):
+        self.backend = backend
+        handlers = keras_handlers(model, optimizer, lambda vs: broadcast_variables(vs, 0, name="KerasState"),
+                                  lambda: _sync(model))
+        rest = self._take_handlers(kwargs, lambda value: None, handlers)
+        super().__init__(bcast_object=_bcast_object, get_rank=_basics.rank, **rest)
+
+
+class CommitStateCallback(keras.callbacks.Callback):
+    """Commit ``state`` after every ``batches_per_commit`` batches (a commit also raises
+    ``HostsUpdatedInterrupt`` when the hosts changed, which ends ``fit`` for :func:`run` to re-form)."""
+
+    def __init__(self, state, batches_per_commit: int = 1):
+        super().__init__()
+        self.state, self.batches_per_commit = state, batches_per_commit
+        self.batches_remaining = batches_per_commit
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches_remaining -= 1
+        if self.batches_remaining == 0:
+            self.state.commit()
+            self.batches_remaining = self.batches_per_commit
+
+
+class UpdateBatchStateCallback(keras.callbacks.Callback):
+    """``state.batch`` = the index of the last batch done in this epoch (Horovod's value); 0 at the end of
+    each epoch."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.state.batch = batch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.batch = 0
+
+
+class UpdateEpochStateCallback(keras.callbacks.Callback):
+    """``state.epoch`` = the number of epochs done, counted from the ``state.epoch`` that ``fit`` started
+    at: right whether ``fit`` was given ``initial_epoch=state.epoch`` or ``epochs=EPOCHS - state.epoch``."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+        self._offset: int | None = None
+
+    def on_train_begin(self, logs=None):
+        self._offset = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._offset is None:  # fit's first epoch is state.epoch (initial_epoch given) or 0
+            self._offset = self.state.epoch - epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.epoch = (self._offset or 0) + epoch + 1
