@@ -11,8 +11,8 @@ in the committed history. The state also keeps the epoch's ``processed`` indices
 so the worker checks at each epoch end that none was repeated or skipped.
 
 The test steers it through ``SCRATCH/gate`` ("ALLOWED STOP"): rank 0 reads it at every step and broadcasts
-it, so every rank agrees; below ``ALLOWED`` steps the job trains; at ``ALLOWED`` it holds (still checking
-for host updates, as a job waiting for data would) unless ``STOP`` is 1, when it ends. The test thereby
+it, so every rank agrees; below ``ALLOWED`` steps the job trains; at ``ALLOWED`` it commits and holds (still
+checking for host updates, as a job waiting for data would) unless ``STOP`` is 1, when it ends. The test thereby
 changes the hosts at known points without racing the training.
 
 Every process appends JSON lines to ``SCRATCH/ev.<host>.<pid>.jsonl`` (time stamps are ``time.time()``;
@@ -91,6 +91,7 @@ def main() -> None:
         if args.fail_on_host and host == args.fail_on_host:
             log("failing_on_purpose")
             os._exit(17)
+        last_commit["step"] = state.step  # what sync (or restore) left is committed, on every rank alike
         params = np.asarray(state.params, np.float64)
         try:
             while True:
@@ -98,7 +99,12 @@ def main() -> None:
                 if state.step >= allowed:
                     if stop:
                         break
-                    state.check_host_updates()
+                    if last_commit["step"] != state.step:  # holding: commit what was done first
+                        log("commit", rank=r, size=n, step=state.step, hash=digest(state))
+                        last_commit["step"] = state.step
+                        state.commit()
+                    else:
+                        state.check_host_updates()
                     time.sleep(0.05)
                     continue
                 order = perm(state.epoch)
