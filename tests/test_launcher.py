@@ -223,7 +223,7 @@ def test_every_implemented_flag_configures_the_launcher_or_a_knob_a_worker_reads
     outside the runner reads, or is read by the runner itself (its dest), or exports a named variable for
     a library the workers load (--tcp: NCCL_IB_DISABLE; --horovod-alias: the alias hook)."""
     read = _worker_reads()
-    runner = "\n".join(p.read_text() for p in (ROOT / "hora" / "runner").glob("*.py") if p.name != "flags.py")
+    runner = "\n".join(p.read_text() for p in (ROOT / "hora" / "runner").rglob("*.py") if p.name != "flags.py")
     runner += (ROOT / "hora" / "runner" / "flags.py").read_text().split("def env_for", 1)[1]
     for f in flags.FLAGS:
         if f.status != "yes":
@@ -430,7 +430,7 @@ def test_horovod_env_vars_reach_workers():
     (["--fusion-treshold-mb", "4", "python"],
      "unknown flag --fusion-treshold-mb (did you mean --fusion-threshold-mb?)"),
     (["--jsrun", "python"], "--jsrun is not supported yet"),
-    (["--min-np", "2", "-np", "4", "python"], "--min-np is not supported yet: elastic"),
+    (["--min-np", "3", "--max-np", "2", "-np", "2", "python"], "need 1 <= min-np <= max-np"),
     (["-np", "2"], "no command given"),
     (["python"], "-np is required when neither -H nor -hostfile is given"),
     (["-H", "localhost", "python"], "'localhost' has no slot count"),

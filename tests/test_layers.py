@@ -35,6 +35,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "hora.transport": ("hora.collectives", "hora.core", "hora.runner", *BINDINGS, FACADE),
     "hora.collectives": ("hora.core", "hora.runner", *BINDINGS, FACADE),
     "hora.core": ("hora.runner", *BINDINGS, FACADE),
+    "hora.elastic": ("hora.runner", *BINDINGS, FACADE),  # framework-free: the bindings' states build on it
     "hora.runner": ("hora.core", "hora.collectives", *BINDINGS, FACADE),
 }
 # the ground may load only itself, the standard library and NumPy

@@ -55,8 +55,6 @@ def test_exception_on_a_rank_is_raised_with_its_traceback():
 def test_deprecated_and_refused_arguments():
     with pytest.warns(DeprecationWarning, match=r"np=\.\.\.\) is deprecated; use num_proc"):
         assert hora.run(_work, args=(0,), np=1, use_gloo=True, disable_cache=True)[0]["size"] == 1
-    with pytest.raises(ValueError, match="min_num_proc.*elastic training is not supported yet"):
-        hora.run(_work, min_num_proc=1, num_proc=2)
     with pytest.raises(ValueError, match="not both"):
         hora.run(_work, hosts="localhost:1", hostfile="h")
     with pytest.raises(RuntimeError, match=r"job failed \(exit status 2\)"):

@@ -22,6 +22,12 @@ from hora.base import contract, env
 RANK_VARS = ("HORA_RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "RANK", "SLURM_PROCID")
 
 
+def _elastic() -> bool:
+    from hora.elastic import worker
+
+    return worker.active()
+
+
 def main() -> int:
     addr, secret = env.pop(contract.RUNFUNC_ADDR), env.pop(contract.RUNFUNC_SECRET)
     if not addr or secret is None:
@@ -38,10 +44,15 @@ def main() -> int:
         caller_path = pickle.loads(store.get("sys.path", timeout=60))
         sys.path.extend(p for p in caller_path if p not in sys.path)  # modules the caller could import
         func, args, kwargs = cloudpickle.loads(store.get("func", timeout=60))
+        elastic = _elastic()
         try:
             value = func(*args, **kwargs)
             result = ("ok", cloudpickle.dumps(value))
             code = 0
+        except SystemExit as e:
+            if not elastic or e.code not in (0, None):
+                raise
+            return 0  # the elastic driver told this worker to leave: it returns nothing
         except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
             tb = traceback.format_exc()
             try:
@@ -56,6 +67,10 @@ def main() -> int:
             result = ("err", (exc, tb, f"{type(e).__name__}: {e}", time.time(), secondary))
             sys.stderr.write(tb)
             code = 1
+        if elastic:  # ranks change from one generation to the next: the one it ended with
+            from hora.core import basics
+
+            rank = basics.rank() if basics.is_initialized() else rank
         store.set(f"result/{rank}", pickle.dumps(result))
     finally:
         store.close()

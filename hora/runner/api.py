@@ -59,9 +59,11 @@ def run(func: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, 
 
     ``num_proc`` defaults to all slots of ``hosts``/``hostfile``, else 1. ``np``, ``min_np``, ``max_np`` and
     ``network_interface`` are deprecated aliases (with a ``DeprecationWarning``). ``use_mpi=True`` starts the
-    job through mpirun; ``use_gloo`` and ``disable_cache`` are accepted and change nothing. Elastic arguments
-    (``min_num_proc``, ``max_num_proc``, ``slots``, ``reset_limit``, ``cooldown_range``,
-    ``host_discovery_script``) raise ``ValueError`` until hora has elastic training. Knobs are set by name
+    job through mpirun; ``use_gloo`` and ``disable_cache`` are accepted and change nothing. Any of
+    ``min_num_proc``, ``max_num_proc`` or ``host_discovery_script`` makes the job elastic (``slots``,
+    ``reset_limit`` and ``cooldown_range`` as ``hora run``'s flags; the elastic timeout comes from
+    ``HORA_ELASTIC_TIMEOUT``/``HOROVOD_ELASTIC_TIMEOUT``): the function should train inside
+    ``hora.elastic.run``, and the result is one value per rank of the last generation. Knobs are set by name
     (``hora.run(f, num_proc=2, cycle_time=5.0)``); ``inspect.signature(hora.run)`` lists them all.
 
     If a rank raises, this raises that exception (the first rank's to fail, not counting ranks that failed
@@ -97,7 +99,7 @@ def _values(options: dict[str, Any]) -> dict[str, Any]:
     given = {k: v for k, v in options.items() if v is not None}
     refused = [k for k in given if BY_KWARG[k].status == "not yet"]
     if refused:
-        raise UsageError(f"hora.run({', '.join(refused)}=...): elastic training is not supported yet")
+        raise UsageError(f"hora.run({', '.join(refused)}=...): {BY_KWARG[refused[0]].why}")
     if given.get("hosts") and given.get("hostfile"):
         raise UsageError("hora.run: pass hosts or hostfile, not both")
     if given.get("use_mpi") and given.get("use_gloo"):
@@ -165,6 +167,7 @@ def _store_host(values: dict[str, Any]) -> tuple[str, str]:
 def _run_job(func, args: tuple, kwargs: dict, values: dict[str, Any], command: list[str]) -> list:
     import cloudpickle
 
+    from hora.runner.elastic import is_elastic
     from hora.runner.launch import run_job
     from hora.transport.auth import new_secret
     from hora.transport.store import StoreServer
@@ -177,7 +180,14 @@ def _run_job(func, args: tuple, kwargs: dict, values: dict[str, Any], command: l
         store.set("sys.path", pickle.dumps([p for p in sys.path if isinstance(p, str)]))
         addr = f"{advertise}:{store.address.rpartition(':')[2]}"
         code = run_job(values, command, {contract.RUNFUNC_ADDR: addr, contract.RUNFUNC_SECRET: secret})
-        results = {r: store.get(f"result/{r}") for r in range(values["num_proc"])}
+        if is_elastic(values):  # as many results as the last generation had ranks
+            results = {}
+            while store.get(f"result/{len(results)}") is not None:
+                results[len(results)] = store.get(f"result/{len(results)}")
+            if not results:
+                results = {0: None}
+        else:
+            results = {r: store.get(f"result/{r}") for r in range(values["num_proc"])}
     return _collect(results, code)
 
 

@@ -1,9 +1,10 @@
 """Which hosts the elastic driver stops using, and for how long.
 
 A host is blacklisted after ``limit`` worker failures in a row on it: failures of its workers (a non-zero
-exit or a signal the driver did not send, or a worker that never arrived), counted until a generation that
-included the host ends without one of its workers failing. One failure is not enough: a single killed
-worker is what elastic training exists to survive, and its slot is simply started again. Without a cooldown
+exit or a signal the driver did not send, or a worker that never arrived), counted until one of its workers
+comes through the end of a generation alive (the driver calls :meth:`Blacklist.healthy`). One failure is not
+enough: a single killed worker is what elastic training exists to survive, and its slot is simply started
+again. Without a cooldown
 range a blacklisted host stays out for the rest of the job (as in Horovod); with ``(MIN, MAX)`` it comes back
 after ``MIN * 2**(k-1)`` seconds (k: how many times it was blacklisted), at most ``MAX``, with its count reset.
 """
@@ -37,7 +38,7 @@ class Blacklist:
         return wait
 
     def healthy(self, host: str) -> None:
-        """A generation with ``host`` in it ended without a failure there."""
+        """A worker on ``host`` came through the end of a generation alive: the count starts again."""
         self.streak.pop(host, None)
 
     def released(self, now: float | None = None) -> list[str]:

@@ -28,13 +28,18 @@ States of the current generation g:
   slot is started again if its host is still listed and not blacklisted. Failures count towards
   ``--reset-limit`` (membership changes do not); the reset that passes it fails the job.
 * finishing: a worker exits 0 without being told to (its training is done): no new generation is formed,
-  and whoever asks for a place is told to exit. The job succeeds when every worker has ended and none of
-  the last generation's members failed; otherwise it exits with the first such failure's status.
+  and whoever asks for a place is told to exit. The job succeeds when every worker has ended and no member
+  of the last generation failed before one finished (a member that fails after another finished only gets
+  a warning: the training is complete); otherwise it exits with the first such failure's status.
 
-Hosts (:mod:`hora.runner.elastic.blacklist`): a host whose workers fail 3 times in a row is blacklisted
-(its workers are stopped, so no survivor waits on them), for good or for a growing cooldown within
-``--blacklist-cooldown-range``. Exit status: 0 on success; the failed worker's status (128+N for signal N);
-1 when the driver gives up (below ``--min-np`` too long, ``--reset-limit``); 128+N when it is interrupted.
+Hosts (:mod:`hora.runner.elastic.blacklist`): a host whose workers fail 3 times in a row
+(``HORA_ELASTIC_BLACKLIST_AFTER``) is blacklisted (its workers are stopped, so no survivor waits on them),
+for good or for a growing cooldown within ``--blacklist-cooldown-range``. The count starts again whenever
+a worker of the host comes through the end of a generation alive: a host whose workers crash at start is
+blacklisted, one whose workers are killed now and then while the others there train is not.
+
+Exit status: 0 on success; the failed worker's status (128+N for signal N); 1 when the driver gives up (below
+``--min-np`` too long, ``--reset-limit``); 128+N when it is interrupted.
 """
 
 from __future__ import annotations
@@ -82,7 +87,6 @@ class Driver:
         self.members: list[str] = []  # wids of generation gen, in rank order
         self.member_numbers: list[int] = []  # and their worker numbers (a respawned slot is a new worker)
         self.breaking: float | None = None  # when gen began to break up
-        self.gen_failed_hosts: set[str] = set()
         self.failed_member = False  # a member of gen failed: the next generation is a failure reset
         self.first_failure: float | None = None  # for the "resumed after" figure
         self.resets = 0
@@ -150,7 +154,7 @@ class Driver:
                 return
             rc, lost = p.returncode, p.worker.lost
             what = lost or describe_exit(rc if rc is not None else 1)
-            p.seen = True  # type: ignore[attr-defined]
+            p.seen = True
             member = p.number in self.member_numbers
             if p.stopping:
                 continue
@@ -169,7 +173,6 @@ class Driver:
                 self.failed_member = True
                 self.breaking = self.breaking or now
                 self.first_failure = self.first_failure or p.ended
-                self.gen_failed_hosts.add(p.host)
                 if self.member_failure is None:
                     self.member_failure = (exit_code(rc) if rc is not None else 255,
                                            f"worker {p.wid} {what}")
@@ -210,7 +213,7 @@ class Driver:
             self._post(protocol_result="removed")
         for wid, host, index in wanted:
             p = self.slots.get(wid)
-            if p is not None and not getattr(p, "seen", False):
+            if p is not None and not p.seen:
                 continue  # running, or its end not handled yet
             env = dict(self.base_env)
             env.update({protocol.ID_VAR: wid, "HORA_HOSTNAME": host, "HORA_ELASTIC": "1",
@@ -224,7 +227,7 @@ class Driver:
             raw = self.store.get(protocol.ready_key(self.scope, p.wid))
             n = int(raw) if raw else 0
             if n > p.answered:
-                p.asked = n  # type: ignore[attr-defined]
+                p.asked = n
                 out.append(p)
         return out
 
@@ -236,7 +239,7 @@ class Driver:
         for p in ready:
             if p.number in self.member_numbers or p.stopping:
                 continue
-            if getattr(p, "asked", 0) == 1 and p.answered == 0:
+            if p.asked == 1 and p.answered == 0:
                 self._answer(p, "solo")
                 continue
             if not p.announced and self.breaking is None:
@@ -251,7 +254,7 @@ class Driver:
 
     # --- forming
     def _form(self, ready: list[Proc], hosts: dict[str, int], now: float) -> None:
-        ready = [p for p in ready if p.answered < getattr(p, "asked", 0)]
+        ready = [p for p in ready if p.answered < p.asked]
         for p in ready:
             if p.stopping:  # removed members (and others told to go) that came back for a place
                 self._answer(p, "exit its host was removed from the job")
@@ -307,8 +310,8 @@ class Driver:
         return [p for h in hosts for p in first if p.host == h]
 
     def _start_generation(self, chosen: list[Proc], now: float) -> None:
-        for h in {self.slots[w].host for w in self.members if w in self.slots} - self.gen_failed_hosts:
-            self.blacklist.healthy(h)
+        for h in {p.host for p in chosen if p.number in self.member_numbers}:
+            self.blacklist.healthy(h)  # a worker there came through the end of a generation
         fresh = any(p.number not in self.member_numbers for p in chosen)
         self.gen += 1
         plan = protocol.make_plan(self.gen, self.update_ts, self.resets, [(p.wid, p.host) for p in chosen], fresh)
@@ -318,7 +321,7 @@ class Driver:
             p.announced = True
         self.members = [p.wid for p in chosen]
         self.member_numbers = [p.number for p in chosen]
-        self.breaking, self.failed_member, self.gen_failed_hosts = None, False, set()
+        self.breaking, self.failed_member = None, False
         self.member_failure = None
         took = f"; {now - self.first_failure:.2f} s after the failure" if self.first_failure else ""
         self.first_failure = None
@@ -341,7 +344,7 @@ class Driver:
 
     # --- answers and stopping
     def _answer(self, p: Proc, text: str) -> None:
-        n = getattr(p, "asked", p.answered + 1)
+        n = p.asked if p.asked > p.answered else p.answered + 1
         self.store.set(protocol.answer_key(self.scope, p.wid, n), text.encode())
         p.answered = n
         if text.startswith(("exit", "fail")):
@@ -363,8 +366,12 @@ class Driver:
 
     def _fail(self) -> int:
         code, msg = self.failure
-        for p in self._ready():
+        told = self._ready()
+        for p in told:
             self._answer(p, f"fail {msg}")
+        deadline = time.monotonic() + EXIT_GRACE / 2  # time to say why on their own, before the teardown
+        while time.monotonic() < deadline and any(not p.done for p in told):
+            time.sleep(TICK)
         _say(f"elastic job failed: {msg}")
         return code
 

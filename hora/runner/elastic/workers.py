@@ -35,7 +35,9 @@ class Proc:
     number: int  # unique in the job: the output tag
     worker: Worker
     started: float = field(default_factory=time.monotonic)
+    asked: int = 0  # the last request number it wrote (its n-th init())
     answered: int = 0  # the last request number the driver answered
+    seen: bool = False  # the driver has handled its end
     stopping: bool = False  # we told it to leave or are killing it: its end is not a failure
     stop_at: float | None = None  # when to escalate to signals
     announced: bool = False  # its arrival was posted as a host update

@@ -1,0 +1,108 @@
+"""hora.elastic's framework-free parts: the run loop's rules, the protocol's plans, the discovery script's
+output, the blacklist's cooldowns, and ``hora.run(min_num_proc=...)`` (the driver end to end is
+tests/test_elastic_driver.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import hora
+from hora.base.errors import HostsChanged, InternalError, PeerLostError
+from hora.elastic import ObjectState, protocol, run_fn
+from hora.runner.elastic.blacklist import Blacklist
+from hora.runner.elastic.discovery import DiscoveryError, parse
+
+
+def test_outside_an_elastic_job_a_lost_peer_is_raised_after_the_rollback_not_retried():
+    """Plain hora run / mpirun / torchrun cannot replace the peer: no endless re-initialisation."""
+    resets = []
+    state = ObjectState(bcast_object=lambda x: x, get_rank=lambda: 0, step=3)
+
+    def train(s):
+        s.step = 7  # not committed
+        raise PeerLostError("lost the connection to rank 1", rank=1)
+
+    with pytest.raises(InternalError, match="cannot replace it.*--host-discovery-script.*rank 1") as info:
+        run_fn(train, lambda: resets.append(1))(state)
+    assert isinstance(info.value.__cause__, PeerLostError)
+    assert state.step == 3 and resets == []  # rolled back, never re-initialised
+
+
+def test_a_host_update_resets_and_keeps_the_live_state():
+    resets, calls = [], []
+    state = ObjectState(bcast_object=lambda x: x, get_rank=lambda: 0, step=0)
+
+    def train(s):
+        calls.append(s.step)
+        if len(calls) == 1:
+            s.step = 5
+            s.save()
+            raise HostsChanged(skip_sync=False)
+        return s.step
+
+    assert run_fn(train, lambda: resets.append(1))(state) == 5
+    assert resets == [1] and calls == [0, 5]
+
+
+def test_plans_give_survivors_their_order_and_keep_hosts_together():
+    plan = protocol.make_plan(3, 7, 1, [("a:1", "a"), ("a:0", "a"), ("b:0", "b")], fresh=True)
+    raw = protocol.Plan.decode(plan.encode())
+    assert raw == plan and raw.fresh and raw.update == 7
+    p = raw.places
+    assert (p["a:1"].rank, p["a:1"].local_rank, p["a:1"].local_size, p["a:1"].cross_rank) == (0, 0, 2, 0)
+    assert (p["a:0"].rank, p["a:0"].local_rank, p["a:0"].cross_size) == (1, 1, 1)
+    assert (p["b:0"].rank, p["b:0"].local_rank, p["b:0"].cross_rank, p["b:0"].cross_size) == (2, 0, 1, 2)
+    assert protocol.parse_answer(b"exit its host was removed") == ("exit", "its host was removed")
+    assert protocol.parse_update(None) == (0, 0) and protocol.parse_update(b"4 2") == (4, 2)
+
+
+def test_discovery_output():
+    assert parse("a:2\n# comment\n\nb  \n", 3) == {"a": 2, "b": 3}
+    for text, why in (("a\n", "no slot count and --slots-per-host"), ("a:0\n", "0 slots"),
+                      ("a:1\na:2\n", "listed twice"), ("Traceback (most recent call last):\n", "is not 'host'")):
+        with pytest.raises(DiscoveryError, match=why):
+            parse(text, None)
+
+
+def test_blacklist_counts_failures_in_a_row_and_cools_down_exponentially():
+    b = Blacklist(limit=2, cooldown=(1.0, 3.0))
+    assert b.failed("h", now=0) is None and "h" not in b
+    b.healthy("h")  # a generation went well there: the count starts again
+    assert b.failed("h", now=0) is None
+    assert b.failed("h", now=0) == 1.0 and "h" in b
+    assert b.released(now=0.5) == [] and b.released(now=1.0) == ["h"] and "h" not in b
+    b.failed("h", now=2), b.failed("h", now=2)
+    assert b.until["h"] == 4.0  # 2 s the second time
+    b.released(now=4)
+    b.failed("h", now=5), b.failed("h", now=5)
+    assert b.until["h"] == 8.0  # 4 s, capped at 3
+    forever = Blacklist(limit=1)
+    assert math.isinf(forever.failed("x", now=0)) and forever.released(now=1e9) == []
+
+
+def _elastic_fn():
+    import numpy as np
+
+    import hora.elastic as elastic
+    from hora.core import basics, ops
+
+    basics.init()
+    state = elastic.ObjectState(step=0, total=0.0)
+
+    @elastic.run
+    def train(state):
+        while state.step < 5:
+            state.total += float(ops.allreduce(np.ones(1), name="x", op=ops.Sum)[0])
+            state.step += 1
+            state.commit()
+        return basics.rank(), basics.size(), state.total
+
+    return train(state)
+
+
+@pytest.mark.timeout(60)
+def test_hora_run_in_elastic_mode(monkeypatch):
+    monkeypatch.setenv("HORA_ELASTIC_TIMEOUT", "20")
+    assert hora.run(_elastic_fn, num_proc=2, min_num_proc=2, max_num_proc=2) == [(0, 2, 10.0), (1, 2, 10.0)]
