@@ -26,10 +26,10 @@ __all__ = ["run", "TensorFlowKerasState", "TensorFlowState"]
 
 
 def _reset() -> None:
-    from hora.elastic import run as elastic_run
+    from hora.elastic.run import _reset as join_next  # the module, not hora.elastic's run()
 
     _frontend.shutdown()
-    elastic_run._reset()
+    join_next()
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:

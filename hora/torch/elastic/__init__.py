@@ -26,10 +26,10 @@ __all__ = ["run", "TorchState", "ElasticSampler", "get_handler_registry", "set_h
 def _reset() -> None:
     """Shut down (forgetting this binding's pending handles) and join the job's next membership."""
     from hora.core import frontend
-    from hora.elastic import run as elastic_run
+    from hora.elastic.run import _reset as join_next  # the module, not hora.elastic's run()
 
     frontend.shutdown()
-    elastic_run._reset()
+    join_next()
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
