@@ -1,7 +1,7 @@
 """Elastic ``hora run`` on real hosts: network-namespace hosts with sshd (tests/netns.py), hosts that the
 discovery script adds and removes, a whole host lost, a multi-slot host blacklisted.
 
-Every job runs tests/scripts/elastic_train.py (NumPy + ObjectState; read its docstring) with the elastic
+Every job runs tests/scripts/elastic_hosts_train.py (NumPy + ObjectState; read its docstring) with the elastic
 flags of Horovod's ``horovodrun``: ``-np N --min-np A --max-np B --host-discovery-script S
 --slots-per-host K``. The discovery script prints a file the test rewrites (atomically). The test reads the
 workers' event logs and checks, for every job:
@@ -36,10 +36,10 @@ import netns
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-SCRIPT = ROOT / "tests" / "scripts" / "elastic_train.py"
-TORCH_SCRIPT = ROOT / "tests" / "scripts" / "elastic_torch.py"
+SCRIPT = ROOT / "tests" / "scripts" / "elastic_hosts_train.py"
+TORCH_SCRIPT = ROOT / "tests" / "scripts" / "elastic_hosts_torch.py"
 sys.path.insert(0, str(SCRIPT.parent))
-import elastic_train  # noqa: E402 - the worker's data, to compute the expected params
+import elastic_hosts_train as elastic_train  # noqa: E402 - the worker's data, to compute the expected params
 
 OPEN = 10**9  # a gate that never holds
 
@@ -338,7 +338,7 @@ def test_blacklisted_multislot_host_leaves_no_barrier_waiting(job):
 def test_torch_state_and_elastic_sampler_across_hosts(job):
     """hora.torch.elastic: TorchState (model, optimizer with momentum, ElasticSampler) on a:2 -> a:2 b:2 ->
     b:2 (rank 0's host removed): hora-b's workers get the model, optimizer and sampler state bitwise, and
-    every epoch sees each sample exactly once (the worker checks; elastic_torch.py)."""
+    every epoch sees each sample exactly once (the worker checks; elastic_hosts_torch.py)."""
     pytest.importorskip("torch")
     epochs = 3
     job.set_hosts("hora-a:2")

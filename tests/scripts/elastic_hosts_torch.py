@@ -1,7 +1,7 @@
 """An elastic PyTorch job for tests/test_elastic_hosts.py: ``hora.torch.elastic.TorchState`` (model, optimizer,
 ``ElasticSampler``) and a ``DataLoader`` over that sampler, the way Horovod's elastic examples are written.
 
-    python elastic_torch.py SCRATCH [--epochs E]
+    python elastic_hosts_torch.py SCRATCH [--epochs E]
 
 A linear model learns a fixed regression with ``hvd.DistributedOptimizer`` (SGD with momentum, so the
 optimizer has state to carry). Each step every rank allgathers the dataset indices of its batch; the state
@@ -10,7 +10,7 @@ dataset: no sample repeated or skipped across the membership changes of the epoc
 per step, and 2 or 4 ranks: what is left of an epoch always divides evenly, so the sampler never pads (its
 documented padding, fewer than ``size()`` samples per reset, would otherwise repeat a few).
 
-Gate and event log as in tests/scripts/elastic_train.py (``SCRATCH/gate`` = "ALLOWED STOP", events in
+Gate and event log as in tests/scripts/elastic_hosts_train.py (``SCRATCH/gate`` = "ALLOWED STOP", events in
 ``SCRATCH/ev.<host>.<pid>.jsonl``); ``done`` carries a digest of the model and optimizer.
 """
 
