@@ -125,7 +125,8 @@ def main() -> None:
                 state.seen = []
                 commit(r, n)
         except (hora.elastic.HorovodInternalError, hora.elastic.HostsUpdatedInterrupt) as e:
-            log("interrupted", kind=type(e).__name__, rank=r, size=n, live=state.step, committed=last_commit["step"])
+            log("interrupted", kind="hosts" if isinstance(e, hora.elastic.HostsUpdatedInterrupt) else "failure",
+                error=type(e).__name__, rank=r, size=n, live=state.step, committed=last_commit["step"])
             raise
         log("done", rank=r, size=n, step=state.step, epoch=state.epoch, hash=digest())
 

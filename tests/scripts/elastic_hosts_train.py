@@ -136,7 +136,8 @@ def main() -> None:
                     if args.barrier:
                         hora.barrier()
         except (hora.elastic.HorovodInternalError, hora.elastic.HostsUpdatedInterrupt) as e:
-            log("interrupted", kind=type(e).__name__, rank=r, size=n, live=state.step, committed=last_commit["step"])
+            log("interrupted", kind="hosts" if isinstance(e, hora.elastic.HostsUpdatedInterrupt) else "failure",
+                error=type(e).__name__, rank=r, size=n, live=state.step, committed=last_commit["step"])
             raise
         log("done", rank=r, size=n, step=state.step, epoch=state.epoch, cursor=state.cursor,
             processed=state.processed, params=state.params, hash=digest(state))
