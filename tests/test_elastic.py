@@ -106,3 +106,26 @@ def _elastic_fn():
 def test_hora_run_in_elastic_mode(monkeypatch):
     monkeypatch.setenv("HORA_ELASTIC_TIMEOUT", "20")
     assert hora.run(_elastic_fn, num_proc=2, min_num_proc=2, max_num_proc=2) == [(0, 2, 10.0), (1, 2, 10.0)]
+
+
+@pytest.mark.timeout(90)
+def test_under_torchrun_max_restarts_the_loop_raises_and_the_restart_trains(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    env.update(PYTHONPATH=str(root), EL_LOG=str(tmp_path), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+                        "--master-port", str(port), str(root / "tests" / "scripts" / "elastic_torchrun.py")],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=80)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "RAISED InternalError a peer was lost and this job cannot replace it" in out
+    assert sorted(line for line in r.stdout.splitlines() if line.startswith("done")) == ["done 0 10 1", "done 1 10 1"]

@@ -188,5 +188,5 @@ def test_reset_limit_reached_fails_the_job_with_a_clear_error(tmp_path):
                     EL_KILL_ALWAYS="1", EL_STEPS="100000")
     assert r.returncode == 1, r.stderr[-3000:]
     assert "elastic job failed: --reset-limit 1 reached: the job was reset 1 times after failures" in r.stderr
-    assert "HoraError: hora elastic job failed: --reset-limit 1 reached" in r.stderr  # the survivor says why
+    assert "JobFailed: hora elastic job failed: --reset-limit 1 reached" in r.stderr  # the survivor says why
     no_orphans(events(tmp_path))

@@ -431,6 +431,7 @@ def test_horovod_env_vars_reach_workers():
      "unknown flag --fusion-treshold-mb (did you mean --fusion-threshold-mb?)"),
     (["--jsrun", "python"], "--jsrun is not supported yet"),
     (["--min-np", "3", "--max-np", "2", "-np", "2", "python"], "need 1 <= min-np <= max-np"),
+    (["--mpi", "--min-np", "1", "-np", "2", "python"], "needs hora's own launcher"),
     (["-np", "2"], "no command given"),
     (["python"], "-np is required when neither -H nor -hostfile is given"),
     (["-H", "localhost", "python"], "'localhost' has no slot count"),

@@ -3,9 +3,9 @@ share, and how a generation's plan is written. Standard library only: both sides
 
 Every key lives under the job's scope ``S`` (``HORA_STORE_SCOPE``), in the store the driver serves::
 
-    S/el/ready/<wid>        worker -> driver   "<n>": worker <wid> asks for its n-th place (n = 1, 2, ...: one
-                                               per init() of the process)
-    S/el/answer/<wid>/<n>   driver -> worker   "gen <g>": join generation g; "exit <why>": leave cleanly
+    S/el/ready/<wid>/<k>    worker -> driver   "<n>": process k of slot <wid> asks for its n-th place (n = 1,
+                                               2, ...: one per init() of the process)
+    S/el/answer/<wid>/<k>/<n> driver -> worker "gen <g>": join generation g; "exit <why>": leave cleanly
                                                (exit status 0); "fail <why>": the job failed (raise);
                                                "solo": a worker that joins a running job (its first init())
                                                starts in a world of one until it enters hora.elastic.run
@@ -14,9 +14,11 @@ Every key lives under the job's scope ``S`` (``HORA_STORE_SCOPE``), in the store
     S/el/update             driver -> rank 0   "<timestamp> <result>": the latest host change (timestamps
                                                grow; result is a HostUpdateResult: 1 removed, 2 added)
 
-A worker id (``<host>:<slot>``) is stable for the slot: a respawned slot keeps it. ``update`` in a plan is the
-update timestamp the generation was formed after, so a worker never acts on a change its generation already
-contains.
+A worker id (``<host>:<slot>``) is stable for the slot: a respawned slot keeps it; ``k`` (the driver's number
+for the process, ``HORA_ELASTIC_WORKER``) tells a respawned process's keys from its predecessor's. ``update``
+in a plan is the update timestamp the generation was formed after, so a worker never acts on a change its
+generation already contains. ``S/e<g>/1/abort`` (the transport's abort note of generation g's mesh) is
+written by the driver when a member of g dies, naming its rank.
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ import json
 from dataclasses import dataclass
 
 ID_VAR = "HORA_ELASTIC_ID"  # the worker's id, set by the driver (with HORA_ELASTIC=1 and HORA_HOSTNAME)
+NUMBER_VAR = "HORA_ELASTIC_WORKER"  # the process's number in the job (its output tag)
 GENERATION_PREFIX = "e"  # the mesh of generation g rendezvouses under S/e<g>
 
 
-def ready_key(scope: str, wid: str) -> str:
-    return f"{scope}/el/ready/{wid}"
+def ready_key(scope: str, wid: str, k: int) -> str:
+    return f"{scope}/el/ready/{wid}/{k}"
 
 
-def answer_key(scope: str, wid: str, n: int) -> str:
-    return f"{scope}/el/answer/{wid}/{n}"
+def answer_key(scope: str, wid: str, k: int, n: int) -> str:
+    return f"{scope}/el/answer/{wid}/{k}/{n}"
 
 
 def plan_key(scope: str, gen: int) -> str:

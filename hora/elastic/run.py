@@ -19,13 +19,16 @@ import functools
 import logging
 from typing import Any, Callable
 
-from hora.base.errors import HostsChanged, InternalError
+from hora.base.errors import HoraError, HoraValueError, HostsChanged, InternalError
 
 log = logging.getLogger("hora")
 
 NOT_ELASTIC = ("a peer was lost and this job cannot replace it: it was not started by hora's elastic driver "
                "(recovery needs `hora run -np N --min-np M --host-discovery-script S ...`); "
                "the state was rolled back to its last commit")
+
+
+REJOIN_TRIES = 20  # failed joins in a row before the error is raised (the driver or its store is gone)
 
 
 def _reset() -> None:
@@ -55,13 +58,20 @@ def _fresh() -> bool:
 
 
 def _rejoin(reset: Callable[[], None]) -> None:
-    """``reset`` until it works: a peer lost while the next generation connects makes the driver form
-    another one, which this worker then joins."""
-    while True:
+    """``reset`` until it works: a peer lost while the next generation connects (a timeout, or a connection
+    closed in the middle of its handshake) makes the driver form another one, which this worker then joins.
+    Only the driver's own verdict (:class:`hora.elastic.worker.JobFailed`) ends the loop."""
+    from hora.elastic.worker import JobFailed
+
+    for attempt in range(1, REJOIN_TRIES + 1):
         try:
             reset()
             return
-        except InternalError as e:
+        except (JobFailed, HoraValueError):
+            raise
+        except HoraError as e:
+            if attempt == REJOIN_TRIES:
+                raise
             log.warning("hora elastic: joining the next generation failed (%s); asking the driver again", e)
 
 

@@ -27,6 +27,10 @@ _plan: protocol.Plan | None = None  # the generation this process is in
 _WAIT = 60.0  # s per blocking read; the driver decides every timeout, we only wait for it
 
 
+class JobFailed(HoraError):
+    """The elastic driver gave up on the job (``--reset-limit``, below ``--min-np`` too long): not retried."""
+
+
 def active() -> bool:
     """True in a worker started by the elastic driver."""
     return bool(env.raw(protocol.ID_VAR)) and env.parse_bool(env.get("ELASTIC", "0") or "0") is True
@@ -52,16 +56,17 @@ def join() -> tuple[protocol.Place, str, protocol.Plan]:
     status 0 and a log line; a job the driver gave up on raises :class:`HoraError` with the driver's reason."""
     global _requests, _plan
     wid = env.raw(protocol.ID_VAR) or ""
+    k = int(env.raw(protocol.NUMBER_VAR) or "0")
     with _lock:
         store = _store()
         _requests += 1
         n = _requests
-        store.set(protocol.ready_key(scope(), wid), str(n).encode())
+        store.set(protocol.ready_key(scope(), wid, k), str(n).encode())
         from hora.transport.store import StoreTimeout
 
         while True:
             try:
-                raw = store.get(protocol.answer_key(scope(), wid, n), timeout=_WAIT)
+                raw = store.get(protocol.answer_key(scope(), wid, k, n), timeout=_WAIT)
                 break
             except StoreTimeout:
                 continue  # still forming (or below --min-np): the driver times that out, not us
@@ -74,7 +79,7 @@ def join() -> tuple[protocol.Place, str, protocol.Plan]:
             print(f"hora: elastic worker {wid} leaves the job: {rest}", file=sys.stderr, flush=True)
             raise SystemExit(0)
         if kind != "gen":
-            raise HoraError(f"hora elastic job failed: {rest}")
+            raise JobFailed(f"hora elastic job failed: {rest}")
         plan = protocol.Plan.decode(store.get(protocol.plan_key(scope(), int(rest)), timeout=_WAIT))
         _plan = plan
     place = plan.places[wid]

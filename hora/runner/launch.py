@@ -130,7 +130,12 @@ def run_job(values: dict[str, Any], command: list[str], extra_env: dict[str, str
     ignored, warnings = no_effect(values)
     for w in warnings:
         _say(w)
+    from hora.runner.elastic import is_elastic, run_elastic
+
     try:
+        if values.get("mpi") and is_elastic(values):
+            raise UsageError("elastic training (--min-np, --max-np, --host-discovery-script) needs hora's own "
+                             "launcher: it starts and replaces the workers itself; drop --mpi")
         if values.get("mpi"):  # mpirun starts the workers: hora.runner.mpi_run
             from hora.runner.mpi_run import run_mpi
 
@@ -138,8 +143,6 @@ def run_job(values: dict[str, Any], command: list[str], extra_env: dict[str, str
         for name in ("mpi_args", "binding_args"):
             if values.get(name):
                 raise UsageError(f"--{name.replace('_', '-')} only works with --mpi")
-        from hora.runner.elastic import is_elastic, run_elastic
-
         if is_elastic(values):  # the elastic driver: hora.runner.elastic.driver
             return run_elastic(values, command, ignored, extra_env)
         slots = hostlib.plan_job(values)

@@ -33,10 +33,11 @@ States of the current generation g:
   a warning: the training is complete); otherwise it exits with the first such failure's status.
 
 Hosts (:mod:`hora.runner.elastic.blacklist`): a host whose workers fail 3 times in a row
-(``HORA_ELASTIC_BLACKLIST_AFTER``) is blacklisted (its workers are stopped, so no survivor waits on them),
-for good or for a growing cooldown within ``--blacklist-cooldown-range``. The count starts again whenever
-a worker of the host comes through the end of a generation alive: a host whose workers crash at start is
-blacklisted, one whose workers are killed now and then while the others there train is not.
+(``HORA_ELASTIC_BLACKLIST_AFTER``; an error exit, a crash, a worker that never came or a lost host count,
+a kill by SIGKILL/SIGTERM/SIGINT/SIGHUP does not) is blacklisted (its workers are stopped, so no survivor
+waits on them), for good or for a growing cooldown within ``--blacklist-cooldown-range``. The count starts
+again whenever a worker of the host comes through the end of a generation alive: a host whose workers crash
+at start is blacklisted, one whose workers are killed now and then while the others there train is not.
 
 Exit status: 0 on success; the failed worker's status (128+N for signal N); 1 when the driver gives up (below
 ``--min-np`` too long, ``--reset-limit``); 128+N when it is interrupted.
@@ -62,6 +63,8 @@ from hora.runner.spawn import Output, describe_exit, exit_code
 TICK = 0.05
 EXIT_GRACE = 10.0  # s a worker told to exit gets before it is killed
 BLACKLIST_AFTER = 3
+MESH_TIMEOUT = 10  # s: the workers' --start-timeout unless given (see Driver.__init__)
+RESPAWN_FIRST, RESPAWN_MAX = 0.25, 10.0  # s before a slot that failed again is started again (doubling)
 
 
 def _say(msg: str) -> None:
@@ -76,7 +79,11 @@ class Driver:
         self.min_np, self.max_np = settings["min_np"], settings["max_np"]
         self.timeout, self.start_timeout = settings["elastic_timeout"], settings["start_timeout"]
         self.reset_limit = settings["reset_limit"]
-        self.base_env, self.store, self.store_addr = envs, store, store_addr
+        self.base_env, self.store, self.store_addr = dict(envs), store, store_addr
+        if "HORA_START_TIMEOUT" not in envs and "HOROVOD_START_TIMEOUT" not in envs:
+            # a generation's mesh connects processes that are all waiting already: when one of them dies in
+            # the middle, the others find out by this timeout, so it is shorter than a static job's 30 s
+            self.base_env["HORA_START_TIMEOUT"] = str(MESH_TIMEOUT)
         self.scope = envs["HORA_STORE_SCOPE"]
         self.pool = Pool(command, output, remote)
         self.discovery = Discovery(settings["script"], settings["slots"], _say, settings["discovery_interval"],
@@ -97,6 +104,8 @@ class Driver:
         self.failure: tuple[int, str] | None = None  # (exit status, message): the job failed
         self.member_failure: tuple[int, str] | None = None
         self._signal: int | None = None
+        self.slot_failures: dict[str, int] = {}  # failures of a slot's processes since one came through
+        self.respawn_at: dict[str, float] = {}
 
     # --- the loop
     def run(self) -> int:
@@ -169,14 +178,20 @@ class Driver:
                 _say(f"warning: worker {p.wid} failed after another worker had finished training; "
                      "the training is complete, so the job still succeeds")
                 continue
+            self.slot_failures[p.wid] = k = self.slot_failures.get(p.wid, 0) + 1
+            if k > 1:  # a slot that keeps failing is started again more and more slowly
+                self.respawn_at[p.wid] = now + min(RESPAWN_MAX, RESPAWN_FIRST * 2 ** (k - 2))
             if member:
+                # ranks still connecting the generation's mesh learn of it (the transport's abort note)
+                self.store.set(f"{self.scope}/{protocol.GENERATION_PREFIX}{self.gen}/1/abort",
+                               f"{self.member_numbers.index(p.number)}|worker {p.wid} {what}".encode())
                 self.failed_member = True
                 self.breaking = self.breaking or now
                 self.first_failure = self.first_failure or p.ended
                 if self.member_failure is None:
                     self.member_failure = (exit_code(rc) if rc is not None else 255,
                                            f"worker {p.wid} {what}")
-            wait = self.blacklist.failed(p.host, now)
+            wait = self.blacklist.failed(p.host, now) if _host_fault(rc, lost) else None
             if wait is not None:
                 until = "for the rest of the job" if math.isinf(wait) else f"for {wait:g} s"
                 _say(f"host {p.host} is blacklisted {until}: {self.blacklist.limit} worker failures in a row there")
@@ -216,15 +231,18 @@ class Driver:
             if p is not None and not p.seen:
                 continue  # running, or its end not handled yet
             env = dict(self.base_env)
-            env.update({protocol.ID_VAR: wid, "HORA_HOSTNAME": host, "HORA_ELASTIC": "1",
-                        "HORA_STORE_ADDR": self.store_addr(host)})
+            if now < self.respawn_at.get(wid, 0.0):
+                continue
+            env = dict(self.base_env)
+            env.update({protocol.ID_VAR: wid, protocol.NUMBER_VAR: str(self.pool.next_number), "HORA_HOSTNAME": host,
+                        "HORA_ELASTIC": "1", "HORA_STORE_ADDR": self.store_addr(host)})
             self.slots[wid] = self.pool.start(wid, host, index, env)
 
     def _ready(self) -> list[Proc]:
         """Live workers waiting for an answer, with their request numbers in ``p.asked``."""
         out = []
         for p in self.pool.live():
-            raw = self.store.get(protocol.ready_key(self.scope, p.wid))
+            raw = self.store.get(protocol.ready_key(self.scope, p.wid, p.number))
             n = int(raw) if raw else 0
             if n > p.answered:
                 p.asked = n
@@ -257,7 +275,7 @@ class Driver:
         ready = [p for p in ready if p.answered < p.asked]
         for p in ready:
             if p.stopping:  # removed members (and others told to go) that came back for a place
-                self._answer(p, "exit its host was removed from the job")
+                self._answer(p, "exit its slot is no longer listed (host removed or fewer slots)")
         waiting = [p for p in ready if not p.stopping]
         if any(p.number in self.member_numbers for p in waiting) and self.breaking is None:
             self.breaking = now
@@ -310,8 +328,10 @@ class Driver:
         return [p for h in hosts for p in first if p.host == h]
 
     def _start_generation(self, chosen: list[Proc], now: float) -> None:
-        for h in {p.host for p in chosen if p.number in self.member_numbers}:
-            self.blacklist.healthy(h)  # a worker there came through the end of a generation
+        for p in chosen:
+            if p.number in self.member_numbers:  # it came through the end of a generation alive
+                self.blacklist.healthy(p.host)
+                self.slot_failures.pop(p.wid, None)
         fresh = any(p.number not in self.member_numbers for p in chosen)
         self.gen += 1
         plan = protocol.make_plan(self.gen, self.update_ts, self.resets, [(p.wid, p.host) for p in chosen], fresh)
@@ -336,7 +356,7 @@ class Driver:
         have = [p.wid for p in self.pool.live() if not p.stopping]
         wanted = [w for w, _h, _i in self._wanted(hosts)]
         missing = sorted(set(wanted) - set(have))
-        listed = ", ".join(f"{h}:{n}" for h, n in hosts.items()) or "none"
+        listed = ", ".join(f"{h}:{n}" for h, n in (self.discovery.hosts or {}).items()) or "none"
         black = ", ".join(sorted(self.blacklist.until)) or "none"
         self.failure = (1, f"fewer than --min-np {self.min_np} workers for more than --elastic-timeout "
                            f"{self.timeout:g} s: {len(have)} running ({' '.join(have) or 'none'}); missing slots "
@@ -345,7 +365,7 @@ class Driver:
     # --- answers and stopping
     def _answer(self, p: Proc, text: str) -> None:
         n = p.asked if p.asked > p.answered else p.answered + 1
-        self.store.set(protocol.answer_key(self.scope, p.wid, n), text.encode())
+        self.store.set(protocol.answer_key(self.scope, p.wid, p.number, n), text.encode())
         p.answered = n
         if text.startswith(("exit", "fail")):
             p.stopping = True
@@ -382,6 +402,16 @@ class Driver:
             _say(f"elastic job failed: {msg}")
             return code
         return 0
+
+
+# signals someone sends (an operator, the OOM killer, a chaos test): they say nothing about the host
+_SENT = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _host_fault(rc: int | None, lost: str | None) -> bool:
+    """Whether a worker's failure counts against its host: an error exit, a crash (SIGSEGV, SIGABRT ...), a
+    lost host do; a kill does not (its slot is started again, more slowly each time it fails again)."""
+    return lost is not None or rc is None or rc > 0 or -rc not in _SENT
 
 
 def settings_from(values: dict[str, Any]) -> dict[str, Any]:

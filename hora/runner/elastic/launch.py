@@ -57,7 +57,9 @@ def run_elastic(values: dict[str, Any], command: list[str], noops: list[str],
     remote_hosts = [h for h in first if not hostlib.is_local(h)]
     argv = ssh.ssh_command(values.get("ssh_port"), values.get("ssh_identity_file"))
     remote = ssh.Remote(argv, set())
-    bind = "0.0.0.0" if remote_hosts else "127.0.0.1"
+    # hosts may join later: with a discovery script the store listens on every interface (it authenticates
+    # every connection with the job's secret), so a remote host listed later can reach it too
+    bind = "0.0.0.0" if remote_hosts or settings["script"] else "127.0.0.1"
     secret, scope = new_secret(), new_scope()
     store = StoreServer(secret, host=bind, port=0)
     port = store.address.rpartition(":")[2]
@@ -65,7 +67,11 @@ def run_elastic(values: dict[str, Any], command: list[str], noops: list[str],
 
     def store_addr(host: str) -> str:
         """The store's address as ``host``'s workers reach it (the route towards it; for local workers, the
-        route towards the first remote host, which is also what remote ranks reach them by)."""
+        route towards the first remote host, which is also what remote ranks reach them by). Local workers
+        started while no remote host was known use loopback, so they cannot share a mesh with a remote host
+        listed later: a job that is to grow onto other hosts should list one from the start."""
+        if not hostlib.is_local(host) and host not in remote_hosts:
+            remote_hosts.append(host)
         if not remote_hosts:
             return f"127.0.0.1:{port}"
         target = host if not hostlib.is_local(host) else remote_hosts[0]

@@ -67,6 +67,11 @@ class Pool:
         self.sessions: list[Any] = []
         self._number = 0
 
+    @property
+    def next_number(self) -> int:
+        """The number the next :meth:`start` gives its process."""
+        return self._number + 1
+
     def start(self, wid: str, host: str, index: int, env: dict[str, str]) -> Proc:
         self._number += 1
         w = Worker(Slot(self._number, 0, host, index, 0, 0, 0))
