@@ -75,14 +75,17 @@ def test_chaos_20_sigkills_on_two_hosts(job):  # noqa: F811 - the fixture import
     t0 = time.time()
     job.wait("a first generation on both hosts", lambda evs: generation_on(evs, 0, FULL), timeout=90)
     since = 0.0
-    for k in range(KILLS):
+    for _attempt in range(3 * KILLS):
+        if len(job.kills) == KILLS:
+            break
+        k = len(job.kills)
         gen = job.wait("two commits at np=4", lambda evs, s=since: len(
             {e["step"] for e in evs if e["ev"] == "commit" and e["t"] > s and e["size"] == 4}) >= 2 and
             generation_on(evs, s, FULL))
         time.sleep(rng.uniform(0.0, 0.5))  # a random moment of the step, not a wait for a condition
         live = _live_workers(job.events(), since)
         if len(live) < 4:
-            continue  # a worker died by itself: the next wait sees the job re-form
+            continue  # a worker ended by itself (the launcher's output says why): wait for np=4 again
         victim = rng.choice(live)
         t = time.time()
         os.kill(victim["pid"], signal.SIGKILL)
@@ -97,7 +100,7 @@ def test_chaos_20_sigkills_on_two_hosts(job):  # noqa: F811 - the fixture import
     assert len(job.kills) == KILLS, f"only {len(job.kills)} kills"
     job.wait("two commits at np=4 after the last kill", lambda evs: len(
         {e["step"] for e in evs if e["ev"] == "commit" and e["t"] > since and e["size"] == 4}) >= 2)
-    final = job.committed() + 5
+    final = job.committed() + 30  # it trains on meanwhile: a margin it cannot pass before reading the gate
     job.set_gate(final, stop=True)
     rc = job.finish()
     took = time.time() - t0
