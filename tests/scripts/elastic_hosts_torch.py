@@ -10,8 +10,8 @@ dataset: no sample repeated or skipped across the membership changes of the epoc
 per step, and 2 or 4 ranks: what is left of an epoch always divides evenly, so the sampler never pads (its
 documented padding, fewer than ``size()`` samples per reset, would otherwise repeat a few).
 
-Gate and event log as in tests/scripts/elastic_hosts_train.py (``SCRATCH/gate`` = "ALLOWED STOP", events in
-``SCRATCH/ev.<host>.<pid>.jsonl``); ``done`` carries a digest of the model and optimizer.
+Gate and event log as in tests/scripts/elastic_hosts_train.py (tests/scripts/elastic_hosts_common.py); the
+digests cover the model, the optimizer's momentum and the sampler's progress.
 """
 
 from __future__ import annotations
@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
-import time
 
 import torch
 
 import hora.torch as hvd
 import hora.elastic
 import hora.torch.elastic as elastic
+from elastic_hosts_common import Events
 
 N, B, D = 64, 2, 3
 
@@ -38,25 +37,9 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--commit-every", type=int, default=4)
     args = ap.parse_args()
-    d = args.scratch
-    host = os.environ.get("HORA_HOSTNAME", "?")
-    log_file = open(f"{d}/ev.{host}.{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115 - the process's
-
-    def log(ev: str, **kw) -> None:
-        log_file.write(json.dumps({"ev": ev, "t": time.time(), "host": host, "pid": os.getpid(), **kw}) + "\n")
-        log_file.flush()
-
-    def gate() -> tuple[int, bool]:
-        try:
-            allowed, stop = open(f"{d}/gate").read().split()
-            return int(allowed), stop == "1"
-        except (OSError, ValueError):
-            return -1, False
-
     torch.set_num_threads(1)
     torch.manual_seed(0)
     hvd.init()
-    log("init", rank=hvd.rank(), size=hvd.size())
     g = torch.Generator().manual_seed(3)
     x = torch.randn(N, D, generator=g)
     y = x @ torch.tensor([[1.5], [-2.0], [0.5]]) + 0.1
@@ -79,21 +62,13 @@ def main() -> None:
         h.update(json.dumps([state.step, state.epoch, state.seen, sorted(sampler.processed_indices)]).encode())
         return h.hexdigest()[:16]
 
-    last_commit = {"step": 0}
-
-    def commit(r: int, n: int) -> None:
-        log("commit", rank=r, size=n, step=state.step, hash=digest())
-        last_commit["step"] = state.step
-        state.commit()
+    ev = Events(args.scratch, digest, lambda obj: hvd.broadcast_object(obj, root_rank=0, name="gate"))
+    ev.log("init", rank=hvd.rank(), size=hvd.size())
 
     @elastic.run
     def train(state) -> None:
         r, n = hvd.rank(), hvd.size()
-        views = hvd.allgather_object((state.step, digest()))
-        log("start", rank=r, size=n, step=state.step, epoch=state.epoch, hash=digest(), agree=len(set(views)) == 1)
-        if len(set(views)) != 1:
-            raise SystemExit(f"ranks disagree on the state after sync: {views}")
-        last_commit["step"] = state.step
+        ev.started(state, r, n, hvd.allgather_object((state.step, digest())))
         try:
             while state.epoch < args.epochs:
                 for i, (idx, xb, yb) in enumerate(loader):
@@ -105,34 +80,25 @@ def main() -> None:
                     state.sampler.record_batch(i, B)
                     state.step += 1
                     if state.step % args.commit_every == 0:
-                        commit(r, n)
-                    while True:  # the test's gate: hold here (committed, watching for host updates)
-                        allowed, _stop = hvd.broadcast_object(gate() if r == 0 else None, root_rank=0, name="gate")
-                        if state.step < allowed:
-                            break
-                        if last_commit["step"] != state.step:
-                            commit(r, n)
-                        else:
-                            state.check_host_updates()
-                        time.sleep(0.05)
+                        ev.commit(state, r, n)
+                    ev.at_gate(state, r, n)  # this job ends by itself: the gate only holds it
                 ok = sorted(state.seen) == list(range(N))
                 if r == 0:
-                    log("epoch", epoch=state.epoch, ok=ok, seen=state.seen)
+                    ev.log("epoch", epoch=state.epoch, ok=ok, seen=state.seen)
                 if not ok:
                     raise SystemExit(f"epoch {state.epoch}: samples repeated or skipped: {sorted(state.seen)}")
                 state.epoch += 1
                 state.sampler.set_epoch(state.epoch)
                 state.seen = []
-                commit(r, n)
+                ev.commit(state, r, n)
         except (hora.elastic.HorovodInternalError, hora.elastic.HostsUpdatedInterrupt) as e:
-            log("interrupted", kind="hosts" if isinstance(e, hora.elastic.HostsUpdatedInterrupt) else "failure",
-                error=type(e).__name__, rank=r, size=n, live=state.step, committed=last_commit["step"])
+            ev.interrupted(e, state, r, n)
             raise
-        log("done", rank=r, size=n, step=state.step, epoch=state.epoch, hash=digest())
+        ev.log("done", rank=r, size=n, step=state.step, epoch=state.epoch, hash=digest())
 
     train(state)
     hvd.shutdown()
-    log("exit")
+    ev.log("exit")
     sys.exit(0)
 
 

@@ -34,6 +34,7 @@ import numpy as np
 
 import hora
 import hora.elastic
+from elastic_hosts_common import Events
 
 N, B, D = 48, 2, 4  # samples per epoch, samples per rank per step, row width
 ROWS = np.random.default_rng(7).integers(-50, 50, size=(N, D)).astype(np.float64)
@@ -57,26 +58,10 @@ def main() -> None:
     ap.add_argument("--barrier", action="store_true", help="hora.barrier() after every commit")
     ap.add_argument("--fail-on-host", default="", help="workers on this host exit 17 at their first step")
     args = ap.parse_args()
-    d = args.scratch
-    host = os.environ.get("HORA_HOSTNAME", "?")
-    log_file = open(f"{d}/ev.{host}.{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115 - the process's
-
-    def log(ev: str, **kw) -> None:
-        rec = {"ev": ev, "t": time.time(), "host": host, "pid": os.getpid(), **kw}
-        log_file.write(json.dumps(rec) + "\n")
-        log_file.flush()
-
-    def gate() -> tuple[int, bool]:
-        try:
-            allowed, stop = open(f"{d}/gate").read().split()
-            return int(allowed), stop == "1"
-        except (OSError, ValueError):  # being rewritten: hold
-            return -1, False
-
     hora.init()
-    log("init", rank=hora.rank(), size=hora.size())
     state = hora.elastic.ObjectState(params=[0.0] * D, step=0, epoch=0, cursor=0, processed=[])
-    last_commit = {"step": 0}
+    ev = Events(args.scratch, lambda: digest(state), lambda obj: hora.broadcast_object(obj, root_rank=0, name="gate"))
+    ev.log("init", rank=hora.rank(), size=hora.size())
     starts = {"n": 0}
 
     @hora.elastic.run
@@ -84,29 +69,15 @@ def main() -> None:
         starts["n"] += 1
         r, n = hora.rank(), hora.size()
         views = hora.allgather_object((state.step, digest(state)))
-        log("start", rank=r, size=n, step=state.step, epoch=state.epoch, cursor=state.cursor,
-            hash=digest(state), first=starts["n"] == 1, agree=len(set(views)) == 1)
-        if len(set(views)) != 1:
-            raise SystemExit(f"ranks disagree on the state after sync: {views}")
-        if args.fail_on_host and host == args.fail_on_host:
-            log("failing_on_purpose")
+        ev.started(state, r, n, views, cursor=state.cursor, first=starts["n"] == 1)
+        if args.fail_on_host and ev.host == args.fail_on_host:
+            ev.log("failing_on_purpose")
             os._exit(17)
-        last_commit["step"] = state.step  # what sync (or restore) left is committed, on every rank alike
         params = np.asarray(state.params, np.float64)
         try:
             while True:
-                allowed, stop = hora.broadcast_object(gate() if r == 0 else None, root_rank=0, name="gate")
-                if state.step >= allowed:
-                    if stop:
-                        break
-                    if last_commit["step"] != state.step:  # holding: commit what was done first
-                        log("commit", rank=r, size=n, step=state.step, hash=digest(state))
-                        last_commit["step"] = state.step
-                        state.commit()
-                    else:
-                        state.check_host_updates()
-                    time.sleep(0.05)
-                    continue
+                if ev.at_gate(state, r, n):
+                    break
                 order = perm(state.epoch)
                 lo = state.cursor + r * B
                 mine = order[lo:min(lo + B, N)]
@@ -123,28 +94,25 @@ def main() -> None:
                 if end_of_epoch:
                     ok = sorted(state.processed) == list(range(N))
                     if r == 0:
-                        log("epoch", epoch=state.epoch, ok=ok, processed=state.processed)
+                        ev.log("epoch", epoch=state.epoch, ok=ok, processed=state.processed)
                     if not ok:
                         raise SystemExit(f"epoch {state.epoch}: samples repeated or skipped: {state.processed}")
                     state.epoch += 1
                     state.cursor = 0
                     state.processed = []
                 if end_of_epoch or state.step % args.commit_every == 0:
-                    log("commit", rank=r, size=n, step=state.step, hash=digest(state))
-                    last_commit["step"] = state.step
-                    state.commit()
+                    ev.commit(state, r, n)
                     if args.barrier:
                         hora.barrier()
         except (hora.elastic.HorovodInternalError, hora.elastic.HostsUpdatedInterrupt) as e:
-            log("interrupted", kind="hosts" if isinstance(e, hora.elastic.HostsUpdatedInterrupt) else "failure",
-                error=type(e).__name__, rank=r, size=n, live=state.step, committed=last_commit["step"])
+            ev.interrupted(e, state, r, n)
             raise
-        log("done", rank=r, size=n, step=state.step, epoch=state.epoch, cursor=state.cursor,
+        ev.log("done", rank=r, size=n, step=state.step, epoch=state.epoch, cursor=state.cursor,
             processed=state.processed, params=state.params, hash=digest(state))
 
     train(state)
     hora.shutdown()
-    log("exit")
+    ev.log("exit")
     sys.exit(0)
 
 
