@@ -98,8 +98,6 @@ def init(comm=None, process_sets=None) -> None:
 def _connect(job: launchers.Job, cfg: dict) -> _State:
     from hora.transport import addresses, net
     from hora.transport.store import StoreClient
-    from hora.transport.tcp import connect_mesh
-
     job = launchers.rendezvous(job)  # mpirun/srun/torchrun: rank 0 serves the store, MPI shares the secret
     timeout = cfg["start_timeout"]
     gen = _generations[job.scope] = _generations.get(job.scope, 0) + 1
@@ -107,8 +105,7 @@ def _connect(job: launchers.Job, cfg: dict) -> _State:
     bind, advertise = addresses.pick(net.parse_addr(job.store_addr)[0], cfg["network_interfaces"])
     store = StoreClient(job.store_addr, job.secret, timeout=timeout)
     try:
-        comm = connect_mesh(job.topo.rank, job.topo.size, store, prefix, job.secret.encode(),
-                            bind_host=bind, advertise_host=advertise, timeout=timeout)
+        comm = _mesh(job, store, prefix, bind, advertise, timeout)
     except BaseException:
         store.close()
         raise
@@ -122,6 +119,50 @@ def _connect(job: launchers.Job, cfg: dict) -> _State:
         store.close()
         raise
     return _State(job.topo, comm, store, prefix, cfg)
+
+
+def _mesh(job: launchers.Job, store, prefix: str, bind: str, advertise: str, timeout: float):
+    """The generation's mesh. In an elastic job a member may die while the others connect: the driver then
+    leaves a note under ``<prefix>/abort``, and this gives up at once (a lost peer, which elastic training
+    recovers from) instead of waiting out the timeout. The abandoned attempt ends by itself within
+    ``timeout`` (its store connection is closed by the caller) and closes what it had built."""
+    from hora.transport.tcp import connect_mesh
+
+    args = (job.topo.rank, job.topo.size, store, prefix, job.secret.encode())
+    kw = dict(bind_host=bind, advertise_host=advertise, timeout=timeout)
+    if job.launcher != launchers.ELASTIC:
+        return connect_mesh(*args, **kw)
+    from hora.base.errors import PeerLostError
+    from hora.elastic import worker
+
+    box: dict = {}
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def attempt() -> None:
+        try:
+            comm = connect_mesh(*args, **kw)
+            with lock:
+                box["comm"] = comm
+                if box.get("abandoned"):
+                    comm.close()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["err"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=attempt, name="hora-elastic-connect", daemon=True).start()
+    while not done.wait(0.1):
+        note = worker.abort_note(prefix)
+        if note:
+            with lock:
+                box["abandoned"] = True
+                if "comm" in box:
+                    box["comm"].close()
+            raise PeerLostError(f"rank {job.topo.rank}: the generation broke up while connecting: {note}")
+    if "err" in box:
+        raise box["err"]
+    return box["comm"]
 
 
 def shutdown() -> None:

@@ -129,6 +129,9 @@ def _hora_run() -> Job | None:
     return Job(topo, addr, secret, env.get("STORE_SCOPE", "job"), "hora run")
 
 
+ELASTIC = "hora run (elastic)"
+
+
 def _elastic() -> Job | None:
     """A worker of ``hora run``'s elastic driver: no fixed rank; each ``init()`` asks the driver for a place in
     its next generation (:mod:`hora.elastic.worker`), which may differ from the last one."""
@@ -139,7 +142,7 @@ def _elastic() -> Job | None:
     place, gen_scope, _plan = worker.join()
     topo = Topology(place.rank, place.size, place.local_rank, place.local_size, place.cross_rank,
                     place.cross_size, place.hostname).check()
-    return Job(topo, env.get("STORE_ADDR"), env.get("SECRET"), gen_scope, "hora run (elastic)")
+    return Job(topo, env.get("STORE_ADDR"), env.get("SECRET"), gen_scope, ELASTIC)
 
 
 # --- torchrun (torch.distributed.run) ---------------------------------------------------------------

@@ -96,6 +96,12 @@ def host_update() -> tuple[int, int]:
     return (ts, res) if ts > plan.update else (0, 0)
 
 
+def abort_note(prefix: str) -> str:
+    """The driver's note that generation ``prefix`` lost a member ("" when there is none)."""
+    raw = _client.try_get(f"{prefix}/abort") if _client is not None else None
+    return raw.decode(errors="replace").partition("|")[2] if raw else ""
+
+
 def current_plan() -> protocol.Plan | None:
     return _plan
 
