@@ -1,6 +1,8 @@
-"""examples/pytorch/train_digits_elastic.py under the elastic driver, a worker SIGKILLed during training:
-the job re-forms without it (the discovery script stops listing its slot), resumes from the last commit
-with exactly the samples of the epoch not yet done, finishes with bitwise equal parameters, and exits 0."""
+"""examples/pytorch/train_digits_elastic.py under the elastic driver: a worker SIGKILLed during training
+(the survivor rolls back, the slot is started again and the new worker receives the state), and a slot
+added during training (the job grows from np=1 to np=2 at a commit). Each time the job resumes from the
+last commit with exactly the samples of the epoch not yet done, re-sharded over the new ranks, finishes
+with bitwise equal parameters, and exits 0."""
 
 from __future__ import annotations
 
@@ -21,18 +23,19 @@ pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pytorch" / "train_digits_elastic.py"
-TRAIN_SAMPLES, BATCH, EPOCHS = 1437, 32, 4  # the example's digits training split and batch; epochs shortened
+TRAIN_SAMPLES, BATCH = 1437, 32  # the example's digits training split and batch per rank
 
 
-@pytest.mark.timeout(150)
-def test_example_survives_a_killed_worker(tmp_path):
-    killed = tmp_path / "killed"
+def _run(tmp_path: Path, np_: int, before: int, after: int, epochs: int, trigger: str, act) -> str:
+    """The example under the driver, the discovery script listing ``before`` slots and then, once ``trigger``
+    was printed and ``act(workers)`` has run, ``after``; returns the job's output (it must exit 0)."""
+    changed = tmp_path / "changed"
     hosts = tmp_path / "hosts.sh"
-    hosts.write_text(f"#!/bin/sh\nif [ -f {killed} ]; then echo localhost:1; else echo localhost:2; fi\n")
+    hosts.write_text(f"#!/bin/sh\nif [ -f {changed} ]; then echo localhost:{after}; else echo localhost:{before}; fi\n")
     hosts.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
-    env.update(PYTHONPATH=str(ROOT), DIGITS_EPOCHS=str(EPOCHS), HORA_DISCOVERY_INTERVAL="0.2", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "hora", "run", "-np", "2", "--min-np", "1", "--max-np", "4",
+    env.update(PYTHONPATH=str(ROOT), DIGITS_EPOCHS=str(epochs), HORA_DISCOVERY_INTERVAL="0.2", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "hora", "run", "-np", str(np_), "--min-np", "1", "--max-np", "4",
            "--host-discovery-script", str(hosts), "--elastic-timeout", "60", sys.executable, str(EXAMPLE)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -40,26 +43,53 @@ def test_example_survives_a_killed_worker(tmp_path):
     try:
         for line in proc.stdout:
             lines.append(line)
-            if "epoch  1/" in line and not killed.exists():
+            if trigger in line and not changed.exists():
                 workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
                            if str(EXAMPLE) in " ".join(c.cmdline())]
-                assert len(workers) == 2, workers
-                time.sleep(0.3)  # aims the kill into epoch 2; what is checked holds wherever it lands
-                killed.touch()  # the slot is gone for good: the job must go on at np=1
-                workers[-1].send_signal(signal.SIGKILL)
+                act(workers)
+                changed.touch()
         assert proc.wait(30) == 0, "".join(lines[-60:])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     out = "".join(lines)
-    assert killed.exists(), out
-    assert "killed by signal 9" in out, out
-    resumed = re.search(r"re-formed with 1 rank\(s\); resuming epoch (\d+) at step (\d+), (\d+) of its samples done",
-                        out)
+    assert changed.exists(), out
+    return out
+
+
+def _check_resumed(out: str, size: int) -> None:
+    """The first epoch after the re-formation took exactly the steps its remaining samples need at ``size``
+    ranks (padded to equal shards), and the parameters ended equal."""
+    resumed = re.search(rf"re-formed with {size} rank\(s\); resuming epoch (\d+) at step (\d+), (\d+) of its "
+                        r"samples done", out)
     assert resumed, out
     epoch, step, done = map(int, resumed.groups())
-    assert done % BATCH == 0 and done < TRAIN_SAMPLES, out
-    # at one rank nothing is padded: the epoch ends after exactly the samples it had left
-    end = re.search(rf"epoch +{epoch}/{EPOCHS} .*\(1 rank\(s\), step (\d+)\)", out)
-    assert end and int(end.group(1)) == step + math.ceil((TRAIN_SAMPLES - done) / BATCH), out
-    assert re.search(r"parameters equal on all 1 rank\(s\)", out), out
+    assert done < TRAIN_SAMPLES, out
+    end = re.search(rf"epoch +{epoch}/\d+ .*\({size} rank\(s\), step (\d+)\)", out)
+    per_rank = math.ceil((TRAIN_SAMPLES - done) / size)
+    assert end and int(end.group(1)) == step + math.ceil(per_rank / BATCH), out
+    assert f"parameters equal on all {size} rank(s)" in out, out
+
+
+@pytest.mark.timeout(150)
+def test_example_survives_a_killed_worker(tmp_path):
+    """Rank 1 is SIGKILLed; its slot stays listed, so the driver starts it again, and the new worker joins
+    the survivor, which rolled back to its last commit; the new one receives that state."""
+    def kill(workers):
+        assert len(workers) == 2, workers
+        time.sleep(0.3)  # aims the kill into epoch 2; what is checked holds wherever it lands
+        workers[-1].send_signal(signal.SIGKILL)
+
+    out = _run(tmp_path, 2, 2, 2, 4, "epoch  1/", kill)
+    assert "killed by signal 9" in out and "lost the connection to rank 1" in out, out
+    assert re.search(r"generation 2: 2 workers .*resets after failures 1", out), out
+    _check_resumed(out, 2)
+
+
+@pytest.mark.timeout(150)
+def test_example_grows_onto_an_added_slot(tmp_path):
+    """The slot is listed as soon as the job has formed; the new worker starts, waits in a world of one
+    until it enters elastic.run, and the job takes it in at its next commit (enough epochs for that)."""
+    out = _run(tmp_path, 1, 1, 2, 30, "generation 1:", lambda workers: None)
+    assert "hosts updated (added)" in out, f"the new worker did not join before the training ended:\n{out}"
+    _check_resumed(out, 2)

@@ -355,3 +355,37 @@ def test_keras_state_and_callbacks(backend):
     with spawn_job(2, _keras_battery, backend == "tensorflow", env={**ENV, "KERAS_BACKEND": backend}) as job:
         codes = job.wait()
         assert codes == [0, 0], "\n".join(job.output(r)[-4000:] for r in range(2))
+
+
+# -- Horovod's names and signatures ----------------------------------------------------------------------------
+ELASTIC_API = {
+    "hora.torch.elastic": {"run": "func", "TorchState": "model=None, optimizer=None, **kwargs",
+                           "ElasticSampler": "dataset, shuffle=True, seed=0", "get_handler_registry": "",
+                           "set_handler_registry": "registry"},
+    "hora.tensorflow.elastic": {"run": "func", "TensorFlowKerasState": "model, optimizer=None, backend=None, **kwargs",
+                                "TensorFlowState": "variables=None, session=None, **kwargs"},
+    "hora.keras.elastic": {"run": "func", "KerasState": "model, optimizer=None, backend=None, **kwargs",
+                           "CommitStateCallback": "state, batches_per_commit=1",
+                           "UpdateBatchStateCallback": "state", "UpdateEpochStateCallback": "state"},
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("module", sorted(ELASTIC_API))
+def test_elastic_names_and_signatures_are_horovods(module):
+    import importlib
+
+    import api_check
+
+    pytest.importorskip(module.split(".")[1])
+    mod = importlib.import_module(module)
+    assert set(ELASTIC_API[module]) <= set(mod.__all__)
+    for name, params in ELASTIC_API[module].items():
+        api_check.check(name, api_check.actual(getattr(mod, name)), api_check.expected(params, {}))
+    if module == "hora.keras.elastic":
+        import hora.tensorflow.keras as tfk
+
+        assert all(getattr(tfk.elastic, n) is getattr(mod, n) for n in ELASTIC_API[module])
+        from hora.tensorflow.keras import elastic as tfk_elastic
+
+        assert tfk_elastic.KerasState is mod.KerasState
