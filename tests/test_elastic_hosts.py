@@ -373,3 +373,25 @@ def test_torch_state_and_elastic_sampler_across_hosts(job):
     assert ok == set(range(epochs)), ok
     assert "Traceback" not in job.output(), job.output()[-4000:]
     assert_no_orphans(job)
+
+
+@pytest.mark.timeout(120)
+def test_host_leaving_below_min_np_fails_cleanly_on_every_host(job):
+    """Horovod #3494 (survivors of a graceful exit below --min-np deadlocked), on real hosts: hora-b is
+    dropped from the discovery script while --min-np is 4; after --elastic-timeout the launcher fails with
+    a message that says how many run, how many are needed and what is listed, and no process is left on
+    hora-a (the survivors) or hora-b (the removed)."""
+    job.set_hosts("hora-a:2", "hora-b:2")
+    job.start(4, ("--min-np", "4", "--max-np", "4", "--elastic-timeout", "3"), ("--pace", "0.02"))
+    job.wait("a generation on hora-a and hora-b",
+             lambda evs: generation_on(evs, 0, {"hora-a": 2, "hora-b": 2}), timeout=90)
+    job.wait("2 commits at np=4", lambda evs: progress_after(evs, 0, 4, 2))
+    t = time.monotonic()
+    job.set_hosts("hora-a:2")
+    rc = job.finish(60)
+    took = time.monotonic() - t
+    out = job.output()
+    print(f"the launcher failed {took:.1f} s after hora-b left (--elastic-timeout 3)")
+    assert rc != 0, out[-4000:]
+    assert "fewer than --min-np 4" in out and "--elastic-timeout 3" in out and "hora-a:2" in out, out[-4000:]
+    assert_no_orphans(job)
