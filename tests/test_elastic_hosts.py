@@ -69,7 +69,9 @@ class Job:
     def start(self, np_: int, flags: tuple[str, ...], script_args: tuple[str, ...] = (), env: dict | None = None,
               script: Path = SCRIPT) -> None:
         disc = self.d / "discover.sh"
-        disc.write_text(f"#!/bin/sh\ncat {self.d}/hosts.txt\n")
+        # SCRATCH/hang makes it hang (after touching SCRATCH/hanging), as a slow cluster manager would
+        disc.write_text(f"#!/bin/sh\nif [ -e {self.d}/hang ]; then touch {self.d}/hanging; sleep 60; fi\n"
+                        f"cat {self.d}/hosts.txt\n")
         disc.chmod(0o755)
         e = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
         e.update(self.cluster.env(), HORA_TEST_MARKER=str(self.d),
@@ -394,4 +396,36 @@ def test_host_leaving_below_min_np_fails_cleanly_on_every_host(job):
     print(f"the launcher failed {took:.1f} s after hora-b left (--elastic-timeout 3)")
     assert rc != 0, out[-4000:]
     assert "fewer than --min-np 4" in out and "--elastic-timeout 3" in out and "hora-a:2" in out, out[-4000:]
+    assert_no_orphans(job)
+
+
+@pytest.mark.timeout(150)
+def test_worker_killed_while_the_discovery_script_hangs(job):
+    """Horovod #3014 (a driver deadlock when a worker failed while the discovery script ran), on real hosts:
+    the script hangs; a worker on hora-b is SIGKILLed meanwhile; the driver re-forms and starts the slot
+    again from the last good host list, reports the hung script (killed at its timeout) and, once the
+    script works again, the job finishes."""
+    job.set_hosts("hora-a:2", "hora-b:2")
+    job.start(4, ("--min-np", "2", "--max-np", "4", *ELASTIC), ("--pace", "0.02"))
+    full = {"hora-a": 2, "hora-b": 2}
+    job.wait("a generation on hora-a and hora-b", lambda evs: generation_on(evs, 0, full), timeout=90)
+    job.wait("2 commits at np=4", lambda evs: progress_after(evs, 0, 4, 2))
+    (job.d / "hang").touch()
+    job.wait("the discovery script hanging", lambda evs: (job.d / "hanging").exists())
+    victim = next(e for e in reversed(job.events()) if e["ev"] == "start" and e["host"] == "hora-b")
+    t = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    job.wait("np=4 again while the script hangs", lambda evs: generation_on(evs, t, full))
+    job.wait("progress at np=4", lambda evs: progress_after(evs, t, 4, 2))
+    job.wait("the hung script reported", lambda evs: "did not finish within" in job.output(), timeout=30)
+    (job.d / "hang").unlink()
+    job.wait("the script working again", lambda evs: "works again" in job.output(), timeout=30)
+    final = job.committed() + 30  # it trains on meanwhile: a margin it cannot pass before reading the gate
+    job.set_gate(final, stop=True)
+    rc = job.finish()
+    if rc != 0:
+        job.fail(f"the launcher exited {rc}")
+    check_history(job.events(), final)
+    out = job.output()
+    assert out.index("failed: it did not finish within") < out.index("works again"), out[-4000:]
     assert_no_orphans(job)
