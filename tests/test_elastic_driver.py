@@ -7,6 +7,7 @@ the flags and knobs (``--elastic-timeout``, ``HORA_DISCOVERY_INTERVAL``), never 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -190,3 +191,41 @@ def test_reset_limit_reached_fails_the_job_with_a_clear_error(tmp_path):
     assert "elastic job failed: --reset-limit 1 reached: the job was reset 1 times after failures" in r.stderr
     assert "JobFailed: hora elastic job failed: --reset-limit 1 reached" in r.stderr  # the survivor says why
     no_orphans(events(tmp_path))
+
+
+@pytest.mark.timeout(120)
+def test_five_random_sigkills_on_two_local_hosts(tmp_path):
+    """A small chaos run (the 20-kill one across namespace hosts is tests/test_chaos.py's): random workers of
+    localhost:2 + 127.0.0.1:2 are SIGKILLed; their slots come back; nothing committed is lost."""
+    import random
+
+    script = discovery(tmp_path, "echo localhost:2; echo 127.0.0.1:2\n")
+    cmd = [PY, "-m", "hora.runner", "run", "-np", "4", "--min-np", "2", "--host-discovery-script", script,
+           "--elastic-timeout", "30", PY, str(SCRIPT)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path, EL_STEPS="700", EL_SLEEP="0.01"), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    rng = random.Random(5)
+    kills = 0
+    try:
+        while kills < 5 and proc.poll() is None:
+            time.sleep(rng.uniform(0.8, 2.0))  # the chaos's own pace, not a wait for a condition
+            victims = []
+            for c in psutil.Process(proc.pid).children(recursive=True):
+                try:
+                    if c.cmdline()[-1:] == [str(SCRIPT)] and c.ppid() == proc.pid:
+                        victims.append(c)
+                except psutil.Error:
+                    pass
+            if victims:
+                with contextlib.suppress(psutil.Error):
+                    rng.choice(victims).kill()
+                    kills += 1
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert kills == 5
+    check_trained(tmp_path, subprocess.CompletedProcess(cmd, proc.returncode, out, err), 4, steps=700)
+    took = resumed_after(err)
+    print(f"5 kills; kill -> re-formed (s): {sorted(took)}")

@@ -6,11 +6,14 @@ a failing or hanging script cannot block a decision. The control plane is the jo
 :mod:`hora.elastic.protocol`), served in this process.
 
 Workers. One process per slot (``host:index``, the worker id, stable across respawns), started with
-``HORA_ELASTIC=1``, ``HORA_ELASTIC_ID``, ``HORA_HOSTNAME``, the store's address, scope and secret, and no
-rank. Each ``init()`` of a worker writes ``ready/<id> = n`` and waits for ``answer/<id>/<n>``:
-``gen g`` (its place is in ``plan/g``; the mesh of g rendezvouses under its own prefix), ``exit`` (its host
-was removed or the job is over: it exits 0), ``fail`` (the job failed: it raises), or ``solo`` (its first
-init() while a job is running: a world of one until it enters ``hora.elastic.run``, Horovod #2189).
+``HORA_ELASTIC=1``, ``HORA_ELASTIC_ID``, ``HORA_ELASTIC_WORKER`` (the process's number k, its output tag
+``[k]``), ``HORA_HOSTNAME``, the store's address, scope and secret, and no rank. Each ``init()`` of a worker
+writes ``ready/<id>/<k> = n`` and waits for ``answer/<id>/<k>/<n>``: ``gen g`` (its place is in ``plan/g``;
+the mesh of g rendezvouses under ``<scope>/e<g>/1``), ``exit`` (its slot is no longer listed, or the job is
+over: it exits 0), ``fail`` (the job failed: it raises ``JobFailed``), or ``solo`` (its first init() while a
+job is running: a world of one until it enters ``hora.elastic.run``, Horovod #2189). Host updates go to
+``update``; when a member of g dies the driver writes ``<scope>/e<g>/1/abort`` so that ranks still connecting
+g's mesh give up at once. (Keys: :mod:`hora.elastic.protocol`.)
 
 States of the current generation g:
 

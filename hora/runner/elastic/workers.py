@@ -112,6 +112,8 @@ class Pool:
             w.returncode, w.lost = returncode, lost
             self._by_worker[id(w)].ended = time.monotonic()
             w.done.set()
+        if w.session is not None:
+            w.session.close()  # one worker per session: its bootstrap sweeps what the worker left, and exits
         self.exits.put(self._by_worker[id(w)])
 
     def live(self) -> list[Proc]:
