@@ -2,8 +2,8 @@
 rank, a restore after failed steps is bitwise the last commit (model, optimizer, sampler, plain values),
 ``elastic.run`` rolls back, re-forms and calls again; the sampler's arithmetic loses and repeats no sample
 across a change of ranks (hypothesis); the Keras callbacks commit every N batches and record the batch and
-epoch, on the TensorFlow, JAX and torch backends; the TensorFlow states; errors raised inside a graph are
-recognised as hora's."""
+epoch, on the TensorFlow, JAX and torch backends; the TensorFlow states and hora.jax's JaxState; errors raised
+inside a graph (a tf.function, jax.jit) are recognised as hora's; Horovod's names and signatures."""
 
 from __future__ import annotations
 
@@ -217,6 +217,29 @@ def _torch_battery():
     assert calls[1][3] == 22 and state.epoch == 22 and resets == [n], (calls[1][3], state.epoch, resets)
     same(snapshot()[:3], calls[1][:3], f"rank {r}: rolled back to the commit before the lost peer")
     assert hvd.is_initialized() and hvd.size() == n
+
+    # a step that really fails: a collective mismatched across ranks between backward (its gradients in
+    # flight) and step raises a MismatchError on every rank; the rollback is bitwise the commit, and the
+    # engine and the optimizer go on working
+    state.commit()
+    at_commit = snapshot()
+
+    @hvd.elastic.run
+    def failing(state):
+        opt.zero_grad()
+        model(torch.randn(6, 4, generator=gen)).pow(2).mean().backward()
+        hvd.allreduce(torch.zeros(r + 1), name="mismatched")
+        opt.step()
+
+    try:
+        failing(state)
+        raise AssertionError("the mismatched allreduce did not fail")
+    except hvd.HorovodInternalError as e:
+        assert "mismatched" in str(e), str(e)
+    same(snapshot(), at_commit, f"rank {r} after a failed step")
+    step()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert all(torch.equal(weights, w) for w in hvd.allgather_object(weights)), "ranks differ after the failure"
     hvd.shutdown()
 
 
@@ -357,6 +380,88 @@ def test_keras_state_and_callbacks(backend):
         assert codes == [0, 0], "\n".join(job.output(r)[-4000:] for r in range(2))
 
 
+# -- JAX (hora only) ------------------------------------------------------------------------------------------
+def _jax_battery() -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.experimental import io_callback
+
+    import hora.jax as hvd
+    from hora.base.errors import PeerLostError
+
+    hvd.init()
+    r = hvd.rank()
+    params = {"w": jax.random.normal(jax.random.PRNGKey(r), (3, 2)), "b": jnp.full((2,), float(r))}
+    tx = hvd.DistributedOptimizer(optax.adam(0.05))
+    state = hvd.elastic.JaxState(params=params, opt_state=tx.init(params), step=r, note=f"rank {r}")
+
+    def arrays():
+        return [np.array(a) for a in jax.tree.leaves((state.params, state.opt_state))] + [state.step, state.note]
+
+    def same(a, b, what):
+        assert len(a) == len(b), what
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y, err_msg=f"rank {r}: {what}")
+
+    state.sync()
+    same(arrays(), hvd.allgather_object(arrays())[0], "after sync")
+    assert state.step == 0 and state.note == "rank 0" and isinstance(state.params["w"], jax.Array)
+
+    @jax.jit
+    def step(params, opt_state, x):
+        grads = jax.grad(lambda p: ((x @ p["w"] + p["b"]) ** 2).mean())(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    x = jax.random.normal(jax.random.PRNGKey(10 + r), (4, 3))
+    for _ in range(2):
+        state.params, state.opt_state = step(state.params, state.opt_state, x)
+        state.step += 1
+    state.commit()
+    committed = arrays()
+    state.params, state.opt_state = step(state.params, state.opt_state, x)
+    state.step += 1
+    state.restore()
+    same(arrays(), committed, "after restore")
+
+    def lose(v):
+        raise PeerLostError("simulated, inside jax.jit", rank=1)
+
+    @jax.jit
+    def failing(params):
+        return io_callback(lose, jax.ShapeDtypeStruct((), jnp.float32), params["b"][0], ordered=True)
+
+    tries = []
+
+    @hvd.elastic.run
+    def train(state):
+        tries.append(state.step)
+        state.params, state.opt_state = step(state.params, state.opt_state, x)
+        state.step += 1
+        failing(state.params).block_until_ready()
+
+    try:  # recognised as hora's: rolled back, and raised again (no elastic driver to replace the peer)
+        train(state)
+        raise AssertionError("the lost peer inside jax.jit was not raised")
+    except hvd.HorovodInternalError as e:
+        assert "simulated, inside jax.jit" in str(e), str(e)
+    assert tries == [2]
+    same(arrays(), committed, "rolled back after a lost peer inside jit")
+    same(arrays(), hvd.allgather_object(arrays())[0], "the ranks stayed in step")
+    hvd.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_jax_state():
+    pytest.importorskip("jax")
+    pytest.importorskip("optax")
+    with spawn_job(2, _jax_battery, env=ENV) as job:
+        codes = job.wait()
+        assert codes == [0, 0], "\n".join(job.output(r)[-4000:] for r in range(2))
+
+
 # -- Horovod's names and signatures ----------------------------------------------------------------------------
 ELASTIC_API = {
     "hora.torch.elastic": {"run": "func", "TorchState": "model=None, optimizer=None, **kwargs",
@@ -364,6 +469,7 @@ ELASTIC_API = {
                            "set_handler_registry": "registry"},
     "hora.tensorflow.elastic": {"run": "func", "TensorFlowKerasState": "model, optimizer=None, backend=None, **kwargs",
                                 "TensorFlowState": "variables=None, session=None, **kwargs"},
+    "hora.jax.elastic": {"run": "func", "JaxState": "**kwargs"},
     "hora.keras.elastic": {"run": "func", "KerasState": "model, optimizer=None, backend=None, **kwargs",
                            "CommitStateCallback": "state, batches_per_commit=1",
                            "UpdateBatchStateCallback": "state", "UpdateEpochStateCallback": "state"},

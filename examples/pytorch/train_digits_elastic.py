@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
+from train_digits import Net  # the same model as examples/pytorch/train_digits.py, next to this file
 
 import hora.torch as hvd
 
@@ -31,21 +32,6 @@ EPOCHS = int(os.environ.get("DIGITS_EPOCHS", "10"))
 BATCH = 32  # per rank
 LR = 0.002  # for one rank; scaled by the number of ranks at each reset, as the global batch is
 BATCHES_PER_COMMIT = 4  # a commit copies the model and optimizer state in memory: cheap here, not free
-
-
-class Net(torch.nn.Module):
-    """Two 3x3 convolutions on the 8x8 images, then a linear classifier (as examples/pytorch/train_digits.py)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = torch.nn.Conv2d(16, 32, 3, padding=1)
-        self.fc = torch.nn.Linear(32 * 2 * 2, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc(x.flatten(1))
 
 
 def digest(model) -> str:

@@ -8,11 +8,14 @@ make it rank 0's after a reset. This module holds:
 * :class:`StateHandler` and :class:`HandledState`, the mixin that routes a state's attributes to handlers;
 * :class:`VariablesHandler`: variables (anything with ``__array__`` and ``assign``: ``tf.Variable``,
   ``keras.Variable`` on every backend) copied to NumPy at a save and assigned back at a restore;
+  :func:`keras_handlers` makes the two of a Keras model's state (duck-typed: ``hora.keras.KerasState`` and
+  ``hora.tensorflow.TensorFlowKerasState`` both use it, and neither binding may import the other);
 * :class:`ElasticIndices`: the sharding arithmetic of ``ElasticSampler``, so that no sample of an epoch is
   lost or repeated when the ranks change;
 * :func:`internal_error`: a hora ``InternalError`` raised inside a framework's graph (``tf.numpy_function``,
   a JAX callback) reaches Python as the framework's own error type, with hora's exception only in the text;
-  it is recognised here, so ``elastic.run`` recovers from it as it does in eager code.
+  it is recognised here, and :func:`raising_internal` wraps a training function with that, so the
+  bindings' ``elastic.run`` recovers from it as it does in eager code.
 """
 
 from __future__ import annotations

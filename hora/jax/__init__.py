@@ -21,13 +21,14 @@ from hora.jax.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather
                               grouped_reducescatter, grouped_reducescatter_async, init, join, poll, reducescatter,
                               reducescatter_async, shutdown, synchronize)
 from hora.jax.optimizer import DistributedOptimizer
+from hora.jax import elastic
 
 # every public name imported above, alphabetically (tests/test_api_jax.py holds them against hora.torch's)
 __all__ = [
     "Adasum", "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_async",
     "alltoall", "alltoall_async", "Average", "barrier", "broadcast", "broadcast_async", "broadcast_object",
     "broadcast_parameters", "ccl_built", "Compression", "cross_rank", "cross_size", "cuda_built", "ddl_built",
-    "DistributedOptimizer", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "DistributedOptimizer", "elastic", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather",
     "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_async", "grouped_reducescatter",
     "grouped_reducescatter_async", "HoraError", "HorovodInternalError", "HostsUpdatedInterrupt", "init",
     "InternalError", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "Max", "Min",
