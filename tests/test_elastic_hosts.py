@@ -1,5 +1,7 @@
-"""Elastic ``hora run`` on real hosts: network-namespace hosts with sshd (tests/netns.py), hosts that the
-discovery script adds and removes, a whole host lost, a multi-slot host blacklisted.
+"""Elastic ``hora run`` on real hosts: network-namespace hosts with sshd (tests/netns.py). Hosts that the
+discovery script adds, removes and adds back (ObjectState, and TorchState with ElasticSampler), a whole
+host lost (#3264), a multi-slot host blacklisted (#1965), a host leaving below --min-np (#3494), a worker
+killed while the discovery script hangs (#3014). The 20-kill chaos run is tests/test_elastic_chaos.py.
 
 Every job runs tests/scripts/elastic_hosts_train.py (NumPy + ObjectState; read its docstring) with the elastic
 flags of Horovod's ``horovodrun``: ``-np N --min-np A --max-np B --host-discovery-script S
