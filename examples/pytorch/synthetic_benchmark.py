@@ -78,7 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--num-batches-per-iter", type=int, default=10, help="number of batches per timed iteration")
     p.add_argument("--num-iters", type=int, default=10, help="number of timed iterations")
     p.add_argument("--no-cuda", action="store_true", help="stay on the CPU even when CUDA is available")
-    p.add_argument("--use-adasum", action="store_true", help="reduce with Adasum (not implemented in hora yet)")
+    p.add_argument("--use-adasum", action="store_true", help="reduce with Adasum (docs/adasum.md)")
     return p.parse_args(argv)
 
 
