@@ -35,7 +35,7 @@ import time
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
 from hora.core import autotune, inline
 from hora.core import messages as m
-from hora.core.baton import CALLER, Baton
+from hora.core.baton import CALLER, NOBODY, Baton
 from hora.core.interrupts import GATE
 from hora.core.control import Control
 from hora.core.coordinator import Coordinator, ResponseCache
@@ -170,8 +170,9 @@ class Engine:
         finally:
             tuner = self.tuner
             # after the BYE (the peers are told first, whatever the log does), and only once no cycle can
-            # still be feeding the tuner: an engine thread stuck past the join leaves the log as it is
-            if tuner is not None and not alive:
+            # still be feeding the tuner (no engine thread past the join, no caller driving): else the log
+            # is left as it is (its rows are on disk already; a late write to a closed file is caught)
+            if tuner is not None and not alive and self.baton.holder is NOBODY:
                 tuner.close()  # a search the job ended before: the best so far goes to the log
             err = ShutdownError("hora was shut down before this collective ran; call hora.init() again")
             self.handles.fail_all(self.subs.broken or err)
