@@ -128,7 +128,7 @@ class Autotuner:
         self.steps = 0  # steps seen
         self.samples = 0  # samples scored
         self._scores: dict[Settings, list[float]] = {}
-        self._names: set[str] = set()
+        self._names: dict[int, set[str]] = {}  # the step's tensors so far, by process set
         self._sizes: dict[str, int] = {}  # dtype -> bytes per element
         self._t_step: float | None = None
         self._step_bytes = 0
@@ -170,7 +170,7 @@ class Autotuner:
         switch, self._pending = self._pending, None
         if self.done:
             return switch
-        names = self._names
+        seen = self._names
         if self._t_step is None:
             self._t_step = now
         if not self.steps:
@@ -180,14 +180,17 @@ class Autotuner:
                             "name) was negotiated twice; a step ends where a name comes again, docs/autotune.md)",
                             NO_STEPS_WARN)
         for r in responses:
-            ps = r.ps
+            names = seen.get(r.ps)
+            if names is None:
+                names = seen[r.ps] = set()
             rnames = r.names
             shapes = r.shapes if r.dtype and len(r.shapes) == len(rnames) else None
-            while not names.isdisjoint((ps, n) for n in rnames):  # seen again: the next step starts at it
-                i = next(i for i, n in enumerate(rnames) if (ps, n) in names)
-                self._count(ps, rnames[:i], shapes[:i] if shapes else None, r.dtype)
+            while not names.isdisjoint(rnames):  # seen again: the next step starts at it
+                i = next(i for i, n in enumerate(rnames) if n in names)
+                self._count(names, rnames[:i], shapes[:i] if shapes else None, r.dtype)
                 rnames, shapes = rnames[i:], shapes[i:] if shapes else None
-                names.clear()
+                for other in seen.values():
+                    other.clear()
                 if now <= self._t_step:  # a second boundary in this batch: one step, never a 0 s one
                     continue
                 got = self._end_step(now)
@@ -195,11 +198,11 @@ class Autotuner:
                     switch = got
                 if self.done:
                     return switch
-            self._count(ps, rnames, shapes, r.dtype)
+            self._count(names, rnames, shapes, r.dtype)
         return switch
 
-    def _count(self, ps: int, rnames: tuple, shapes: tuple | None, dtype: str) -> None:
-        self._names.update((ps, n) for n in rnames)
+    def _count(self, names: set[str], rnames: tuple, shapes: tuple | None, dtype: str) -> None:
+        names.update(rnames)
         if shapes:
             self._step_bytes += sum(map(math.prod, shapes)) * self._itemsize(dtype)
 
