@@ -167,13 +167,13 @@ class Engine:
         try:
             if self.subs.broken is None and not alive:
                 self.control.tell(self.control.peers, (m.BYE, self.rank))  # a close that follows is no crash
-        finally:
             tuner = self.tuner
             # after the BYE (the peers are told first, whatever the log does), and only once no cycle can
             # still be feeding the tuner (no engine thread past the join, no caller driving): else the log
             # is left as it is (its rows are on disk already; a late write to a closed file is caught)
             if tuner is not None and not alive and self.baton.holder is NOBODY:
                 tuner.close()  # a search the job ended before: the best so far goes to the log
+        finally:  # whatever happened above, this engine's handles and descriptors are released
             err = ShutdownError("hora was shut down before this collective ran; call hora.init() again")
             self.handles.fail_all(self.subs.broken or err)
             self.baton.poke()
