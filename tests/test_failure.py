@@ -87,3 +87,42 @@ def test_rank_blocked_on_a_departed_peer_raises():
         assert job.report(0)["ending"]
         err = job.report(1)["error"]
         assert err is not None and "HoraError" in err["types"], err
+
+
+def _collective_after_a_clean_shutdown():
+    """Rank 2 shuts down on purpose; then ranks 0 and 1 start an allreduce over the global set (which
+    holds rank 2) and one over the set {0, 1}."""
+    import hora
+    import numpy as np
+    from hora.base.errors import ShutdownError
+    from workers import mark
+
+    pair = hora.ProcessSet([0, 1])
+    hora.init(process_sets=[pair])
+    hora.barrier()
+    if hora.rank() == 2:
+        hora.shutdown()
+        mark("rank 2 left")
+        return None
+    wait_mark("rank 2 left")
+    try:
+        hora.allreduce(np.ones(4, np.float32), name="after.bye")
+        raised = None
+    except ShutdownError as e:
+        raised = str(e)
+    out = hora.allreduce(np.full(4, hora.rank(), np.float32), op=hora.Sum, process_set=pair, name="pair")
+    return raised, out.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_a_collective_after_a_peers_clean_shutdown_fails_at_once():
+    """Rank 0 remembers the ranks that said goodbye: a request of a set holding one fails at once (not at
+    the stall shutdown, which this job does not have), on every rank in the set; other sets still work."""
+    from harness import run
+
+    env = {"HORA_STALL_CHECK_DISABLE": "1"}  # nothing but the goodbye can end the wait
+    results = run(3, _collective_after_a_clean_shutdown, env=env, timeout=50)
+    assert results[2] is None
+    for raised, out in results[:2]:
+        assert raised is not None and "rank 2 has shut down" in raised and "'after.bye'" in raised, raised
+        assert out == [1.0] * 4

@@ -126,7 +126,8 @@ KNOBS = [
          ">= 0", config="autotune.warmup_samples", group="autotune"),
     Knob("autotune_steps_per_sample", int, 10, "AUTOTUNE_STEPS_PER_SAMPLE", "--autotune-steps-per-sample",
          "training steps per autotune sample (a step: until a tensor name is negotiated again); the first step "
-         "of a sample, under a change of settings, is not scored", 1, lambda v: v >= 2, ">= 2",
+         "of a sample, under a change of settings, is not scored (with 1 it is, though partly under the settings "
+         "before)", 1, _positive, "> 0",
          config="autotune.steps_per_sample", group="autotune"),
     Knob("autotune_bayes_opt_max_samples", int, 20, "AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
          "--autotune-bayes-opt-max-samples",

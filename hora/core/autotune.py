@@ -9,29 +9,45 @@ which row to use (#2207) — here a sample's score is the median of its steps' s
 settings are measured again before one is chosen; the score's meaning was unclear (#1745) — it is
 bytes per second, defined below.
 
-**A step** is the time between two negotiations of the same tensor name on rank 0: the gradients of
+**A step** is the time between two negotiations of the same tensor (process set, name) on rank 0: the gradients of
 a DistributedOptimizer (or any training loop that names its tensors) are negotiated once per training
 step, in whatever order, so the first name seen again marks the start of the next step. Counting
 cycles instead would make the score depend on the cycle time being tuned (a longer cycle does more
 per cycle), and wall-clock windows would mix steps. Unnamed tensors (``noname.N``) never repeat, so a
-loop of unnamed collectives does not count steps: name them, as the optimizers do.
+loop of unnamed collectives does not count steps: name them, as the optimizers do (after
+``NO_STEPS_WARN`` batches with no step counted, rank 0 says so once). A name reused for different
+tensors within one step (one name for every layer's collective, say) cuts the step short: the scores
+then measure part-steps, which still compare settings but less well. Two boundaries in one batch (the
+same ``now``) make one step, never a 0 s one.
 
 **The score** of a step is the bytes of its collectives' tensors divided by its wall time on rank 0.
 A sample is ``steps_per_sample`` steps under one setting; its first step is not scored (the new
-setting arrives while it runs) and its score is the median of the others. Settings are switched
+setting arrives while it runs) and its score is the median of the others; with ``steps_per_sample``
+1 (Horovod accepts it) that one step is scored, though it ran partly under the settings before. Settings are switched
 only between steps, at the end of a sample.
 
 **The search**, each phase a number of samples: ``warmup_samples`` under the starting settings,
 discarded; ``bayes_opt_max_samples`` over fusion threshold (0-64 MiB) x cycle time (1-100 ms),
 seeded with Horovod's four points (4 MiB, 5 ms), (32, 50), (16, 25), (8, 10) and then the point of
 most expected improvement of a Gaussian process (:mod:`hora.core.gp`); the best 3 measured again,
-and the starting settings too (``recheck``: the search never settles on settings that measured worse
-than where it started), the chosen one the best median of its samples; then, if the response cache is not
-fixed, the chosen settings with the cache off and on again (``cache``; off is kept only when it
+and the starting settings twice (``recheck``: the search never settles on settings that measured worse
+than where it started; twice, since the warmup's samples are discarded and one sample is noisy),
+the chosen one the best median of its samples; then, if the response cache is not fixed,
+the chosen settings with the cache off and on again (``cache``; off is kept only when it
 scores 5% better, since on is hora's default and one sample each is noisy). A knob the user set (flag,
 environment or override: :func:`hora.base.knobs.is_set`) is not searched. The job needs
-``(warmup + max_samples + 3 + 1 + 2) x steps_per_sample`` steps (290 with the defaults); from then on the
+``(warmup + max_samples + 3 + 2 + 2) x steps_per_sample`` steps (300 with the defaults); from then on the
 settings stay fixed and the engine no longer calls the tuner.
+
+**Elastic resets** (``shutdown`` then ``init`` in one process): the log is opened for appending, each
+engine's part starting with a ``# job start <time>, size N`` line and the header, so a reset never
+truncates it. The settings a search converged on are kept in this module (:data:`_converged`); a new
+engine of the same process whose world size and user-fixed knobs are unchanged reuses them at once (its
+first batch carries them to every rank) instead of searching again; a changed world size searches again.
+Only the process that is rank 0 remembers: a reset that makes another process rank 0 searches again.
+
+**Failures** of the log never fail the job: a log that cannot be opened or written (a full disk,
+``/dev/full``) is warned about once and dropped, and the search goes on, its result still logged.
 
 Hierarchical allreduce and allgather are not tuned: the hierarchical transport is chosen when the
 ranks connect (:mod:`hora.transport.registry`) and cannot switch to a flat ring in the middle of a job.
@@ -47,6 +63,7 @@ import logging
 import math
 import os
 import statistics
+import time
 from typing import Iterator, NamedTuple
 
 import numpy as np
@@ -63,6 +80,7 @@ SEEDS = ((4.0, 5.0), (32.0, 50.0), (16.0, 25.0), (8.0, 10.0))  # Horovod's: (fus
 RECHECK = 3
 SWITCH_MARGIN = 1.05  # the cache is turned off only if off scores at least 5% better: one sample each is noisy
 TUNED = ("fusion_threshold", "cycle_time", "cache_capacity")
+NO_STEPS_WARN = 1000  # batches with no step counted before rank 0 says that autotune counts none
 HEADER = ("sample,phase,fusion_threshold_mb,cycle_time_ms,response_cache,score_bytes_per_s,"
           "first_step,steps,bytes,seconds")
 
@@ -79,18 +97,23 @@ class Settings(NamedTuple):
                 + ("" if self.cache else " --cache-capacity 0"))
 
 
-def create(cfg: dict) -> Autotuner | None:
-    """Rank 0's tuner for the knobs in ``cfg`` (None when ``autotune`` is off)."""
+# The settings the last search of this process converged on, for an engine started after an elastic
+# reset: (world size, starting settings, user-fixed knobs) -> chosen. Rank 0's engine thread writes it.
+_converged: dict[tuple[int, Settings, frozenset], Settings] = {}
+
+
+def create(cfg: dict, size: int = 1) -> Autotuner | None:
+    """Rank 0's tuner for the knobs in ``cfg`` (None when ``autotune`` is off), in a world of ``size``."""
     if not cfg.get("autotune"):
         return None
     fixed = {n for n in TUNED if knobs.is_set(n)}
-    return Autotuner(cfg, fixed)
+    return Autotuner(cfg, fixed, size=size)
 
 
 class Autotuner:
     """Fed the responses of every batch rank 0 coordinates (:meth:`observe`); says when to switch."""
 
-    def __init__(self, cfg: dict, fixed: set[str], seed: int = 0):
+    def __init__(self, cfg: dict, fixed: set[str], seed: int = 0, size: int = 1):
         self.initial = Settings(cfg["fusion_threshold"], float(cfg["cycle_time"]), cfg["cache_capacity"] > 0)
         self.free = [d for d in ("fusion_threshold", "cycle_time") if d not in fixed]
         self.tune_cache = "cache_capacity" not in fixed and cfg["cache_capacity"] > 0
@@ -105,24 +128,33 @@ class Autotuner:
         self.steps = 0  # steps seen
         self.samples = 0  # samples scored
         self._scores: dict[Settings, list[float]] = {}
-        self._names: set[str] = set()
+        self._names: dict[int, set[str]] = {}  # the step's tensors so far, by process set
         self._sizes: dict[str, int] = {}  # dtype -> bytes per element
         self._t_step: float | None = None
         self._step_bytes = 0
         self._sample: list[tuple[int, float]] = []  # (bytes, seconds) of the current sample's steps
         self._sample_first = 0
         self._file = None
+        self._path = cfg.get("autotune_log") or ""
         self._pending: Settings | None = None
-        path = cfg.get("autotune_log") or ""
-        if path:
+        self._batches = 0  # batches seen before the first step (NO_STEPS_WARN)
+        self._key = (size, self.initial, frozenset(fixed))
+        if self._path:
             try:
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                self._file = open(path, "w", buffering=1)  # noqa: SIM115 - open for the whole search
-            except OSError as e:  # the search still runs, and its result is still logged
-                log.warning("hora autotune: cannot write the log %s (%s); the result will only be logged", path,
-                            e.strerror or e)
+                os.makedirs(os.path.dirname(os.path.abspath(self._path)), exist_ok=True)
+                # appended to: an elastic reset's new engine must not truncate what the last one wrote
+                self._file = open(self._path, "a", buffering=1)  # noqa: SIM115 - open for the whole search
+            except OSError as e:
+                self._drop_file(e)
+        self._write(f"# job start {time.strftime('%Y-%m-%d %H:%M:%S')}, size {size}")
         self._write(HEADER)
         self.current, self.phase = self.initial, "warmup"
+        reuse = _converged.get(self._key)
+        if reuse is not None:  # an elastic reset at an unchanged world size: no second search
+            self._write(f"# reused the settings this process converged on at size {size}")
+            self._finish(reuse, reused=True)
+            self._pending = reuse if reuse != self.initial else None
+            return
         if not self.free and not self.tune_cache:
             log.warning("hora autotune: nothing to tune: fusion threshold, cycle time and cache capacity are all "
                         "set by the user")
@@ -135,30 +167,42 @@ class Autotuner:
     # -- input ---------------------------------------------------------------------------------
     def observe(self, responses, now: float) -> Settings | None:
         """Account one coordinated batch at time ``now``; the settings to switch to, if they change."""
-        if self.done:
-            return None
         switch, self._pending = self._pending, None
-        names = self._names
+        if self.done:
+            return switch
+        seen = self._names
         if self._t_step is None:
             self._t_step = now
+        if not self.steps:
+            self._batches += 1
+            if self._batches == NO_STEPS_WARN:
+                log.warning("hora autotune counts no steps: name your tensors (after %d batches no (process set, "
+                            "name) was negotiated twice; a step ends where a name comes again, docs/autotune.md)",
+                            NO_STEPS_WARN)
         for r in responses:
+            names = seen.get(r.ps)
+            if names is None:
+                names = seen[r.ps] = set()
             rnames = r.names
             shapes = r.shapes if r.dtype and len(r.shapes) == len(rnames) else None
-            while not names.isdisjoint(rnames):  # a name seen again: the next step starts at it
+            while not names.isdisjoint(rnames):  # seen again: the next step starts at it
                 i = next(i for i, n in enumerate(rnames) if n in names)
-                self._count(rnames[:i], shapes[:i] if shapes else None, r.dtype)
+                self._count(names, rnames[:i], shapes[:i] if shapes else None, r.dtype)
                 rnames, shapes = rnames[i:], shapes[i:] if shapes else None
+                for other in seen.values():
+                    other.clear()
+                if now <= self._t_step:  # a second boundary in this batch: one step, never a 0 s one
+                    continue
                 got = self._end_step(now)
                 if got is not None:
                     switch = got
-                names.clear()
                 if self.done:
                     return switch
-            self._count(rnames, shapes, r.dtype)
+            self._count(names, rnames, shapes, r.dtype)
         return switch
 
-    def _count(self, rnames: tuple, shapes: tuple | None, dtype: str) -> None:
-        self._names.update(rnames)
+    def _count(self, names: set[str], rnames: tuple, shapes: tuple | None, dtype: str) -> None:
+        names.update(rnames)
         if shapes:
             self._step_bytes += sum(map(math.prod, shapes)) * self._itemsize(dtype)
 
@@ -184,7 +228,7 @@ class Autotuner:
         return self.current if self.current != before else None
 
     def _score_sample(self) -> float:
-        scored = self._sample[1:]  # the first step ran (partly) under the settings before
+        scored = self._sample[1:] or self._sample  # the first ran (partly) under the settings before
         score = statistics.median(b / max(s, 1e-9) for b, s in scored)
         total_b, total_s = sum(b for b, _ in scored), sum(s for _, s in scored)
         c = self.current
@@ -238,10 +282,12 @@ class Autotuner:
                 ys.append((yield self._at(x), "bayes"))
                 xs.append(np.asarray(x, np.float64))
             ranked = sorted({self._at(x) for x in xs} - {self.initial}, key=self._median, reverse=True)[:RECHECK]
-            ranked.append(self.initial)  # so that the search never settles on what measured worse than the start
+            # so that the search never settles on what measured worse than the start; twice, since its
+            # warmup samples were discarded and a single sample is noisy
+            ranked += [self.initial, self.initial]
             for s in ranked:
                 yield s, "recheck"
-            best = max(ranked, key=self._median)
+            best = max(set(ranked), key=self._median)
         if self.tune_cache:
             off = best._replace(cache=False)
             yield off, "cache"
@@ -259,16 +305,35 @@ class Autotuner:
     def _write(self, line: str) -> None:
         self.rows.append(line)
         if self._file is not None:
-            self._file.write(line + "\n")  # line-buffered: on disk as each sample ends (Horovod #2206)
+            try:
+                self._file.write(line + "\n")  # line-buffered: on disk as each sample ends (Horovod #2206)
+            except (OSError, ValueError) as e:  # (ValueError: closed under us) the log is never the job's failure
+                self._drop_file(e)
 
-    def _finish(self, chosen: Settings) -> Settings:
+    def _drop_file(self, e: Exception) -> None:
+        """Warn once and write no more: the search goes on, and its result is still logged."""
+        f, self._file = self._file, None
+        log.warning("hora autotune: cannot write the log %s (%s); the result will only be logged", self._path,
+                    getattr(e, "strerror", None) or e)
+        if f is not None:
+            try:
+                f.close()
+            except (OSError, ValueError):
+                pass  # the buffered line that failed fails again: nothing more to say
+
+    def _finish(self, chosen: Settings, reused: bool = False) -> Settings:
         self.done, self.chosen = True, chosen
+        _converged[self._key] = chosen
         c = chosen
         score = self._median(c) if c in self._scores else float("nan")
         self._write(f",chosen,{c.fusion_threshold / (1 << 20):g},{c.cycle_time:g},{int(c.cache)},"
                     f"{score:.6g},{self.steps},,,")
         self._write(f"# use these: {c.describe()}")
-        log.warning("hora autotune: converged after %d steps; use these: %s", self.steps, c.describe())
+        if reused:
+            log.warning("hora autotune: reusing the settings this process converged on (world size unchanged): %s",
+                        c.describe())
+        else:
+            log.warning("hora autotune: converged after %d steps; use these: %s", self.steps, c.describe())
         self.close()
         return chosen
 
@@ -281,12 +346,16 @@ class Autotuner:
                         f"use these: {best.describe()}")
             log.warning("hora autotune: the job ended after %d of the %d steps the search needs; best so far: %s",
                         self.steps, self.steps_needed(), best.describe())
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except (OSError, ValueError) as e:
+                self._file = f
+                self._drop_file(e)
 
     def steps_needed(self) -> int:
         """The steps the search takes (at most: fewer when two suggestions round to the same settings)."""
-        bayes = self.max_samples + min(RECHECK, self.max_samples) + 1 if self.free else 0
+        bayes = self.max_samples + min(RECHECK, self.max_samples) + 2 if self.free else 0
         samples = self.warmup + bayes + (2 if self.tune_cache else 0)
         return samples * self.steps_per_sample

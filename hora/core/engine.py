@@ -35,7 +35,7 @@ import time
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
 from hora.core import autotune, inline
 from hora.core import messages as m
-from hora.core.baton import CALLER, Baton
+from hora.core.baton import CALLER, NOBODY, Baton
 from hora.core.interrupts import GATE
 from hora.core.control import Control
 from hora.core.coordinator import Coordinator, ResponseCache
@@ -51,6 +51,11 @@ _MAIN = threading.main_thread()  # the only thread whose engine work a signal ha
 
 class _Stop(Exception):
     pass
+
+
+def _bye_text(rank: int) -> str:
+    return (f"rank {rank} has shut down (hora.shutdown() or the end of its script) while this rank still had "
+            "collectives for it; every rank must run the same collectives")
 
 
 def _told(e: BaseException) -> BaseException:
@@ -100,7 +105,7 @@ class Engine:
         self.subs = Submissions(self._cycle_s)
         # autotune: rank 0 searches (hora.core.autotune); every rank records the settings it applied, with
         # the number of tensors it had run by then (the same on every rank of a global-set job)
-        self.tuner = autotune.create(cfg) if self.rank == 0 else None
+        self.tuner = autotune.create(cfg, self.size) if self.rank == 0 else None
         self.tuned: list[tuple[int, tuple]] = []
         self._unsent: list[Pending] = []  # taken from the queue, not yet sent to the coordinator
         self._batch_start = 0.0
@@ -158,17 +163,23 @@ class Engine:
         self.subs.stop()
         if self.thread is not threading.current_thread():
             self.thread.join(10)
-        tuner = self.tuner
-        if tuner is not None:
-            tuner.close()  # a search the job ended before: the best so far goes to the log
-        if self.subs.broken is None and not self.thread.is_alive():
-            self.control.tell(self.control.peers, (m.BYE, self.rank))  # a close that follows is no crash
-        err = ShutdownError("hora was shut down before this collective ran; call hora.init() again")
-        self.handles.fail_all(self.subs.broken or err)
-        self.baton.poke()
-        self.subs.close()
-        self._ep.close()
-        self._ep_ctrl.close()
+        alive = self.thread.is_alive()
+        try:
+            if self.subs.broken is None and not alive:
+                self.control.tell(self.control.peers, (m.BYE, self.rank))  # a close that follows is no crash
+            tuner = self.tuner
+            # after the BYE (the peers are told first, whatever the log does), and only once no cycle can
+            # still be feeding the tuner (no engine thread past the join, no caller driving): else the log
+            # is left as it is (its rows are on disk already; a late write to a closed file is caught)
+            if tuner is not None and not alive and self.baton.holder is NOBODY:
+                tuner.close()  # a search the job ended before: the best so far goes to the log
+        finally:  # whatever happened above, this engine's handles and descriptors are released
+            err = ShutdownError("hora was shut down before this collective ran; call hora.init() again")
+            self.handles.fail_all(self.subs.broken or err)
+            self.baton.poke()
+            self.subs.close()
+            self._ep.close()
+            self._ep_ctrl.close()
 
     # -- who runs cycles -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -463,15 +474,20 @@ class Engine:
         :class:`Control`). Work that still needs it fails with a ShutdownError: on rank 0 the tensors
         waiting for it; elsewhere everything, since rank 0 coordinates."""
         rank = msg[1]
-        text = (f"rank {rank} has shut down (hora.shutdown() or the end of its script) while this rank still "
-                f"had collectives for it; every rank must run the same collectives")
         if self.coord is None:  # ends this engine once the responses already received have run
-            self._leaving = ShutdownError(text)
+            self._leaving = ShutdownError(_bye_text(rank))
             return
-        for (ps, name), _entry in list(self.coord.table.items()):
-            if rank in self.coord.process_sets.get(ps, ()):
-                del self.coord.table[(ps, name)]
-                self.coord.ready.append(m.error(ps, name, ShutdownError, f"'{name}': {text}"))
+        self._fail_departed()
+
+    def _fail_departed(self) -> None:
+        """Rank 0: fail at once every request, waiting now or submitted later, of a process set that holds
+        a rank which has shut down (``control.departed``); it will never submit its part."""
+        coord, departed = self.coord, self.control.departed
+        for (ps, name), _entry in list(coord.table.items()):
+            gone = departed.intersection(coord.process_sets.get(ps, ()))
+            if gone:
+                del coord.table[(ps, name)]
+                coord.ready.append(m.error(ps, name, ShutdownError, f"'{name}': {_bye_text(min(gone))}"))
 
     def _on_ctrl_during_data(self, peer: int, msg) -> None:
         """A message read while a collective waits for data: urgent ones are handled at once (they may
@@ -485,6 +501,8 @@ class Engine:
     # -- rank 0: coordination ------------------------------------------------------------------
     def _coordinate(self) -> list[m.Response]:
         coord = self.coord
+        if self.control.departed and coord.table:
+            self._fail_departed()  # requests that came after a rank's goodbye
         responses, additions, evictions = coord.take(nbytes_of)
         if responses:
             responses = inline.answer(responses, self._payloads, self.subs.local, coord.ranks_of, self.rank,
@@ -525,7 +543,7 @@ class Engine:
         the cycle time everywhere; fusion and the response cache are rank 0's coordinator's."""
         fusion, cycle_ms, cache = value
         self._cycle_s = cycle_ms / 1000
-        self.subs._cycle_s = self._cycle_s  # (Submissions reads it for the age of a queued batch)
+        self.subs.set_cycle(self._cycle_s)
         if self.coord is not None:
             self.coord.fusion_threshold = fusion
             self.coord.set_cache(cache)

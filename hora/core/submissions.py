@@ -41,6 +41,10 @@ class Submissions:
         # it waits here until the first one's error response, then is queued (:meth:`release`).
         self.deferred: dict[tuple[int, str], list[Pending]] = {}
 
+    def set_cycle(self, seconds: float) -> None:
+        """The cycle time, changed by autotune (the age at which a queued batch is due)."""
+        self._cycle_s = seconds
+
     def add(self, pends: tuple[Pending, ...], held: Callable[[], bool]) -> None:
         """Queue ``pends`` (negotiated together). ``held()`` says whether somebody runs cycles now."""
         with self._lock:
