@@ -89,7 +89,7 @@ class Job:
         self.seq: dict[tuple[int, str], int] = {}
         self.partial: dict[tuple[int, str], bytes] = {}
         self.kinds: dict[int, str] = {}  # rank -> "ok" / "raised" / "lost a peer", once its result arrived
-        self.culprit: int | None = None  # the first rank seen failing
+        self.culprit: int | None = None  # the rank the abort named as the root cause
 
     def run(self, func: Callable, args: tuple, kwargs: dict) -> list:
         import cloudpickle
