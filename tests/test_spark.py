@@ -378,7 +378,8 @@ def test_a_lost_spark_task_fails_the_run_naming_its_rank(spark, tmp_path):
 def test_a_task_that_fails_before_its_rank_starts_says_so(spark):
     import hora.spark
 
-    with pytest.raises(LaunchError, match=r"the Spark job failed before any rank started: \w+: \S+Exception"):
+    with pytest.raises(LaunchError, match=r"the Spark job failed before any rank started: \w+: \S+Exception.*"
+                                          r"; the task raised FileNotFoundError: .*/nonexistent/python"):
         hora.spark.run(_collective, args=(0,), num_proc=2, executable="/nonexistent/python", stderr=io.StringIO())
 
 

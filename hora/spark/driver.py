@@ -308,7 +308,24 @@ def _first_line(error: BaseException) -> str:
     lines = [ln for ln in lines if ln]
     body = lines[1:] if lines and lines[0].startswith("An error occurred while calling") else lines
     why = next((ln for ln in body if _CAUSE.search(ln)), body[0] if body else (lines[0] if lines else ""))
-    return f"{type(error).__name__}: {why}"[:500]
+    raised = _python_error(str(error))
+    return f"{type(error).__name__}: {why}"[:400] + (f"; the task raised {raised}"[:300] if raised else "")
+
+
+def _python_error(text: str) -> str | None:
+    """The exception line of the Python traceback a failed task's error carries (Spark's ``PythonException``),
+    the last one before the Java stack: what actually went wrong in the task."""
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if "Traceback (most recent call last)" in ln), None)
+    if start is None:
+        return None
+    found = None
+    for ln in lines[start + 1:]:
+        if ln.startswith("\tat "):
+            break
+        if not ln.startswith((" ", "\t")) and re.match(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b", ln):
+            found = ln.strip()
+    return found
 
 
 _CAUSE = re.compile(r"^\[[A-Z][A-Z0-9_.-]*\]|[A-Za-z0-9_.$]*(Exception|Error):")
