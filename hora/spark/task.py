@@ -82,13 +82,13 @@ def _run_rank(spec: Spec, slots: list, rank: int, partition: int, store: StoreCl
     # task is alive. Not PR_SET_PDEATHSIG on it: it must outlive this worker to clean up after it.
     proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
-    store.set(f"started/{rank}", f"{slots[rank].host} {proc.pid} {partition}".encode())
     pumps = [threading.Thread(target=_relay, args=(spec, rank, name, pipe), daemon=True)
              for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
-    for p in pumps:
-        p.start()
     stopping = None
     try:
+        for p in pumps:
+            p.start()
+        store.set(f"started/{rank}", f"{slots[rank].host} {proc.pid} {partition}".encode())
         while True:
             try:
                 code = proc.wait(timeout=POLL_S)
