@@ -101,10 +101,18 @@ def launchers() -> list[tuple[str, bool, str]]:
         ("Ray (hora.ray.RayExecutor)", _found("ray"), _version(("ray",)) or "needs pip install 'hora[ray]'"),
         ("torchrun", True, "RANK, LOCAL_RANK, MASTER_ADDR ...; store on MASTER_PORT+1"),
         ("srun (SLURM job steps)", True, "SLURM_PROCID, SLURM_STEP_ID ..."),
-        ("Spark (hora.spark.run)", _found("pyspark") and shutil.which("java") is not None,
+        ("Spark (hora.spark.run)", _found("pyspark") and _java(),
          (f"pyspark {_version(('pyspark',))}" if _found("pyspark") else "needs pip install 'hora[spark]'")
-         + ("" if shutil.which("java") else ", no java on PATH (Java 17 or 21)")),
+         + ("" if _java() else ", no java on PATH or in JAVA_HOME (Java 17 or 21)")),
     ]
+
+
+def _java() -> bool:
+    """Whether PySpark can start its JVM: it runs ``$JAVA_HOME/bin/java`` when JAVA_HOME is set, else java on PATH."""
+    home = os.environ.get("JAVA_HOME")
+    if home:
+        return os.access(os.path.join(home, "bin", "java"), os.X_OK)
+    return shutil.which("java") is not None
 
 
 def features() -> list[tuple[str, bool, str]]:

@@ -150,8 +150,9 @@ def test_names_and_signatures_are_horovods():
         params = list(inspect.signature(fn).parameters.values())
         assert [p.name for p in params] == [n for n, _ in table], fn.__name__
         for p, (name, default) in zip(params, table):
-            # kwargs={} is Horovod's mutable default: hora takes None for it and means the same
-            assert p.default == default or (name == "kwargs" and p.default is None), (fn.__name__, name)
+            assert p.default == default, (fn.__name__, name)
+    with pytest.raises(TypeError):  # Horovod's kwargs={}, but immutable: no call can change the next one's
+        hora.spark.run.__defaults__[0]["x"] = 1
 
 
 def test_layout_gives_consecutive_ranks_per_host():
@@ -163,7 +164,7 @@ def test_layout_gives_consecutive_ranks_per_host():
     assert host_of("[::1]:4000") == "::1" and host_of("host-a:77") == "host-a"
 
 
-def test_mpi_and_elastic_are_refused_clearly():
+def test_mpi_and_elastic_are_refused_clearly(monkeypatch):
     import hora.spark
 
     with pytest.raises(NotSupportedError, match="mpirun"):
@@ -178,9 +179,117 @@ def test_mpi_and_elastic_are_refused_clearly():
     else:
         from pyspark import SparkContext
 
-        if SparkContext._active_spark_context is None:  # this module's Spark starts with the first test using it
-            with pytest.raises(LaunchError, match="no active SparkContext; start one first"):
-                hora.spark.run(_collective)
+        monkeypatch.setattr(SparkContext, "_active_spark_context", None)  # whether or not a test started one
+        with pytest.raises(LaunchError, match="no active SparkContext; start one first.*Spark Connect"):
+            hora.spark.run(_collective)
+
+
+class _Conf(dict):
+    """A SparkConf's ``get`` on a dict."""
+
+
+class _Context:
+    """What the driver reads of a SparkContext before it starts a stage."""
+
+    def __init__(self, master: str, **conf: str):
+        self.master, self.conf = master, _Conf({k.replace("_", "."): v for k, v in conf.items()})
+
+    def getConf(self):  # noqa: N802 - pyspark's name
+        return self.conf
+
+
+class _Store(dict):
+    """StoreServer.get on a dict of str keys."""
+
+
+def _result(kind: str, secondary: bool = False, t: float = 0.0) -> bytes:
+    import pickle
+
+    if kind == "ok":
+        return pickle.dumps(("ok", pickle.dumps(1)))
+    return pickle.dumps(("err", (pickle.dumps(ValueError("x")), "tb", "ValueError: x", t, secondary)))
+
+
+PY4J_DYNAMIC = """An error occurred while calling o57.collectAndServe.
+: org.apache.spark.SparkException: [SPARK-24942]: Barrier execution mode does not support dynamic resource \
+allocation for now. You can disable dynamic resource allocation by setting Spark conf \
+"spark.dynamicAllocation.enabled" to "false".
+	at org.apache.spark.errors.SparkCoreErrors$.barrierStageWithDynamicAllocationError(SparkCoreErrors.scala:1)
+"""
+
+
+def test_conf_checks_addresses_failure_order_and_messages_without_spark():
+    from hora.spark import driver, task
+
+    on = {"spark_dynamicAllocation_enabled": "true"}
+    for master in ("yarn", "spark://h:7077", "k8s://https://k:443", "local-cluster[2,1,1024]"):
+        with pytest.raises(LaunchError, match="spark.dynamicAllocation.enabled is true.*=false"):
+            driver.check_conf(_Context(master, **on))
+    for master in ("local", "local[4]", "yarn"):  # Spark itself ignores it on local masters; off is fine
+        driver.check_conf(_Context(master, **(on if master.startswith("local") else {})))
+
+    assert driver.addresses(_Context("local[2]", spark_driver_host="h")) == ("127.0.0.1", "127.0.0.1")
+    assert driver.addresses(_Context("yarn", spark_driver_host="10.0.0.9")) == ("10.0.0.9", "10.0.0.9")
+    assert driver.addresses(_Context("yarn", spark_driver_host="10.0.0.9", spark_driver_bindAddress="0.0.0.0")) \
+        == ("0.0.0.0", "10.0.0.9")
+
+    class Py4JJavaError(Exception):
+        pass
+
+    line = driver._first_line(Py4JJavaError(PY4J_DYNAMIC))
+    assert line.startswith("Py4JJavaError: org.apache.spark.SparkException: [SPARK-24942]: Barrier execution"), line
+    assert "o57" not in line
+
+    # the abort note names the rank that raised, not a lower rank that only lost it as a peer
+    job = driver.Job(None, 3, {}, 600.0, None, None, False, 1)
+    store = _Store({"result/0": _result("err", secondary=True), "exit/0": b"1", "result/2": _result("err")})
+    assert job._failure(store, time.monotonic()) == "rank 2 raised"
+    job = driver.Job(None, 3, {}, 600.0, None, None, False, 1)
+    store = _Store({"result/0": _result("err", secondary=True), "exit/0": b"1", "exit/1": b"-9"})
+    assert job._failure(store, time.monotonic()).startswith("rank 1 was killed by signal 9")
+    assert job.culprit == 1
+
+    # no rank started: say so, not "rank 0 never started"
+    job = driver.Job(None, 2, {}, 600.0, None, None, False, 1)
+    job.outcome["error"] = Py4JJavaError(PY4J_DYNAMIC)
+    none = {0: None, 1: None}
+    with pytest.raises(LaunchError, match=r"the Spark job failed before any rank started: Py4JJavaError: "
+                                          r"org.apache.spark.SparkException: \[SPARK-24942\]"):
+        job._results(none, none, none, None)
+
+    # the secret is in no repr: the Spec's, nor the closure Spark ships (partial(task.main, spec))
+    from functools import partial
+
+    secret = "s3cr3t-" + "x" * 40
+    spec = task.Spec(store_addr="h:1", secret=secret, scope="s", knobs={}, env=None, executable=None)
+    assert secret not in repr(spec) and secret not in repr(partial(task.main, spec))
+    assert spec.secret == secret
+
+
+@pytest.mark.timeout(60)
+def test_the_output_relay_drains_the_pipe_when_the_store_goes_away():
+    import threading
+
+    from hora.spark import task
+    from hora.transport.store import StoreServer
+
+    server = StoreServer("secret")
+    spec = task.Spec(store_addr=server.address, secret="secret", scope="s", knobs={}, env=None, executable=None)
+    read, write = os.pipe()
+    pipe = os.fdopen(read, "rb", buffering=0)
+    relay = threading.Thread(target=task._relay, args=(spec, 0, "stdout", pipe), daemon=True)
+    relay.start()
+    os.write(write, b"first\n")
+    deadline = time.monotonic() + 30
+    while server.get("out/0/stdout/0") is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.get("out/0/stdout/0") == b"first\n"
+    server.close()
+    for _ in range(64):  # 4 MiB: far more than a pipe holds; a relay that stopped reading blocks this
+        os.write(write, b"y" * (1 << 16))
+    os.close(write)
+    relay.join(30)
+    assert not relay.is_alive()
 
 
 @pytest.mark.timeout(120)
@@ -201,7 +310,7 @@ def test_results_in_rank_order_allreduce_output_and_no_secret_on_a_command_line(
     assert "[0]<stdout>:rank 0 says hi" in text and "[1]<stdout>:rank 1 says hi" in text
     assert re.search(r"^\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[1\]<stdout>:rank 1 says hi$", text, re.M), text
     placed = err.getvalue()
-    assert re.search(r"^hora.spark.run: rank 1: host \S+, pid \d+, Spark partition 1$", placed, re.M), placed
+    assert re.search(r"^hora.spark.run: rank 1: host \S+, process group \d+, Spark partition 1$", placed, re.M), placed
     # num_proc defaults to Spark's default parallelism (two slots here); executable= runs the ranks
     assert [r["rank"] for r in hora.spark.run(_collective, args=(0,), executable=sys.executable)] == [0, 1]
 
@@ -236,7 +345,10 @@ def test_a_rank_killed_mid_collective_fails_the_run_naming_it(spark, tmp_path):
 
 
 def _kill_own_task(directory):
+    import subprocess
+
     import numpy as np
+    import psutil
 
     import hora
 
@@ -244,7 +356,10 @@ def _kill_own_task(directory):
     (Path(directory) / str(hora.rank())).write_text(str(os.getpid()))
     for i in range(100000):
         if hora.rank() == 1 and i == 3:
-            os.kill(os.getppid(), signal.SIGKILL)  # Spark's Python worker running this rank's task: a lost task
+            sleeper = subprocess.Popen(["sleep", "300"])  # in the rank's process group, no PDEATHSIG of its own
+            (Path(directory) / "sleep").write_text(str(sleeper.pid))
+            worker = psutil.Process(os.getppid()).ppid()  # the rank's supervisor's parent: the task's Python worker
+            os.kill(worker, signal.SIGKILL)  # a lost task: its finally never runs
         hora.allreduce(np.ones(1 << 16), name=f"step.{i}")
     return "unreachable"
 
@@ -255,7 +370,17 @@ def test_a_lost_spark_task_fails_the_run_naming_its_rank(spark, tmp_path):
 
     with pytest.raises(LaunchError, match=r"rank 1 \(on \S+\) lost its Spark task.*barrier"):
         hora.spark.run(_kill_own_task, args=(str(tmp_path),), num_proc=2, stderr=io.StringIO())
-    assert _wait_gone(_pids(tmp_path)) == []
+    pids = _pids(tmp_path)
+    assert len(pids) == 3 and _wait_gone(pids) == []  # both ranks and the sleep rank 1 started
+
+
+@pytest.mark.timeout(60)
+def test_a_task_that_fails_before_its_rank_starts_says_so(spark):
+    import hora.spark
+
+    with pytest.raises(LaunchError, match=r"the Spark job failed before any rank started: \w+: \S+Exception.*"
+                                          r"; the task raised FileNotFoundError: .*/nonexistent/python"):
+        hora.spark.run(_collective, args=(0,), num_proc=2, executable="/nonexistent/python", stderr=io.StringIO())
 
 
 @pytest.mark.timeout(60)

@@ -2,13 +2,14 @@
 
     python examples/spark/train_digits.py                        # a local Spark with 2 task slots
     python examples/spark/train_digits.py --master spark://host:7077 --num-proc 4
-    spark-submit examples/spark/train_digits.py --num-proc 4     # inside spark-submit: its session
+    spark-submit --master spark://host:7077 examples/spark/train_digits.py --num-proc 4   # spark-submit's master
 
 Each rank is one Spark task of a barrier stage; ``train`` runs in every task's own Python process, exactly
 as a ``hora run`` rank would (hora.torch, DistributedOptimizer, a DistributedSampler shard each). The
 driver (this process) serves the job's store and prints the ranks' output; ``hora.spark.run`` returns what
 each rank returned, in rank order. hora (with torch and scikit-learn) must be importable on the executors:
-installed there, or, on one machine, this checkout on their PYTHONPATH (what this script sets up).
+installed there, or, on one machine (a ``local*`` master), this checkout on their PYTHONPATH (what this script
+sets up, with the executors running this Python).
 """
 
 import argparse
@@ -73,24 +74,35 @@ def train(epochs: int = EPOCHS, seed: int = 0) -> float:
     return accuracy
 
 
-def session(master: str):
-    """The running SparkSession (spark-submit, pyspark, a notebook), else a new one on ``master``."""
+def session(master: str | None):
+    """The running SparkSession (pyspark, a notebook), else a new one: on ``master`` if given, else on
+    spark-submit's ``--master`` when spark-submit started this script, else on ``local[2]``."""
+    from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
     active = SparkSession.getActiveSession()
     if active is not None:
         return active
-    here = str(Path(hora.spark.__file__).resolve().parents[2])  # this checkout, for executors on this machine
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    return (SparkSession.builder.master(master).appName("hora digits")
-            .config("spark.ui.enabled", "false")
-            .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
-            .getOrCreate())
+    if master is None and "PYSPARK_GATEWAY_PORT" not in os.environ:  # plain python: no spark-submit around us
+        master = "local[2]"
+    builder = SparkSession.builder.appName("hora digits").config("spark.ui.enabled", "false")
+    if master is not None:
+        builder = builder.master(master)
+    else:
+        SparkContext._ensure_initialized()  # spark-submit's JVM: its conf holds the --master it was given
+        master = SparkConf().get("spark.master", "")
+    if master.startswith("local"):  # executors on this machine: this Python and this checkout's hora
+        here = str(Path(hora.spark.__file__).resolve().parents[2])
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+        builder = builder.config("spark.executorEnv.PYTHONPATH", path)
+    return builder.getOrCreate()
 
 
 def main(argv: list[str] | None = None) -> list[float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--master", default="local[2]", help="Spark master when no session runs yet")
+    parser.add_argument("--master", default=None,
+                        help="Spark master when no session runs yet (default: spark-submit's, else local[2])")
     parser.add_argument("--num-proc", type=int, default=None, help="ranks (default: Spark's default parallelism)")
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     args = parser.parse_args(argv)

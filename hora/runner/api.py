@@ -191,6 +191,12 @@ def _run_job(func, args: tuple, kwargs: dict, values: dict[str, Any], command: l
     return _collect(results, code)
 
 
+def collect_results(results: dict[int, bytes | None], code: int) -> list:
+    """The public name of :func:`_collect` (``hora.run()``'s result handling), for launchers that serve the
+    same result protocol (hora.spark)."""
+    return _collect(results, code)
+
+
 def _collect(results: dict[int, bytes | None], code: int) -> list:
     failed = []
     values = []

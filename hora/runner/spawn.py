@@ -103,6 +103,11 @@ def _die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     return preexec
 
 
+def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """The public name of :func:`_die_with_parent` (a preexec_fn: ``sig`` to the child when this process dies)."""
+    return _die_with_parent(sig)
+
+
 def _group_alive(pgid: int, snap: dict[int, reaper.Proc] | None = None) -> bool:
     """True while the process group has a member that is not a zombie (``snap``: a
     :func:`reaper.snapshot` to look in, taken now when not given)."""

@@ -15,21 +15,26 @@ docs/spark.md. Importing this package does not import pyspark; ``run`` needs an 
 from __future__ import annotations
 
 import os
-from typing import IO, Any, Callable
+from types import MappingProxyType
+from typing import IO, Any, Callable, Mapping
 
 from hora.base import contract
 from hora.base.errors import HoraValueError, NotSupportedError
 
 __all__ = ["run", "run_elastic"]
 
+_NO_KWARGS: Mapping[str, Any] = MappingProxyType({})  # Horovod's default, kwargs={}, made immutable
 
-def run(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, num_proc: int | None = None,
-        start_timeout: float | None = None, use_mpi: bool | None = None, use_gloo: bool | None = None,
-        extra_mpi_args: str | None = None, env: dict[str, str] | None = None, stdout: IO[str] | None = None,
-        stderr: IO[str] | None = None, verbose: int = 1, nics: list[str] | set[str] | None = None,
-        prefix_output_with_timestamp: bool = False, executable: str | None = None) -> list:
+
+def run(fn: Callable[..., Any], args: tuple = (), kwargs: Mapping[str, Any] | None = _NO_KWARGS,
+        num_proc: int | None = None, start_timeout: float | None = None, use_mpi: bool | None = None,
+        use_gloo: bool | None = None, extra_mpi_args: str | None = None, env: dict[str, str] | None = None,
+        stdout: IO[str] | None = None, stderr: IO[str] | None = None, verbose: int = 1,
+        nics: list[str] | set[str] | None = None, prefix_output_with_timestamp: bool = False,
+        executable: str | None = None) -> list:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` ranks, one per Spark task; return the results in rank order.
 
+    ``kwargs``: Horovod's default ``{}`` (an immutable empty mapping here; ``None`` means the same).
     ``num_proc``: default the SparkContext's ``defaultParallelism``; the cluster needs that many free task
     slots at once (a barrier stage). ``start_timeout``: seconds for all tasks to start, else
     ``HOROVOD_SPARK_START_TIMEOUT``, else 600. ``env``: variables added to each rank's environment (which is
@@ -79,9 +84,10 @@ def _knobs(nics: list[str] | set[str] | None) -> dict[str, str]:
     return knobs
 
 
-def run_elastic(fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None, num_proc: int | None = None,
-                min_np: int | None = None, max_np: int | None = None, start_timeout: float | None = None,
-                elastic_timeout: float | None = None, reset_limit: int | None = None, env: dict | None = None,
+def run_elastic(fn: Callable[..., Any], args: tuple = (), kwargs: Mapping[str, Any] | None = _NO_KWARGS,
+                num_proc: int | None = None, min_np: int | None = None, max_np: int | None = None,
+                start_timeout: float | None = None, elastic_timeout: float | None = None,
+                reset_limit: int | None = None, env: dict | None = None,
                 stdout: IO[str] | None = None, stderr: IO[str] | None = None, verbose: int = 1,
                 nics: list[str] | None = None, prefix_output_with_timestamp: bool = False) -> list:
     """Horovod's ``horovod.spark.run_elastic``: not built yet. hora's elastic driver starts its workers itself

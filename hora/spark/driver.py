@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import socket
 import sys
 import threading
 import time
@@ -22,7 +23,7 @@ import uuid
 from typing import IO, Any, Callable
 
 from hora.base.errors import HoraTimeoutError, LaunchError
-from hora.runner.api import _collect
+from hora.runner.api import collect_results
 from hora.runner.spawn import describe_exit
 from hora.spark import task
 from hora.transport.store import StoreServer
@@ -33,7 +34,7 @@ POLL_S = 0.05
 
 
 def spark_context():
-    """The active SparkContext (the one ``SparkSession.builder.getOrCreate()`` made)."""
+    """The active SparkContext (the one ``SparkSession.builder.getOrCreate()`` made), checked for a barrier stage."""
     try:
         from pyspark import SparkContext
     except ImportError as e:
@@ -41,17 +42,37 @@ def spark_context():
     sc = SparkContext._active_spark_context
     if sc is None:
         raise LaunchError("hora.spark.run: no active SparkContext; start one first, e.g. "
-                          "SparkSession.builder.getOrCreate(), or run inside pyspark / spark-submit")
+                          "SparkSession.builder.getOrCreate(), or run inside pyspark / spark-submit (a Spark "
+                          "Connect session, sc://..., has no SparkContext: hora.spark.run needs a classic one)")
+    check_conf(sc)
     return sc
 
 
-def bind_address(sc) -> str:
-    """Where the store listens: loopback when Spark runs on this machine only (local, local-cluster),
-    else the driver's address as Spark advertises it to the executors (``spark.driver.host``)."""
+def check_conf(sc) -> None:
+    """Refuse up front what makes every barrier stage fail: dynamic allocation on a cluster master (Spark
+    ignores it on ``local`` / ``local[N]``). Spark's own error comes only after the job is submitted, as a
+    Py4JJavaError that names no setting."""
+    master = sc.master or ""
+    on = (sc.getConf().get("spark.dynamicAllocation.enabled") or "false").strip().lower() == "true"
+    if on and not (master == "local" or master.startswith("local[")):
+        raise LaunchError(f"hora.spark.run: spark.dynamicAllocation.enabled is true on master {master!r}: Spark's "
+                          "barrier stages (one task per rank, all started at once) do not run with dynamic "
+                          "allocation; start the session with spark.dynamicAllocation.enabled=false and enough "
+                          "executors for num_proc task slots (docs/spark.md)")
+
+
+def addresses(sc) -> tuple[str, str]:
+    """(where the store listens, the address the ranks are given for it).
+
+    Loopback both when Spark runs on this machine only (local, local-cluster). Else it listens where Spark's
+    driver does, ``spark.driver.bindAddress`` if set (e.g. 0.0.0.0 in a container), else
+    ``spark.driver.host``, and advertises ``spark.driver.host``: the address the executors reach the driver at."""
     master = sc.master or ""
     if master.startswith("local"):
-        return "127.0.0.1"
-    return sc.getConf().get("spark.driver.host") or ""
+        return "127.0.0.1", "127.0.0.1"
+    conf = sc.getConf()
+    host = conf.get("spark.driver.host") or ""
+    return conf.get("spark.driver.bindAddress") or host, host
 
 
 class Job:
@@ -67,8 +88,8 @@ class Job:
         self.outcome: dict[str, Any] = {}
         self.seq: dict[tuple[int, str], int] = {}
         self.partial: dict[tuple[int, str], bytes] = {}
-        self.seen: set[int] = set()  # ranks whose result was looked at
-        self.culprit: int | None = None  # the first rank seen failing
+        self.kinds: dict[int, str] = {}  # rank -> "ok" / "raised" / "lost a peer", once its result arrived
+        self.culprit: int | None = None  # the rank the abort named as the root cause
 
     def run(self, func: Callable, args: tuple, kwargs: dict) -> list:
         import cloudpickle
@@ -76,10 +97,11 @@ class Job:
         from hora.transport.auth import new_secret
 
         secret = new_secret()
-        with StoreServer(secret, host=bind_address(self.sc), port=0) as store:
+        bind, advertise = addresses(self.sc)
+        with StoreServer(secret, host=bind, port=0) as store:
             host, _, port = store.address.rpartition(":")
-            advertise = host if host not in ("0.0.0.0", "", "::") else (self.sc.getConf().get("spark.driver.host")
-                                                                          or host)
+            if not advertise:
+                advertise = host if host not in ("0.0.0.0", "", "::") else socket.getfqdn()
             spec = task.Spec(store_addr=f"{advertise}:{port}", secret=secret,
                              scope=f"spark-{uuid.uuid4().hex[:16]}", **self.spec_args)
             store.set("func", cloudpickle.dumps((func, args, kwargs)))
@@ -135,7 +157,8 @@ class Job:
                         self.sc.cancelJobGroup(self.group)
                         cancelled = True
             elif time.monotonic() - aborted_at > CANCEL_AFTER_S + GIVE_UP_S:
-                self._note(f"the Spark job did not end {GIVE_UP_S:g} s after it was cancelled; not waiting for it")
+                if self.verbose:
+                    self._note(f"the Spark job did not end {GIVE_UP_S:g} s after it was cancelled; not waiting for it")
                 break
             elif time.monotonic() - aborted_at > CANCEL_AFTER_S and not cancelled:
                 self.sc.cancelJobGroup(self.group)
@@ -148,24 +171,31 @@ class Job:
         if any(w is None for w in where):
             return False
         for r, w in enumerate(where):
-            host, pid, partition = w.decode().split()
-            self._note(f"rank {r}: host {host}, pid {pid}, Spark partition {partition}")
+            host, pgid, partition = w.decode().split()  # the group its supervisor leads (kill -- -<pgid>)
+            self._note(f"rank {r}: host {host}, process group {pgid}, Spark partition {partition}")
         return True
 
-    def _failure(self, store: StoreServer, begun: float) -> str | None:
-        for r in range(self.n):
-            if r not in self.seen and store.get(f"result/{r}") is not None:
-                self.seen.add(r)
+    def _failure(self, store, begun: float) -> str | None:
+        """Why to abort now, if at all, naming the root cause whatever its rank number: a rank that raised (not
+        because a peer failed), else one that died without a result, else one that lost a peer."""
+        codes = {r: store.get(f"exit/{r}") for r in range(self.n)}  # before the results: a rank stores its
+        for r in range(self.n):                                      # result before it exits
+            if r not in self.kinds:
                 raw = store.get(f"result/{r}")
-                if _is_error(raw, primary=True):
-                    self.culprit = r
-                    return f"rank {r} raised"
-                if _is_error(raw):
-                    return f"rank {r} lost a peer"
-            code = store.get(f"exit/{r}")
-            if code is not None and int(code) != 0:
+                if raw is not None:
+                    self.kinds[r] = ("raised" if _is_error(raw, primary=True) else
+                                     "lost a peer" if _is_error(raw) else "ok")
+        raised = [r for r, kind in self.kinds.items() if kind == "raised"]
+        if raised:
+            self.culprit = min(raised)
+            return f"rank {self.culprit} raised"
+        for r, code in codes.items():
+            if code is not None and int(code) != 0 and self.kinds.get(r, "ok") == "ok":
                 self.culprit = r
                 return f"rank {r} {describe_exit(int(code))}"
+        secondary = [r for r, kind in self.kinds.items() if kind == "lost a peer"]
+        if secondary:
+            return f"rank {min(secondary)} lost a peer"
         started = sum(store.get(f"started/{r}") is not None for r in range(self.n))
         if started < self.n and time.monotonic() - begun > self.start_timeout:
             return (f"only {started} of {self.n} ranks started within start_timeout={self.start_timeout:g} s "
@@ -180,6 +210,9 @@ class Job:
         lost = [r for r, raw in results.items() if raw is None]
         if failure is not None and failure.startswith("only"):
             raise HoraTimeoutError(f"hora.spark.run: {failure}")
+        if lost and error is not None and not any(started.values()):
+            raise LaunchError(f"hora.spark.run: the Spark job failed before any rank started: "
+                              f"{_first_line(error)}") from error
         if lost:
             r = self.culprit if self.culprit in lost else _failed_task(error, started, lost)
             host = started[r].decode().split()[0] if started[r] else None
@@ -238,7 +271,7 @@ def _reraise(results: dict[int, bytes | None]) -> list:
     """``hora.run()``'s result handling (the values, or the root-cause rank's exception re-raised), with its
     note naming this call."""
     try:
-        return _collect(results, 0)
+        return collect_results(results, 0)
     except BaseException as e:
         notes = getattr(e, "__notes__", None)
         if notes:
@@ -267,11 +300,35 @@ def _is_error(raw: bytes | None, primary: bool = False) -> bool:
 
 
 def _first_line(error: BaseException) -> str:
-    """What a Spark failure says, in one line: py4j's own first line only says which JVM call failed."""
-    lines = [ln.strip() for ln in str(error).strip().splitlines() if ln.strip()]
-    why = next((ln for ln in lines if "Job aborted" in ln or "Job cancelled" in ln or "Job group" in ln),
-               lines[0] if lines else "")
-    return f"{type(error).__name__}: {why.lstrip(': ')}"[:500]
+    """What a Spark failure says, in one line. py4j's message begins with a header that only names the JVM call
+    (``An error occurred while calling o81.collectAndServe.``); the cause is the first line after it that
+    names an exception or a Spark error class (``org.apache.spark.SparkException: Job aborted ...``,
+    ``[SPARK-24942]: Barrier execution mode does not support dynamic resource allocation ...``)."""
+    lines = [ln.strip().lstrip(": ").strip() for ln in str(error).strip().splitlines()]
+    lines = [ln for ln in lines if ln]
+    body = lines[1:] if lines and lines[0].startswith("An error occurred while calling") else lines
+    why = next((ln for ln in body if _CAUSE.search(ln)), body[0] if body else (lines[0] if lines else ""))
+    raised = _python_error(str(error))
+    return f"{type(error).__name__}: {why}"[:400] + (f"; the task raised {raised}"[:300] if raised else "")
+
+
+def _python_error(text: str) -> str | None:
+    """The exception line of the Python traceback a failed task's error carries (Spark's ``PythonException``),
+    the last one before the Java stack: what actually went wrong in the task."""
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if "Traceback (most recent call last)" in ln), None)
+    if start is None:
+        return None
+    found = None
+    for ln in lines[start + 1:]:
+        if ln.startswith("\tat "):
+            break
+        if not ln.startswith((" ", "\t")) and re.match(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b", ln):
+            found = ln.strip()
+    return found
+
+
+_CAUSE = re.compile(r"^\[[A-Z][A-Z0-9_.-]*\]|[A-Za-z0-9_.$]*(Exception|Error):")
 
 
 def start_timeout(value: float | None) -> float:

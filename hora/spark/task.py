@@ -3,7 +3,8 @@
 It runs inside Spark's Python worker on an executor. It works out its rank from where Spark placed the
 stage's tasks (:mod:`hora.spark.layout`), starts the rank as its own process (``executable -m
 hora.core.run_task``, as ``hora.run()`` does: a fresh interpreter, so the rank's hora and framework state
-never outlive the job in Spark's reused worker) and waits for it. The rank's environment carries its place
+never outlive the job in Spark's reused worker) under :mod:`hora.spark.supervise`, which kills the rank's
+process group should this task's worker die, and waits for it. The rank's environment carries its place
 and the driver's store address and secret; the secret came in this task's closure (Spark's own RPC), so it
 is on no command line and in no log. While the rank runs, this task relays its output to the driver
 through the store and watches for the driver's ``abort`` key (another rank failed): then it stops the
@@ -24,8 +25,9 @@ import time
 from typing import Iterator
 
 from hora.base import contract
+from hora.base.errors import HoraError
 from hora.runner.launch import worker_envs
-from hora.runner.spawn import _die_with_parent
+from hora.spark import supervise
 from hora.spark.layout import layout
 from hora.transport.store import StoreClient
 
@@ -39,7 +41,7 @@ class Spec:
     """What every task of one ``hora.spark.run`` gets in its closure."""
 
     store_addr: str
-    secret: str
+    secret: str = dataclasses.field(repr=False)  # never in a log line, a traceback or the closure's repr
     scope: str
     knobs: dict[str, str]
     env: dict[str, str] | None
@@ -54,9 +56,10 @@ def main(spec: Spec, _partition: Iterator) -> Iterator[tuple[int, int]]:
     partition = ctx.partitionId()
     store = StoreClient(spec.store_addr, spec.secret, timeout=60)
     try:
-        if ctx.attemptNumber() > 0:
-            # a task Spark tries again after it failed (its executor lost) runs no rank: the job does not restart
-            store.set(f"retried/{partition}", b"1")
+        # a task (or a whole stage: PySpark's TaskContext has no stageAttemptNumber) that Spark tries again after
+        # a failure runs no rank: the job does not restart behind the caller's back; the driver names the ranks
+        # that never reported. The store counts the tries of each partition across attempts.
+        if ctx.attemptNumber() > 0 or store.add(f"tries/{partition}") > 1:
             yield partition, -1
             return
         slots, ranks = layout([info.address for info in ctx.getTaskInfos()])
@@ -73,16 +76,19 @@ def _run_rank(spec: Spec, slots: list, rank: int, partition: int, store: StoreCl
     base.update(spec.env or {})
     env = worker_envs(slots, spec.knobs, spec.store_addr, spec.secret, spec.scope, base=base,
                       extra={contract.RUNFUNC_ADDR: spec.store_addr, contract.RUNFUNC_SECRET: spec.secret})[rank]
-    command = [spec.executable or sys.executable, "-m", contract.RUN_TASK_MODULE]
-    proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent())
-    store.set(f"started/{rank}", f"{slots[rank].host} {proc.pid} {partition}".encode())
+    python = spec.executable or sys.executable
+    command = [python, os.path.abspath(supervise.__file__), python, "-m", contract.RUN_TASK_MODULE]
+    # the supervisor leads the rank's process group; its stdin (this process's end held open) tells it the
+    # task is alive. Not PR_SET_PDEATHSIG on it: it must outlive this worker to clean up after it.
+    proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
     pumps = [threading.Thread(target=_relay, args=(spec, rank, name, pipe), daemon=True)
              for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
-    for p in pumps:
-        p.start()
     stopping = None
     try:
+        for p in pumps:
+            p.start()
+        store.set(f"started/{rank}", f"{slots[rank].host} {proc.pid} {partition}".encode())
         while True:
             try:
                 code = proc.wait(timeout=POLL_S)
@@ -97,6 +103,7 @@ def _run_rank(spec: Spec, slots: list, rank: int, partition: int, store: StoreCl
     finally:  # also when the driver is gone (its store with it) or Spark kills this task
         _signal(proc.pid, signal.SIGKILL)  # the rank if it still runs, and what it left behind in its group
         proc.wait()
+        proc.stdin.close()
     for p in pumps:
         p.join(timeout=5)
     return code
@@ -110,8 +117,11 @@ def _signal(pgid: int, sig: int) -> None:
 
 
 def _relay(spec: Spec, rank: int, stream: str, pipe) -> None:
-    """The rank's ``stream`` to the store in chunks (``out/<rank>/<stream>/<n>``); the driver prints them."""
-    client = StoreClient(spec.store_addr, spec.secret, timeout=60)
+    """The rank's ``stream`` to the store in chunks (``out/<rank>/<stream>/<n>``); the driver prints them.
+
+    It reads the pipe to EOF whatever happens to the store (the driver gone, the connection lost): a rank
+    whose output nobody reads would block on its next write and never exit."""
+    client: StoreClient | None = None
     seq = 0
     try:
         fd = pipe.fileno()
@@ -119,11 +129,27 @@ def _relay(spec: Spec, rank: int, stream: str, pipe) -> None:
             chunk = os.read(fd, CHUNK)
             if not chunk:
                 break
-            client.set(f"out/{rank}/{stream}/{seq}", chunk)
-            seq += 1
+            if client is None and seq >= 0:
+                try:
+                    client = StoreClient(spec.store_addr, spec.secret, timeout=60)
+                except (OSError, HoraError):
+                    seq = -1  # no store to send to: drain only
+            if client is not None:
+                try:
+                    client.set(f"out/{rank}/{stream}/{seq}", chunk)
+                    seq += 1
+                except (OSError, HoraError):
+                    client, seq = _closed(client), -1
     except OSError:
         pass
     finally:
-        client.set(f"out/{rank}/{stream}/end", str(seq).encode())
-        client.close()
+        _closed(client)
         pipe.close()
+
+
+def _closed(client: StoreClient | None) -> None:
+    if client is not None:
+        try:
+            client.close()
+        except (OSError, HoraError):
+            pass
