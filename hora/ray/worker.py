@@ -48,6 +48,7 @@ class BaseHorovodWorker:
         self._size = world_size
         self._job: str | None = None  # the job's store scope, from setup()
         self._seen = 0
+        self._failures: _Failures | None = None
 
     # --- Horovod's methods -------------------------------------------------------------------------------
     def hostname(self) -> str:
@@ -131,9 +132,13 @@ class BaseHorovodWorker:
         from hora.ray import ray_logger
 
         os.environ["HORA_STORE_SCOPE"] = scope
-        failures = _Failures.connect(self._job)
-        seen = failures.count() if failures else 0
-        if seen > self._seen:
+        if self._failures is None:  # one connection for the actor's life; the watcher makes its own
+            self._failures = _Failures.connect(self._job)
+        failures = self._failures
+        seen = failures.count() if failures else None
+        if seen is None:  # no store to ask: the executor is going away
+            seen = self._seen
+        elif seen > self._seen:
             _shutdown_hora()
         self._seen = seen
         ray_logger._configure(log_key, self._rank)
@@ -151,8 +156,6 @@ class BaseHorovodWorker:
         finally:
             done.set()
             ray_logger._configure(None, self._rank)
-            if failures:
-                failures.close()
 
 
 FAILURES = "failures"  # under the job's scope: how many calls failed on some rank (the store's atomic ADD)
@@ -183,8 +186,12 @@ class _Failures:
         except Exception:  # noqa: BLE001 - no store: nothing to count, nobody to tell
             return None
 
-    def count(self) -> int:
-        return self.client.add(f"{self.job}/{FAILURES}", 0)
+    def count(self) -> int | None:
+        """The job's failure count, or None when the store cannot be asked."""
+        try:
+            return self.client.add(f"{self.job}/{FAILURES}", 0)
+        except Exception:  # noqa: BLE001 - the store closed: the executor is shutting down
+            return None
 
     def report(self) -> None:
         """Count a failure, so every rank in a call now shuts hora down and every later call starts afresh."""
