@@ -207,6 +207,8 @@ def test_execute_execute_single_run_remote(executor):
     assert ray.get(refs) == [("0", 3), ("1", 3)]
     env = executor.execute(lambda w: None)
     assert env == [None, None]
+    big = np.arange(1 << 16, dtype=np.float64)  # 512 KiB in the closure: put in Ray's object store once
+    assert executor.run(lambda: float(big.sum())) == [float(big.sum())] * 2
 
 
 @pytest.mark.timeout(180)

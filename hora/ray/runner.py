@@ -34,6 +34,8 @@ from hora.ray.worker import RayWorker, _Failures
 # told to shut hora down and normally end within a second; one waiting in hora.init() for the failed rank
 # ends when its start timeout (settings.timeout_s) runs out, so the grace is that plus this.
 FAILURE_GRACE_S = 15.0
+# Ray's default max_direct_call_object_size: an argument up to this size travels inside the task itself
+INLINE_MAX = 100 * 1024
 ELASTIC_NOT_YET = ("not supported yet: elastic Ray jobs (min_workers / max_workers, ElasticRayExecutor) need "
                    "hora's elastic driver, which is not built yet; use num_workers for a fixed-size job")
 
@@ -266,14 +268,17 @@ class RayExecutor:
         return self.workers
 
     def _payload(self, fn: Callable):
-        """(the cloudpickled function, put in Ray's object store once for all ranks; the call's store scope)."""
+        """(the cloudpickled function, or a ref to it; the call's store scope). Ray sends a small argument inside
+        each task, and puts a large one (a closure over a model, say) in its object store once per task; so a
+        large one is put there once here, for all ranks."""
         import cloudpickle
         import ray
 
         if not callable(fn):
             raise HoraValueError(f"RayExecutor needs a function, got {type(fn).__name__}")
         self._calls += 1
-        return ray.put(cloudpickle.dumps(fn)), f"{self._scope}/{self._calls}"
+        data = cloudpickle.dumps(fn)
+        return (ray.put(data) if len(data) > INLINE_MAX else data), f"{self._scope}/{self._calls}"
 
     def _call(self, fn: Callable, callbacks: list | None) -> list:
         from hora.ray.ray_logger import Relay
