@@ -115,6 +115,7 @@ class BaseHorovodWorker:
         self._size = int(env["HORA_SIZE"])
         self._job = env["HORA_STORE_SCOPE"]
         self._seen = 0  # the job's failure count (_Failures) when this rank's last call began
+        self._failures = None  # the connection to count them, made on the first call
         sys.path.extend(p for p in sys_path if p not in sys.path)
 
     def call(self, payload: bytes, scope: str, log_key: str | None) -> Any:
@@ -135,7 +136,7 @@ class BaseHorovodWorker:
         if self._failures is None:  # one connection for the actor's life; the watcher makes its own
             self._failures = _Failures.connect(self._job)
         failures = self._failures
-        seen = failures.count() if failures else None
+        seen = failures.count() if failures is not None else None
         if seen is None:  # no store to ask: the executor is going away
             seen = self._seen
         elif seen > self._seen:
@@ -143,14 +144,14 @@ class BaseHorovodWorker:
         self._seen = seen
         ray_logger._configure(log_key, self._rank)
         done = threading.Event()
-        if failures:
+        if failures is not None:
             threading.Thread(target=_watch, args=(failures.job, seen, done), daemon=True,
                              name="hora-ray-abort").start()
         try:
             func = cloudpickle.loads(payload)
             return self.execute(func)
         except BaseException:
-            if failures:
+            if failures is not None:
                 failures.report()
             raise
         finally:
@@ -158,7 +159,7 @@ class BaseHorovodWorker:
             ray_logger._configure(None, self._rank)
 
 
-FAILURES = "failures"  # under the job's scope: how many calls failed on some rank (the store's atomic ADD)
+FAILURES = "failures"  # under the job's scope: how many times a rank's call failed (the store's atomic ADD)
 
 
 class _Failures:
