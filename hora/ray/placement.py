@@ -17,11 +17,16 @@ from hora.runner import hosts as hostlib
 
 @dataclass(frozen=True)
 class Place:
-    """Where one worker actor runs: its Ray node and that node's address (``ray.util.get_node_ip_address``)."""
+    """Where one worker actor runs: its Ray node, that node's address (``ray.util.get_node_ip_address``), its
+    pid and the GPU IDs Ray gave it (``ray.get_gpu_ids()``)."""
 
     node_id: str
     address: str
     pid: int = 0
+    gpu_ids: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gpu_ids", tuple(str(g) for g in self.gpu_ids))
 
 
 def plan_ranks(places: list[Place]) -> list[tuple[int, hostlib.Slot]]:
@@ -49,6 +54,25 @@ def plan_ranks(places: list[Place]) -> list[tuple[int, hostlib.Slot]]:
     slots = hostlib.plan(hosts, len(places))
     order = [i for ix in by_node.values() for i in ix]  # plan() fills hosts in this same order
     return list(zip(order, slots))
+
+
+def visible_devices(places: list[Place]) -> list[str | None]:
+    """``CUDA_VISIBLE_DEVICES`` for each worker (``places`` in rank order): every GPU that Ray gave a worker of
+    its node, in local-rank order, or None on a node whose workers got none (Ray's own setting stays).
+
+    Ray shows each actor only its own GPUs; Horovod shows every worker of a node all of that node's, so that
+    device ``hvd.local_rank()`` is the worker's own (``torch.cuda.set_device(hvd.local_rank())``) and the
+    node's workers can reach each other's memory.
+
+    >>> p = [Place("n1", "a", 1, ("2",)), Place("n1", "a", 2, ("0",)), Place("n2", "b", 3, ("1",))]
+    >>> visible_devices(p)
+    ['2,0', '2,0', '1']
+    """
+    on_node: dict[str, list[str]] = {}
+    for p in places:
+        ids = on_node.setdefault(p.node_id, [])
+        ids.extend(g for g in p.gpu_ids if g not in ids)  # a GPU shared by fractional workers counts once
+    return [",".join(on_node[p.node_id]) if on_node[p.node_id] else None for p in places]
 
 
 def bundles(num_workers: int | None, num_hosts: int | None, num_workers_per_host: int, cpus_per_worker: float,

@@ -12,6 +12,8 @@ import threading
 import warnings
 from typing import Any, Callable
 
+__all__ = ["log"]
+
 _lock = threading.Lock()
 _key: str | None = None  # "<scope>/ray_log" of the running call, None when no callbacks listen
 _rank = 0
@@ -20,8 +22,9 @@ _client_for: tuple[str, str] | None = None  # (store address, secret) the client
 _warned = False
 
 
-def configure(key: str | None, rank: int) -> None:
-    """Set by the worker around each call (:meth:`hora.ray.worker.BaseHorovodWorker.call`)."""
+def _configure(key: str | None, rank: int) -> None:
+    """Set by the worker around each call (:meth:`hora.ray.worker.BaseHorovodWorker.call`). Private: Horovod's
+    ``configure(queue)`` took a Ray queue, which hora does not use."""
     global _key, _rank
     with _lock:
         _key, _rank = key, rank
@@ -94,9 +97,14 @@ class Relay:
             self.error = e
 
     def close(self) -> None:
-        """Stop after the values already logged; re-raise a callback's exception."""
+        """Stop after the values already logged, and delete the call's counter (each value's key goes as it is
+        delivered); re-raise a callback's exception."""
         self._stop.set()
         self._thread.join()
+        try:
+            self._client.delete(f"{self._key}/count")
+        except Exception:  # noqa: BLE001 - the store closed (shutdown() from another thread): nothing to keep
+            pass
         self._client.close()
         if self.error is not None:
             raise self.error

@@ -8,10 +8,12 @@ actor-method argument. Each call (``run``, ``execute``...) then sends a cloudpic
 and gathers the results in rank order.
 
 Failures: a function that raises on a rank is re-raised here with that rank's traceback as its ``__cause__``
-(the first rank to fail for a reason of its own, not one that failed only because it lost a peer), and the
-ranks still running are told through the store to shut hora down, so none waits for it in a collective; a worker
+(the first rank to fail for a reason of its own, not one that failed only because it lost a peer). The failing
+worker itself tells the others, through the store, to shut hora down (:mod:`hora.ray.worker`), so none waits
+for it in a collective under ``run_remote`` either, and the next call starts afresh on every rank. A worker
 actor that dies (killed, out of memory, its node lost) fails the call at once with a :class:`LaunchError`
-naming its rank, and the executor's other actors are stopped, since a job cannot go on without a rank.
+naming its rank, and the executor's other actors are stopped, since a job cannot go on without a rank; so
+does an interruption of the driver (Ctrl-C) while it waits for a call.
 """
 
 from __future__ import annotations
@@ -24,32 +26,60 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from hora.base.errors import HoraValueError, LaunchError, NotSupportedError
+from hora.base.errors import HoraTimeoutError, HoraValueError, LaunchError, NotSupportedError
 from hora.ray import placement
-from hora.ray.worker import ABORT, RayWorker
+from hora.ray.worker import RayWorker, _Failures
 
 # After one rank raised, how long the others get to finish or fail in turn before they are stopped: they are
 # told to shut hora down and normally end within a second; one waiting in hora.init() for the failed rank
 # ends when its start timeout (settings.timeout_s) runs out, so the grace is that plus this.
 FAILURE_GRACE_S = 15.0
+# Ray's default max_direct_call_object_size: an argument up to this size travels inside the task itself
+INLINE_MAX = 100 * 1024
 ELASTIC_NOT_YET = ("not supported yet: elastic Ray jobs (min_workers / max_workers, ElasticRayExecutor) need "
                    "hora's elastic driver, which is not built yet; use num_workers for a fixed-size job")
 
 
+class Timeout:
+    """A deadline ``timeout_s`` from now (what Horovod's ``MiniSettings.start_timeout`` gives)."""
+
+    def __init__(self, timeout_s: float, message: str):
+        self._deadline = time.monotonic() + timeout_s
+        self._timeout_s, self._message = timeout_s, message
+
+    def remaining(self) -> float:
+        return max(0.0, self._deadline - time.monotonic())
+
+    def timed_out(self) -> bool:
+        return time.monotonic() >= self._deadline
+
+    def check_time_out_for(self, activity: str) -> None:
+        """Raise :class:`HoraTimeoutError` if the deadline has passed."""
+        if self.timed_out():
+            raise HoraTimeoutError(self._message.format(activity=activity))
+
+
 @dataclass
 class MiniSettings:
-    """The settings of a Ray job (Horovod's name). ``timeout_s``: how long workers get to start and meet
-    (hora's ``start_timeout``); ``nics``: the network interfaces hora may use (``HORA_NETWORK_INTERFACES``);
-    the ssh fields are accepted and unused (Ray starts the processes, not ssh)."""
+    """The settings of a Ray job (Horovod's name and defaults; ``create_settings`` makes them with
+    ``timeout_s=30``). ``timeout_s``: how long workers get to start and meet (hora's ``start_timeout``);
+    ``nics``: the network interfaces hora may use (``HORA_NETWORK_INTERFACES``); the ssh fields are accepted
+    and unused (Ray starts the processes, not ssh)."""
 
     nics: set | None = None
     verbose: int = 1
     key: str | None = None
     ssh_port: int | None = None
     ssh_identity_file: str | None = None
-    timeout_s: int = 30
+    timeout_s: int = 300
     placement_group_timeout_s: int = 100
     elastic: bool = False
+
+    @property
+    def start_timeout(self) -> Timeout:
+        """A fresh deadline ``timeout_s`` from now, as Horovod's."""
+        return Timeout(self.timeout_s, f"Timed out waiting for {{activity}} (timeout_s={self.timeout_s:g}); "
+                                       "raise timeout_s in RayExecutor.create_settings if the workers need longer")
 
 
 def _apply(fn: Callable, args: tuple, kwargs: dict, _executable: Any) -> Any:
@@ -81,6 +111,8 @@ class RayExecutor:
             raise NotSupportedError(ELASTIC_NOT_YET)
         if num_workers is not None and num_hosts is not None:
             raise HoraValueError("RayExecutor: give num_workers, or num_hosts and num_workers_per_host, not both")
+        if num_workers is None and num_hosts is None:  # in a Ray Tune trial too: its group holds other bundles
+            raise HoraValueError("RayExecutor: set num_workers, or num_hosts and num_workers_per_host")
         if gpus_per_worker and not use_gpu:
             raise HoraValueError("RayExecutor: gpus_per_worker is set but use_gpu is False; set use_gpu=True")
         if use_gpu and gpus_per_worker is not None and gpus_per_worker < 1:
@@ -103,6 +135,7 @@ class RayExecutor:
         self._secret = ""
         self._scope = ""
         self._calls = 0
+        self._shutdowns = 0  # counts shutdown(): a call that sees it change was shut down under it
 
     # --- start / shutdown ------------------------------------------------------------------------------------
     def start(self, executable_cls: type | None = None, executable_args: list | None = None,
@@ -128,14 +161,7 @@ class RayExecutor:
                                     "served by the driver, which the workers may not reach; run the driver on a "
                                     "node of the cluster (e.g. as a Ray job)")
         current = get_current_placement_group() if self.use_current_placement_group else None
-        if current is None and self.num_workers is None and self.num_hosts is None:
-            raise HoraValueError("RayExecutor: set num_workers, or num_hosts and num_workers_per_host")
-        if self.num_workers is not None:
-            n = self.num_workers
-        elif self.num_hosts is not None:
-            n = self.num_hosts * self.num_workers_per_host
-        else:  # only a current placement group: one worker per bundle
-            n = len(current.bundle_specs)
+        n = self.num_workers if self.num_workers is not None else self.num_hosts * self.num_workers_per_host
         if current is not None:  # running inside a Ray Tune trial, say: its group holds our resources
             self._pg, index = current, [-1] * n
         else:
@@ -154,14 +180,16 @@ class RayExecutor:
         plan = placement.plan_ranks(places)
         self.workers = [started[i] for i, _ in plan]
         self.places = [places[i] for i, _ in plan]
-        envs = self._serve([s for _, s in plan], places, extra_env_vars)
+        envs = self._serve([s for _, s in plan], self.places, extra_env_vars)
         path = [p for p in sys.path if isinstance(p, str)]
         self._gather([w.setup.remote(env, path) for w, env in zip(self.workers, envs)],
                      timeout=self.settings.timeout_s, what="start")
 
     def _serve(self, slots: list, places: list[placement.Place], extra_env_vars: dict) -> list[dict[str, str]]:
-        """Serve the store here and return each rank's environment. The store listens on loopback when every
-        worker shares this node, else on all interfaces, advertised as this node's Ray address."""
+        """Serve the store here and return each rank's environment (``places`` in rank order). The store listens
+        on loopback when every worker shares this node, else on all interfaces, advertised as this node's Ray
+        address. With ``use_gpu``, each rank sees every GPU of its node (:func:`placement.visible_devices`)
+        unless ``extra_env_vars`` names ``CUDA_VISIBLE_DEVICES``."""
         import ray
 
         from hora.runner.launch import worker_envs
@@ -179,12 +207,18 @@ class RayExecutor:
         if self.settings.nics:
             knobs["HORA_NETWORK_INTERFACES"] = ",".join(sorted(self.settings.nics))
         extra = {str(k): str(v) for k, v in extra_env_vars.items()}
-        return worker_envs(slots, knobs, addr, self._secret, self._scope, base={}, extra=extra)
+        envs = worker_envs(slots, knobs, addr, self._secret, self._scope, base={}, extra=extra)
+        if self.use_gpu and "CUDA_VISIBLE_DEVICES" not in extra:
+            for env, devices in zip(envs, placement.visible_devices(places)):
+                if devices is not None:
+                    env["CUDA_VISIBLE_DEVICES"] = devices
+        return envs
 
     def shutdown(self) -> None:
         """Stop the actors, release the placement group (when this executor made it) and close the store."""
         import ray
 
+        self._shutdowns += 1
         workers, self.workers, self.places = self.workers, [], []
         for w in workers:
             try:
@@ -199,9 +233,9 @@ class RayExecutor:
             except Exception:  # noqa: BLE001 - the cluster went away first
                 pass
         self._pg, self._own_pg = None, False
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()
 
     # --- calls ----------------------------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: list | None = None, kwargs: dict | None = None,
@@ -216,13 +250,16 @@ class RayExecutor:
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(executable)`` on the rank 0 worker only; its return value."""
+        workers = self._live()
         payload, scope = self._payload(fn)
-        return self._gather([self._live()[0].call.remote(payload, scope, None)], scope=scope)[0]
+        return self._gather([workers[0].call.remote(payload, scope, None)])[0]
 
     def run_remote(self, fn: Callable[..., Any], args: list | None = None, kwargs: dict | None = None) -> list:
-        """Like :meth:`run`, without waiting: one ``ray.ObjectRef`` per rank, in rank order (``ray.get`` them)."""
+        """Like :meth:`run`, without waiting: one ``ray.ObjectRef`` per rank, in rank order (``ray.get`` them).
+        A rank that raises still tells the others to stop (see the module docstring)."""
+        workers = self._live()
         payload, scope = self._payload(functools.partial(_apply, fn, tuple(args or ()), dict(kwargs or {})))
-        return [w.call.remote(payload, scope, None) for w in self._live()]
+        return [w.call.remote(payload, scope, None) for w in workers]
 
     def _live(self) -> list:
         if not self.workers:
@@ -230,25 +267,31 @@ class RayExecutor:
                               "and start() again)")
         return self.workers
 
-    def _payload(self, fn: Callable) -> tuple[bytes, str]:
+    def _payload(self, fn: Callable):
+        """(the cloudpickled function, or a ref to it; the call's store scope). Ray sends a small argument inside
+        each task, and puts a large one (a closure over a model, say) in its object store once per task; so a
+        large one is put there once here, for all ranks."""
         import cloudpickle
+        import ray
 
         if not callable(fn):
             raise HoraValueError(f"RayExecutor needs a function, got {type(fn).__name__}")
         self._calls += 1
-        return cloudpickle.dumps(fn), f"{self._scope}/{self._calls}"
+        data = cloudpickle.dumps(fn)
+        return (ray.put(data) if len(data) > INLINE_MAX else data), f"{self._scope}/{self._calls}"
 
     def _call(self, fn: Callable, callbacks: list | None) -> list:
         from hora.ray.ray_logger import Relay
 
         workers = self._live()
+        store = self._store
         payload, scope = self._payload(fn)
-        if not callbacks:
-            return self._gather([w.call.remote(payload, scope, None) for w in workers], scope=scope)
+        if not callbacks or store is None:
+            return self._gather([w.call.remote(payload, scope, None) for w in workers])
         key = f"{scope}/ray_log"
-        relay = Relay(f"127.0.0.1:{self._store.address.rpartition(':')[2]}", self._secret, key, callbacks)
+        relay = Relay(f"127.0.0.1:{store.address.rpartition(':')[2]}", self._secret, key, callbacks)
         try:
-            results = self._gather([w.call.remote(payload, scope, key) for w in workers], scope=scope)
+            results = self._gather([w.call.remote(payload, scope, key) for w in workers])
         except BaseException:
             try:
                 relay.close()
@@ -259,11 +302,36 @@ class RayExecutor:
         return results
 
     # --- results and failures ----------------------------------------------------------------------------------
-    def _gather(self, refs: list, timeout: float | None = None, what: str = "call", scope: str | None = None
-                ) -> list:
-        """The values of ``refs`` (one per rank, in rank order), or the error that explains the failure. Once a
-        rank of call ``scope`` failed, the ranks still running are told to shut hora down (see
-        :func:`hora.ray.worker._watch`), so none waits for the failed one in a collective."""
+    def _gather(self, refs: list, timeout: float | None = None, what: str = "call") -> list:
+        """The values of ``refs`` (one per rank, in rank order), or the error that explains the failure.
+
+        An exception that is not Ray's while waiting (Ctrl-C: ``KeyboardInterrupt``) leaves the actors busy with
+        a call nobody waits for, so the ranks are told to stop and the executor is shut down before it goes on."""
+        shutdowns = self._shutdowns
+        try:
+            results, failed, late, lost = self._wait(refs, timeout)
+        except BaseException:
+            if self._shutdowns == shutdowns:
+                self._stop_all()
+            raise
+        if lost is not None and self._shutdowns != shutdowns:
+            raise LaunchError(f"RayExecutor: the executor was shut down (shutdown() was called) during a {what}; "
+                              "call start() for a new job") from lost[1]
+        if lost is not None:
+            self._lost(*lost, what)
+        if failed:
+            if late:
+                self.shutdown()
+            _raise_task_error(failed, late, self.settings.timeout_s + FAILURE_GRACE_S)
+        if late:
+            self.shutdown()
+            raise LaunchError(f"RayExecutor: ranks {late} did not {'start' if what == 'start' else 'answer'} within "
+                              f"{timeout:g} s (settings.timeout_s); the workers were stopped")
+        return results
+
+    def _wait(self, refs: list, timeout: float | None) -> tuple[list, list, list[int], tuple | None]:
+        """Wait for ``refs``: (results, [(rank, RayTaskError)], ranks that had not answered, (rank, RayActorError)
+        of a dead actor or None). After one rank raised, the others get ``settings.timeout_s`` + the grace."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
@@ -281,24 +349,24 @@ class RayExecutor:
             try:
                 results[rank] = ray.get(ready[0])
             except RayActorError as e:
-                self._lost(rank, e, what)
-            except RayTaskError as e:
+                return results, failed, [], (rank, e)
+            except RayTaskError as e:  # the worker has told the other ranks already (hora.ray.worker)
                 failed.append((rank, e))
-                if scope is not None and pending and self._store is not None:
-                    self._store.set(f"{scope}/{ABORT}", b"1")
                 grace = self.settings.timeout_s + FAILURE_GRACE_S
                 if deadline is None or deadline - time.monotonic() > grace:
                     deadline = time.monotonic() + grace
-        late = sorted(rank_of[r] for r in pending)
-        if failed:
-            if late:
-                self.shutdown()
-            _raise_task_error(failed, late, self.settings.timeout_s + FAILURE_GRACE_S)
-        if late:
-            self.shutdown()
-            raise LaunchError(f"RayExecutor: ranks {late} did not {'start' if what == 'start' else 'answer'} within "
-                              f"{timeout:g} s (settings.timeout_s); the workers were stopped")
-        return results
+        return results, failed, sorted(rank_of[r] for r in pending), None
+
+    def _stop_all(self) -> None:
+        """Count a failure (the ranks' watchers shut hora down) and shut the executor down."""
+        store = self._store
+        if store is not None:
+            failures = _Failures.connect_to(f"127.0.0.1:{store.address.rpartition(':')[2]}", self._secret,
+                                            self._scope)
+            if failures is not None:
+                failures.report()
+                failures.close()
+        self.shutdown()
 
     def _lost(self, rank: int, error: Exception, what: str) -> None:
         where = self.places[rank] if rank < len(self.places) else None

@@ -3,9 +3,10 @@
 The driver (:class:`hora.ray.RayExecutor`) makes this class a Ray actor, asks each instance where it runs
 (:meth:`place`), then hands it its rank's environment (:meth:`setup`: the ``HORA_*`` contract of
 :func:`hora.runner.launch.worker_envs`, the job secret included). The environment arrives as an actor-method
-argument, so the secret travels inside Ray's own (token-authenticated) channels and never on a command line;
-it goes into this process's ``os.environ`` after the process started, which ``/proc/<pid>/environ`` does not
-show. hora reads it when the user's function calls ``hvd.init()``.
+argument, so the secret travels inside Ray's own channels (token-authenticated; encrypted only with Ray's TLS
+on, see docs/ray.md) and never on a command line; it goes into this process's ``os.environ`` after the process
+started, which ``/proc/<pid>/environ`` does not show. hora reads it when the user's function calls
+``hvd.init()``.
 
 Functions arrive cloudpickled and are unpickled here, after the driver's ``sys.path`` has been added to ours,
 so a function defined in a module next to the driver's script (or in a test module) is found, as under
@@ -45,6 +46,9 @@ class BaseHorovodWorker:
     def __init__(self, world_rank: int = 0, world_size: int = 1):
         self._rank = world_rank
         self._size = world_size
+        self._job: str | None = None  # the job's store scope, from setup()
+        self._seen = 0
+        self._failures: _Failures | None = None
 
     # --- Horovod's methods -------------------------------------------------------------------------------
     def hostname(self) -> str:
@@ -85,12 +89,20 @@ class BaseHorovodWorker:
         """Horovod's hook for a Ray queue; hora's callbacks travel through the job's store instead
         (:mod:`hora.ray.ray_logger`), so this is accepted and has no effect."""
 
-    # --- hora's ------------------------------------------------------------------------------------------
-    def place(self) -> tuple[str, str, int]:
-        """(Ray node ID, node address, pid): what the driver plans ranks from."""
+    def node_id(self) -> str:
+        """The ID of the Ray node this actor runs on."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+        return ray.get_runtime_context().get_node_id()
+
+    # --- hora's ------------------------------------------------------------------------------------------
+    def place(self) -> tuple[str, str, int, list[str]]:
+        """(Ray node ID, node address, pid, the GPU IDs Ray gave this actor): what the driver plans ranks and
+        ``CUDA_VISIBLE_DEVICES`` from."""
+        import ray
+
+        return (ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid(),
+                [str(g) for g in ray.get_gpu_ids()])
 
     def setup(self, env: dict[str, str], sys_path: list[str]) -> None:
         """Take this rank's environment (replacing any ``HORA_*``/``HOROVOD_*`` topology a previous job left)
@@ -101,46 +113,116 @@ class BaseHorovodWorker:
         os.environ.update(env)
         self._rank = int(env["HORA_RANK"])
         self._size = int(env["HORA_SIZE"])
+        self._job = env["HORA_STORE_SCOPE"]
+        self._seen = 0  # the job's failure count (_Failures) when this rank's last call began
+        self._failures = None  # the connection to count them, made on the first call
         sys.path.extend(p for p in sys_path if p not in sys.path)
 
     def call(self, payload: bytes, scope: str, log_key: str | None) -> Any:
         """Run a cloudpickled ``func(executable)`` under a fresh store scope (``HORA_STORE_SCOPE``), so one
-        call's ``hvd.init()`` can never meet a rendezvous left half done by an earlier failed call. While it
-        runs, a thread watches the store for the driver's word that another rank failed (:func:`_watch`)."""
+        call's ``hvd.init()`` can never meet a rendezvous left half done by an earlier failed call.
+
+        Failures are counted in the store for the whole job (:class:`_Failures`): a rank whose function raises
+        counts one before its exception leaves, whichever executor method sent the call. While a call runs, a
+        thread shuts hora down here as soon as any rank counts one (:func:`_watch`), so no rank waits for the
+        failed one in a collective. A call that begins after a failure (of this call's predecessor on another
+        rank, say, which failed after this rank had returned) begins with hora shut down, so that every rank
+        of it initialises afresh instead of some joining the new rendezvous and others keeping the old job."""
         import cloudpickle
 
         from hora.ray import ray_logger
 
         os.environ["HORA_STORE_SCOPE"] = scope
-        ray_logger.configure(log_key, self._rank)
+        if self._failures is None:  # one connection for the actor's life; the watcher makes its own
+            self._failures = _Failures.connect(self._job)
+        failures = self._failures
+        seen = failures.count() if failures is not None else None
+        if seen is None:  # no store to ask: the executor is going away
+            seen = self._seen
+        elif seen > self._seen:
+            _shutdown_hora()
+        self._seen = seen
+        ray_logger._configure(log_key, self._rank)
         done = threading.Event()
-        threading.Thread(target=_watch, args=(f"{scope}/{ABORT}", done), daemon=True, name="hora-ray-abort").start()
+        if failures is not None:
+            threading.Thread(target=_watch, args=(failures.job, seen, done), daemon=True,
+                             name="hora-ray-abort").start()
         try:
             func = cloudpickle.loads(payload)
             return self.execute(func)
+        except BaseException:
+            if failures is not None:
+                failures.report()
+            raise
         finally:
             done.set()
-            ray_logger.configure(None, self._rank)
+            ray_logger._configure(None, self._rank)
 
 
-ABORT = "abort"  # the key, under a call's scope, that the driver sets when a rank of that call failed
+FAILURES = "failures"  # under the job's scope: how many times a rank's call failed (the store's atomic ADD)
 
 
-def _watch(key: str, done: threading.Event) -> None:
-    """Until the call is ``done``: if the driver sets ``key`` (another rank failed), shut hora down here, so a
-    collective this rank waits in raises ``ShutdownError`` at once (a peer that shut down on purpose need not
-    end a collective that this rank submits afterwards)."""
-    from hora.base import env
-    from hora.transport.store import StoreClient, StoreTimeout
+class _Failures:
+    """The job's failure count in the store: ``<job>/failures``, and ``<job>/failed/<n>`` set by the n-th
+    failure, which a watcher can wait for without polling."""
 
-    try:
-        client = StoreClient(env.get("STORE_ADDR") or "", env.get("SECRET") or "")
-    except Exception:  # noqa: BLE001 - no store (the executor is gone): nothing to watch
+    def __init__(self, client, job: str):
+        self.client, self.job = client, job
+
+    @classmethod
+    def connect(cls, job: str | None) -> "_Failures | None":
+        """From a worker (the store's address and secret are in its environment): a connection to the job's
+        store, or None outside a started job."""
+        from hora.base import env
+
+        return cls.connect_to(env.get("STORE_ADDR") or "", env.get("SECRET") or "", job) if job else None
+
+    @classmethod
+    def connect_to(cls, addr: str, secret: str, job: str) -> "_Failures | None":
+        """A connection to the store at ``addr``, or None when it is gone (the executor is shutting down)."""
+        from hora.transport.store import StoreClient
+
+        try:
+            return cls(StoreClient(addr, secret, timeout=10), job)
+        except Exception:  # noqa: BLE001 - no store: nothing to count, nobody to tell
+            return None
+
+    def count(self) -> int | None:
+        """The job's failure count, or None when the store cannot be asked."""
+        try:
+            return self.client.add(f"{self.job}/{FAILURES}", 0)
+        except Exception:  # noqa: BLE001 - the store closed: the executor is shutting down
+            return None
+
+    def report(self) -> None:
+        """Count a failure, so every rank in a call now shuts hora down and every later call starts afresh."""
+        try:
+            n = self.client.add(f"{self.job}/{FAILURES}")
+            self.client.set(failed_key(self.job, n), b"1")
+        except Exception:  # noqa: BLE001 - the store closed: the executor is shutting down anyway
+            pass
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def failed_key(job: str, n: int) -> str:
+    return f"{job}/failed/{n}"
+
+
+def _watch(job: str, seen: int, done: threading.Event) -> None:
+    """Until the call is ``done``: once the job counts more than ``seen`` failures (a rank failed), shut hora
+    down here, so a collective this rank waits in raises ``ShutdownError`` at once (a peer that shut down on
+    purpose need not end a collective that this rank submits afterwards)."""
+    from hora.transport.store import StoreTimeout
+
+    failures = _Failures.connect(job)
+    if failures is None:
         return
     try:
         while not done.is_set():
             try:
-                client.get(key, timeout=0.5)
+                failures.client.get(failed_key(job, seen + 1), timeout=0.5)
             except StoreTimeout:
                 continue
             # and again until the call ends: an hvd.init() that was under way completes after the first
@@ -151,7 +233,7 @@ def _watch(key: str, done: threading.Event) -> None:
     except Exception:  # noqa: BLE001 - the store closed (shutdown): the call is over anyway
         return
     finally:
-        client.close()
+        failures.close()
 
 
 def _own_copy(f: Callable) -> Callable:
