@@ -25,6 +25,7 @@ import keras
 import hora.core.basics as _basics
 from hora.core import frontend as _frontend
 from hora.core import ops as _core
+from hora.core.compressors import compressor_handler
 from hora.core.frontend_elastic import HandledState, keras_handlers, raising_internal
 from hora.elastic import ObjectState, run_fn
 from hora.keras.callbacks import _sync
@@ -59,7 +60,7 @@ class KerasState(HandledState, ObjectState):
         self.backend = backend
         handlers = keras_handlers(model, optimizer, lambda vs: broadcast_variables(vs, 0, name="KerasState"),
                                   lambda: _sync(model))
-        rest = self._take_handlers(kwargs, lambda value: None, handlers)
+        rest = self._take_handlers(kwargs, compressor_handler, handlers)
         super().__init__(bcast_object=_bcast_object, get_rank=_basics.rank, **rest)
 
 
