@@ -406,6 +406,42 @@ def _binding_checks():
                 np.testing.assert_allclose(-np.asarray(updates[k]), w, rtol=1e-6, atol=1e-6)
     with pytest.raises(HoraValueError, match="op=Average"):
         hjax.DistributedOptimizer(optax.sgd(1.0), op=hjax.Max, compression=TopK())
+    # TF: sparse (embedding) gradients beside a stateful compressor travel in the step's one host call
+    from hora.tensorflow import bridge
+
+    calls, real_host = [], bridge.host_call
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real_host(*a, **kw)
+    emb, w = tf.Variable(np.ones((50, 8), np.float32)), tf.Variable(np.ones((8, 30), np.float32))
+    comp = TopK(0.1)
+    bridge.host_call = spy
+    try:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.matmul(tf.gather(emb, [r, 5]), w))
+        g_emb, g_w = htf.DistributedGradientTape(tape, compression=comp).gradient(loss, [emb, w])
+    finally:
+        bridge.host_call = real_host
+    assert len(calls) == 1 and isinstance(g_emb, tf.IndexedSlices) and set(comp.state) == {"1"}
+    ref = TopK(0.1).reduce(["1"], [np.full((8, 30), 2.0, np.float32)])[0]
+    np.testing.assert_allclose(g_w.numpy(), ref)
+    # the elastic states keep a compressor's state in place: restore puts the committed buffers back into it
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    for make_state in (lambda c: htf.elastic.TensorFlowState([tf.Variable(1.0)], compression=c, epoch=0),
+                       lambda c: hkeras.elastic.KerasState(model, keras.optimizers.SGD(), compression=c),
+                       lambda c: hjax.elastic.JaxState(compression=c, epoch=0)):
+        c = PowerSGD(rank=2)
+        c.reduce(["m"], [grads(30)[0]])
+        st = make_state(c)
+        c.reduce(["m"], [grads(31)[0]])
+        st.save()
+        kept = {k: v.tobytes() for k, v in c.state["m"].items()}
+        c.reduce(["m"], [grads(32)[0]])
+        st.restore()
+        assert st.compression is c and {k: v.tobytes() for k, v in c.state["m"].items()} == kept
+        st.sync()  # every rank gets rank 0's
+        assert len(set(htf.allgather_object(c.state["m"]["error"].tobytes()))) == 1
     return True
 
 
