@@ -14,13 +14,19 @@ differs from the accumulated true average by the mean error buffer only, which s
 grow, so the relative difference goes to 0 (``tests/test_compression.py`` checks it).
 
 * :class:`TopK` (``Compression.topk(ratio=0.01)``): each rank sends its ``k = ceil(ratio * n)`` largest
-  entries (by magnitude, of gradient + error) of each tensor as (index, value) pairs in one grouped
-  allgather; every rank adds all ranks' pairs into a dense result in rank order, so results are bitwise
-  equal on every rank.
+  entries (by magnitude, of gradient + error) of each tensor as (index, value) pairs in one allgather of one
+  byte buffer, led by a digest of the step that every rank checks; every rank adds all ranks' pairs into a
+  dense result in rank order, so results are bitwise equal on every rank.
 * :class:`PowerSGD` (``Compression.powersgd(rank=1)``), as torch's DDP ``powerSGD_hook``: each tensor seen as
   a matrix ``M`` (``shape[0]`` rows) is sent as two factors: ``P = M Q`` (allreduced, then orthonormalised),
   ``Q = Mᵀ P`` (allreduced); the result is ``P Qᵀ``. 1-D tensors and matrices too small to gain
   ``min_compression_rate`` travel uncompressed in the first collective. ``Q`` is kept for the next step.
+
+What both promise beside the results: the state changes only after a step's last collective returned (a
+failed step loses nothing); a step with a non-finite result (an overflow a loss scaler skips) leaves the
+state as it was; ranks whose tensors differ get the same :class:`HoraValueError`; one compressor serves one
+optimizer or tape (the first step's names and shapes are recorded). :class:`CompressorHandler` keeps a
+compressor in an elastic state.
 
 Only ``Average`` and ``Sum`` make sense for either (a sum of parts is the part of the sum); other ops are
 refused by :func:`check_compression_op`. Non-floating-point tensors travel uncompressed.

@@ -53,8 +53,9 @@ def _bcast_object(obj):
 
 class KerasState(HandledState, ObjectState):
     """``KerasState(model, optimizer=None, **kwargs)``: the model's variables and the optimizer's
-    (``model.optimizer`` when not given), plus plain values as attributes. ``backend``: accepted, no effect
-    (Keras 3 has one backend per process)."""
+    (``model.optimizer`` when not given), plus plain values as attributes; a ``Compression.topk/powersgd``
+    compressor among them keeps its state in place. ``backend``: accepted, no effect (Keras 3 has one
+    backend per process)."""
 
     def __init__(self, model, optimizer=None, backend=None, **kwargs: Any):
         self.backend = backend
