@@ -59,20 +59,21 @@ def _core_checks():
 
     # top-k sends k values per rank, and payload_bytes says what was handed to the collectives
     sent = []
-    real = core.grouped_allgather_async
+    real = core.allgather_async
 
-    def spy(arrays, *a, **kw):
-        sent.extend(arrays)
-        return real(arrays, *a, **kw)
-    core.grouped_allgather_async = spy
+    def spy(array, *a, **kw):
+        sent.append(array)
+        return real(array, *a, **kw)
+    core.allgather_async = spy
     try:
         t = TopK(0.01)
         shapes = [(100, 50), (300,), (2,)]
         out = t.reduce(["a", "b", "c"], [np.full(s, float(r + 1), np.float32) for s in shapes])
     finally:
-        core.grouped_allgather_async = real
+        core.allgather_async = real
     ks = [t.k(5000), t.k(300)]  # (2,) is cheaper whole: it goes dense
-    assert ks == [50, 3] and [a.size for a in sent] == [53, 53] and sent[0].dtype == np.int32
+    # one byte buffer: a 16-byte header (digest, length), then the int32 indices and the values, 8-aligned
+    assert ks == [50, 3] and [(a.dtype, a.size) for a in sent] == [(np.uint8, 16 + 216 + 216)]
     assert t.payload_bytes(shapes, [np.float32] * 3) == sum(a.nbytes for a in sent) + 2 * 4
     np.testing.assert_array_equal(out[2], np.full(2, (w + 1) / 2, np.float32))
     for a in out[:2]:  # every entry is equal: k of them arrive, the rest waits in the error
@@ -126,6 +127,62 @@ def _core_checks():
                 lambda: PowerSGD(min_compression_rate=0.5)):
         with pytest.raises(HoraValueError):
             bad()
+    # review regressions: rank-dependent sizes raise the same HoraValueError everywhere and change no state
+    # (top-k's sparse pairs carry a digest, dense tensors and PowerSGD's factors a layout the core compares)
+    def same_state(c, snap):
+        return c.steps == snap["steps"] and set(c.state) == set(snap["state"]) and all(
+            c.state[n][k].tobytes() == v.tobytes() for n, s in snap["state"].items() for k, v in s.items())
+
+    for c, shape in ((TopK(0.1), (1000 + 200 * r,)), (TopK(0.5), (2 + r,)), (PowerSGD(rank=2), (40, 30 + r))):
+        c.reduce(["v"], [np.ones((40, 30) if c.kind == "powersgd" else (1000,))])  # some state to keep
+        snap = c.state_dict()
+        c.layout = None  # a new set of parameters on purpose (the per-owner check is tested below)
+        with pytest.raises(HoraValueError, match="ranks' gradients differ"):
+            c.reduce(["w"], [np.ones(shape)])
+        assert same_state(c, snap), c
+    # the per-owner check: another set of names or shapes through one compressor is refused, state untouched
+    c = TopK(0.1)
+    c.reduce(["a", "b"], [np.ones(100), np.ones(50)])
+    snap = c.state_dict()
+    for names_, arrays_ in ((["a"], [np.ones(100)]), (["a", "b"], [np.ones(100), np.ones(51)])):
+        with pytest.raises(HoraValueError, match="one compressor per optimizer/tape"):
+            c.reduce(names_, arrays_)
+    assert same_state(c, snap)
+    c2 = TopK(0.1)
+    c2.load_state_dict(snap)  # the layout travels with the state
+    with pytest.raises(HoraValueError, match="one compressor per optimizer/tape"):
+        c2.reduce(["a"], [np.ones(100)])
+    # an overflow on one rank (loss scaling provokes them): non-finite results on every rank, the whole state
+    # as it was (a scaler skips the step; nothing sent in it is lost), and the following steps finite
+    for c in (TopK(0.05), PowerSGD(rank=2)):
+        g = np.random.default_rng(r).standard_normal((64, 64)).astype(np.float32)
+        c.reduce(["w", "b"], [g, g[0]])
+        snap = c.state_dict()
+        bad = g.copy()
+        if r == 0:
+            bad[:, :8] = np.inf
+        out = c.reduce(["w", "b"], [bad, g[0]])
+        assert not np.isfinite(out[0]).all() and np.isfinite(out[1]).all(), c
+        assert same_state(c, snap), c
+        assert all(np.isfinite(c.reduce(["w", "b"], [g, g[0]])[0]).all() for _ in range(5)), c
+    # the class itself, uncalled, is refused at construction
+    from hora.core.compressors import check_compression_op, compressor_handler
+    with pytest.raises(HoraValueError, match=r"call it .*Compression\.topk\(ratio=0\.01\)"):
+        check_compression_op(TopK, hora.Average, "DistributedOptimizer")
+    with pytest.raises(HoraValueError, match=r"Compression\.powersgd\(rank=1\)"):
+        check_compression_op(PowerSGD, hora.Average, "DistributedOptimizer")
+    # the elastic handler: restore puts the committed state back into the same object; sync gives rank 0's
+    c = PowerSGD(rank=2)
+    c.reduce(names, grads(1, r))
+    h = compressor_handler(c)
+    committed = c.state_dict()
+    c.reduce(names, grads(2, r))
+    h.restore()
+    assert same_state(c, committed) and compressor_handler(3) is None
+    h.sync()
+    mine = b"".join(v.tobytes() for n in sorted(c.state) for v in c.state[n].values())
+    assert len(set(core.allgather_object(mine))) == 1
+
     if w >= 3:  # in a process set of ranks 0 and 1: Average divides by its size, 2
         hora.shutdown()
         ps = hora.ProcessSet([0, 1])
@@ -183,6 +240,38 @@ def _torch_checks(epochs):
     flat = torch.cat([emb.weight.detach().reshape(-1), lin.weight.detach().reshape(-1)])
     gathered = hvd.allgather(flat.unsqueeze(0))
     assert (gathered == gathered[0]).all() and set(opt._stateful.state) == {"w"}  # b: 2 entries, cheaper whole
+    # a parameter with no gradient on one rank is submitted late (in synchronize): the compressor still gets the
+    # step in the optimizer's order on every rank, under a fixed name (else: a hang or a wrong sum)
+    torch.manual_seed(0)
+    a_, b_, c_ = (torch.nn.Linear(4, 4, bias=False) for _ in range(3))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([a_.weight, b_.weight, c_.weight], lr=1.0),
+                                   named_parameters=[("a", a_.weight), ("b", b_.weight), ("c", c_.weight)],
+                                   compression=hvd.Compression.topk(1.0))
+    x1 = torch.ones(1, 4)
+    loss = a_(x1).sum() if hvd.rank() == 0 else (b_(x1) * 100).sum() + (c_(x1) * 10).sum() + a_(x1).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.synchronize()
+    w = hvd.size()
+    for p_, want in ((a_, 1.0), (b_, 100 * (w - 1) / w), (c_, 10 * (w - 1) / w)):
+        torch.testing.assert_close(p_.weight.grad, torch.full((4, 4), want))
+    # TorchState keeps the compressor's state: a restore after a failed step puts the committed buffers back
+    lin2 = torch.nn.Linear(8, 4)
+    opt2 = hvd.DistributedOptimizer(torch.optim.SGD(lin2.parameters(), lr=0.1),
+                                    named_parameters=lin2.named_parameters(), compression=hvd.Compression.topk(0.3))
+
+    def step2(k):
+        opt2.zero_grad()
+        (lin2(torch.arange(8.0) * (hvd.rank() + k)) ** 2).sum().backward()
+        opt2.step()
+        return {n: v["error"].tobytes() for n, v in opt2._stateful.state.items()}
+    step2(1)
+    state = hvd.elastic.TorchState(lin2, opt2, epoch=0)
+    committed = step2(0)
+    state.save()  # what commit() does first
+    assert step2(2) != committed
+    state.restore()
+    assert {n: v["error"].tobytes() for n, v in opt2._stateful.state.items()} == committed and committed
     d = load_digits()
     x = torch.tensor(d.images / 16.0, dtype=torch.float32).unsqueeze(1)
     y = torch.tensor(d.target)
@@ -317,6 +406,42 @@ def _binding_checks():
                 np.testing.assert_allclose(-np.asarray(updates[k]), w, rtol=1e-6, atol=1e-6)
     with pytest.raises(HoraValueError, match="op=Average"):
         hjax.DistributedOptimizer(optax.sgd(1.0), op=hjax.Max, compression=TopK())
+    # TF: sparse (embedding) gradients beside a stateful compressor travel in the step's one host call
+    from hora.tensorflow import bridge
+
+    calls, real_host = [], bridge.host_call
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real_host(*a, **kw)
+    emb, w = tf.Variable(np.ones((50, 8), np.float32)), tf.Variable(np.ones((8, 30), np.float32))
+    comp = TopK(0.1)
+    bridge.host_call = spy
+    try:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.matmul(tf.gather(emb, [r, 5]), w))
+        g_emb, g_w = htf.DistributedGradientTape(tape, compression=comp).gradient(loss, [emb, w])
+    finally:
+        bridge.host_call = real_host
+    assert len(calls) == 1 and isinstance(g_emb, tf.IndexedSlices) and set(comp.state) == {"1"}
+    ref = TopK(0.1).reduce(["1"], [np.full((8, 30), 2.0, np.float32)])[0]
+    np.testing.assert_allclose(g_w.numpy(), ref)
+    # the elastic states keep a compressor's state in place: restore puts the committed buffers back into it
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    for make_state in (lambda c: htf.elastic.TensorFlowState([tf.Variable(1.0)], compression=c, epoch=0),
+                       lambda c: hkeras.elastic.KerasState(model, keras.optimizers.SGD(), compression=c),
+                       lambda c: hjax.elastic.JaxState(compression=c, epoch=0)):
+        c = PowerSGD(rank=2)
+        c.reduce(["m"], [grads(30)[0]])
+        st = make_state(c)
+        c.reduce(["m"], [grads(31)[0]])
+        st.save()
+        kept = {k: v.tobytes() for k, v in c.state["m"].items()}
+        c.reduce(["m"], [grads(32)[0]])
+        st.restore()
+        assert st.compression is c and {k: v.tobytes() for k, v in c.state["m"].items()} == kept
+        st.sync()  # every rank gets rank 0's
+        assert len(set(htf.allgather_object(c.state["m"]["error"].tobytes()))) == 1
     return True
 
 

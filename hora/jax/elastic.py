@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 import hora.core.basics as _basics
 from hora.core import frontend as _frontend
-from hora.core.frontend_elastic import raising_internal
+from hora.core.compressors import compressor_handler
+from hora.core.frontend_elastic import HandledState, raising_internal
 from hora.elastic import ObjectState, run_fn
 from hora.jax.functions import broadcast_object, broadcast_parameters
 
@@ -44,14 +45,19 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     return run_fn(raising_internal(func), _reset)
 
 
-class JaxState(ObjectState):
+class JaxState(HandledState, ObjectState):
     """``JaxState(params=..., opt_state=..., epoch=0)``: every keyword is an attribute, committed (copied),
-    restored and synced from rank 0 together; pytrees of arrays travel as arrays."""
+    restored and synced from rank 0 together; pytrees of arrays travel as arrays. A ``Compression.topk/
+    powersgd`` compressor (``compression=comp``) is kept in place: its state is saved and loaded back."""
 
     def __init__(self, **kwargs: Any):
-        super().__init__(bcast_object=broadcast_object, get_rank=_basics.rank, **kwargs)
+        rest = self._take_handlers(kwargs, compressor_handler)
+        super().__init__(bcast_object=broadcast_object, get_rank=_basics.rank, **rest)
 
     def sync(self) -> None:
+        for handler in self._handlers.values():  # HandledState.sync's part: this sync replaces the chain
+            handler.sync()
+            handler.save()
         if not self._saved_state:
             return
         leaves, treedef = jax.tree.flatten(self._saved_state)

@@ -25,6 +25,7 @@ import keras
 import hora.core.basics as _basics
 from hora.core import frontend as _frontend
 from hora.core import ops as _core
+from hora.core.compressors import compressor_handler
 from hora.core.frontend_elastic import HandledState, keras_handlers, raising_internal
 from hora.elastic import ObjectState, run_fn
 from hora.keras.callbacks import _sync
@@ -52,14 +53,15 @@ def _bcast_object(obj):
 
 class KerasState(HandledState, ObjectState):
     """``KerasState(model, optimizer=None, **kwargs)``: the model's variables and the optimizer's
-    (``model.optimizer`` when not given), plus plain values as attributes. ``backend``: accepted, no effect
-    (Keras 3 has one backend per process)."""
+    (``model.optimizer`` when not given), plus plain values as attributes; a ``Compression.topk/powersgd``
+    compressor among them keeps its state in place. ``backend``: accepted, no effect (Keras 3 has one
+    backend per process)."""
 
     def __init__(self, model, optimizer=None, backend=None, **kwargs: Any):
         self.backend = backend
         handlers = keras_handlers(model, optimizer, lambda vs: broadcast_variables(vs, 0, name="KerasState"),
                                   lambda: _sync(model))
-        rest = self._take_handlers(kwargs, lambda value: None, handlers)
+        rest = self._take_handlers(kwargs, compressor_handler, handlers)
         super().__init__(bcast_object=_bcast_object, get_rank=_basics.rank, **rest)
 
 

@@ -17,6 +17,7 @@ import tensorflow as tf
 import hora.core.basics as _basics
 from hora.base.errors import HoraValueError, NotSupportedError
 from hora.core import frontend as _frontend
+from hora.core.compressors import compressor_handler
 from hora.core.frontend_elastic import HandledState, VariablesHandler, keras_handlers, raising_internal
 from hora.elastic import ObjectState, run_fn
 from hora.tensorflow.functions import broadcast_variables
@@ -50,12 +51,13 @@ def _broadcast(variables: list) -> None:
 
 class TensorFlowKerasState(HandledState, ObjectState):
     """``TensorFlowKerasState(model, optimizer=None, **kwargs)``: a tf.keras model's variables and its
-    optimizer's (``model.optimizer`` when not given), plus plain values. ``backend``: accepted, no effect."""
+    optimizer's (``model.optimizer`` when not given), plus plain values; a ``Compression.topk/powersgd``
+    compressor among them keeps its error buffers with the state. ``backend``: accepted, no effect."""
 
     def __init__(self, model, optimizer=None, backend=None, **kwargs: Any):
         _eager_only("TensorFlowKerasState", None)
         self.backend = backend
-        rest = self._take_handlers(kwargs, lambda value: None, keras_handlers(model, optimizer, _broadcast))
+        rest = self._take_handlers(kwargs, compressor_handler, keras_handlers(model, optimizer, _broadcast))
         super().__init__(bcast_object=broadcast_object, get_rank=_basics.rank, **rest)
 
 
@@ -69,5 +71,5 @@ class TensorFlowState(HandledState, ObjectState):
             raise HoraValueError("TensorFlowState: pass variables= (in eager mode there are no global variables "
                                  "to default to); e.g. TensorFlowState(model.variables, epoch=0)")
         handlers = {"variables": VariablesHandler(list(variables), list, _broadcast)}
-        rest = self._take_handlers(kwargs, lambda value: None, handlers)
+        rest = self._take_handlers(kwargs, compressor_handler, handlers)
         super().__init__(bcast_object=broadcast_object, get_rank=_basics.rank, **rest)

@@ -107,31 +107,23 @@ class GradientReducer:
         if sparse and self.op not in (Average, Sum):
             raise NotSupportedError(f"{self.where}: {_g.SPARSE_OPS}")
         with tf.device(self.device_dense):
-            if is_stateful(self.compression):  # Compression.topk/powersgd: their own host call, then the sparse
-                reduced = self._stateful_step([out[i] for i in dense], dense) if dense else []
-                gathered = self._host_step([], [], [out[i] for i in sparse])[1] if sparse else []
-            else:
-                reduced, gathered = self._host_step([out[i] for i in dense], [sources[i] for i in dense],
-                                                [out[i] for i in sparse])
+            # Compression.topk/powersgd: the dense gradients through it, keyed by position (the same on every
+            # rank), in the same host call as the sparse ones
+            names = [str(i) for i in dense] if is_stateful(self.compression) else None
+            reduced, gathered = self._host_step([out[i] for i in dense], [sources[i] for i in dense],
+                                                [out[i] for i in sparse], names)
         for i, r in zip(dense, reduced):
             out[i] = r
         for i, g in zip(sparse, gathered):
             out[i] = g
         return out
 
-    def _stateful_step(self, grads: list, positions: list[int]) -> list:
-        """The dense gradients through a stateful compressor (:mod:`hora.core.compressors`) in one host call;
-        its state is keyed by the gradients' positions, the same on every rank."""
-        grads = [tf.convert_to_tensor(g) for g in grads]
-        names, comp = [str(i) for i in positions], self.compression
-        prefix = bridge.op_name("Compress", grads[0], self.where) or self.where
-        op, pre, post, ps = self.op, self.prescale, self.postscale, self.process_set
-        return bridge.host_call(lambda *a: comp.reduce(names, list(a), op, pre, post, ps, prefix), grads,
-                                [g.dtype for g in grads], [g.shape for g in grads], chain=False)
-
-    def _host_step(self, grads: list, sources: list, sparse: list) -> tuple[list, list]:
+    def _host_step(self, grads: list, sources: list, sparse: list, stateful: list[str] | None = None
+                   ) -> tuple[list, list]:
         """The step's ONE host call: the dense gradients allreduced in their groups (entering as one flat
         buffer per dtype, see :class:`hora.core.packing.Packing`), each sparse one's indices and values gathered.
+        ``stateful``: the dense gradients' names for a stateful compressor (:mod:`hora.core.compressors`),
+        which reduces them instead (its own collectives, then the sparse ones').
 
         Not chained to the graph's other host calls (``bridge.host_call``'s ``chain``): that would make every
         train step also run the collectives built before it (a metric's allreduce, with its own inputs);
@@ -141,7 +133,9 @@ class GradientReducer:
         first = grads[0] if grads else sparse[0].values
         prefix = bridge.op_name("Allreduce", first, self.where)
         wire, sparse_wire = _g.group_names(prefix, groups), [f"{prefix}.sparse.{k}" for k in range(len(sparse))]
-        packed = [self.compression.compress(tf.convert_to_tensor(g)) for g in grads]
+        comp = self.compression
+        packed = [(tf.convert_to_tensor(g), None) if stateful is not None else comp.compress(tf.convert_to_tensor(g))
+                  for g in grads]
         tensors = [t for t, _ in packed]
         plan = Packing([t.shape.as_list() if t.shape.rank is not None else [None] for t in tensors],
                        [t.dtype for t in tensors], [t.dtype.size for t in tensors], pack_limit(self.op))
@@ -153,6 +147,11 @@ class GradientReducer:
 
         def run(*arrays):
             pairs = list(zip(arrays[nd::2], arrays[nd + 1::2]))
+            if stateful is not None:
+                out = comp.reduce(stateful, plan.unpack_np(arrays[:nd]), op, pre, post, ps,
+                                  prefix or "compress") if nd else []
+                gathered = _g.step_collectives([], [], op, pre, post, [], pairs, sparse_wire, ps)[1]
+                return (plan.pack_np(out) if nd else []) + [x for pair in gathered for x in pair]
             if whole:  # one member per buffer: ~40 us each in the core where 50 small tensors cost ~1 ms
                 # the shapes the buffers hide travel as the plan's digest, which the core compares across ranks
                 out, gathered = _g.step_collectives(arrays[:nd], [list(range(nd))], op, pre, post, wire, pairs,
@@ -168,7 +167,9 @@ class GradientReducer:
         reduced = plan.unpack(outs[:nd], tf.split, tf.reshape)
         gathered = [tf.IndexedSlices(outs[nd + 2 * k + 1], outs[nd + 2 * k], g.dense_shape)
                     for k, g in enumerate(sparse)]
-        return [self.compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)], gathered
+        if stateful is not None:
+            return reduced, gathered
+        return [comp.decompress(r, ctx) for r, (_, ctx) in zip(reduced, packed)], gathered
 
 
 def _divide(g, size: int):

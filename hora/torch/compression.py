@@ -30,11 +30,13 @@ Compression.topk, Compression.powersgd = TopK, PowerSGD
 
 def reduce_step(compressor: StatefulCompressor, grads: list[torch.Tensor], names: list[str], op: int, pre: float,
                 post: float, process_set: ProcessSet) -> None:
-    """Reduce a step's dense gradients through ``compressor``, in place (one call for the whole step)."""
+    """Reduce a step's dense gradients through ``compressor``, in place (one call for the whole step); the
+    caller hands them in an order every rank shares (the optimizer's parameter order)."""
     from hora.torch import mpi_ops  # mpi_ops imports this module
 
     arrays = [mpi_ops._view(g.detach().contiguous(), "DistributedOptimizer")[0] for g in grads]
-    out = compressor.reduce(names, arrays, op, pre, post, process_set, name=f"compress.{names[0]}+{len(names) - 1}")
+    # a fixed name: one built from the parameters would differ between ranks handing them in another order
+    out = compressor.reduce(names, arrays, op, pre, post, process_set, name="DistributedOptimizer.compress")
     with torch.no_grad():
         for g, a in zip(grads, out):
             g.copy_(mpi_ops._tensor(a, g.device))

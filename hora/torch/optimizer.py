@@ -146,6 +146,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 except Exception as e:  # noqa: BLE001 - re-raised below, after the others are drained
                     error = error or e
         if stateful and error is None:
+            # in the optimizer's parameter order, the same on every rank: hooks fire in an order that differs
+            # between ranks when a parameter gets no gradient on one (submitted just above, at the end)
+            order = {p: k for k, p in enumerate(self._requires_update)}
+            stateful.sort(key=order.__getitem__)
             try:
                 _compression.reduce_step(self._stateful, [p.grad for p in stateful],
                                          [self._parameter_names[p] for p in stateful], self.op, *self._scales,
