@@ -1,7 +1,8 @@
 """The per-framework elastic states on real ranks, without a driver: a sync puts rank 0's state on every
 rank, a restore after failed steps is bitwise the last commit (model, optimizer, sampler, plain values),
 ``elastic.run`` rolls back, re-forms and calls again; the sampler's arithmetic loses and repeats no sample
-across a change of ranks (hypothesis); the Keras callbacks commit every N batches and record the batch and
+across a change of ranks, and a sync takes one commit's progress when a rank is a commit ahead of rank 0
+(hypothesis); the Keras callbacks commit every N batches and record the batch and
 epoch, on the TensorFlow, JAX and torch backends; the TensorFlow states and hora.jax's JaxState; errors raised
 inside a graph (a tf.function, jax.jit) are recognised as hora's; Horovod's names and signatures."""
 
