@@ -1,20 +1,23 @@
 """The per-framework elastic states on real ranks, without a driver: a sync puts rank 0's state on every
 rank, a restore after failed steps is bitwise the last commit (model, optimizer, sampler, plain values),
 ``elastic.run`` rolls back, re-forms and calls again; the sampler's arithmetic loses and repeats no sample
-across a change of ranks (hypothesis); the Keras callbacks commit every N batches and record the batch and
+across a change of ranks, and a sync takes one commit's progress when a rank is a commit ahead of rank 0
+(hypothesis); the Keras callbacks commit every N batches and record the batch and
 epoch, on the TensorFlow, JAX and torch backends; the TensorFlow states and hora.jax's JaxState; errors raised
 inside a graph (a tf.function, jax.jit) are recognised as hora's; Horovod's names and signatures."""
 
 from __future__ import annotations
 
 import collections
+import copy
+import threading
 
 import pytest
 from harness import run, spawn_job
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hora.core.frontend_elastic import ElasticIndices, internal_error
+from hora.core.frontend_elastic import ElasticIndices, SamplerHandler, internal_error
 
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false", "OMP_NUM_THREADS": "1"}
 
@@ -65,6 +68,106 @@ def test_sampler_loses_and_repeats_nothing_across_a_change(length, before, after
         repeats = sum(c - 1 for c in collections.Counter(seen).values())
         assert repeats < n_ranks or left == 0, f"{repeats} repeats with {n_ranks} ranks"
     assert set(resumed[0].processed_indices) == set(range(length))
+
+
+class _Collectives:
+    """bcast_object / allgather_object between threads standing for ranks (a barrier at each step), so that a
+    sync runs the sampler's own code on every rank at once."""
+
+    def __init__(self, n: int):
+        self.n, self.slots, self.barrier = n, [None] * n, threading.Barrier(n)
+
+    def _exchange(self, r: int, obj):
+        self.barrier.wait()
+        self.slots[r] = copy.deepcopy(obj)
+        self.barrier.wait()
+        out = copy.deepcopy(self.slots)  # each rank its own copy, as over the wire
+        self.barrier.wait()
+        return out
+
+    def handler(self, sampler, r: int) -> SamplerHandler:
+        return SamplerHandler(sampler, lambda obj: self._exchange(r, obj)[0], lambda obj: self._exchange(r, obj))
+
+
+def _sync_all(handlers) -> None:
+    """``HandledState.sync`` of the sampler on every rank at once: sync, then save."""
+    errors = []
+
+    def one(h):
+        try:
+            h.sync()
+            h.save()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(h,)) for h in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=60, deadline=None)
+@given(length=st.integers(1, 80), n=st.integers(2, 4), batch=st.integers(1, 6), progress=st.floats(0, 1),
+       every=st.integers(1, 3), ahead=st.integers(1, 3), by_indices=st.booleans(), seed=st.integers(0, 3))
+def test_sampler_sync_takes_one_commit(length, n, batch, progress, every, ahead, by_indices, seed):
+    """``n`` ranks commit every ``every`` batches; then rank ``ahead`` makes one more commit that the failure
+    kept rank 0 (and the others) from making. All restore and sync (the run loop's order): the progress is
+    rank 0's commit's, so that, with the rest of the epoch done after the sync, every index is trained on
+    exactly once over rank 0's history (the padding apart), by ``record_batch`` or ``record_indices``."""
+    ahead %= n
+    ahead = ahead or 1
+    coll = _Collectives(n)
+    samplers = _samplers(length, n, seed)
+    handlers = [coll.handler(s, r) for r, s in enumerate(samplers)]
+    steps = -(-len(samplers[0]) // batch)
+    done = int(progress * steps) // every * every
+    trained: list[int] = []  # what the committed model of rank 0 was trained on, over all the ranks
+
+    def take(b, ranks):
+        for r in ranks:
+            s = samplers[r]
+            if by_indices:
+                s.record_indices(s.get_indices(b, batch))
+            else:
+                s.record_batch(b, batch)
+
+    for b in range(done):
+        trained.extend(i for s in samplers for i in s.get_indices(b, batch))
+        take(b, range(n))
+        if (b + 1) % every == 0:
+            for h in handlers:
+                h.save()
+    for b in range(done, min(steps, done + every)):  # the next interval: only rank `ahead` reaches its commit
+        take(b, range(n))
+    handlers[ahead].save()
+    for h in handlers:
+        h.restore()
+    _sync_all(handlers)
+    assert len({s.commits for s in samplers}) == 1, "the ranks' commit counts differ after a sync"
+    assert all(s.processed_indices == samplers[0].processed_indices for s in samplers), "ranks disagree"
+    rest: list[int] = []
+    for b in range(-(-len(samplers[0]) // batch)):
+        rest.extend(i for s in samplers for i in s.get_indices(b, batch))
+    assert set(trained) | set(rest) == set(range(length)), "an index was lost for the epoch"
+    assert not set(trained) & set(rest), "an index rank 0's model trained on is trained on again"
+
+
+def test_sampler_set_epoch_after_a_consumed_epoch():
+    """A loop calling ``set_epoch(0)`` at every epoch's start gets a full epoch each time (the one consumed by
+    this process starts afresh), while an epoch found complete by a load (a restore) stays complete."""
+    (s,) = _samplers(7, 1, seed=0)
+    for _ in range(3):
+        s.set_epoch(0)
+        assert len(s) == 7
+        for b in range(-(-len(s) // 3)):
+            s.record_batch(b, 3)
+        assert len(s.processed_indices) == 7
+    s.load_state_dict(s.state_dict())
+    s.set_epoch(0)
+    assert len(s) == 0, "a restored complete epoch was started again"
 
 
 def test_sampler_epochs_and_indices():

@@ -12,6 +12,10 @@ Everything training needs to resume is in one ``TorchState``: the model, the opt
 ``BATCHES_PER_COMMIT`` steps and at each epoch's end; after a lost worker every rank rolls back to the last
 commit, the job re-forms, rank 0's state is broadcast to everyone (a new worker too), and the loop carries
 on from the commit with the samples of the epoch not yet done, re-sharded over the new number of ranks.
+
+``DIGITS_HOLD_EPOCH`` and ``DIGITS_GATE`` are for tests/test_elastic_example.py: at the start of that epoch
+the job commits (where a change of hosts is noticed) until the gate file exists, so that a test can have
+the membership change before training ends rather than race a new worker's start against it.
 """
 
 import hashlib
@@ -32,6 +36,7 @@ EPOCHS = int(os.environ.get("DIGITS_EPOCHS", "10"))
 BATCH = 32  # per rank
 LR = 0.002  # for one rank; scaled by the number of ranks at each reset, as the global batch is
 BATCHES_PER_COMMIT = 4  # a commit copies the model and optimizer state in memory: cheap here, not free
+HOLD_EPOCH, GATE = int(os.environ.get("DIGITS_HOLD_EPOCH", "0")), os.environ.get("DIGITS_GATE")  # tests only
 
 
 def digest(model) -> str:
@@ -69,9 +74,17 @@ def main():
 
     state.register_reset_callbacks([on_reset])
 
+    def hold():
+        """At the start of epoch HOLD_EPOCH, commit until rank 0 sees the file GATE (one decision for all)."""
+        while GATE and state.epoch == HOLD_EPOCH and not hvd.broadcast_object(
+                hvd.rank() == 0 and os.path.exists(GATE), root_rank=0, name="gate"):
+            state.commit()
+            time.sleep(0.05)  # a poll of the gate, not a wait standing in for it
+
     @hvd.elastic.run
     def train(state):
         while state.epoch <= EPOCHS:
+            hold()
             sampler.set_epoch(state.epoch)  # the same epoch again keeps its progress
             model.train()
             total, batches = 0.0, 0

@@ -212,7 +212,16 @@ class ElasticIndices:
     :meth:`record_batch` records batch ``batch_idx`` of *every* rank: the ranks take their batches in step
     (synchronous SGD), and every rank can compute every shard, so each rank's record is the job's without
     any communication, and a lost rank's processed samples are not lost with it. :meth:`record_indices`
-    records what this rank says it processed; a sync then takes the union over the ranks.
+    records what this rank says it processed.
+
+    A sync makes the progress one commit's, rank 0's (the model every rank takes is rank 0's): each rank
+    keeps its sets of its last two commits, tagged with their count (``commits``), and the union is taken
+    over the ranks' sets of rank 0's count. A rank one commit ahead of rank 0 (it committed before the
+    failure reached it) would otherwise mark done samples that rank 0's model never trained on; it gives its
+    previous commit's set instead. With :meth:`record_batch` the ranks of one commit hold the same set, so
+    the result is rank 0's own set, exact in every case. With :meth:`record_indices`, a rank one commit
+    *behind* rank 0 has no set of rank 0's commit: its samples of that last interval are trained on again
+    (repeated, never lost).
     """
 
     def __init__(self, length: int, shuffle: bool = True, seed: int = 0,
@@ -220,7 +229,10 @@ class ElasticIndices:
         self.length, self.shuffle, self.seed = int(length), bool(shuffle), int(seed)
         self._world = world
         self.epoch = 0
+        self.commits = 0  # commits made, counted by SamplerHandler.save: which commit the progress is
+        self._history: dict[int, tuple[int, set[int]]] = {}  # commits -> (epoch, processed) of the last two
         self.processed_indices: set[int] = set()
+        self._finished = False  # the epoch was consumed by records since the last set_epoch / load
         self.reset()
 
     def reset(self) -> None:
@@ -240,10 +252,16 @@ class ElasticIndices:
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch``: a new shuffle, nothing processed yet. Setting the epoch it already is keeps
         the progress, so it may be called at the start of each epoch (as ``DistributedSampler.set_epoch``
-        is) as well as at the end (as Horovod's examples do); Horovod's clears the progress either way."""
-        if int(epoch) != self.epoch:
+        is) as well as at the end (as Horovod's examples do); Horovod's clears the progress either way.
+
+        Except when this process's records consumed the whole epoch since the last ``set_epoch`` or load (a
+        loop calling ``set_epoch(0)`` every epoch): the epoch then starts afresh, rather than every later one
+        being silently empty. An epoch found complete by a restore or a sync (a commit made at its last
+        batch) keeps its progress, so a resumed loop moves on to the next epoch instead of repeating it."""
+        if int(epoch) != self.epoch or self._finished:
             self.epoch = int(epoch)
             self.processed_indices = set()
+            self._finished = False
             self.reset()
 
     def get_indices(self, batch_idx: int, batch_size: int) -> list[int]:
@@ -257,10 +275,25 @@ class ElasticIndices:
         end = min(start + batch_size, self.num_samples)
         # position p of rank q's shard is padded[p * num_replicas + q]: a batch of every rank is one slice
         self.processed_indices.update(self._padded[start * self.num_replicas:end * self.num_replicas])
+        self._finished = len(self.processed_indices) >= self.length
 
     def record_indices(self, indices: Iterable[int]) -> None:
         """``indices`` (dataset indices) were processed by this rank."""
         self.processed_indices.update(int(i) for i in indices)
+        self._finished = len(self.processed_indices) >= self.length
+
+    def committed(self) -> dict:
+        """Count a commit and keep its progress (the last two) for :meth:`synced`; what to save (the count
+        apart from ``state_dict``, which stays Horovod's)."""
+        self.commits += 1
+        self._history = {c: h for c, h in self._history.items() if c == self.commits - 1}
+        self._history[self.commits] = (self.epoch, set(self.processed_indices))
+        return {"commits": self.commits, "state": copy.deepcopy(self.state_dict())}
+
+    def restored(self, saved: dict) -> None:
+        """Back to a commit :meth:`committed` made."""
+        self.load_state_dict(copy.deepcopy(saved["state"]))
+        self.commits = saved["commits"]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
@@ -268,16 +301,23 @@ class ElasticIndices:
     def load_state_dict(self, state_dict: dict) -> None:
         self.epoch = int(state_dict["epoch"])
         self.processed_indices = set(state_dict["processed_indices"])
+        self._finished = False
         self.reset()
 
     def synced(self, bcast_object: Callable[[Any], Any], allgather_object: Callable[[Any], list]) -> None:
-        """Make the state the job's: rank 0's epoch, every rank's processed indices (a collective)."""
-        state = bcast_object(self.state_dict())
+        """Make the progress rank 0's commit's on every rank (a collective): rank 0's epoch and commit count,
+        and the union of the processed sets of the ranks at that same epoch and count (see the class)."""
+        state = bcast_object({**self.state_dict(), "commits": self.commits})
+        mine = dict(self._history)
+        mine.setdefault(self.commits, (self.epoch, set(self.processed_indices)))  # no commit yet: the live one
         union: set[int] = set()
-        for processed in allgather_object(self.processed_indices if self.epoch == state["epoch"] else set()):
-            union |= processed
-        state["processed_indices"] = union
-        self.load_state_dict(state)
+        for history in allgather_object(mine):
+            epoch, processed = history.get(state["commits"], (None, set()))
+            if epoch == state["epoch"]:
+                union |= processed
+        self.commits = int(state["commits"])
+        self.load_state_dict({"epoch": state["epoch"], "processed_indices": union})
+        self._history = {}  # the ranks' pasts differ; the save after the sync starts a common one
 
     def __len__(self) -> int:
         return self.num_samples
@@ -294,13 +334,15 @@ class SamplerHandler(StateHandler):
                  allgather_object: Callable[[Any], list]):
         super().__init__(sampler)
         self._bcast, self._allgather = bcast_object, allgather_object
-        self._saved = copy.deepcopy(sampler.state_dict())
+        self._saved = {"commits": sampler.commits, "state": copy.deepcopy(sampler.state_dict())}
 
     def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
+        """A commit: counted, so that a sync can tell the ranks' commits apart (equal on every rank after a
+        sync, which loads rank 0's count, and each commit adds one everywhere)."""
+        self._saved = self.value.committed()
 
     def restore(self) -> None:
-        self.value.load_state_dict(copy.deepcopy(self._saved))
+        self.value.restored(self._saved)
 
     def sync(self) -> None:
         self.value.synced(self._bcast, self._allgather)

@@ -2,8 +2,8 @@
 :class:`KerasState` and the callbacks that commit and record progress from inside ``model.fit``.
 
     state = hvd.elastic.KerasState(model, batch=0, epoch=0)
-    callbacks = [hvd.elastic.CommitStateCallback(state, batches_per_commit=10),
-                 hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state)]
+    callbacks = [hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state),
+                 hvd.elastic.CommitStateCallback(state, batches_per_commit=10)]  # the commit last
 
     @hvd.elastic.run
     def train(state):
@@ -67,7 +67,10 @@ class KerasState(HandledState, ObjectState):
 
 class CommitStateCallback(keras.callbacks.Callback):
     """Commit ``state`` after every ``batches_per_commit`` batches (a commit also raises
-    ``HostsUpdatedInterrupt`` when the hosts changed, which ends ``fit`` for :func:`run` to re-form)."""
+    ``HostsUpdatedInterrupt`` when the hosts changed, which ends ``fit`` for :func:`run` to re-form).
+
+    Put it after ``UpdateBatchStateCallback`` and ``UpdateEpochStateCallback``: Keras calls the callbacks in
+    list order, and the commit must see this batch's number."""
 
     def __init__(self, state, batches_per_commit: int = 1):
         super().__init__()
