@@ -330,9 +330,11 @@ def test_blacklisted_multislot_host_leaves_no_barrier_waiting(job):
     rather than waiting for hora-b's slots at a rendezvous or barrier."""
     job.set_hosts("hora-a:2", "hora-b:2")
     final = 40
-    job.set_gate(final, stop=True)
+    job.set_gate(5)  # hora-a's workers hold at step 5 (committing, with barriers) until hora-b is blacklisted
     job.start(4, ("--min-np", "2", "--max-np", "4", *ELASTIC), ("--fail-on-host", "hora-b", "--pace", "0.01",
                                                                 "--barrier"))
+    job.wait("hora-b blacklisted", lambda evs: "blacklist" in job.output().lower(), timeout=120)
+    job.set_gate(final, stop=True)
     rc = job.finish(120)
     out = job.output()
     if rc != 0:
