@@ -129,3 +129,57 @@ def test_under_torchrun_max_restarts_the_loop_raises_and_the_restart_trains(tmp_
     assert r.returncode == 0, out[-3000:]
     assert "RAISED InternalError a peer was lost and this job cannot replace it" in out
     assert sorted(line for line in r.stdout.splitlines() if line.startswith("done")) == ["done 0 10 1", "done 1 10 1"]
+
+
+def test_the_state_is_synced_after_every_reset_even_when_hosts_were_only_removed(monkeypatch):
+    """Ranks must agree on the sync: some may see the interrupt (skip_sync=True), others a lost peer when
+    a removed host dies in the commit's broadcast; a rank that skipped would leave the others waiting."""
+    import sys
+
+    run_mod = sys.modules["hora.elastic.run"]  # the package's ``run`` is the decorator
+    from hora.elastic import worker
+
+    monkeypatch.setattr(run_mod, "_elastic", lambda: True)
+    monkeypatch.setattr(worker, "_why", "")
+    synced, calls = [], []
+    state = ObjectState(bcast_object=lambda x: synced.append(1) or x, get_rank=lambda: 0, step=0)
+
+    def train(s):
+        calls.append(s.step)
+        if len(calls) == 1:
+            raise HostsChanged(skip_sync=True)
+        if len(calls) == 2:
+            raise PeerLostError("lost rank 1", rank=1)
+        return s.step
+
+    run_fn(train, lambda: None)(state)
+    assert len(synced) == 3 and len(calls) == 3  # one sync per round, the first one included
+    assert worker._why == "fail"  # the next request tells the driver that this reset follows a failure
+    assert protocol.parse_ready(protocol.ready_value(4, "fail", 7)) == (4, True, 7)
+    assert protocol.parse_ready(protocol.ready_value(1, "", 0)) == (1, False, 0)
+    assert protocol.parse_ready(b"2") == (2, False, 0) and protocol.parse_ready(None) == (0, False, 0)
+
+
+def test_a_late_joiner_runs_the_reset_callbacks_after_it_joins(monkeypatch):
+    import sys
+
+    run_mod = sys.modules["hora.elastic.run"]  # the package's ``run`` is the decorator
+
+    monkeypatch.setattr(run_mod, "_provisional", lambda: True)
+    events = []
+    state = ObjectState(bcast_object=lambda x: x, get_rank=lambda: 0, step=0)
+    state.register_reset_callbacks([lambda: events.append("reset")])
+    run_fn(lambda s: events.append("train"), lambda: events.append("join"))(state)
+    assert events == ["join", "reset", "train"]
+
+
+def test_elastic_results_are_those_of_the_last_generation():
+    """A worker that failed at rank 1 of generation 1 left its error; generation 2's ranks succeeded."""
+    from hora.core.run_task import elastic_results
+
+    store = {"result/count": b"3", "result/entry/1": b"1 1 2", "result/g1/1": b"err",
+             "result/entry/2": b"2 1 2", "result/g2/1": b"ok1", "result/entry/3": b"2 0 2", "result/g2/0": b"ok0"}
+    assert elastic_results(store.get) == {0: b"ok0", 1: b"ok1"}
+    del store["result/g2/0"], store["result/entry/3"]
+    assert elastic_results(store.get) == {0: None, 1: b"ok1"}  # a rank of the last one that put nothing
+    assert elastic_results({}.get) == {}

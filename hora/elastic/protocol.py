@@ -3,8 +3,12 @@ share, and how a generation's plan is written. Standard library only: both sides
 
 Every key lives under the job's scope ``S`` (``HORA_STORE_SCOPE``), in the store the driver serves::
 
-    S/el/ready/<wid>/<k>    worker -> driver   "<n>": process k of slot <wid> asks for its n-th place (n = 1,
-                                               2, ...: one per init() of the process)
+    S/el/ready/<wid>/<k>    worker -> driver   "<n> <why> <c>": process k of slot <wid> asks for its n-th place
+                                               (n = 1, 2, ...: one per init() of the process); why is
+                                               "fail" after an InternalError inside hora.elastic.run, else
+                                               "-"; c: the commits it made so far
+    S/el/synced/<wid>/<k>   worker -> driver   "<g>": process k completed a state's sync in generation g
+                                               (it holds the committed state)
     S/el/answer/<wid>/<k>/<n> driver -> worker "gen <g>": join generation g; "exit <why>": leave cleanly
                                                (exit status 0); "fail <why>": the job failed (raise);
                                                "solo": a worker that joins a running job (its first init())
@@ -37,6 +41,22 @@ def ready_key(scope: str, wid: str, k: int) -> str:
 
 def answer_key(scope: str, wid: str, k: int, n: int) -> str:
     return f"{scope}/el/answer/{wid}/{k}/{n}"
+
+
+def synced_key(scope: str, wid: str, k: int) -> str:
+    return f"{scope}/el/synced/{wid}/{k}"
+
+
+def ready_value(n: int, why: str, commits: int) -> bytes:
+    return f"{n} {why or '-'} {commits}".encode()
+
+
+def parse_ready(raw: bytes | None) -> tuple[int, bool, int]:
+    """``(n, failed, commits)`` of a ready key; (0, False, 0) when there is none."""
+    if not raw:
+        return 0, False, 0
+    parts = raw.decode(errors="replace").split()
+    return int(parts[0]), len(parts) > 1 and parts[1] == "fail", int(parts[2]) if len(parts) > 2 else 0
 
 
 def plan_key(scope: str, gen: int) -> str:

@@ -27,4 +27,5 @@ try:
 except Exception as e:
     print("RAISED", type(e).__name__, str(e)[:200], flush=True)
     raise
-print("done", basics.rank(), state.step, os.environ.get("TORCHELASTIC_RESTART_COUNT"), flush=True)
+# one write (print writes its parts one by one: the two ranks' lines could interleave on torchrun's stdout)
+print(f"done {basics.rank()} {state.step} {os.environ.get('TORCHELASTIC_RESTART_COUNT')}", flush=True)
