@@ -154,10 +154,11 @@ def test_the_state_is_synced_after_every_reset_even_when_hosts_were_only_removed
 
     run_fn(train, lambda: None)(state)
     assert len(synced) == 3 and len(calls) == 3  # one sync per round, the first one included
-    assert worker._why == "fail"  # the next request tells the driver that this reset follows a failure
-    assert protocol.parse_ready(protocol.ready_value(4, "fail", 7)) == (4, True, 7)
-    assert protocol.parse_ready(protocol.ready_value(1, "", 0)) == (1, False, 0)
-    assert protocol.parse_ready(b"2") == (2, False, 0) and protocol.parse_ready(None) == (0, False, 0)
+    assert worker._why == "fail PeerLostError: lost rank 1"  # the next request says the reset follows a failure
+    raw = protocol.ready_value(4, "fail", 7, "MismatchError: x\n y")
+    assert protocol.parse_ready(raw) == (4, "MismatchError: x y", 7)
+    assert protocol.parse_ready(protocol.ready_value(1, "", 0)) == (1, "", 0)
+    assert protocol.parse_ready(b"2") == (2, "", 0) and protocol.parse_ready(None) == (0, "", 0)
 
 
 def test_a_late_joiner_runs_the_reset_callbacks_after_it_joins(monkeypatch):

@@ -3,10 +3,11 @@ share, and how a generation's plan is written. Standard library only: both sides
 
 Every key lives under the job's scope ``S`` (``HORA_STORE_SCOPE``), in the store the driver serves::
 
-    S/el/ready/<wid>/<k>    worker -> driver   "<n> <why> <c>": process k of slot <wid> asks for its n-th place
-                                               (n = 1, 2, ...: one per init() of the process); why is
-                                               "fail" after an InternalError inside hora.elastic.run, else
-                                               "-"; c: the commits it made so far
+    S/el/ready/<wid>/<k>    worker -> driver   "<n> <why> <c> [<error>]": process k of slot <wid> asks for
+                                               its n-th place (n = 1, 2, ...: one per init() of the
+                                               process); why is "fail" after an InternalError inside
+                                               hora.elastic.run (error: its summary), else "-"; c: the
+                                               commits it made so far
     S/el/synced/<wid>/<k>   worker -> driver   "<g>": process k completed a state's sync in generation g
                                                (it holds the committed state)
     S/el/answer/<wid>/<k>/<n> driver -> worker "gen <g>": join generation g; "exit <why>": leave cleanly
@@ -47,16 +48,19 @@ def synced_key(scope: str, wid: str, k: int) -> str:
     return f"{scope}/el/synced/{wid}/{k}"
 
 
-def ready_value(n: int, why: str, commits: int) -> bytes:
-    return f"{n} {why or '-'} {commits}".encode()
+def ready_value(n: int, why: str, commits: int, error: str = "") -> bytes:
+    return f"{n} {why or '-'} {commits} {' '.join(error.split())[:300]}".rstrip().encode()
 
 
-def parse_ready(raw: bytes | None) -> tuple[int, bool, int]:
-    """``(n, failed, commits)`` of a ready key; (0, False, 0) when there is none."""
+def parse_ready(raw: bytes | None) -> tuple[int, str, int]:
+    """``(n, error, commits)`` of a ready key (error: "" unless the request follows a failure inside the
+    process, then its one-line summary, never empty); (0, "", 0) when there is none."""
     if not raw:
-        return 0, False, 0
-    parts = raw.decode(errors="replace").split()
-    return int(parts[0]), len(parts) > 1 and parts[1] == "fail", int(parts[2]) if len(parts) > 2 else 0
+        return 0, "", 0
+    parts = raw.decode(errors="replace").split(maxsplit=3)
+    failed = len(parts) > 1 and parts[1] == "fail"
+    error = (parts[3] if len(parts) > 3 else "an InternalError") if failed else ""
+    return int(parts[0]), error, int(parts[2]) if len(parts) > 2 else 0
 
 
 def plan_key(scope: str, gen: int) -> str:

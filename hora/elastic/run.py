@@ -99,7 +99,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                 if not _elastic():
                     raise InternalError(f"{NOT_ELASTIC}: {e}") from e
                 log.warning("hora elastic: %s; rolled back to the last commit, re-forming the job", e)
-                worker.failed()
+                worker.failed(f"{type(e).__name__}: {e}")
             except HostsChanged:
                 pass
             _rejoin(reset)

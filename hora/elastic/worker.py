@@ -24,7 +24,7 @@ _lock = threading.Lock()
 _client = None  # StoreClient, for the life of the process
 _requests = 0  # how many places this process has asked for
 _plan: protocol.Plan | None = None  # the generation this process is in
-_why = ""  # why the next request is made: "fail" after an InternalError (the driver counts those resets)
+_why = ""  # why the next request is made: "fail <error>" after an InternalError (the driver counts those)
 _commits = 0  # commits this process made (the driver's measure of progress between failure resets)
 _WAIT = 60.0  # s per blocking read; the driver decides every timeout, we only wait for it
 
@@ -47,11 +47,11 @@ def _store():
     return _client
 
 
-def failed() -> None:
+def failed(error: str) -> None:
     """The next :func:`join` follows a failure inside this process (an ``InternalError`` in the training
     function): the request says so, and the driver counts the reset towards ``--reset-limit``."""
     global _why
-    _why = "fail"
+    _why = "fail " + error
 
 
 def committed() -> None:
@@ -84,7 +84,8 @@ def join() -> tuple[protocol.Place, str, protocol.Plan]:
         store = _store()
         _requests += 1
         n = _requests
-        store.set(protocol.ready_key(scope(), wid, k), protocol.ready_value(n, _why, _commits))
+        why, _, error = _why.partition(" ")
+        store.set(protocol.ready_key(scope(), wid, k), protocol.ready_value(n, why, _commits, error))
         _why = ""
         from hora.transport.store import StoreTimeout
 

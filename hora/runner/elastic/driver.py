@@ -283,9 +283,9 @@ class Driver:
         """Live workers waiting for an answer, with their request numbers in ``p.asked``."""
         out = []
         for p in self.pool.live():
-            n, failed, commits = protocol.parse_ready(self.store.get(protocol.ready_key(self.scope, p.wid, p.number)))
+            n, error, commits = protocol.parse_ready(self.store.get(protocol.ready_key(self.scope, p.wid, p.number)))
             if n > p.answered:
-                p.asked, p.failed_req, p.commits = n, failed, commits
+                p.asked, p.failed_req, p.commits = n, error, commits
                 out.append(p)
         return out
 
@@ -371,7 +371,7 @@ class Driver:
         if self.member_failure is not None:
             why = self.member_failure[1]
         elif failed_inside:
-            why = f"worker {failed_inside[0].wid} failed inside hora.elastic.run (its log says why)"
+            why = f"worker {failed_inside[0].wid}: {failed_inside[0].failed_req}"
         else:
             why = "a worker failed"
         if self.reset_limit is not None and self.resets >= self.reset_limit:

@@ -44,7 +44,7 @@ class Proc:
     announced: bool = False  # its arrival was posted as a host update
     ended: float = 0.0  # when its end was seen
     gen: int = 0  # the last generation it was chosen for (0: none yet)
-    failed_req: bool = False  # its pending request follows a failure inside it (an InternalError)
+    failed_req: str = ""  # its pending request follows a failure inside it: the error's summary
     commits: int = 0  # commits it reported with its last request
     base_commits: int = 0  # ... when it was last chosen (more since: the job made progress)
 
