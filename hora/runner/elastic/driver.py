@@ -22,20 +22,28 @@ States of the current generation g:
   (or when the members alone are fewer than ``--min-np``) for every newly started worker too; otherwise a
   worker still starting joins the next generation through a host update, so that the survivors of a kill
   go on at once. A member that has not come ``--elastic-timeout`` s after g began to break up, or a new
-  worker waited for that long after its start, is killed and counted as a failure of its host. Then generation
-  g+1 is formed from the workers that came, at most ``--max-np``, in rank order:
-  g's members first, by their old rank (so the new rank 0 holds the committed state), hosts kept together;
-  if fewer than ``--min-np`` came, it waits, and fails the job once that has lasted ``--elastic-timeout`` s.
+  worker waited for that long after its start, is killed and counted as a failure of its host. No generation
+  is formed while a worker's end is not handled yet (it may be a member's: a failure reset). Then generation
+  g+1 is formed from the workers that came, at most ``--max-np``, in rank order: the holders of the
+  committed state first (workers that completed a sync: ``S/el/synced/<wid>/<k>``), then g's other members
+  by their old rank, then newcomers, hosts kept together, so the new rank 0 holds the committed state; when
+  no holder is left the job fails (``HORA_ELASTIC_RESTART_ON_LOSS`` opts in to starting over). If fewer than
+  ``--min-np`` came, it waits, and fails the job once that has lasted ``--elastic-timeout`` s. The first
+  generation has ``-np`` workers, raised to ``--min-np`` and capped at ``--max-np``.
 * running: the driver watches worker ends and the host list. A new worker that arrives, or a host of g
   that is no longer listed, is posted as a host update (``update = "<ts> <added|removed>"``): the members
   raise ``HostsUpdatedInterrupt`` at their next commit and come back for g+1. A member that fails makes
   the others fail with ``PeerLostError``: they roll back, come back, and g+1 is formed without it; its
-  slot is started again if its host is still listed and not blacklisted. Failures count towards
-  ``--reset-limit`` (membership changes do not); the reset that passes it fails the job.
+  slot is started again if its host is still listed and not blacklisted. A member whose training function
+  raised an ``InternalError`` says so in its request (``ready = "<n> fail <commits> <error>"``). Failure
+  resets (a member died, or one says it failed) count towards ``--reset-limit`` (membership changes do not);
+  the reset that passes it fails the job, and so do ``HORA_ELASTIC_FAILURE_RESETS`` failure resets in a row
+  with no commit in between (the members report their commit counts), even without ``--reset-limit``.
 * finishing: a worker exits 0 without being told to (its training is done): no new generation is formed,
   and whoever asks for a place is told to exit. The job succeeds when every worker has ended and no member
   of the last generation failed before one finished (a member that fails after another finished only gets
-  a warning: the training is complete); otherwise it exits with the first such failure's status.
+  a warning: the training is complete); otherwise it exits with the first such failure's status. Workers
+  still running ``--elastic-timeout`` s after the first one finished are killed, with a warning (exit 0).
 
 Hosts (:mod:`hora.runner.elastic.blacklist`): a host whose workers fail 3 times in a row
 (``HORA_ELASTIC_BLACKLIST_AFTER``; an error exit, a crash, a worker that never came or a lost host count,
@@ -43,9 +51,13 @@ a kill by SIGKILL/SIGTERM/SIGINT/SIGHUP does not) is blacklisted (its workers ar
 waits on them), for good or for a growing cooldown within ``--blacklist-cooldown-range``. The count starts
 again whenever a worker of the host comes through the end of a generation alive: a host whose workers crash
 at start is blacklisted, one whose workers are killed now and then while the others there train is not.
+A slot whose workers fail that way ``HORA_ELASTIC_SLOT_FAILURES`` times in a row (its count starts again
+only when one of its own workers comes through a generation) fails the job with the last one's status: the
+survivors on its host keep the host's count at 0, so without it a deterministic crash would loop for ever.
 
 Exit status: 0 on success; the failed worker's status (128+N for signal N); 1 when the driver gives up (below
-``--min-np`` too long, ``--reset-limit``); 128+N when it is interrupted.
+``--min-np`` too long, ``--reset-limit``, failure resets with no progress, the committed state lost); 128+N
+when it is interrupted. (The knobs: :mod:`hora.base.knobs`, group "elastic".)
 """
 
 from __future__ import annotations
