@@ -184,3 +184,42 @@ def test_elastic_results_are_those_of_the_last_generation():
     del store["result/g2/0"], store["result/entry/3"]
     assert elastic_results(store.get) == {0: None, 1: b"ok1"}  # a rank of the last one that put nothing
     assert elastic_results({}.get) == {}
+
+
+def _fails_once_then_leaves(marker: str):
+    """Slot localhost:2's first worker raises inside training (the discovery script then lists 2 slots):
+    it leaves an error behind at rank 2 of generation 1, while the job succeeds at np=2."""
+    import os
+
+    import numpy as np
+
+    import hora.elastic as elastic
+    from hora.core import basics, ops
+
+    basics.init()
+    state = elastic.ObjectState(step=0)
+
+    @elastic.run
+    def train(state):
+        while state.step < 40:
+            ops.allreduce(np.ones(1), name="x")
+            state.step += 1
+            state.commit()
+            if os.environ["HORA_ELASTIC_ID"] == "localhost:2" and state.step == 3:
+                open(marker, "w").close()
+                raise RuntimeError("the first worker of slot 2 gives up")
+        return basics.rank(), basics.size(), state.step
+
+    return train(state)
+
+
+@pytest.mark.timeout(60)
+def test_hora_run_in_elastic_mode_returns_the_last_generation_not_a_stale_error(tmp_path, monkeypatch):
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\nif [ -f {tmp_path}/gone ]; then echo localhost:2; else echo localhost:3; fi\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("HORA_DISCOVERY_INTERVAL", "0.2")
+    monkeypatch.setenv("HORA_ELASTIC_TIMEOUT", "20")
+    out = hora.run(_fails_once_then_leaves, args=(str(tmp_path / "gone"),), num_proc=3, min_num_proc=2,
+                   host_discovery_script=str(script))
+    assert out == [(0, 2, 40), (1, 2, 40)]
