@@ -5,7 +5,7 @@ The worker side of :mod:`hora.runner.api`: ``python -m hora.core.run_task`` with
 function runs, so its children do not inherit the secret). The result under ``result/<rank>`` is a pickled
 ``("ok", pickled value)`` or ``("err", (pickled exception or None, formatted traceback, summary, time,
 secondary))`` (secondary: it failed because another rank did, e.g. a lost peer); an elastic worker's goes
-under its last generation (:func:`elastic_results`). The exit status is 0 or 1 accordingly, so the launcher
+under its last generation (:func:`_put_elastic`). The exit status is 0 or 1 accordingly, so the launcher
 stops the other ranks when one raises.
 """
 
@@ -33,29 +33,17 @@ def _put_elastic(store, result: bytes) -> None:
     """An elastic worker's result, keyed by the generation it ended in and its rank there (ranks change
     from one generation to the next, and a worker that failed in an earlier one left its own result): it
     goes under ``result/g<gen>/<rank>``, and an entry ``"<gen> <rank> <size>"`` under ``result/entry/<i>``
-    (``i`` counted by ``result/count``) lets the caller find the last generation's ranks."""
+    (``i`` counted by ``result/count``) lets the caller find the last generation's ranks
+    (:func:`hora.elastic.protocol.elastic_results`)."""
     from hora.core import basics
-    from hora.elastic import worker
+    from hora.elastic import protocol, worker
 
     plan = worker.current_plan()
     gen = plan.gen if plan is not None else 0
     rank, size = (basics.rank(), basics.size()) if basics.is_initialized() else (0, 1)
-    store.set(f"result/g{gen}/{rank}", result)
-    i = store.add("result/count", 1)
-    store.set(f"result/entry/{i}", f"{gen} {rank} {size}".encode())
-
-
-def elastic_results(get) -> dict[int, bytes | None]:
-    """The results of the last generation that put any (``get``: the caller's store read), by rank; a rank
-    of that generation that put none maps to None. Empty when no worker put a result."""
-    count = int(get("result/count") or b"0")
-    entries = [tuple(map(int, get(f"result/entry/{i}").split())) for i in range(1, count + 1)
-               if get(f"result/entry/{i}") is not None]
-    if not entries:
-        return {}
-    last = max(gen for gen, _r, _s in entries)
-    size = max(s for gen, _r, s in entries if gen == last)
-    return {r: get(f"result/g{last}/{r}") for r in range(size)}
+    store.set(protocol.result_key(gen, rank), result)
+    i = store.add(protocol.RESULT_COUNT, 1)
+    store.set(protocol.result_entry_key(i), f"{gen} {rank} {size}".encode())
 
 
 def main() -> int:
