@@ -366,7 +366,7 @@ class Driver:
             self._check_below(now, hosts)
             return
         self.below = None
-        if not self._count_reset(waiting) or not self._holders_left(order, chosen):
+        if not self._count_reset(waiting) or not self._holders_left(chosen):
             return
         for p in order[len(chosen):]:
             self._answer(p, f"exit --max-np {self.max_np} workers are running")
@@ -404,7 +404,7 @@ class Driver:
         """Whether ``p`` holds the committed state: it completed a sync (and lives, in the last generation)."""
         return self.store.get(protocol.synced_key(self.scope, p.wid, p.number)) is not None
 
-    def _holders_left(self, order: list[Proc], chosen: list[Proc]) -> bool:
+    def _holders_left(self, chosen: list[Proc]) -> bool:
         """The next generation's rank 0 must hold the committed state; when no worker that does is left (the
         state died with them) the job fails, unless HORA_ELASTIC_RESTART_ON_LOSS opts in to start over."""
         if not self.member_numbers or (chosen and self._holder(chosen[0])):
