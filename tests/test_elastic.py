@@ -176,7 +176,7 @@ def test_a_late_joiner_runs_the_reset_callbacks_after_it_joins(monkeypatch):
 
 def test_elastic_results_are_those_of_the_last_generation():
     """A worker that failed at rank 1 of generation 1 left its error; generation 2's ranks succeeded."""
-    from hora.elastic.protocol import elastic_results
+    from hora.runner.elastic import elastic_results
 
     store = {"result/count": b"3", "result/entry/1": b"1 1 2", "result/g1/1": b"err",
              "result/entry/2": b"2 1 2", "result/g2/1": b"ok1", "result/entry/3": b"2 0 2", "result/g2/0": b"ok0"}

@@ -27,14 +27,13 @@ written by the driver when a member of g dies, naming its rank.
 
 ``hora.run()`` in elastic mode has a store of its own (not the driver's): each worker that ends puts its
 result under ``result/g<gen>/<rank>`` (the generation it ended in) and an entry ``"<gen> <rank> <size>"``
-under ``result/entry/<i>`` (``i`` from ``result/count``); :func:`elastic_results` reads the last
+under ``result/entry/<i>`` (``i`` from ``result/count``); ``hora.runner.elastic.launch.elastic_results`` reads the last
 generation's, so an error an earlier worker left is not mistaken for the job's.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Callable
 from dataclasses import dataclass
 
 ID_VAR = "HORA_ELASTIC_ID"  # the worker's id, set by the driver (with HORA_ELASTIC=1 and HORA_HOSTNAME)
@@ -78,19 +77,6 @@ def result_key(gen: int, rank: int) -> str:
 
 def result_entry_key(i: int) -> str:
     return f"result/entry/{i}"
-
-
-def elastic_results(get: Callable[[str], bytes | None]) -> dict[int, bytes | None]:
-    """The results of the last generation that put any (``get``: the caller's store read), by rank; a rank
-    of that generation that put none maps to None. Empty when no worker put a result."""
-    count = int(get(RESULT_COUNT) or b"0")
-    entries = [tuple(map(int, get(result_entry_key(i)).split())) for i in range(1, count + 1)
-               if get(result_entry_key(i)) is not None]
-    if not entries:
-        return {}
-    last = max(gen for gen, _r, _s in entries)
-    size = max(s for gen, _r, s in entries if gen == last)
-    return {r: get(result_key(last, r)) for r in range(size)}
 
 
 def plan_key(scope: str, gen: int) -> str:

@@ -181,7 +181,7 @@ def _run_job(func, args: tuple, kwargs: dict, values: dict[str, Any], command: l
         addr = f"{advertise}:{store.address.rpartition(':')[2]}"
         code = run_job(values, command, {contract.RUNFUNC_ADDR: addr, contract.RUNFUNC_SECRET: secret})
         if is_elastic(values):  # as many results as the last generation had ranks
-            from hora.elastic.protocol import elastic_results
+            from hora.runner.elastic import elastic_results
 
             results = elastic_results(store.get) or {0: None}
         else:
