@@ -129,3 +129,97 @@ def test_under_torchrun_max_restarts_the_loop_raises_and_the_restart_trains(tmp_
     assert r.returncode == 0, out[-3000:]
     assert "RAISED InternalError a peer was lost and this job cannot replace it" in out
     assert sorted(line for line in r.stdout.splitlines() if line.startswith("done")) == ["done 0 10 1", "done 1 10 1"]
+
+
+def test_the_state_is_synced_after_every_reset_even_when_hosts_were_only_removed(monkeypatch):
+    """Ranks must agree on the sync: some may see the interrupt (skip_sync=True), others a lost peer when
+    a removed host dies in the commit's broadcast; a rank that skipped would leave the others waiting."""
+    import sys
+
+    run_mod = sys.modules["hora.elastic.run"]  # the package's ``run`` is the decorator
+    from hora.elastic import worker
+
+    monkeypatch.setattr(run_mod, "_elastic", lambda: True)
+    monkeypatch.setattr(worker, "_why", "")
+    synced, calls = [], []
+    state = ObjectState(bcast_object=lambda x: synced.append(1) or x, get_rank=lambda: 0, step=0)
+
+    def train(s):
+        calls.append(s.step)
+        if len(calls) == 1:
+            raise HostsChanged(skip_sync=True)
+        if len(calls) == 2:
+            raise PeerLostError("lost rank 1", rank=1)
+        return s.step
+
+    run_fn(train, lambda: None)(state)
+    assert len(synced) == 3 and len(calls) == 3  # one sync per round, the first one included
+    assert worker._why == "fail PeerLostError: lost rank 1"  # the next request says the reset follows a failure
+    raw = protocol.ready_value(4, "fail", 7, "MismatchError: x\n y")
+    assert protocol.parse_ready(raw) == (4, "MismatchError: x y", 7)
+    assert protocol.parse_ready(protocol.ready_value(1, "", 0)) == (1, "", 0)
+    assert protocol.parse_ready(b"2") == (2, "", 0) and protocol.parse_ready(None) == (0, "", 0)
+
+
+def test_a_late_joiner_runs_the_reset_callbacks_after_it_joins(monkeypatch):
+    import sys
+
+    run_mod = sys.modules["hora.elastic.run"]  # the package's ``run`` is the decorator
+
+    monkeypatch.setattr(run_mod, "_provisional", lambda: True)
+    events = []
+    state = ObjectState(bcast_object=lambda x: x, get_rank=lambda: 0, step=0)
+    state.register_reset_callbacks([lambda: events.append("reset")])
+    run_fn(lambda s: events.append("train"), lambda: events.append("join"))(state)
+    assert events == ["join", "reset", "train"]
+
+
+def test_elastic_results_are_those_of_the_last_generation():
+    """A worker that failed at rank 1 of generation 1 left its error; generation 2's ranks succeeded."""
+    from hora.runner.elastic import elastic_results
+
+    store = {"result/count": b"3", "result/entry/1": b"1 1 2", "result/g1/1": b"err",
+             "result/entry/2": b"2 1 2", "result/g2/1": b"ok1", "result/entry/3": b"2 0 2", "result/g2/0": b"ok0"}
+    assert elastic_results(store.get) == {0: b"ok0", 1: b"ok1"}
+    del store["result/g2/0"], store["result/entry/3"]
+    assert elastic_results(store.get) == {0: None, 1: b"ok1"}  # a rank of the last one that put nothing
+    assert elastic_results({}.get) == {}
+
+
+def _fails_once_then_leaves(marker: str):
+    """Slot localhost:2's first worker raises inside training (the discovery script then lists 2 slots):
+    it leaves an error behind at rank 2 of generation 1, while the job succeeds at np=2."""
+    import os
+
+    import numpy as np
+
+    import hora.elastic as elastic
+    from hora.core import basics, ops
+
+    basics.init()
+    state = elastic.ObjectState(step=0)
+
+    @elastic.run
+    def train(state):
+        while state.step < 40:
+            ops.allreduce(np.ones(1), name="x")
+            state.step += 1
+            state.commit()
+            if os.environ["HORA_ELASTIC_ID"] == "localhost:2" and state.step == 3:
+                open(marker, "w").close()
+                raise RuntimeError("the first worker of slot 2 gives up")
+        return basics.rank(), basics.size(), state.step
+
+    return train(state)
+
+
+@pytest.mark.timeout(60)
+def test_hora_run_in_elastic_mode_returns_the_last_generation_not_a_stale_error(tmp_path, monkeypatch):
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\nif [ -f {tmp_path}/gone ]; then echo localhost:2; else echo localhost:3; fi\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("HORA_DISCOVERY_INTERVAL", "0.2")
+    monkeypatch.setenv("HORA_ELASTIC_TIMEOUT", "20")
+    out = hora.run(_fails_once_then_leaves, args=(str(tmp_path / "gone"),), num_proc=3, min_num_proc=2,
+                   host_discovery_script=str(script))
+    assert out == [(0, 2, 40), (1, 2, 40)]

@@ -242,3 +242,133 @@ def test_five_random_sigkills_on_two_local_hosts(tmp_path):
     gaps = sorted(resumed(ev, k) for k in killed_at)
     print(f"5 kills; kill -> training resumed (s): median {gaps[2]:.2f}, max {gaps[-1]:.2f}; "
           f"all {[round(g, 2) for g in gaps]}")
+
+
+PRELUDE = """import os, signal, sys, time
+import numpy as np
+from hora.core import basics, ops
+import hora.elastic as elastic
+WID = os.environ["HORA_ELASTIC_ID"]
+LOG = os.environ["EL_LOG"]
+basics.init()
+state = elastic.ObjectState(step=0)
+"""
+
+
+def inline_run(tmp: Path, body: str, flags: list[str], timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    """``hora run FLAGS python s.py`` where s.py is PRELUDE + ``body`` (a job the test writes itself)."""
+    path = tmp / "s.py"
+    path.write_text(PRELUDE + body)
+    cmd = [PY, "-m", "hora.runner", "run", *flags, PY, str(path)]
+    return subprocess.run(cmd, cwd=ROOT, env=_env(tmp, **env), capture_output=True, text=True, timeout=timeout)
+
+
+MISMATCH = """
+@elastic.run
+def train(state):
+    ops.allreduce(np.zeros(basics.rank() + 1), name="x")  # a different shape on every rank, every time
+train(state)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_deterministic_error_inside_elastic_run_fails_the_job(tmp_path):
+    """A MismatchError in every generation: each re-form is a failure reset (the workers say so), so
+    --reset-limit ends it, and without it the backstop (resets in a row with no commit in between) does."""
+    r = inline_run(tmp_path, MISMATCH, ["-np", "2", "--min-np", "2", "--reset-limit", "1"])
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "--reset-limit 1 reached: the job was reset 1 times after failures" in r.stderr
+    assert "MismatchError: allreduce 'x'" in r.stderr.splitlines()[-1]
+    r = inline_run(tmp_path, MISMATCH, ["-np", "2", "--min-np", "2"], HORA_ELASTIC_FAILURE_RESETS="3")
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert ("elastic job failed: 3 resets after failures in a row with no commit in between "
+            "(HORA_ELASTIC_FAILURE_RESETS=3)") in r.stderr
+    assert len(generations(r.stderr)) == 3, r.stderr[-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_np_min_np_and_max_np_together(tmp_path):
+    """-np 2 --min-np 3 --max-np 4 on 4 slots: the first generation has --min-np workers (not -np, which
+    would be below it for ever), the fourth slot joins later; -np above --max-np is a usage error."""
+    script = discovery(tmp_path, "echo localhost:4\n")
+    r = elastic_run(tmp_path, ["-np", "2", "--min-np", "3", "--max-np", "4", "--host-discovery-script", script,
+                               "--elastic-timeout", "20"], EL_STEPS="200")
+    gens = generations(r.stderr)
+    assert gens and gens[0] == 3 and max(gens) <= 4, r.stderr[-3000:]
+    check_trained(tmp_path, r, gens[-1], steps=200)
+    r = elastic_run(tmp_path, ["-np", "5", "--max-np", "4", "--host-discovery-script", script])
+    assert r.returncode == 2 and "-np 5 is more than --max-np 4" in r.stderr, r.stderr
+
+
+LOSE_ALL = """
+@elastic.run
+def train(state):
+    while state.step < 30:
+        ops.allreduce(np.ones(1), name="g")
+        state.step += 1
+        state.commit()
+        marker = os.path.join(LOG, "gone." + WID)
+        if state.step == 5 and not os.path.exists(marker):  # every worker, after the same commit
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+    return state.step
+print("trained", train(state), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_when_every_holder_of_the_committed_state_dies_the_job_fails_unless_told_to_start_over(tmp_path):
+    """Both workers die after commit 5; their slots come back with the initial state only: training on
+    would silently lose the commits, so the job fails, unless HORA_ELASTIC_RESTART_ON_LOSS opts in."""
+    r = inline_run(tmp_path, LOSE_ALL, ["-np", "2", "--min-np", "2", "--elastic-timeout", "20"])
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "every worker holding the committed state is gone (localhost:0[1] localhost:1[2])" in r.stderr
+    for f in tmp_path.glob("gone.*"):
+        f.unlink()
+    r = inline_run(tmp_path, LOSE_ALL, ["-np", "2", "--min-np", "2", "--elastic-timeout", "20"],
+                   HORA_ELASTIC_RESTART_ON_LOSS="1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "starts over from the state its workers start with" in r.stderr
+    assert r.stdout.count("trained 30") == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_slot_that_fails_every_time_fails_the_job(tmp_path):
+    """Slot 1's workers each train two steps, then exit 3; slot 0 survives each time (so the host's count
+    starts again): the slot's own count of failures in a row ends the job, with the worker's status."""
+    body = """
+n = 0
+@elastic.run
+def train(state):
+    global n
+    while True:
+        ops.allreduce(np.ones(1), name="g")
+        state.step += 1
+        state.commit()
+        n += 1
+        if WID == "localhost:1" and n >= 2:
+            sys.exit(3)
+train(state)
+"""
+    r = inline_run(tmp_path, body, ["-np", "2", "--min-np", "1", "--elastic-timeout", "20"],
+                   HORA_ELASTIC_SLOT_FAILURES="3")
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert "the workers of slot localhost:1 failed 3 times in a row (the last one exited with" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_workers_that_do_not_end_after_one_finished_are_killed_after_the_timeout(tmp_path):
+    body = """
+@elastic.run
+def train(state):
+    while state.step < 5:
+        ops.allreduce(np.ones(1), name="g")
+        state.step += 1
+        state.commit()
+train(state)
+if WID != "localhost:0":
+    time.sleep(1000)  # a worker that never ends after its training
+"""
+    r = inline_run(tmp_path, body, ["-np", "2", "--min-np", "2", "--elastic-timeout", "2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "had not ended --elastic-timeout 2 s after another one finished training; killing them" in r.stderr

@@ -8,8 +8,8 @@ a ``--config-file`` YAML and its section in ``--help``. From this table come the
 ``hora.run()``'s keyword arguments (:mod:`hora.runner.flags`), and the docs' knob reference
 (``python -m hora.base.knobs > docs/knobs.md``). Tests use ``with knobs.override(fusion_threshold=0):``.
 
-A knob whose ``side`` is ``launcher`` is read by ``hora run`` itself (the ssh settings) and never
-reaches the workers.
+A knob whose ``side`` is ``launcher`` is read by ``hora run`` itself (the ssh settings, the elastic
+driver's) and never reaches the workers.
 """
 
 from __future__ import annotations
@@ -185,6 +185,31 @@ KNOBS = [
     Knob("ssh_alive_timeout", float, 10.0, "SSH_ALIVE_TIMEOUT", None,
          "seconds of silence (no heartbeat, no output) after which a remote host counts as lost", 1,
          _positive, "> 0", side="launcher"),
+    # read by the elastic driver (hora run --min-np/--max-np/--host-discovery-script), never exported
+    Knob("elastic_timeout", float, 600.0, "ELASTIC_TIMEOUT", None,
+         "elastic: seconds to wait for --min-np workers, for workers to join a new generation, and for the "
+         "others once one finished training (--elastic-timeout sets it too, and wins)", 1, _positive, "> 0",
+         group="elastic", side="launcher"),
+    Knob("elastic_blacklist_after", int, 3, "ELASTIC_BLACKLIST_AFTER", None,
+         "elastic: worker failures in a row on a host that blacklist it (kills by SIGKILL/SIGTERM/SIGINT/SIGHUP "
+         "do not count)", 1, _positive, "> 0", group="elastic", side="launcher"),
+    Knob("elastic_slot_failures", int, 10, "ELASTIC_SLOT_FAILURES", None,
+         "elastic: failures in a row of one slot's workers (as counted for the blacklist) that fail the job: a "
+         "worker that crashes the same way every time is not started for ever", 1, _positive, "> 0",
+         group="elastic", side="launcher"),
+    Knob("elastic_failure_resets", int, 20, "ELASTIC_FAILURE_RESETS", None,
+         "elastic: resets after failures in a row with no commit in between that fail the job, even without "
+         "--reset-limit (a deterministic error would re-form the job for ever)", 1, _positive, "> 0",
+         group="elastic", side="launcher"),
+    Knob("elastic_restart_on_loss", bool, False, "ELASTIC_RESTART_ON_LOSS", None,
+         "elastic: when no worker holding the committed state is left, start over from the initial state (a "
+         "warning) instead of failing the job", group="elastic", side="launcher"),
+    Knob("discovery_interval", float, 1.0, "DISCOVERY_INTERVAL", None,
+         "elastic: seconds between two runs of the host discovery script", 1, _positive, "> 0",
+         group="elastic", side="launcher"),
+    Knob("discovery_timeout", float, 10.0, "DISCOVERY_TIMEOUT", None,
+         "elastic: seconds one run of the host discovery script may take before it counts as failed", 1,
+         _positive, "> 0", group="elastic", side="launcher"),
 ]
 BY_NAME = {k.name: k for k in KNOBS}
 _overrides: dict[str, Any] = {}

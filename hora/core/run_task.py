@@ -4,8 +4,9 @@ The worker side of :mod:`hora.runner.api`: ``python -m hora.core.run_task`` with
 ``HORA_RUNFUNC_SECRET`` in the environment (:mod:`hora.base.contract`; they are removed from it before the
 function runs, so its children do not inherit the secret). The result under ``result/<rank>`` is a pickled
 ``("ok", pickled value)`` or ``("err", (pickled exception or None, formatted traceback, summary, time,
-secondary))`` (secondary: it failed because another rank did, e.g. a lost peer); the
-exit status is 0 or 1 accordingly, so the launcher stops the other ranks when one raises.
+secondary))`` (secondary: it failed because another rank did, e.g. a lost peer); an elastic worker's goes
+under its last generation (:func:`_put_elastic`). The exit status is 0 or 1 accordingly, so the launcher
+stops the other ranks when one raises.
 """
 
 from __future__ import annotations
@@ -26,6 +27,23 @@ def _elastic() -> bool:
     from hora.elastic import worker
 
     return worker.active()
+
+
+def _put_elastic(store, result: bytes) -> None:
+    """An elastic worker's result, keyed by the generation it ended in and its rank there (ranks change
+    from one generation to the next, and a worker that failed in an earlier one left its own result): it
+    goes under ``result/g<gen>/<rank>``, and an entry ``"<gen> <rank> <size>"`` under ``result/entry/<i>``
+    (``i`` counted by ``result/count``) lets the caller find the last generation's ranks
+    (:func:`hora.elastic.protocol.elastic_results`)."""
+    from hora.core import basics
+    from hora.elastic import protocol, worker
+
+    plan = worker.current_plan()
+    gen = plan.gen if plan is not None else 0
+    rank, size = (basics.rank(), basics.size()) if basics.is_initialized() else (0, 1)
+    store.set(protocol.result_key(gen, rank), result)
+    i = store.add(protocol.RESULT_COUNT, 1)
+    store.set(protocol.result_entry_key(i), f"{gen} {rank} {size}".encode())
 
 
 def main() -> int:
@@ -67,11 +85,10 @@ def main() -> int:
             result = ("err", (exc, tb, f"{type(e).__name__}: {e}", time.time(), secondary))
             sys.stderr.write(tb)
             code = 1
-        if elastic:  # ranks change from one generation to the next: the one it ended with
-            from hora.core import basics
-
-            rank = basics.rank() if basics.is_initialized() else rank
-        store.set(f"result/{rank}", pickle.dumps(result))
+        if elastic:
+            _put_elastic(store, pickle.dumps(result))
+        else:
+            store.set(f"result/{rank}", pickle.dumps(result))
     finally:
         store.close()
     return code

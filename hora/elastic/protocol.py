@@ -3,8 +3,13 @@ share, and how a generation's plan is written. Standard library only: both sides
 
 Every key lives under the job's scope ``S`` (``HORA_STORE_SCOPE``), in the store the driver serves::
 
-    S/el/ready/<wid>/<k>    worker -> driver   "<n>": process k of slot <wid> asks for its n-th place (n = 1,
-                                               2, ...: one per init() of the process)
+    S/el/ready/<wid>/<k>    worker -> driver   "<n> <why> <c> [<error>]": process k of slot <wid> asks for
+                                               its n-th place (n = 1, 2, ...: one per init() of the
+                                               process); why is "fail" after an InternalError inside
+                                               hora.elastic.run (error: its summary), else "-"; c: the
+                                               commits it made so far
+    S/el/synced/<wid>/<k>   worker -> driver   "<g>": process k completed a state's sync in generation g
+                                               (it holds the committed state)
     S/el/answer/<wid>/<k>/<n> driver -> worker "gen <g>": join generation g; "exit <why>": leave cleanly
                                                (exit status 0); "fail <why>": the job failed (raise);
                                                "solo": a worker that joins a running job (its first init())
@@ -19,6 +24,11 @@ for the process, ``HORA_ELASTIC_WORKER``) tells a respawned process's keys from 
 in a plan is the update timestamp the generation was formed after, so a worker never acts on a change its
 generation already contains. ``S/e<g>/1/abort`` (the transport's abort note of generation g's mesh) is
 written by the driver when a member of g dies, naming its rank.
+
+``hora.run()`` in elastic mode has a store of its own (not the driver's): each worker that ends puts its
+result under ``result/g<gen>/<rank>`` (the generation it ended in) and an entry ``"<gen> <rank> <size>"``
+under ``result/entry/<i>`` (``i`` from ``result/count``); ``hora.runner.elastic.launch.elastic_results`` reads the last
+generation's, so an error an earlier worker left is not mistaken for the job's.
 """
 
 from __future__ import annotations
@@ -37,6 +47,36 @@ def ready_key(scope: str, wid: str, k: int) -> str:
 
 def answer_key(scope: str, wid: str, k: int, n: int) -> str:
     return f"{scope}/el/answer/{wid}/{k}/{n}"
+
+
+def synced_key(scope: str, wid: str, k: int) -> str:
+    return f"{scope}/el/synced/{wid}/{k}"
+
+
+def ready_value(n: int, why: str, commits: int, error: str = "") -> bytes:
+    return f"{n} {why or '-'} {commits} {' '.join(error.split())[:300]}".rstrip().encode()
+
+
+def parse_ready(raw: bytes | None) -> tuple[int, str, int]:
+    """``(n, error, commits)`` of a ready key (error: "" unless the request follows a failure inside the
+    process, then its one-line summary, never empty); (0, "", 0) when there is none."""
+    if not raw:
+        return 0, "", 0
+    parts = raw.decode(errors="replace").split(maxsplit=3)
+    failed = len(parts) > 1 and parts[1] == "fail"
+    error = (parts[3] if len(parts) > 3 else "an InternalError") if failed else ""
+    return int(parts[0]), error, int(parts[2]) if len(parts) > 2 else 0
+
+
+RESULT_COUNT = "result/count"  # hora.run()'s store (not the driver's): how many elastic results were put
+
+
+def result_key(gen: int, rank: int) -> str:
+    return f"result/g{gen}/{rank}"
+
+
+def result_entry_key(i: int) -> str:
+    return f"result/entry/{i}"
 
 
 def plan_key(scope: str, gen: int) -> str:

@@ -1,9 +1,19 @@
 """``hora.elastic.run``: the retry loop around a training function.
 
-Each round: sync the state from rank 0 (unless the last interrupt said hosts were only removed, so every
-worker already holds it), call the function; on an ``InternalError`` (a lost peer, a failed collective)
-roll back to the last commit; on ``HostsUpdatedInterrupt`` keep the live state; then reset (shut down, join
+Each round: sync the state from rank 0, call the function; on an ``InternalError`` (a lost peer, a failed
+collective) roll back to the last commit and tell the driver the reset follows a failure (it counts those
+towards ``--reset-limit``); on ``HostsUpdatedInterrupt`` keep the live state; then reset (shut down, join
 the job's next membership) and run the state's reset callbacks.
+
+The sync runs after every reset, also after hosts were only removed (where Horovod skips it,
+``HostsUpdatedInterrupt.skip_sync``, whose value is kept for compatibility): when a removed host dies in the
+middle of the commit that noticed the change, some ranks see the interrupt and others a lost peer, and
+ranks that disagreed about syncing would wait on each other for ever. One broadcast of the committed state
+per reset is the price of never hanging and never training on different states.
+
+A worker that joins a running job (a late joiner) runs its code before ``hora.elastic.run`` in a world of
+one (see :func:`hora.elastic.worker.provisional`); entering the loop it joins the job, then runs the state's
+reset callbacks, as after any reset.
 
 Only the elastic driver (``hora run --host-discovery-script ...``) can replace a lost peer. Under any other
 launcher (plain ``hora run``, mpirun, srun, torchrun) a re-initialisation would wait for a peer that never
@@ -50,13 +60,6 @@ def _provisional() -> bool:
     return worker.provisional()
 
 
-def _fresh() -> bool:
-    from hora.elastic import worker
-
-    plan = worker.current_plan()
-    return plan is None or plan.fresh
-
-
 def _rejoin(reset: Callable[[], None]) -> None:
     """``reset`` until it works: a peer lost while the next generation connects (a timeout, or a connection
     closed in the middle of its handshake) makes the driver form another one, which this worker then joins.
@@ -81,24 +84,25 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
 
     @functools.wraps(func)
     def wrapper(state, *args: Any, **kwargs: Any) -> Any:
-        skip_sync = False
+        from hora.elastic import worker
+
         if _provisional():
             _rejoin(reset)  # leave the world of one this late joiner started in, join the job
+            state.on_reset()  # its pre-run code saw a world of one: the callbacks see the job
         while True:
             try:
-                if not skip_sync:
-                    state.sync()
+                state.sync()  # always (see the module docstring): every rank of a generation does the same
+                worker.synced()
                 return func(state, *args, **kwargs)
             except InternalError as e:
                 state.restore()
                 if not _elastic():
                     raise InternalError(f"{NOT_ELASTIC}: {e}") from e
                 log.warning("hora elastic: %s; rolled back to the last commit, re-forming the job", e)
-                skip_sync = False
-            except HostsChanged as e:
-                skip_sync = e.skip_sync
+                worker.failed(f"{type(e).__name__}: {e}")
+            except HostsChanged:
+                pass
             _rejoin(reset)
-            skip_sync = skip_sync and not _fresh()  # a newcomer needs the state (Horovod #3494)
             state.on_reset()
 
     return wrapper

@@ -78,12 +78,16 @@ class State:
         """Save the state (what a failure rolls back to), then raise ``HostsUpdatedInterrupt`` on every
         rank if the hosts changed. Costs a copy of the state and one small broadcast: commit every few
         batches rather than every one when the state is large."""
+        from hora.elastic import worker
+
         self.save()
+        worker.committed()
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
         """Raise ``HostsUpdatedInterrupt`` on every rank, together, if the driver changed the hosts since
-        this rank last looked. ``skip_sync`` is true when hosts were only removed."""
+        this rank last looked. ``skip_sync`` is true when hosts were only removed (kept for Horovod's API:
+        :func:`hora.elastic.run` syncs after every reset)."""
         from hora.elastic import notify
 
         notify.poll(self)

@@ -24,6 +24,8 @@ _lock = threading.Lock()
 _client = None  # StoreClient, for the life of the process
 _requests = 0  # how many places this process has asked for
 _plan: protocol.Plan | None = None  # the generation this process is in
+_why = ""  # why the next request is made: "fail <error>" after an InternalError (the driver counts those)
+_commits = 0  # commits this process made (the driver's measure of progress between failure resets)
 _WAIT = 60.0  # s per blocking read; the driver decides every timeout, we only wait for it
 
 
@@ -45,6 +47,27 @@ def _store():
     return _client
 
 
+def failed(error: str) -> None:
+    """The next :func:`join` follows a failure inside this process (an ``InternalError`` in the training
+    function): the request says so, and the driver counts the reset towards ``--reset-limit``."""
+    global _why
+    _why = "fail " + error
+
+
+def committed() -> None:
+    """One more commit of a state (sent with the next request: progress since the last failure reset)."""
+    global _commits
+    _commits += 1
+
+
+def synced() -> None:
+    """This process completed a state's sync: it holds the committed state (the driver puts holders first,
+    so that the next generation's rank 0 has it)."""
+    if active() and _plan is not None and _client is not None:
+        k = int(env.raw(protocol.NUMBER_VAR) or "0")
+        _client.set(protocol.synced_key(scope(), env.raw(protocol.ID_VAR) or "", k), str(_plan.gen).encode())
+
+
 def scope() -> str:
     return env.get("STORE_SCOPE", "job") or "job"
 
@@ -54,14 +77,16 @@ def join() -> tuple[protocol.Place, str, protocol.Plan]:
 
     A worker the next generation does not include (its host was removed, the job is over) exits here with
     status 0 and a log line; a job the driver gave up on raises :class:`HoraError` with the driver's reason."""
-    global _requests, _plan
+    global _requests, _plan, _why
     wid = env.raw(protocol.ID_VAR) or ""
     k = int(env.raw(protocol.NUMBER_VAR) or "0")
     with _lock:
         store = _store()
         _requests += 1
         n = _requests
-        store.set(protocol.ready_key(scope(), wid, k), str(n).encode())
+        why, _, error = _why.partition(" ")
+        store.set(protocol.ready_key(scope(), wid, k), protocol.ready_value(n, why, _commits, error))
+        _why = ""
         from hora.transport.store import StoreTimeout
 
         while True:

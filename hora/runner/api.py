@@ -181,11 +181,9 @@ def _run_job(func, args: tuple, kwargs: dict, values: dict[str, Any], command: l
         addr = f"{advertise}:{store.address.rpartition(':')[2]}"
         code = run_job(values, command, {contract.RUNFUNC_ADDR: addr, contract.RUNFUNC_SECRET: secret})
         if is_elastic(values):  # as many results as the last generation had ranks
-            results = {}
-            while store.get(f"result/{len(results)}") is not None:
-                results[len(results)] = store.get(f"result/{len(results)}")
-            if not results:
-                results = {0: None}
+            from hora.runner.elastic import elastic_results
+
+            results = elastic_results(store.get) or {0: None}
         else:
             results = {r: store.get(f"result/{r}") for r in range(values["num_proc"])}
     return _collect(results, code)

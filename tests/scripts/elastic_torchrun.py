@@ -4,6 +4,7 @@ to the end (from the start: the in-memory commit does not survive a restart)."""
 
 import os
 import signal
+import sys
 import numpy as np
 from hora.core import basics, ops
 import hora.elastic as elastic
@@ -27,4 +28,7 @@ try:
 except Exception as e:
     print("RAISED", type(e).__name__, str(e)[:200], flush=True)
     raise
-print("done", basics.rank(), state.step, os.environ.get("TORCHELASTIC_RESTART_COUNT"), flush=True)
+# one write of the whole line (print writes its parts and the newline one by one: the two ranks' lines
+# could interleave on the stdout they share)
+sys.stdout.write(f"done {basics.rank()} {state.step} {os.environ.get('TORCHELASTIC_RESTART_COUNT')}\n")
+sys.stdout.flush()

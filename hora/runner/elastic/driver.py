@@ -22,20 +22,28 @@ States of the current generation g:
   (or when the members alone are fewer than ``--min-np``) for every newly started worker too; otherwise a
   worker still starting joins the next generation through a host update, so that the survivors of a kill
   go on at once. A member that has not come ``--elastic-timeout`` s after g began to break up, or a new
-  worker waited for that long after its start, is killed and counted as a failure of its host. Then generation
-  g+1 is formed from the workers that came, at most ``--max-np``, in rank order:
-  g's members first, by their old rank (so the new rank 0 holds the committed state), hosts kept together;
-  if fewer than ``--min-np`` came, it waits, and fails the job once that has lasted ``--elastic-timeout`` s.
+  worker waited for that long after its start, is killed and counted as a failure of its host. No generation
+  is formed while a worker's end is not handled yet (it may be a member's: a failure reset). Then generation
+  g+1 is formed from the workers that came, at most ``--max-np``, in rank order: the holders of the
+  committed state first (workers that completed a sync: ``S/el/synced/<wid>/<k>``), then g's other members
+  by their old rank, then newcomers, hosts kept together, so the new rank 0 holds the committed state; when
+  no holder is left the job fails (``HORA_ELASTIC_RESTART_ON_LOSS`` opts in to starting over). If fewer than
+  ``--min-np`` came, it waits, and fails the job once that has lasted ``--elastic-timeout`` s. The first
+  generation has ``-np`` workers, raised to ``--min-np`` and capped at ``--max-np``.
 * running: the driver watches worker ends and the host list. A new worker that arrives, or a host of g
   that is no longer listed, is posted as a host update (``update = "<ts> <added|removed>"``): the members
   raise ``HostsUpdatedInterrupt`` at their next commit and come back for g+1. A member that fails makes
   the others fail with ``PeerLostError``: they roll back, come back, and g+1 is formed without it; its
-  slot is started again if its host is still listed and not blacklisted. Failures count towards
-  ``--reset-limit`` (membership changes do not); the reset that passes it fails the job.
+  slot is started again if its host is still listed and not blacklisted. A member whose training function
+  raised an ``InternalError`` says so in its request (``ready = "<n> fail <commits> <error>"``). Failure
+  resets (a member died, or one says it failed) count towards ``--reset-limit`` (membership changes do not);
+  the reset that passes it fails the job, and so do ``HORA_ELASTIC_FAILURE_RESETS`` failure resets in a row
+  with no commit in between (the members report their commit counts), even without ``--reset-limit``.
 * finishing: a worker exits 0 without being told to (its training is done): no new generation is formed,
   and whoever asks for a place is told to exit. The job succeeds when every worker has ended and no member
   of the last generation failed before one finished (a member that fails after another finished only gets
-  a warning: the training is complete); otherwise it exits with the first such failure's status.
+  a warning: the training is complete); otherwise it exits with the first such failure's status. Workers
+  still running ``--elastic-timeout`` s after the first one finished are killed, with a warning (exit 0).
 
 Hosts (:mod:`hora.runner.elastic.blacklist`): a host whose workers fail 3 times in a row
 (``HORA_ELASTIC_BLACKLIST_AFTER``; an error exit, a crash, a worker that never came or a lost host count,
@@ -43,15 +51,18 @@ a kill by SIGKILL/SIGTERM/SIGINT/SIGHUP does not) is blacklisted (its workers ar
 waits on them), for good or for a growing cooldown within ``--blacklist-cooldown-range``. The count starts
 again whenever a worker of the host comes through the end of a generation alive: a host whose workers crash
 at start is blacklisted, one whose workers are killed now and then while the others there train is not.
+A slot whose workers fail that way ``HORA_ELASTIC_SLOT_FAILURES`` times in a row (its count starts again
+only when one of its own workers comes through a generation) fails the job with the last one's status: the
+survivors on its host keep the host's count at 0, so without it a deterministic crash would loop for ever.
 
 Exit status: 0 on success; the failed worker's status (128+N for signal N); 1 when the driver gives up (below
-``--min-np`` too long, ``--reset-limit``); 128+N when it is interrupted.
+``--min-np`` too long, ``--reset-limit``, failure resets with no progress, the committed state lost); 128+N
+when it is interrupted. (The knobs: :mod:`hora.base.knobs`, group "elastic".)
 """
 
 from __future__ import annotations
 
 import math
-import os
 import queue
 import signal
 import sys
@@ -68,7 +79,6 @@ from hora.runner.spawn import Output, describe_exit, exit_code
 
 TICK = 0.05
 EXIT_GRACE = 10.0  # s a worker told to exit gets before it is killed
-BLACKLIST_AFTER = 3
 MESH_TIMEOUT = 10  # s: the workers' --start-timeout unless given (see Driver.__init__)
 RESPAWN_FIRST, RESPAWN_MAX = 0.25, 10.0  # s before a slot that failed again is started again (doubling)
 
@@ -85,6 +95,11 @@ class Driver:
         self.min_np, self.max_np = settings["min_np"], settings["max_np"]
         self.timeout, self.start_timeout = settings["elastic_timeout"], settings["start_timeout"]
         self.reset_limit = settings["reset_limit"]
+        self.slot_limit = settings.get("slot_failures", 10)
+        self.failure_resets = settings.get("failure_resets", 20)
+        self.restart_on_loss = settings.get("restart_on_loss", False)
+        self.stalled = 0  # failure resets in a row with no commit in between
+        self.finished_at: float | None = None  # when the first worker finished training
         self.base_env, self.store, self.store_addr = dict(envs), store, store_addr
         if "HORA_START_TIMEOUT" not in envs and "HOROVOD_START_TIMEOUT" not in envs:
             # a generation's mesh connects processes that are all waiting already: when one of them dies in
@@ -111,6 +126,7 @@ class Driver:
         self.member_failure: tuple[int, str] | None = None
         self._signal: int | None = None
         self.slot_failures: dict[str, int] = {}  # failures of a slot's processes since one came through
+        self.slot_faults: dict[str, int] = {}  # of those, the ones that count against the host (no kills)
         self.respawn_at: dict[str, float] = {}
 
     # --- the loop
@@ -156,6 +172,7 @@ class Driver:
                         self._stop([p], now, kill=False)
                 if not self.pool.live():
                     return self._result()
+                self._finish_timeout(now)
             else:
                 self._follow(hosts, now)
                 self._post_arrivals(ready)
@@ -178,7 +195,9 @@ class Driver:
                 continue
             if rc == 0 and lost is None:
                 if not self.finishing:
-                    _say(f"worker {p.number} ({p.wid}) finished; the job ends when the others do")
+                    _say(f"worker {p.number} ({p.wid}) finished; the job ends when the others do (at most "
+                         f"--elastic-timeout {self.timeout:g} s)")
+                    self.finished_at = now
                 self.finishing = True
                 continue
             rank = f", rank {self.member_numbers.index(p.number)}" if member else ""
@@ -190,6 +209,13 @@ class Driver:
             self.slot_failures[p.wid] = k = self.slot_failures.get(p.wid, 0) + 1
             if k > 1:  # a slot that keeps failing is started again more and more slowly
                 self.respawn_at[p.wid] = now + min(RESPAWN_MAX, RESPAWN_FIRST * 2 ** (k - 2))
+            if _host_fault(rc, lost):
+                self.slot_faults[p.wid] = f = self.slot_faults.get(p.wid, 0) + 1
+                if f >= self.slot_limit and self.failure is None:
+                    self.failure = (exit_code(rc) if rc is not None else 1,
+                                    f"the workers of slot {p.wid} failed {f} times in a row (the last one {what}); "
+                                    f"HORA_ELASTIC_SLOT_FAILURES={self.slot_limit} (kills by a signal do not "
+                                    "count)")
             if member:
                 # ranks still connecting the generation's mesh learn of it (the transport's abort note)
                 self.store.set(f"{self.scope}/{protocol.GENERATION_PREFIX}{self.gen}/1/abort",
@@ -200,11 +226,28 @@ class Driver:
                 if self.member_failure is None:
                     self.member_failure = (exit_code(rc) if rc is not None else 255,
                                            f"worker {p.wid} {what}")
-            wait = self.blacklist.failed(p.host, now) if _host_fault(rc, lost) else None
-            if wait is not None:
-                until = "for the rest of the job" if math.isinf(wait) else f"for {wait:g} s"
-                _say(f"host {p.host} is blacklisted {until}: {self.blacklist.limit} worker failures in a row there")
-                self._stop([q for q in self.pool.live() if q.host == p.host], now, kill=True)
+            if _host_fault(rc, lost):
+                self._host_failed(p.host, now)
+
+    def _host_failed(self, host: str, now: float) -> None:
+        """Count a failure against ``host``; when that blacklists it, stop its other workers (no survivor may
+        wait on them) and say so."""
+        wait = self.blacklist.failed(host, now)
+        if wait is not None:
+            until = "for the rest of the job" if math.isinf(wait) else f"for {wait:g} s"
+            _say(f"host {host} is blacklisted {until}: {self.blacklist.limit} worker failures in a row there")
+            self._stop([q for q in self.pool.live() if q.host == host], now, kill=True)
+
+    def _finish_timeout(self, now: float) -> None:
+        """A worker finished training: the others get --elastic-timeout s to end too, then are killed."""
+        if self.finished_at is None or now - self.finished_at < self.timeout:
+            return
+        late = [p for p in self.pool.live() if not p.stopping]
+        if late:
+            _say(f"warning: workers {' '.join(f'{p.number} ({p.wid})' for p in late)} had not ended "
+                 f"--elastic-timeout {self.timeout:g} s after another one finished training; killing them "
+                 "(the training is complete: the job still succeeds)")
+            self._stop(late, now, kill=True)
 
     def _hosts(self, now: float) -> dict[str, int] | None:
         for h in self.blacklist.released(now):
@@ -216,7 +259,9 @@ class Driver:
     def _wanted(self, hosts: dict[str, int]) -> list[tuple[str, str, int]]:
         """The slots to run: the listed ones, at most -np until the first generation, then --max-np."""
         out = [(f"{h}:{i}", h, i) for h, n in hosts.items() for i in range(n)]
-        cap = self.np if self.gen == 0 and self.np else self.max_np
+        cap = max(self.np, self.min_np) if self.gen == 0 and self.np else self.max_np
+        if cap and self.max_np:
+            cap = min(cap, self.max_np)
         return out[:cap] if cap else out
 
     def _follow(self, hosts: dict[str, int], now: float) -> None:
@@ -250,10 +295,9 @@ class Driver:
         """Live workers waiting for an answer, with their request numbers in ``p.asked``."""
         out = []
         for p in self.pool.live():
-            raw = self.store.get(protocol.ready_key(self.scope, p.wid, p.number))
-            n = int(raw) if raw else 0
+            n, error, commits = protocol.parse_ready(self.store.get(protocol.ready_key(self.scope, p.wid, p.number)))
             if n > p.answered:
-                p.asked = n
+                p.asked, p.failed_req, p.commits = n, error, commits
                 out.append(p)
         return out
 
@@ -296,6 +340,8 @@ class Driver:
             self.below = None
         if not waiting:
             return
+        if any(p.done and not p.seen for p in self.pool.procs):
+            return  # an end not handled yet: it may be a member's (a failure reset), decide next tick
         came = {p.number for p in waiting}
         late = []
         for p in active:
@@ -312,29 +358,74 @@ class Driver:
         for p in late:
             _say(f"worker {p.number} ({p.wid}) did not come to form generation {self.gen + 1} within "
                  f"--elastic-timeout {self.timeout:g} s; stopping it")
-            self.blacklist.failed(p.host, now)
             self._stop([p], now, kill=True)
+            self._host_failed(p.host, now)
         order = self._order(waiting)
         chosen = order[:self.max_np] if self.max_np else order
         if len(chosen) < self.min_np:
             self._check_below(now, hosts)
             return
         self.below = None
-        if self.failed_member:
-            if self.reset_limit is not None and self.resets >= self.reset_limit:
-                why = self.member_failure[1] if self.member_failure else "a worker failed"
-                self.failure = (1, f"--reset-limit {self.reset_limit} reached: the job was reset {self.resets} "
-                                   f"times after failures, and failed again ({why})")
-                return
-            self.resets += 1
+        if not self._count_reset(waiting) or not self._holders_left(chosen):
+            return
         for p in order[len(chosen):]:
             self._answer(p, f"exit --max-np {self.max_np} workers are running")
         self._start_generation(chosen, now)
 
+    def _count_reset(self, waiting: list[Proc]) -> bool:
+        """Count the reset about to happen if it follows a failure (a member died, or one says it failed
+        inside: a deterministic error re-forms the job at every try); False when that fails the job."""
+        members = [p for p in waiting if p.number in self.member_numbers]
+        failed_inside = [p for p in members if p.failed_req]
+        if not (self.failed_member or failed_inside):
+            self.stalled = 0 if any(p.commits > p.base_commits for p in members) else self.stalled
+            return True
+        if self.member_failure is not None:
+            why = self.member_failure[1]
+        elif failed_inside:
+            why = f"worker {failed_inside[0].wid}: {failed_inside[0].failed_req}"
+        else:
+            why = "a worker failed"
+        if self.reset_limit is not None and self.resets >= self.reset_limit:
+            self.failure = (1, f"--reset-limit {self.reset_limit} reached: the job was reset {self.resets} "
+                               f"times after failures, and failed again ({why})")
+            return False
+        progress = any(p.commits > p.base_commits for p in members)
+        self.stalled = 0 if progress else self.stalled + 1
+        if self.stalled >= self.failure_resets:
+            self.failure = (1, f"{self.stalled} resets after failures in a row with no commit in between "
+                               f"(HORA_ELASTIC_FAILURE_RESETS={self.failure_resets}): the failure repeats at "
+                               f"every try ({why})")
+            return False
+        self.resets += 1
+        return True
+
+    def _holder(self, p: Proc) -> bool:
+        """Whether ``p`` holds the committed state: it completed a sync (and lives, in the last generation)."""
+        return self.store.get(protocol.synced_key(self.scope, p.wid, p.number)) is not None
+
+    def _holders_left(self, chosen: list[Proc]) -> bool:
+        """The next generation's rank 0 must hold the committed state; when no worker that does is left (the
+        state died with them) the job fails, unless HORA_ELASTIC_RESTART_ON_LOSS opts in to start over."""
+        if not self.member_numbers or (chosen and self._holder(chosen[0])):
+            return True
+        held = [p for p in self.pool.procs if p.number in self.member_numbers and self._holder(p)]
+        if not held:
+            return True  # nobody ever synced in the last generation: every worker has the initial state
+        if not self.restart_on_loss:
+            gone = " ".join(f"{p.wid}[{p.number}]" for p in held)
+            self.failure = (1, f"every worker holding the committed state is gone ({gone}): the state was lost "
+                               "with them (HORA_ELASTIC_RESTART_ON_LOSS=1 starts over from the initial state)")
+            return False
+        _say(f"warning: no worker holding the committed state of generation {self.gen} is left: generation "
+             f"{self.gen + 1} starts over from the state its workers start with (HORA_ELASTIC_RESTART_ON_LOSS)")
+        return True
+
     def _order(self, waiting: list[Proc]) -> list[Proc]:
-        """Members first by old rank, then newcomers by slot; each host's workers kept together."""
+        """Holders of the committed state first, members by old rank, then newcomers by slot; each host's
+        workers kept together (so the new rank 0 holds the state whenever any worker does)."""
         old = {n: r for r, n in enumerate(self.member_numbers)}  # the very processes, not their slots
-        first = sorted(waiting, key=lambda p: (old.get(p.number, math.inf), p.host, p.index))
+        first = sorted(waiting, key=lambda p: (not self._holder(p), old.get(p.number, math.inf), p.host, p.index))
         hosts = list(dict.fromkeys(p.host for p in first))
         return [p for h in hosts for p in first if p.host == h]
 
@@ -343,16 +434,14 @@ class Driver:
             if p.number in self.member_numbers:  # it came through the end of a generation alive
                 self.blacklist.healthy(p.host)
                 self.slot_failures.pop(p.wid, None)
+                self.slot_faults.pop(p.wid, None)
         fresh = any(p.number not in self.member_numbers for p in chosen)
-        if self.member_numbers and not any(p.number in self.member_numbers for p in chosen):
-            _say(f"warning: no worker of generation {self.gen} is left: the committed state died with them, and "
-                 f"generation {self.gen + 1} starts from the state its workers start with")
         self.gen += 1
         plan = protocol.make_plan(self.gen, self.update_ts, self.resets, [(p.wid, p.host) for p in chosen], fresh)
         self.store.set(protocol.plan_key(self.scope, self.gen), plan.encode())
         for p in chosen:
             self._answer(p, f"gen {self.gen}")
-            p.announced = True
+            p.announced, p.gen, p.base_commits = True, self.gen, p.commits
         self.members = [p.wid for p in chosen]
         self.member_numbers = [p.number for p in chosen]
         self.breaking, self.failed_member = None, False
@@ -370,11 +459,20 @@ class Driver:
         have = [p.wid for p in self.pool.live() if not p.stopping]
         wanted = [w for w, _h, _i in self._wanted(hosts)]
         missing = sorted(set(wanted) - set(have))
-        listed = ", ".join(f"{h}:{n}" for h, n in (self.discovery.hosts or {}).items()) or "none"
+        listed = self.discovery.hosts or {}
+        left = [w for w in self.members if w not in have]
+        unlisted = sorted({w.rpartition(":")[0] for w in left} - set(listed))
         black = ", ".join(sorted(self.blacklist.until)) or "none"
+        parts = [f"{len(have)} running ({' '.join(have) or 'none'}), {self.min_np - len(have)} more needed"]
+        if left:
+            parts.append(f"left since generation {self.gen}: slots {' '.join(left)}"
+                         + (f" (hosts no longer listed: {' '.join(unlisted)})" if unlisted else ""))
+        parts.append(f"listed slots not running: {' '.join(missing)}" if missing else
+                     "every listed slot runs (the hosts offer too few)")
+        parts.append(f"listed hosts {', '.join(f'{h}:{n}' for h, n in listed.items()) or 'none'}")
+        parts.append(f"blacklisted {black}")
         self.failure = (1, f"fewer than --min-np {self.min_np} workers for more than --elastic-timeout "
-                           f"{self.timeout:g} s: {len(have)} running ({' '.join(have) or 'none'}); missing slots "
-                           f"{' '.join(missing) or 'none'}; listed hosts {listed}; blacklisted {black}")
+                           f"{self.timeout:g} s: " + "; ".join(parts))
 
     # --- answers and stopping
     def _answer(self, p: Proc, text: str) -> None:
@@ -430,12 +528,7 @@ def _host_fault(rc: int | None, lost: str | None) -> bool:
 
 def settings_from(values: dict[str, Any]) -> dict[str, Any]:
     """The driver's settings from ``hora run``'s flag values (and Horovod's environment knobs)."""
-    def num(name: str, default: float) -> float:
-        raw = os.environ.get("HORA_" + name) or os.environ.get("HOROVOD_" + name)
-        try:
-            return float(raw) if raw else default
-        except ValueError:
-            raise ValueError(f"bad HORA_{name}={raw!r}: expected a number") from None
+    from hora.base import knobs
 
     from hora.runner import hosts as hostlib
 
@@ -452,6 +545,9 @@ def settings_from(values: dict[str, Any]) -> dict[str, Any]:
     elif values.get("hosts") or values.get("hostfile"):
         raise hostlib.HostError("--host-discovery-script lists the hosts: -H/-hostfile cannot be given with it")
     timeout = values.get("elastic_timeout")
+    max_np = values.get("max_num_proc")
+    if np_ is not None and max_np is not None and np_ > max_np:
+        raise ValueError(f"-np {np_} is more than --max-np {max_np}: the job starts with at most --max-np workers")
     cooldown = values.get("cooldown_range")
     return {
         "np": np_,
@@ -460,13 +556,16 @@ def settings_from(values: dict[str, Any]) -> dict[str, Any]:
         "slots": values.get("slots"),
         "script": script,
         "fixed": fixed,
-        "elastic_timeout": float(timeout if timeout is not None else num("ELASTIC_TIMEOUT", 600.0)),
-        "start_timeout": float(values.get("start_timeout") or num("START_TIMEOUT", 30.0)),
+        "elastic_timeout": float(timeout if timeout is not None else knobs.value("elastic_timeout")),
+        "start_timeout": float(values.get("start_timeout") or knobs.value("start_timeout")),
         "reset_limit": values.get("reset_limit"),
         "cooldown": (float(cooldown[0]), float(cooldown[1])) if cooldown else None,
-        "blacklist_after": int(num("ELASTIC_BLACKLIST_AFTER", BLACKLIST_AFTER)),
-        "discovery_interval": num("DISCOVERY_INTERVAL", 1.0),
-        "discovery_timeout": num("DISCOVERY_TIMEOUT", 10.0),
+        "blacklist_after": knobs.value("elastic_blacklist_after"),
+        "slot_failures": knobs.value("elastic_slot_failures"),
+        "failure_resets": knobs.value("elastic_failure_resets"),
+        "restart_on_loss": knobs.value("elastic_restart_on_loss"),
+        "discovery_interval": knobs.value("discovery_interval"),
+        "discovery_timeout": knobs.value("discovery_timeout"),
     }
 
 

@@ -8,8 +8,9 @@ list: workers that fail are started again and the job keeps going while ``--min-
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Callable
 
+from hora.elastic import protocol
 from hora.runner import hosts as hostlib
 from hora.runner import ssh
 from hora.runner.elastic.driver import Driver, new_scope, settings_from
@@ -23,6 +24,20 @@ def _say(msg: str) -> None:
 
 def is_elastic(values: dict[str, Any]) -> bool:
     return any(values.get(k) is not None for k in ("min_num_proc", "max_num_proc", "host_discovery_script"))
+
+
+def elastic_results(get: Callable[[str], bytes | None]) -> dict[int, bytes | None]:
+    """``hora.run()``'s results in elastic mode (keys: :mod:`hora.elastic.protocol`), by rank: those of the
+    last generation that put any (``get``: the caller's store read); a rank of that generation that put none
+    maps to None. Empty when no worker put a result."""
+    count = int(get(protocol.RESULT_COUNT) or b"0")
+    entries = [tuple(map(int, get(protocol.result_entry_key(i)).split())) for i in range(1, count + 1)
+               if get(protocol.result_entry_key(i)) is not None]
+    if not entries:
+        return {}
+    last = max(gen for gen, _r, _s in entries)
+    size = max(s for gen, _r, s in entries if gen == last)
+    return {r: get(protocol.result_key(last, r)) for r in range(size)}
 
 
 def _first_hosts(settings: dict[str, Any]) -> dict[str, int]:

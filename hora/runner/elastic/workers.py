@@ -2,8 +2,9 @@
 stopped.
 
 Built from the static launcher's parts (:mod:`hora.runner.spawn`): each local worker leads its own session
-and process group, dies with the driver (``PR_SET_PDEATHSIG``), carries the job's reaper mark, and has its
-output relayed line by line, tagged ``[<n>]`` by its worker number (ranks change from one generation to the
+and process group, carries the job's reaper mark (a keeper process, :class:`hora.runner.reaper.Keeper`,
+sweeps every process with that mark when the driver dies: no ``preexec_fn`` in a process with threads), and
+has its output relayed line by line, tagged ``[<n>]`` by its worker number (ranks change from one generation to the
 next; the driver logs which number holds which rank). A remote worker runs under the remote bootstrap
 (:mod:`hora.runner.remote`) in an ssh session of its own, so it can start and end on its own.
 """
@@ -42,6 +43,10 @@ class Proc:
     stop_at: float | None = None  # when to escalate to signals
     announced: bool = False  # its arrival was posted as a host update
     ended: float = 0.0  # when its end was seen
+    gen: int = 0  # the last generation it was chosen for (0: none yet)
+    failed_req: str = ""  # its pending request follows a failure inside it: the error's summary
+    commits: int = 0  # commits it reported with its last request
+    base_commits: int = 0  # ... when it was last chosen (more since: the job made progress)
 
     @property
     def done(self) -> bool:
