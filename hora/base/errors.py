@@ -59,7 +59,8 @@ class AuthenticationError(HoraError):
 
 class HostsChanged(HoraError):
     """The elastic driver changed the set of hosts. Horovod calls this ``HostsUpdatedInterrupt``;
-    ``skip_sync`` says whether state must be re-synchronised after the reset."""
+    ``skip_sync`` says whether Horovod would skip the sync after the reset (hosts only removed); hora
+    syncs after every reset, and keeps the value for Horovod's API."""
 
     def __init__(self, skip_sync: bool = False):
         super().__init__("the set of hosts changed")
