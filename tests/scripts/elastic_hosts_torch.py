@@ -6,9 +6,9 @@
 A linear model learns a fixed regression with ``hvd.DistributedOptimizer`` (SGD with momentum, so the
 optimizer has state to carry). Each step every rank allgathers the dataset indices of its batch; the state
 keeps the epoch's list (``seen``), and at each epoch end the worker checks that it is a permutation of the
-dataset: no sample repeated or skipped across the membership changes of the epoch. 64 samples, 2 per rank
-per step, and 2 or 4 ranks: what is left of an epoch always divides evenly, so the sampler never pads (its
-documented padding, fewer than ``size()`` samples per reset, would otherwise repeat a few).
+dataset: no sample skipped, and none repeated but the sampler's padding, across the membership changes
+of the epoch. 64 samples, 2 per rank per step, and 2 to 4 ranks (a host's second worker may join a
+generation after its first: 3 ranks), where what is left of an epoch need not divide evenly.
 
 Gate and event log as in tests/scripts/elastic_hosts_train.py (tests/scripts/elastic_hosts_common.py); the
 digests cover the model, the optimizer's momentum and the sampler's progress.
@@ -82,7 +82,11 @@ def main() -> None:
                     if state.step % args.commit_every == 0:
                         ev.commit(state, r, n)
                     ev.at_gate(state, r, n)  # this job ends by itself: the gate only holds it
-                ok = sorted(state.seen) == list(range(N))
+                # every sample once; the only repeats allowed are ElasticSampler's documented padding (a shard
+                # padded to equal length when the remaining samples do not divide by the ranks: fewer than
+                # the number of ranks, at most 4 here, per re-shard; at most 3 re-shards in an epoch here)
+                dup = len(state.seen) - N
+                ok = set(state.seen) == set(range(N)) and 0 <= dup <= 3 * 3
                 if r == 0:
                     ev.log("epoch", epoch=state.epoch, ok=ok, seen=state.seen)
                 if not ok:
