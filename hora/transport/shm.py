@@ -151,7 +151,7 @@ class ShmGroup:
         self._next = 0
         self.meta_turn = 0  # which half of the metadata the next alltoall uses
         self.others = [p for p in range(n) if p != index]
-        self.spin = SPIN_S if n <= len(os.sched_getaffinity(0)) else 0.0
+        self.spin = SPIN_S if n <= len(os.sched_getaffinity(0)) else 0.0  # until choose_spin sees the peers
         # the flags of the ranks sleeping on us, as one u64 (n <= _FLAGGED), or None: always wake
         self._hdr64 = np.frombuffer(mm, np.uint64, count=(64 + n * _LINE) // 8)
         self._flags = (64 + index * _LINE + _SLEEPERS) // 8 if n <= _FLAGGED else None
@@ -291,6 +291,21 @@ class ShmGroup:
         if self.ctrl is not None:
             raise self.ctrl.lost(g, msg)  # the mesh's error (it also reads the store's note on who failed first)
         raise PeerLostError(f"rank {self.members[self.rank]}: lost rank {g}: {msg}", rank=g)
+
+    def choose_spin(self) -> None:
+        """Spin only when the group's ranks do not outnumber the CPUs they may run on together.
+
+        The union of every member's affinity (from the pids in the header), not this rank's own: with
+        each rank pinned to its own CPU (``taskset``, ``--bind-to core``) a rank sees one CPU, yet a
+        spinner takes no core from a peer; turning the spin off there made every chunk's wait a futex
+        sleep and its 100-300 us wake-up (benchmarks/shm_modes.py: ``--pin -1``)."""
+        cpus = set(os.sched_getaffinity(0))
+        for p in self.others:
+            try:
+                cpus |= os.sched_getaffinity(int(self._hdr[self._word[p] + _PID]))
+            except OSError:  # not ours to look at: our own view decides, as before
+                return
+        self.spin = SPIN_S if self.size <= len(cpus) else 0.0
 
     def watch_peers(self) -> None:
         """Open a pidfd per peer (from the pids in the header): readable once that process exits."""
@@ -464,6 +479,7 @@ def _map_peer(pid: int, fd: int, size: int) -> mmap.mmap:
 def _finish(mm, members, index, chunk, ctrl) -> ShmGroup:
     g = ShmGroup(mm, members, index, chunk, ctrl)
     g.watch_peers()
+    g.choose_spin()
     return g
 
 
