@@ -118,7 +118,8 @@ class RayExecutor:
                                                gpus_per_slot=gpus_per_worker, override_discovery=True)
         if num_workers is not None and num_hosts is not None:
             raise HoraValueError("RayExecutor: give num_workers, or num_hosts and num_workers_per_host, not both")
-        if num_workers is None and num_hosts is None and self._elastic is None:  # in a Ray Tune trial too: its group holds other bundles
+        # in a Ray Tune trial too: its group holds other bundles
+        if num_workers is None and num_hosts is None and self._elastic is None:
             raise HoraValueError("RayExecutor: set num_workers, or num_hosts and num_workers_per_host")
         if gpus_per_worker and not use_gpu:
             raise HoraValueError("RayExecutor: gpus_per_worker is set but use_gpu is False; set use_gpu=True")
