@@ -597,6 +597,9 @@ def _elastic_train(log_dir: str, steps: int = 30) -> list:
                 os.kill(os.getpid(), signal.SIGKILL)
             if state.step % 4 == 0:
                 state.commit()
+        from hora.ray import ray_logger
+
+        ray_logger.log({"done": state.step, "size": basics.size()})  # rank 0's reaches the callbacks
         return [basics.rank(), basics.size(), state.step, state.w.tobytes().hex()]
 
     return train(state)
@@ -611,7 +614,8 @@ def test_elastic_executor_survives_a_killed_actor(cluster, tmp_path):
     ex = ElasticRayExecutor(ElasticRayExecutor.create_settings(min_np=2, max_np=2, elastic_timeout=60))
     ex.start()
     try:
-        results = ex.run(lambda: _elastic_train(str(tmp_path)))
+        logged = []
+        results = ex.run(lambda: _elastic_train(str(tmp_path)), callbacks=[logged.append])
     finally:
         ex.shutdown()
     assert (tmp_path / "killed").exists(), "the worker actor was never killed"
@@ -620,4 +624,16 @@ def test_elastic_executor_survives_a_killed_actor(cluster, tmp_path):
     assert [r[:3] for r in results] == [[0, 2, 30], [1, 2, 30]], results
     expected = np.full(4, float(sum(range(30)))).tobytes().hex()
     assert {r[3] for r in results} == {expected}
+    assert logged == [{"done": 30, "size": 2}], logged
+
+    from hora.ray import RayExecutor
+
+    ex = RayExecutor(RayExecutor.create_settings(), min_workers=2, max_workers=2)  # Horovod's elastic mode
+    ex.start()
+    try:
+        again = ex.run(_elastic_train, args=[str(tmp_path)], kwargs={"steps": 8})  # no kill: the marker is there
+    finally:
+        ex.shutdown()
+    assert [r[:3] for r in again] == [[0, 2, 8], [1, 2, 8]], again
+    assert _gone([int(f.name.split(".")[1]) for f in tmp_path.glob("pid.*")], 15)
     assert _gone(pids, 15), "worker actors outlived the elastic job"

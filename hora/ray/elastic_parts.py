@@ -111,12 +111,17 @@ class ElasticActor:
         except SystemExit as e:  # the driver told it to leave (hora.elastic's "exit" answer), or fn exited
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             return ("exit", code, None)
-        from hora.core import basics
-        from hora.elastic import worker
+        return ("ok", 0, (*elastic_place(), value))
 
-        plan = worker.current_plan()
-        rank = basics.rank() if basics.is_initialized() else 0
-        return ("ok", 0, (plan.gen if plan is not None else 0, rank, value))
+
+def elastic_place() -> tuple[int, int]:
+    """This elastic worker's (generation, rank) in its current generation; (0, 0) before it has one."""
+    from hora.elastic import protocol, worker
+
+    plan = worker.current_plan()
+    if plan is None:
+        return 0, 0
+    return plan.gen, plan.places[os.environ.get(protocol.ID_VAR, "")].rank
 
 
 class _ActorEnd:
