@@ -637,3 +637,25 @@ def test_elastic_executor_survives_a_killed_actor(cluster, tmp_path):
     assert [r[:3] for r in again] == [[0, 2, 8], [1, 2, 8]], again
     assert _gone([int(f.name.split(".")[1]) for f in tmp_path.glob("pid.*")], 15)
     assert _gone(pids, 15), "worker actors outlived the elastic job"
+
+
+def _elastic_raises() -> None:
+    from hora.core import basics
+
+    basics.init()
+    raise ValueError("bad batch")
+
+
+@pytest.mark.timeout(90)
+def test_elastic_executor_reraises_what_worker_fn_raised(cluster):
+    """A worker_fn that always raises: the driver starts its slot again until the node is blacklisted, gives
+    up once below min_np for elastic_timeout, and run() raises the worker's own exception."""
+    from hora.ray import ElasticRayExecutor
+
+    ex = ElasticRayExecutor(ElasticRayExecutor.create_settings(min_np=1, max_np=1, elastic_timeout=2))
+    ex.start()
+    try:
+        with pytest.raises(ValueError, match="bad batch"):
+            ex.run(_elastic_raises)
+    finally:
+        ex.shutdown()

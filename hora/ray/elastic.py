@@ -20,7 +20,7 @@ raises fails the job (after the driver's own handling of it) and its exception i
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from hora.base.errors import HoraValueError, LaunchError
@@ -42,7 +42,6 @@ class ElasticSettings:
     nics: set | None = None
     discovery: Any = None
     verbose: int = 1
-    extra: dict = field(default_factory=dict)
 
 
 _KNOWN = {"cooldown_range", "discovery", "verbose"}
@@ -153,7 +152,8 @@ class ElasticRayExecutor:
             self._driver = None
             if relay is not None:
                 relay.close()
-        return pool.outcome(box.get("rc", 1))
+        failure = driver.failure or driver.member_failure
+        return pool.outcome(box.get("rc", 1), failure[1] if failure else None)
 
     def _env(self, scope: str) -> dict[str, str]:
         """Every worker's environment but its own variables (as ``hora run``'s elastic driver gives it)."""

@@ -221,7 +221,7 @@ class ActorPool:
         for p in live:
             p.worker.done.wait(max(0.0, deadline - time.monotonic()))
 
-    def outcome(self, rc: int) -> list:
+    def outcome(self, rc: int, why: str | None = None) -> list:
         """``run``'s answer: the values of the last generation's ranks in rank order; or the job's failure
         raised (worker_fn's own exception when one raised)."""
         values = [p.worker.value for p in self.procs if p.worker.value is not None]
@@ -229,9 +229,12 @@ class ActorPool:
             last = max(g for g, _r, _v in values)
             ranks = sorted(((r, v) for g, r, v in values if g == last), key=lambda t: t[0])
             return [v for _r, v in ranks]
+        from hora.elastic.worker import JobFailed
+
         errors = [p.worker.error for p in self.procs if p.worker.error is not None]
+        errors.sort(key=lambda e: isinstance(e, JobFailed))  # worker_fn's own error first, then the driver's
         if errors:
             raise errors[0]
         from hora.base.errors import LaunchError
 
-        raise LaunchError(f"the elastic Ray job failed (status {rc}); the driver's reason is in its log above")
+        raise LaunchError(f"the elastic Ray job failed (status {rc}): {why or 'see the driver log above'}")
