@@ -541,7 +541,7 @@ def test_names_and_signatures_match_horovod():
     deadline.check_time_out_for("the workers")
 
 
-def test_argument_errors_and_elastic_not_yet():
+def test_argument_errors():
     from hora.ray import ElasticRayExecutor, RayExecutor
 
     s = RayExecutor.create_settings()
@@ -553,7 +553,109 @@ def test_argument_errors_and_elastic_not_yet():
         RayExecutor(s, num_workers=2, gpus_per_worker=1)
     with pytest.raises(ValueError, match="min_workers"):
         RayExecutor(s, max_workers=4)
+    with pytest.raises(HoraValueError, match="create_settings"):
+        ElasticRayExecutor(s)  # a RayExecutor's settings are not an elastic job's
+    es = ElasticRayExecutor.create_settings(min_np=2, max_np=4)
+    assert (es.min_np, es.max_np, es.timeout_s, es.elastic_timeout) == (2, 4, 30, 600)
+    with pytest.raises(HoraValueError, match="min_np"):
+        ElasticRayExecutor.create_settings(min_np=3, max_np=2)
+    with pytest.raises(HoraValueError, match="unknown"):
+        ElasticRayExecutor.create_settings(bogus=1)
+    with pytest.raises(HoraValueError, match="use_gpu"):
+        ElasticRayExecutor(es, gpus_per_slot=1)
+    with pytest.raises(HoraValueError, match="discovery"):
+        ElasticRayExecutor(es, override_discovery=False)
+    elastic = RayExecutor(s, min_workers=1, max_workers=2)  # delegates to ElasticRayExecutor
     with pytest.raises(NotSupportedError, match="not supported yet"):
-        RayExecutor(s, min_workers=1, max_workers=2)
-    with pytest.raises(NotSupportedError, match="not supported yet"):
-        ElasticRayExecutor(s)
+        elastic.execute(lambda _w: None)
+
+
+def _elastic_train(log_dir: str, steps: int = 30) -> list:
+    """One elastic worker: ``w`` grows by the ranks' average of ``full(4, step)`` at each step, so the final
+    ``w`` is the same whatever the membership was; the worker of slot ``...:1`` kills its own actor (SIGKILL)
+    once, mid-training. Each worker writes its pid to ``log_dir``."""
+    import numpy as np
+
+    import hora.elastic as elastic
+    from hora.core import basics, ops
+
+    wid = os.environ["HORA_ELASTIC_ID"]
+    Path(log_dir, f"pid.{os.getpid()}").write_text(wid)
+    basics.init()
+    state = elastic.ObjectState(step=0, w=np.zeros(4))
+
+    @elastic.run
+    def train(state):
+        while state.step < steps:
+            g = ops.allreduce(np.full(4, float(state.step)), name="g") if basics.size() > 1 else \
+                np.full(4, float(state.step))
+            state.w = state.w + g
+            state.step += 1
+            marker = Path(log_dir, "killed")
+            if wid.endswith(":1") and state.step == 12 and not marker.exists():
+                marker.write_text(wid)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if state.step % 4 == 0:
+                state.commit()
+        from hora.ray import ray_logger
+
+        ray_logger.log({"done": state.step, "size": basics.size()})  # rank 0's reaches the callbacks
+        return [basics.rank(), basics.size(), state.step, state.w.tobytes().hex()]
+
+    return train(state)
+
+
+@pytest.mark.timeout(120)
+def test_elastic_executor_survives_a_killed_actor(cluster, tmp_path):
+    from hora.ray import ElasticRayExecutor
+
+    import numpy as np
+
+    ex = ElasticRayExecutor(ElasticRayExecutor.create_settings(min_np=2, max_np=2, elastic_timeout=60))
+    ex.start()
+    try:
+        logged = []
+        results = ex.run(lambda: _elastic_train(str(tmp_path)), callbacks=[logged.append])
+    finally:
+        ex.shutdown()
+    assert (tmp_path / "killed").exists(), "the worker actor was never killed"
+    pids = [int(f.name.split(".")[1]) for f in tmp_path.glob("pid.*")]
+    assert len(pids) == 3, pids  # two actors, and the killed slot's fresh one
+    assert [r[:3] for r in results] == [[0, 2, 30], [1, 2, 30]], results
+    expected = np.full(4, float(sum(range(30)))).tobytes().hex()
+    assert {r[3] for r in results} == {expected}
+    assert logged == [{"done": 30, "size": 2}], logged
+
+    from hora.ray import RayExecutor
+
+    ex = RayExecutor(RayExecutor.create_settings(), min_workers=2, max_workers=2)  # Horovod's elastic mode
+    ex.start()
+    try:
+        again = ex.run(_elastic_train, args=[str(tmp_path)], kwargs={"steps": 8})  # no kill: the marker is there
+    finally:
+        ex.shutdown()
+    assert [r[:3] for r in again] == [[0, 2, 8], [1, 2, 8]], again
+    assert _gone([int(f.name.split(".")[1]) for f in tmp_path.glob("pid.*")], 15)
+    assert _gone(pids, 15), "worker actors outlived the elastic job"
+
+
+def _elastic_raises() -> None:
+    from hora.core import basics
+
+    basics.init()
+    raise ValueError("bad batch")
+
+
+@pytest.mark.timeout(90)
+def test_elastic_executor_reraises_what_worker_fn_raised(cluster):
+    """A worker_fn that always raises: the driver starts its slot again until the node is blacklisted, gives
+    up once below min_np for elastic_timeout, and run() raises the worker's own exception."""
+    from hora.ray import ElasticRayExecutor
+
+    ex = ElasticRayExecutor(ElasticRayExecutor.create_settings(min_np=1, max_np=1, elastic_timeout=2))
+    ex.start()
+    try:
+        with pytest.raises(ValueError, match="bad batch"):
+            ex.run(_elastic_raises)
+    finally:
+        ex.shutdown()

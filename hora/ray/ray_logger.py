@@ -22,9 +22,10 @@ _client_for: tuple[str, str] | None = None  # (store address, secret) the client
 _warned = False
 
 
-def _configure(key: str | None, rank: int) -> None:
+def _configure(key: str | None, rank: int | None) -> None:
     """Set by the worker around each call (:meth:`hora.ray.worker.BaseHorovodWorker.call`). Private: Horovod's
-    ``configure(queue)`` took a Ray queue, which hora does not use."""
+    ``configure(queue)`` took a Ray queue, which hora does not use. ``rank`` None: hora's current rank (an
+    elastic worker's rank changes from one generation to the next)."""
     global _key, _rank
     with _lock:
         _key, _rank = key, rank
@@ -39,7 +40,12 @@ def log(info_dict: Any, chief_only: bool = True) -> None:
     from hora.base import env
     from hora.transport.store import StoreClient
 
-    if chief_only and _rank != 0:
+    rank = _rank
+    if rank is None:
+        from hora.ray.elastic_parts import elastic_place
+
+        rank = elastic_place()[1]
+    if chief_only and rank != 0:
         return
     with _lock:
         key = _key

@@ -36,8 +36,8 @@ from hora.ray.worker import RayWorker, _Failures
 FAILURE_GRACE_S = 15.0
 # Ray's default max_direct_call_object_size: an argument up to this size travels inside the task itself
 INLINE_MAX = 100 * 1024
-ELASTIC_NOT_YET = ("not supported yet: elastic Ray jobs (min_workers / max_workers, ElasticRayExecutor) need "
-                   "hora's elastic driver, which is not built yet; use num_workers for a fixed-size job")
+ELASTIC_ONLY_RUN = ("not supported yet: {what} in an elastic RayExecutor (min_workers): its workers live for one "
+                    "run(); use run(), or num_workers for a fixed-size job")
 
 
 class Timeout:
@@ -107,11 +107,19 @@ class RayExecutor:
                                  "job needs min_workers")
         if min_workers is not None and num_workers is not None:
             raise HoraValueError("RayExecutor: give num_workers (a fixed-size job) or min_workers (elastic), not both")
-        if min_workers is not None:
-            raise NotSupportedError(ELASTIC_NOT_YET)
+        self._elastic = None
+        if min_workers is not None:  # Horovod's elastic mode: the job is an ElasticRayExecutor's
+            from hora.ray.elastic import ElasticRayExecutor
+
+            es = ElasticRayExecutor.create_settings(
+                min_np=min_workers, max_np=max_workers, reset_limit=reset_limit, elastic_timeout=elastic_timeout,
+                timeout_s=settings.timeout_s, nics=settings.nics, cooldown_range=cooldown_range)
+            self._elastic = ElasticRayExecutor(es, use_gpu=use_gpu, cpus_per_slot=cpus_per_worker,
+                                               gpus_per_slot=gpus_per_worker, override_discovery=True)
         if num_workers is not None and num_hosts is not None:
             raise HoraValueError("RayExecutor: give num_workers, or num_hosts and num_workers_per_host, not both")
-        if num_workers is None and num_hosts is None:  # in a Ray Tune trial too: its group holds other bundles
+        # in a Ray Tune trial too: its group holds other bundles
+        if num_workers is None and num_hosts is None and self._elastic is None:
             raise HoraValueError("RayExecutor: set num_workers, or num_hosts and num_workers_per_host")
         if gpus_per_worker and not use_gpu:
             raise HoraValueError("RayExecutor: gpus_per_worker is set but use_gpu is False; set use_gpu=True")
@@ -140,7 +148,12 @@ class RayExecutor:
     # --- start / shutdown ------------------------------------------------------------------------------------
     def start(self, executable_cls: type | None = None, executable_args: list | None = None,
               executable_kwargs: dict | None = None, extra_env_vars: dict | None = None) -> None:
-        """Start the actors, give them their ranks, and make ``executable_cls(*args, **kwargs)`` on each."""
+        """Start the actors, give them their ranks, and make ``executable_cls(*args, **kwargs)`` on each. In
+        elastic mode (min_workers), only serve the store: each run() starts its own actors."""
+        if self._elastic is not None:
+            if executable_cls is not None or extra_env_vars:
+                raise NotSupportedError(ELASTIC_ONLY_RUN.format(what="executable_cls / extra_env_vars"))
+            return self._elastic.start()
         if self.workers:
             raise HoraValueError("RayExecutor.start: already started; call shutdown() first")
         try:
@@ -218,6 +231,8 @@ class RayExecutor:
         """Stop the actors, release the placement group (when this executor made it) and close the store."""
         import ray
 
+        if self._elastic is not None:
+            return self._elastic.shutdown()
         self._shutdowns += 1
         workers, self.workers, self.places = self.workers, [], []
         for w in workers:
@@ -241,7 +256,10 @@ class RayExecutor:
     def run(self, fn: Callable[..., Any], args: list | None = None, kwargs: dict | None = None,
             callbacks: list[Callable[[Any], Any]] | None = None) -> list:
         """``fn(*args, **kwargs)`` on every worker; the return values in rank order. Every callback is called
-        on every value rank 0 sends with :func:`hora.ray.ray_logger.log`."""
+        on every value rank 0 sends with :func:`hora.ray.ray_logger.log`. In elastic mode: the values of the
+        last generation's ranks (:class:`hora.ray.ElasticRayExecutor`)."""
+        if self._elastic is not None:
+            return self._elastic.run(functools.partial(fn, *(args or ()), **(kwargs or {})), callbacks)
         return self._call(functools.partial(_apply, fn, tuple(args or ()), dict(kwargs or {})), callbacks)
 
     def execute(self, fn: Callable[[Any], Any], callbacks: list[Callable[[Any], Any]] | None = None) -> list:
@@ -262,6 +280,8 @@ class RayExecutor:
         return [w.call.remote(payload, scope, None) for w in workers]
 
     def _live(self) -> list:
+        if self._elastic is not None:
+            raise NotSupportedError(ELASTIC_ONLY_RUN.format(what="execute / execute_single / run_remote"))
         if not self.workers:
             raise LaunchError("RayExecutor: not started (call start() first; after a worker died, shutdown() "
                               "and start() again)")

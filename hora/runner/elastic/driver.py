@@ -89,7 +89,12 @@ def _say(msg: str) -> None:
 
 class Driver:
     def __init__(self, command: list[str], settings: dict[str, Any], envs: dict[str, str], store: Any,
-                 store_addr: Callable[[str], str], output: Output, remote: Any = None):
+                 store_addr: Callable[[str], str], output: Output | None, remote: Any = None, pool: Any = None,
+                 discovery: Any = None):
+        """``pool`` and ``discovery`` replace the process pool (:class:`Pool`: ``start(wid, host, index, env)``
+        -> a :class:`Proc`, ``live()``, ``procs``, ``exits``, ``next_number``, ``signal(procs, sig)``,
+        ``check_sessions()``, ``stop_all()``) and the script discovery (``hosts``, ``problem``, ``start()``,
+        ``close()``): another launcher (hora.ray's actors, Ray's nodes) brings its own."""
         self.s = settings
         self.np = settings["np"]
         self.min_np, self.max_np = settings["min_np"], settings["max_np"]
@@ -106,9 +111,10 @@ class Driver:
             # the middle, the others find out by this timeout, so it is shorter than a static job's 30 s
             self.base_env["HORA_START_TIMEOUT"] = str(MESH_TIMEOUT)
         self.scope = envs["HORA_STORE_SCOPE"]
-        self.pool = Pool(command, output, remote)
-        self.discovery = Discovery(settings["script"], settings["slots"], _say, settings["discovery_interval"],
-                                   settings["discovery_timeout"], fixed=settings.get("fixed"))
+        self.pool = pool if pool is not None else Pool(command, output, remote)
+        self.discovery = discovery if discovery is not None else Discovery(
+            settings["script"], settings["slots"], _say, settings["discovery_interval"],
+            settings["discovery_timeout"], fixed=settings.get("fixed"))
         self.blacklist = Blacklist(settings["blacklist_after"], settings["cooldown"])
         self.slots: dict[str, Proc] = {}  # wid -> its current (or last) process
         self.gen = 0

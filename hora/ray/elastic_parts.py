@@ -1,0 +1,240 @@
+"""The Ray parts of :class:`hora.ray.ElasticRayExecutor`: the elastic driver's pool (Ray actors) and its
+discovery (Ray's nodes), plugged into :class:`hora.runner.elastic.driver.Driver` in place of processes and a
+discovery script. The driver only uses what its own pool and discovery offer (see ``Driver.__init__``).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from hora.runner.elastic.workers import Proc
+
+_POLL_S = 1.0  # how often Ray's node list is read
+_STOP_WAIT_S = 10.0  # how long stop_all() waits for a killed actor's end to be seen
+
+
+def driver_settings(s: Any) -> dict[str, Any]:
+    """The driver's settings (:func:`hora.runner.elastic.driver.settings_from`'s keys) from ElasticSettings;
+    the first generation has as many workers as the nodes offer, up to ``max_np``."""
+    from hora.base import knobs
+
+    return {"np": None, "min_np": s.min_np, "max_np": s.max_np, "elastic_timeout": float(s.elastic_timeout),
+            "start_timeout": float(s.timeout_s), "reset_limit": s.reset_limit, "cooldown": s.cooldown_range,
+            "blacklist_after": knobs.value("elastic_blacklist_after"),
+            "slot_failures": knobs.value("elastic_slot_failures"),
+            "failure_resets": knobs.value("elastic_failure_resets"),
+            "restart_on_loss": knobs.value("elastic_restart_on_loss")}
+
+
+class RayDiscovery:
+    """Hosts and slots from Ray's alive nodes, read every second in a thread; a node is named by its address
+    (``addr#1``, ``addr#2`` for further nodes at the same address, as :mod:`hora.ray.placement` does). With
+    ``source`` (Horovod's discovery object: ``find_available_hosts_and_slots()``), the hosts come from it and
+    are matched to nodes by address or node ID."""
+
+    def __init__(self, cpus_per_slot: float, gpus_per_slot: float, source: Any = None):
+        self.cpus_per_slot, self.gpus_per_slot, self.source = cpus_per_slot, gpus_per_slot, source
+        self.hosts: dict[str, int] | None = None
+        self.problem: str | None = None
+        self.node_of: dict[str, str] = {}  # host name -> Ray node ID
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hora-ray-discovery", daemon=True)
+
+    def read(self) -> None:
+        import ray
+
+        nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n["NodeID"])
+        names: dict[str, str] = {}
+        slots: dict[str, int] = {}
+        seen: dict[str, int] = {}
+        for n in nodes:
+            addr = n["NodeManagerAddress"]
+            k = seen[addr] = seen.get(addr, -1) + 1
+            name = addr if k == 0 else f"{addr}#{k}"
+            names[name] = n["NodeID"]
+            res = n.get("Resources", {})
+            count = int(res.get("CPU", 0) // self.cpus_per_slot)
+            if self.gpus_per_slot:
+                count = min(count, int(res.get("GPU", 0) // self.gpus_per_slot))
+            if count > 0:
+                slots[name] = count
+        if self.source is not None:
+            by_id = {v: v for v in names.values()}
+            wanted = dict(self.source.find_available_hosts_and_slots())
+            names = {h: names.get(h) or by_id.get(h) for h in wanted}
+            unknown = sorted(h for h, nid in names.items() if nid is None)
+            self.problem = f"hosts that are no Ray node: {' '.join(unknown)}" if unknown else None
+            slots = {h: int(n) for h, n in wanted.items() if names.get(h) and int(n) > 0}
+            names = {h: nid for h, nid in names.items() if nid}
+        self.node_of.update(names)
+        self.hosts = slots
+
+    def _loop(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            try:
+                self.read()
+            except Exception as e:  # noqa: BLE001 - keep the last good list, say why
+                self.problem = f"reading Ray's nodes failed: {e}"
+
+    def start(self) -> "RayDiscovery":
+        self.read()
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(_POLL_S + 5)
+
+
+class ElasticActor:
+    """The actor of one slot: runs ``worker_fn`` once with the slot's environment (``env``, the secret
+    included, arrives as this method's argument; it goes into ``os.environ`` before hora reads it)."""
+
+    def run(self, env: dict[str, str], sys_path: list[str], payload: bytes, log_key: str | None) -> tuple:
+        import cloudpickle
+
+        from hora.ray import ray_logger
+
+        os.environ.update(env)
+        sys.path.extend(p for p in sys_path if p not in sys.path)
+        fn = cloudpickle.loads(payload)
+        ray_logger._configure(log_key, None)
+        try:
+            value = fn()
+        except SystemExit as e:  # the driver told it to leave (hora.elastic's "exit" answer), or fn exited
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            return ("exit", code, None)
+        return ("ok", 0, (*elastic_place(), value))
+
+
+def elastic_place() -> tuple[int, int]:
+    """This elastic worker's (generation, rank) in its current generation; (0, 0) before it has one."""
+    from hora.elastic import protocol, worker
+
+    plan = worker.current_plan()
+    if plan is None:
+        return 0, 0
+    return plan.gen, plan.places[os.environ.get(protocol.ID_VAR, "")].rank
+
+
+class _ActorEnd:
+    """What the driver reads of a worker (``done``, ``returncode``, ``lost``), for an actor."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+        self.done = threading.Event()
+        self.returncode: int | None = None
+        self.lost: str | None = None
+        self.proc = None
+        self.session = None
+        self.threads: list = []
+        self.value: tuple | None = None  # (generation, rank, worker_fn's value) when it returned
+        self.error: BaseException | None = None  # worker_fn's exception
+
+
+class ActorPool:
+    """The driver's pool, with one Ray actor per started worker (see :mod:`hora.ray.elastic`)."""
+
+    def __init__(self, worker_fn: Callable[[], Any], discovery: RayDiscovery, cpus: float, gpus: float,
+                 log_key: str | None):
+        import cloudpickle
+        import ray
+
+        self._payload = ray.put(cloudpickle.dumps(worker_fn))
+        self._discovery, self._cpus, self._gpus, self._log_key = discovery, cpus, gpus, log_key
+        self._actor = ray.remote(ElasticActor)
+        self._path = [p for p in sys.path if isinstance(p, str)]
+        self.procs: list[Proc] = []
+        self.exits: queue.Queue[Proc] = queue.Queue()
+        self._number = 0
+
+    @property
+    def next_number(self) -> int:
+        return self._number + 1
+
+    def start(self, wid: str, host: str, index: int, env: dict[str, str]) -> Proc:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self._number += 1
+        node = self._discovery.node_of[host]
+        actor = self._actor.options(num_cpus=self._cpus, num_gpus=self._gpus, max_restarts=0,
+                                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        end = _ActorEnd(actor)
+        p = Proc(wid, host, index, self._number, end)
+        self.procs.append(p)
+        ref = actor.run.remote(env, self._path, self._payload, self._log_key)
+        threading.Thread(target=self._wait, args=(p, ref), daemon=True, name=f"hora-ray-wait-{p.number}").start()
+        return p
+
+    def _wait(self, p: Proc, ref: Any) -> None:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        end = p.worker
+        try:
+            kind, code, value = ray.get(ref)
+            end.returncode = code
+            if kind == "ok":
+                end.value = value
+        except RayTaskError as e:  # worker_fn raised
+            end.returncode, end.error = 1, e.as_instanceof_cause()
+            print(f"hora ray: worker {p.number} ({p.wid}) raised: {e}", file=sys.stderr, flush=True)
+        except RayActorError:  # the actor died: a kill, to the driver
+            end.returncode = -signal.SIGKILL
+        except Exception as e:  # noqa: BLE001 - Ray itself failed: the worker is lost
+            end.returncode, end.lost = None, f"was lost ({type(e).__name__}: {e})"
+        try:
+            ray.kill(end.actor, no_restart=True)  # done either way: free its slot at once
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        p.ended = time.monotonic()
+        end.done.set()
+        self.exits.put(p)
+
+    def live(self) -> list[Proc]:
+        return [p for p in self.procs if not p.done]
+
+    def signal(self, procs: list[Proc], sig: int) -> None:
+        """Any signal ends an actor (Ray has no other): ``ray.kill``."""
+        import ray
+
+        for p in procs:
+            try:
+                ray.kill(p.worker.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    def check_sessions(self) -> None:
+        """Nothing to check: an actor's end is seen by its wait thread."""
+
+    def stop_all(self) -> None:
+        live = self.live()
+        self.signal(live, signal.SIGKILL)
+        deadline = time.monotonic() + _STOP_WAIT_S
+        for p in live:
+            p.worker.done.wait(max(0.0, deadline - time.monotonic()))
+
+    def outcome(self, rc: int, why: str | None = None) -> list:
+        """``run``'s answer: the values of the last generation's ranks in rank order; or the job's failure
+        raised (worker_fn's own exception when one raised)."""
+        values = [p.worker.value for p in self.procs if p.worker.value is not None]
+        if rc == 0 and values:
+            last = max(g for g, _r, _v in values)
+            ranks = sorted(((r, v) for g, r, v in values if g == last), key=lambda t: t[0])
+            return [v for _r, v in ranks]
+        from hora.elastic.worker import JobFailed
+
+        errors = [p.worker.error for p in self.procs if p.worker.error is not None]
+        errors.sort(key=lambda e: isinstance(e, JobFailed))  # worker_fn's own error first, then the driver's
+        if errors:
+            raise errors[0]
+        from hora.base.errors import LaunchError
+
+        raise LaunchError(f"the elastic Ray job failed (status {rc}): {why or 'see the driver log above'}")
