@@ -124,7 +124,7 @@ def features() -> list[tuple[str, bool, str]]:
         ("autotune (fusion threshold, cycle time, response cache)", _found("hora.core.autotune"), ""),
         ("Adasum (any np, every transport, process sets)", True, ""),
         ("elastic training", elastic, "hora run --min-np/--max-np/--host-discovery-script, hora.run(min_num_proc=...); "
-         "not yet on Ray or Spark" if elastic else "not yet"),
+         "ElasticRayExecutor; not yet on Spark" if elastic else "not yet"),
         ("gradient compression: fp16, bf16, top-k, PowerSGD", _found("hora.core.compressors"), ""),
     ]
 
