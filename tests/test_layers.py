@@ -15,6 +15,7 @@ Two checks per layer, because each misses what the other sees:
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import subprocess
@@ -118,6 +119,10 @@ def _violations(layer: str, added: dict[str, list[str]]) -> list[str]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("layer", LAYERS)
 def test_importing_a_layer_loads_nothing_above_it(layer):
+    # the engines' launchers need their engine to import; the source check below covers them everywhere
+    needs = {"hora.ray": "ray", "hora.spark": "pyspark"}.get(layer)
+    if needs and importlib.util.find_spec(needs) is None:
+        pytest.skip(f"{layer} needs {needs}, which this environment lacks (the MXNet venv)")
     added = json.loads(_fresh_python(_PROBE, str(ROOT), layer))
     assert len(added) > 1 or layer == "hora.base", f"the probe found no modules in {layer}: {added}"
     bad = _violations(layer, added)
