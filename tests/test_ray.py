@@ -659,3 +659,49 @@ def test_elastic_executor_reraises_what_worker_fn_raised(cluster):
             ex.run(_elastic_raises)
     finally:
         ex.shutdown()
+
+
+def _elastic_gpus() -> list:
+    from hora.core import basics
+
+    basics.init()
+    return [os.environ.get("CUDA_VISIBLE_DEVICES"), basics.local_rank(), [str(g) for g in ray.get_gpu_ids()]]
+
+
+@pytest.mark.timeout(90)
+def test_elastic_gpu_workers_see_every_gpu_of_their_node_in_local_rank_order(cluster):
+    """use_gpu: each actor sees every GPU Ray gave the node's actors, its own at position local_rank()."""
+    from hora.ray import ElasticRayExecutor
+
+    ex = ElasticRayExecutor(ElasticRayExecutor.create_settings(min_np=2, max_np=2, elastic_timeout=30), use_gpu=True)
+    ex.start()
+    try:
+        seen = ex.run(_elastic_gpus)
+    finally:
+        ex.shutdown()
+    assert len(seen) == 2 and seen[0][0] == seen[1][0], seen
+    devices = seen[0][0].split(",")
+    assert sorted(devices) == ["0", "1"], seen
+    for _visible, local_rank, own in seen:
+        assert own == [devices[local_rank]], seen
+
+
+def test_ray_node_names_are_given_once_and_never_reused():
+    """Two nodes at one address are addr and addr#1; when the first goes and a third comes, the second keeps
+    its name and the third gets addr#2 (a host name, a blacklist entry, always means one node)."""
+    from hora.ray.elastic_parts import RayDiscovery
+
+    d = RayDiscovery(1, 0)
+    assert [d._name("n2", "10.0.0.1"), d._name("n1", "10.0.0.1")] == ["10.0.0.1", "10.0.0.1#1"]
+    assert [d._name("n1", "10.0.0.1"), d._name("n3", "10.0.0.1"), d._name("n4", "10.0.0.2")] == \
+        ["10.0.0.1#1", "10.0.0.1#2", "10.0.0.2"]
+
+
+def test_elastic_executor_refuses_ray_client(cluster, monkeypatch):
+    from hora.ray import ElasticRayExecutor
+
+    monkeypatch.setattr(ray.util.client.ray, "is_connected", lambda: True)
+    ex = ElasticRayExecutor(ElasticRayExecutor.create_settings())
+    with pytest.raises(NotSupportedError, match="ElasticRayExecutor through Ray Client"):
+        ex.start()
+    assert ex._store is None
