@@ -705,3 +705,45 @@ def test_elastic_executor_refuses_ray_client(cluster, monkeypatch):
     with pytest.raises(NotSupportedError, match="ElasticRayExecutor through Ray Client"):
         ex.start()
     assert ex._store is None
+
+
+def test_an_actor_that_dies_is_a_kill_and_one_never_made_a_crash(cluster, monkeypatch, capsys):
+    """Both print Ray's error; a creation failure counts against the host (status 1), a death does not."""
+    from ray.exceptions import RayActorError
+
+    from hora.ray.elastic_parts import ActorPool, _ActorEnd
+    from hora.runner.elastic.workers import Proc
+
+    class _Actor:  # what _wait calls of an actor; ray.get below raises before anything runs
+        class run:  # noqa: N801 - an actor method
+            @staticmethod
+            def remote(*_a):
+                return None
+
+    pool = ActorPool(lambda: None, None, 1, 0, None)
+    codes = []
+    for number, init_failed in ((1, True), (2, False)):
+        def fail(_ref, number=number, init_failed=init_failed):
+            raise RayActorError(error_msg=f"boom {number}", actor_init_failed=init_failed)
+
+        monkeypatch.setattr(ray, "get", fail)
+        p = Proc("h:0", "h", 0, number, _ActorEnd(_Actor()))
+        pool._wait(p, {})
+        codes.append((p.worker.returncode, p.done))
+    monkeypatch.undo()
+    assert codes == [(1, True), (-9, True)], codes
+    err = capsys.readouterr().err
+    assert "worker 1 (h:0) could not start: boom 1" in err and "worker 2 (h:0) died: boom 2" in err, err
+
+
+def test_elastic_mode_takes_extra_env_vars_and_words_its_errors(cluster):
+    from hora.ray import RayExecutor
+
+    with pytest.raises(HoraValueError, match="RayExecutor: cpus_per_worker must be a positive number"):
+        RayExecutor(RayExecutor.create_settings(), min_workers=1, cpus_per_worker=0)
+    ex = RayExecutor(RayExecutor.create_settings(), min_workers=1)
+    ex.start(extra_env_vars={"MINE": 1})
+    try:
+        assert ex._elastic.env_vars == {"MINE": "1"}
+    finally:
+        ex.shutdown()

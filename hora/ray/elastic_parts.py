@@ -233,7 +233,7 @@ class ActorPool:
             end.returncode, end.error = 1, e.as_instanceof_cause()
             print(f"hora ray: worker {p.number} ({p.wid}) raised: {e}", file=sys.stderr, flush=True)
         except RayActorError as e:  # the actor died: a kill, to the driver; or it was never made: a host fault
-            unborn = getattr(e, "actor_init_failed", False) or "creation task" in str(e)
+            unborn = bool(getattr(e, "actor_init_failed", False))
             end.returncode = 1 if unborn else -signal.SIGKILL
             print(f"hora ray: worker {p.number} ({p.wid}) {'could not start' if unborn else 'died'}: {e}",
                   file=sys.stderr, flush=True)
