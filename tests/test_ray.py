@@ -659,3 +659,91 @@ def test_elastic_executor_reraises_what_worker_fn_raised(cluster):
             ex.run(_elastic_raises)
     finally:
         ex.shutdown()
+
+
+def _elastic_gpus() -> list:
+    from hora.core import basics
+
+    basics.init()
+    return [os.environ.get("CUDA_VISIBLE_DEVICES"), basics.local_rank(), [str(g) for g in ray.get_gpu_ids()]]
+
+
+@pytest.mark.timeout(90)
+def test_elastic_gpu_workers_see_every_gpu_of_their_node_in_local_rank_order(cluster):
+    """use_gpu: each actor sees every GPU Ray gave the node's actors, its own at position local_rank()."""
+    from hora.ray import ElasticRayExecutor
+
+    ex = ElasticRayExecutor(ElasticRayExecutor.create_settings(min_np=2, max_np=2, elastic_timeout=30), use_gpu=True)
+    ex.start()
+    try:
+        seen = ex.run(_elastic_gpus)
+    finally:
+        ex.shutdown()
+    assert len(seen) == 2 and seen[0][0] == seen[1][0], seen
+    devices = seen[0][0].split(",")
+    assert sorted(devices) == ["0", "1"], seen
+    for _visible, local_rank, own in seen:
+        assert own == [devices[local_rank]], seen
+
+
+def test_ray_node_names_are_given_once_and_never_reused():
+    """Two nodes at one address are addr and addr#1; when the first goes and a third comes, the second keeps
+    its name and the third gets addr#2 (a host name, a blacklist entry, always means one node)."""
+    from hora.ray.elastic_parts import RayDiscovery
+
+    d = RayDiscovery(1, 0)
+    assert [d._name("n2", "10.0.0.1"), d._name("n1", "10.0.0.1")] == ["10.0.0.1", "10.0.0.1#1"]
+    assert [d._name("n1", "10.0.0.1"), d._name("n3", "10.0.0.1"), d._name("n4", "10.0.0.2")] == \
+        ["10.0.0.1#1", "10.0.0.1#2", "10.0.0.2"]
+
+
+def test_elastic_executor_refuses_ray_client(cluster, monkeypatch):
+    from hora.ray import ElasticRayExecutor
+
+    monkeypatch.setattr(ray.util.client.ray, "is_connected", lambda: True)
+    ex = ElasticRayExecutor(ElasticRayExecutor.create_settings())
+    with pytest.raises(NotSupportedError, match="ElasticRayExecutor through Ray Client"):
+        ex.start()
+    assert ex._store is None
+
+
+def test_an_actor_that_dies_is_a_kill_and_one_never_made_a_crash(cluster, monkeypatch, capsys):
+    """Both print Ray's error; a creation failure counts against the host (status 1), a death does not."""
+    from ray.exceptions import RayActorError
+
+    from hora.ray.elastic_parts import ActorPool, _ActorEnd
+    from hora.runner.elastic.workers import Proc
+
+    class _Actor:  # what _wait calls of an actor; ray.get below raises before anything runs
+        class run:  # noqa: N801 - an actor method
+            @staticmethod
+            def remote(*_a):
+                return None
+
+    pool = ActorPool(lambda: None, None, 1, 0, None)
+    codes = []
+    for number, init_failed in ((1, True), (2, False)):
+        def fail(_ref, number=number, init_failed=init_failed):
+            raise RayActorError(error_msg=f"boom {number}", actor_init_failed=init_failed)
+
+        monkeypatch.setattr(ray, "get", fail)
+        p = Proc("h:0", "h", 0, number, _ActorEnd(_Actor()))
+        pool._wait(p, {})
+        codes.append((p.worker.returncode, p.done))
+    monkeypatch.undo()
+    assert codes == [(1, True), (-9, True)], codes
+    err = capsys.readouterr().err
+    assert "worker 1 (h:0) could not start: boom 1" in err and "worker 2 (h:0) died: boom 2" in err, err
+
+
+def test_elastic_mode_takes_extra_env_vars_and_words_its_errors(cluster):
+    from hora.ray import RayExecutor
+
+    with pytest.raises(HoraValueError, match="RayExecutor: cpus_per_worker must be a positive number"):
+        RayExecutor(RayExecutor.create_settings(), min_workers=1, cpus_per_worker=0)
+    ex = RayExecutor(RayExecutor.create_settings(), min_workers=1)
+    ex.start(extra_env_vars={"MINE": 1})
+    try:
+        assert ex._elastic.env_vars == {"MINE": "1"}
+    finally:
+        ex.shutdown()

@@ -29,8 +29,10 @@ from hora.base.errors import HoraValueError, LaunchError
 @dataclass
 class ElasticSettings:
     """What :meth:`ElasticRayExecutor.create_settings` makes (the fields of Horovod's ``ElasticSettings`` that
-    mean something here). ``timeout_s``: the workers' start timeout; ``nics``: ``HORA_NETWORK_INTERFACES``;
-    ``ssh_identity_file`` is accepted and has no effect (Ray starts the workers)."""
+    mean something here). ``nics``: ``HORA_NETWORK_INTERFACES``; ``timeout_s`` is accepted and has no effect
+    (each generation's mesh has the elastic driver's short timeout, 10 s, so that a lost worker is noticed soon;
+    ``HORA_START_TIMEOUT`` in ``env_vars`` sets it); ``ssh_identity_file`` is accepted and has no effect (Ray
+    starts the workers)."""
 
     min_np: int = 1
     max_np: int | None = None
@@ -90,7 +92,6 @@ class ElasticRayExecutor:
         self.override_discovery = override_discovery
         self._store = None
         self._secret = ""
-        self._driver = None
 
     def start(self) -> None:
         """Serve the job's store here (on every interface: actors may run on any node; every connection is
@@ -100,8 +101,11 @@ class ElasticRayExecutor:
         from hora.transport.auth import new_secret
         from hora.transport.store import StoreServer
 
+        from hora.ray.runner import refuse_ray_client
+
         if not ray.is_initialized():
             raise LaunchError("ElasticRayExecutor.start: Ray is not initialised (call ray.init() first)")
+        refuse_ray_client("ElasticRayExecutor")
         if self._store is not None:
             raise HoraValueError("ElasticRayExecutor.start: already started; call shutdown() first")
         self._secret = new_secret()
@@ -131,7 +135,6 @@ class ElasticRayExecutor:
         settings = parts.driver_settings(self.settings)
         driver = Driver([], settings, env, self._store, lambda _host: f"{here}:{port}", None, pool=pool,
                         discovery=discovery)
-        self._driver = driver
         relay = None
         if callbacks:
             from hora.ray.ray_logger import Relay
@@ -145,11 +148,10 @@ class ElasticRayExecutor:
             while thread.is_alive():
                 thread.join(0.2)
         except KeyboardInterrupt:
-            driver._signal = 2  # the driver stops its workers and returns 130
+            driver.stop(2)  # the driver stops its workers and returns 130
             thread.join()
             raise
         finally:
-            self._driver = None
             if relay is not None:
                 relay.close()
         failure = driver.failure or driver.member_failure

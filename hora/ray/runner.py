@@ -40,6 +40,17 @@ ELASTIC_ONLY_RUN = ("not supported yet: {what} in an elastic RayExecutor (min_wo
                     "run(); use run(), or num_workers for a fixed-size job")
 
 
+def refuse_ray_client(who: str) -> None:
+    """Raise NotSupportedError under Ray Client (``ray://``): the store is served by the driver, which the
+    workers may not reach (shared by RayExecutor and ElasticRayExecutor)."""
+    import ray
+
+    if ray.util.client.ray.is_connected():
+        raise NotSupportedError(f"not supported yet: {who} through Ray Client (ray://): the store is served by "
+                                "the driver, which the workers may not reach; run the driver on a node of the "
+                                "cluster (e.g. as a Ray job)")
+
+
 class Timeout:
     """A deadline ``timeout_s`` from now (what Horovod's ``MiniSettings.start_timeout`` gives)."""
 
@@ -111,6 +122,9 @@ class RayExecutor:
         if min_workers is not None:  # Horovod's elastic mode: the job is an ElasticRayExecutor's
             from hora.ray.elastic import ElasticRayExecutor
 
+            if not isinstance(cpus_per_worker, (int, float)) or cpus_per_worker <= 0:
+                raise HoraValueError(f"RayExecutor: cpus_per_worker must be a positive number in elastic mode, got "
+                                     f"{cpus_per_worker!r}")
             es = ElasticRayExecutor.create_settings(
                 min_np=min_workers, max_np=max_workers, reset_limit=reset_limit, elastic_timeout=elastic_timeout,
                 timeout_s=settings.timeout_s, nics=settings.nics, cooldown_range=cooldown_range)
@@ -149,10 +163,13 @@ class RayExecutor:
     def start(self, executable_cls: type | None = None, executable_args: list | None = None,
               executable_kwargs: dict | None = None, extra_env_vars: dict | None = None) -> None:
         """Start the actors, give them their ranks, and make ``executable_cls(*args, **kwargs)`` on each. In
-        elastic mode (min_workers), only serve the store: each run() starts its own actors."""
+        elastic mode (min_workers), only serve the store (each run() starts its own actors, ``extra_env_vars`` set on
+        them); ``override_discovery`` has no effect there (Ray's nodes are the hosts: a RayExecutor has no
+        ``discovery`` setting to use instead)."""
         if self._elastic is not None:
-            if executable_cls is not None or extra_env_vars:
-                raise NotSupportedError(ELASTIC_ONLY_RUN.format(what="executable_cls / extra_env_vars"))
+            if executable_cls is not None:
+                raise NotSupportedError(ELASTIC_ONLY_RUN.format(what="executable_cls"))
+            self._elastic.env_vars.update({str(k): str(v) for k, v in (extra_env_vars or {}).items()})
             return self._elastic.start()
         if self.workers:
             raise HoraValueError("RayExecutor.start: already started; call shutdown() first")
@@ -169,10 +186,7 @@ class RayExecutor:
         from ray.util.placement_group import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if ray.util.client.ray.is_connected():
-            raise NotSupportedError("not supported yet: RayExecutor through Ray Client (ray://): the store is "
-                                    "served by the driver, which the workers may not reach; run the driver on a "
-                                    "node of the cluster (e.g. as a Ray job)")
+        refuse_ray_client("RayExecutor")
         current = get_current_placement_group() if self.use_current_placement_group else None
         n = self.num_workers if self.num_workers is not None else self.num_hosts * self.num_workers_per_host
         if current is not None:  # running inside a Ray Tune trial, say: its group holds our resources

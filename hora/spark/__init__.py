@@ -90,9 +90,10 @@ def run_elastic(fn: Callable[..., Any], args: tuple = (), kwargs: Mapping[str, A
                 reset_limit: int | None = None, env: dict | None = None,
                 stdout: IO[str] | None = None, stderr: IO[str] | None = None, verbose: int = 1,
                 nics: list[str] | None = None, prefix_output_with_timestamp: bool = False) -> list:
-    """Horovod's ``horovod.spark.run_elastic``: not built yet. hora's elastic driver starts its workers itself
-    (here or over ssh) and discovers hosts with a script; running it on Spark needs a worker starter that
-    makes Spark tasks and a discovery that follows the executors, which it does not take yet."""
+    """Horovod's ``horovod.spark.run_elastic``: not built yet. hora's elastic driver takes another launcher's
+    pool and discovery (``Driver(pool=..., discovery=...)``, as :mod:`hora.ray.elastic` does with Ray actors
+    and nodes); what is missing is a Spark pool (workers started as Spark tasks) and a discovery that follows
+    the executors."""
     raise NotSupportedError("not supported yet: hora.spark.run_elastic: hora's elastic driver cannot start its "
                             "workers as Spark tasks yet; use hora.spark.run (fixed size), or elastic training "
                             "under `hora run --min-np ... --host-discovery-script ...`")

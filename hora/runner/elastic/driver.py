@@ -135,6 +135,11 @@ class Driver:
         self.slot_faults: dict[str, int] = {}  # of those, the ones that count against the host (no kills)
         self.respawn_at: dict[str, float] = {}
 
+    def stop(self, sig: int) -> None:
+        """Ask the loop to stop as on signal ``sig`` (from another thread: a launcher's Ctrl-C, say): it
+        stops the workers and ``run`` returns ``128 + sig``."""
+        self._signal = self._signal or sig
+
     # --- the loop
     def run(self) -> int:
         old = {}
@@ -164,7 +169,8 @@ class Driver:
             hosts = self._hosts(now)
             if hosts is None:
                 if now - started > self.timeout:
-                    self.failure = (1, f"the host discovery script gave no host list within --elastic-timeout "
+                    what = getattr(self.discovery, "what", "the host discovery script")
+                    self.failure = (1, f"{what} gave no host list within --elastic-timeout "
                                        f"{self.timeout:g} s ({self.discovery.problem or 'no output yet'})")
                     continue
                 time.sleep(TICK)
