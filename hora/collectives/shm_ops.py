@@ -44,6 +44,8 @@ UFUNCS = {Average: np.add, Sum: np.add, Min: np.minimum, Max: np.maximum, Produc
 # 0.07-0.16 vs 0.31-0.51 ms, 512 KiB 0.26 vs 0.26 ms, 1 MiB even (a wait costs more than the extra
 # reads on a loaded 2-core machine). Capped by the chunk, the size of one rank's area.
 SMALL_BYTES = 256 << 10
+PAIR = True  # experiment knob: np=2's one-copy path (else the split path)
+PAIR_BYTES = 0  # experiment knob: bytes per chunk on the np=2 path (0: the group's chunk)
 
 
 def _ufunc(op: int):
@@ -88,6 +90,9 @@ def allreduce(g, flat: np.ndarray, op: int, src: np.ndarray | None = None) -> No
     if flat.nbytes <= min(SMALL_BYTES, g.chunk):
         _allreduce_small(g, flat, inp, ufunc)
         return
+    if n == 2 and PAIR:
+        _allreduce_pair(g, flat, src, ufunc)
+        return
     # Pipelined: one wait per chunk. Between two waits a rank copies out chunk j-1, reduces its
     # slice of chunk j and copies in chunk j+1, so the one signal after them says all three.
     # (Needs three slots: chunk j+1's slot held chunk j-2, which every rank copied out before
@@ -114,6 +119,52 @@ def allreduce(g, flat: np.ndarray, op: int, src: np.ndarray | None = None) -> No
     g.wait(s)
     _copy_out(g, raw, isz, flat.size, per, starts[-1], slots[-1])
     g.done_after(slots[-1], s)
+
+
+def _allreduce_pair(g, flat: np.ndarray, src: np.ndarray, ufunc) -> None:
+    """np=2: each rank copies its whole input chunk into its area, and once the peer has too, reduces
+    the whole chunk itself, straight into its output: ``flat = in0 op in1`` (rank 0's operand first on
+    both ranks, so both get the same bits). One copy and one reduction per element, one wait per
+    chunk, no result area and no copy-out.
+
+    Per chunk ``j`` a rank waits for the peer's copy-in of ``j`` (which also says the peer is done
+    reading the slot that chunk ``j + 1`` takes: its fold of ``j - 2``), copies in ``j + 1``,
+    publishes that, then folds ``j``."""
+    r, dt = g.rank, flat.dtype
+    per = max(1, min(PAIR_BYTES or g.chunk, g.chunk) // flat.itemsize)
+    count = flat.size
+    k = -(-count // per)
+    slot = g.acquire()
+    m = min(per, count)
+    _pair_in(g.area(slot, r, dt), src, 0, m)
+    s = g.signal()
+    for j in range(k):
+        a = j * per
+        m = min(per, count - a)
+        cur = slot
+        if j + 1 < k:
+            slot = g.acquire()
+            g.wait(s)
+            b = a + per
+            _pair_in(g.area(slot, r, dt), src, b, min(per, count - b))
+            s2 = g.signal()
+        else:
+            g.wait(s)
+        _pair_fold(ufunc, r, src[a:a + m], g.area(cur, 1 - r, dt)[:m], flat[a:a + m])
+        g.done_after(cur, g.step)  # the peer's next step after this one says it has folded this chunk
+        if j + 1 < k:
+            s = s2
+
+
+def _pair_in(area: np.ndarray, src: np.ndarray, a: int, m: int) -> None:
+    area[:m] = src[a:a + m]
+
+
+def _pair_fold(ufunc, r: int, own: np.ndarray, peer: np.ndarray, out: np.ndarray) -> None:
+    if r == 0:
+        ufunc(own, peer, out=out)
+    else:
+        ufunc(peer, own, out=out)
 
 
 def _allreduce_small(g, flat: np.ndarray, inp: np.ndarray, ufunc) -> None:
