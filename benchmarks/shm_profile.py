@@ -42,21 +42,21 @@ PHASES = {"split": ("_copy_in", "_fold", "_copy_out"), "pair": ("_pair_in", "_pa
 def _written(mode: str, phase: str, nbytes: int, n: int = 2) -> float:
     """Bytes a rank writes in ``phase`` per call (each phase reads as much, the folds twice that)."""
     return {"_copy_in": nbytes * (n - 1) / n, "_fold": nbytes / n, "_copy_out": nbytes,
-            "_pair_in": nbytes, "_pair_fold": nbytes}[phase]
+            "_pair_in": nbytes, "_pair_fold": nbytes}.get(phase, 0)
 
 
 # --- rank side ---------------------------------------------------------------------------------------
 
 def _instrument(shm_ops, group, log: list):
     """Wrap the phase functions and ``group.wait``; returns an undo function."""
-    now = time.perf_counter_ns
+    now, cpu = time.perf_counter_ns, time.thread_time_ns
     saved = {name: getattr(shm_ops, name) for name in ("allreduce",) + PHASES["split"] + PHASES["pair"]}
 
     def wrap(name, fn):
         def timed(*a, **k):
-            t0 = now()
+            t0, c0 = now(), cpu()
             fn(*a, **k)
-            log.append((name, t0, now()))
+            log.append((name, t0, now(), cpu() - c0))
         return timed
 
     for name, fn in saved.items():
@@ -70,12 +70,12 @@ def _instrument(shm_ops, group, log: list):
     return undo
 
 
-def _solo(shm_ops, group, buf, mode: str, reps: int = 3) -> float:
+def _solo(shm_ops, group, buf, mode: str, chunk: int, reps: int = 3) -> float:
     """Seconds per call of ``mode``'s phase functions over ``buf``, on the segment, no waits."""
     import numpy as np
 
     n, r, dt = group.size, group.rank, buf.dtype
-    per = group.chunk // buf.itemsize
+    per = chunk // buf.itemsize
     raw = buf.view(np.uint8)
     best = []
     for _ in range(reps):
@@ -156,27 +156,33 @@ def _worker(sizes: list[int], modes: list[str], reps: int, budget: float, calls:
             finally:
                 undo()
             tot: dict = {}
-            for ph, a, b in log:
+            tcpu: dict = {}
+            for ph, a, b, c in log:
                 tot[ph] = tot.get(ph, 0) + (b - a)
+                tcpu[ph] = tcpu.get(ph, 0) + c
             call_ns = sum(b - a for a, b in calls_t) / calls
             phases = {ph: tot.get(ph, 0) / calls for ph in PHASES[mode] + ("wait",)}
             native = tot.get("allreduce", 0) / calls
             # the chunks' phase order on this rank, first call only (for the timeline of both ranks)
-            first = [(ph, a, b) for ph, a, b in log if calls_t[0][0] <= a <= calls_t[0][1]]
+            first = [(ph, a, b) for ph, a, b, _ in log if calls_t[0][0] <= a <= calls_t[0][1]]
             barrier()
             set_mode(mode)
+            per = group.chunk
             if hora.rank() == 0:
-                alone = _solo(shm_ops, group, buf, mode)
+                alone = _solo(shm_ops, group, buf, mode, per)
             barrier()
             if hora.rank() == 1:
-                alone = _solo(shm_ops, group, buf, mode)
+                alone = _solo(shm_ops, group, buf, mode, per)
             barrier()
-            both = _solo(shm_ops, group, buf, mode)
+            both = _solo(shm_ops, group, buf, mode, per)
             n_calls = reps * k
             res[mode] = {"median_s": statistics.median(times[mode]), "min_s": min(times[mode]),
                          "minflt": usage[mode][0] / n_calls, "nvcsw": usage[mode][1] / n_calls,
                          "nivcsw": usage[mode][2] / n_calls, "call_ns": call_ns, "native_ns": native,
-                         "phases_ns": phases, "python_ns": native - sum(phases.values()),
+                         "phases_ns": phases,
+                         "cpu_ns": {ph: tcpu.get(ph, 0) / calls for ph in phases},
+                         "python_ns": native - sum(phases.values()),
+                         "python_cpu_ns": (tcpu.get("allreduce", 0) - sum(tcpu.get(p, 0) for p in phases)) / calls,
                          "engine_ns": call_ns - native, "alone_s": alone, "both_s": both,
                          "first": first[:40]}
         mine["sizes"][nbytes] = res
@@ -212,20 +218,28 @@ def markdown(res: dict) -> str:
                          f"| {per_rank(lambda x: format(x['both_s'] * 1e3, '.2f'))} |")
     lines += ["", "Profiled calls, per rank (ms per call; GB/s = bytes written / time; a fold reads twice "
               "what it writes, a copy as much):", "",
-              "| size | design | phase | bytes written MiB | r0 ms | r0 GB/s | r1 ms | r1 GB/s |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| size | design | phase | bytes written MiB | r0 ms | r0 GB/s | r1 ms | r1 GB/s "
+              "| CPU ms r0 / r1 | GB/s by CPU time r0 / r1 |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for s in res["sizes"]:
         for mode in res["modes"]:
             cs = [r["sizes"][str(s)][mode] for r in ranks]
-            rows = [(ph.lstrip("_"), _written(mode, ph, s), [c["phases_ns"][ph] for c in cs]) for ph in PHASES[mode]]
-            rows += [("wait", 0, [c["phases_ns"]["wait"] for c in cs]),
-                     ("python (in the call, outside phases)", 0, [c["python_ns"] for c in cs]),
-                     ("engine (hora.allreduce_ less the native call)", 0, [c["engine_ns"] for c in cs]),
-                     ("total (profiled call)", 0, [c["call_ns"] for c in cs])]
-            for ph, b, ns in rows:
+            rows = [(ph.lstrip("_"), _written(mode, ph, s), [c["phases_ns"][ph] for c in cs],
+                     [c["cpu_ns"][ph] for c in cs]) for ph in PHASES[mode] + ("wait",)]
+            rows += [("python (in the call, outside phases)", 0, [c["python_ns"] for c in cs],
+                      [c["python_cpu_ns"] for c in cs]),
+                     ("engine (hora.allreduce_ less the native call)", 0, [c["engine_ns"] for c in cs], None),
+                     ("total (profiled call)", 0, [c["call_ns"] for c in cs], None)]
+            for ph, b, ns, cp in rows:
                 gbs = [f"{b / x:.2f}" if b and x else "" for x in ns]
-                lines.append(f"| {size_label(s)} | {mode} | {ph} | {b / 2**20:.0f} | {ns[0] / 1e6:.2f} | {gbs[0]} "
-                             f"| {ns[1] / 1e6:.2f} | {gbs[1]} |")
+                line = f"| {size_label(s)} | {mode} | {ph} | {b / 2**20:.0f} | {ns[0] / 1e6:.2f} | {gbs[0]} " \
+                       f"| {ns[1] / 1e6:.2f} | {gbs[1]} "
+                if cp is None:
+                    line += "| | |"
+                else:
+                    line += f"| {cp[0] / 1e6:.2f} / {cp[1] / 1e6:.2f} | " + " / ".join(
+                        f"{b / x:.2f}" if b and x else "-" for x in cp) + " |"
+                lines.append(line)
     return "\n".join(lines) + "\n"
 
 
