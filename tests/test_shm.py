@@ -235,7 +235,7 @@ def test_reinit_cycles_leave_no_mapping_fd_or_segment():
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("n, nbytes", [(2, 8 << 20), (3, 8 << 20), (2, 64 << 10)])  # pipeline; one-step path
+@pytest.mark.parametrize("n, nbytes", [(2, 8 << 20), (3, 8 << 20), (2, 64 << 10)])  # np=2 path; split; one-step
 def test_sigkill_mid_allreduce_is_named_and_leaves_nothing(n, nbytes):
     before = _dev_shm()
     reports = kill_mid_allreduce(n, n - 1, nbytes, env=SHM, transport="ShmCommunicator", in_place=True)

@@ -8,24 +8,29 @@ TCP algorithms). They run on a group ``g`` (:class:`hora.transport.shm.ShmGroup`
 Every rank takes the same steps in the same order; a collective takes one step per round, none to
 say it is done reading (its next step says that).
 
-Allreduce, per chunk of ``g.chunk`` bytes: each rank copies its input into its area (all but its
-own slice), then reduces its slice of the chunk over every rank's input into the result area, then
-everyone copies the whole result out. Each element is reduced in rank order 0, 1, ..., n-1, by one
-rank, so every rank gets the same bits (and at np=2 the same as the ring: a+b == b+a). A chunk that
-stays in cache makes the memory traffic per rank that of one copy: read the input once, write the
-output once. Small buffers skip the split: every rank reduces the whole buffer (one wait, not two).
+Allreduce at np=2 (:func:`_allreduce_pair`), per chunk of ``g.chunk`` bytes: each rank copies its
+input into its area; once the peer has too, each reduces the whole chunk itself, ``in0 op in1`` (rank
+0's operand first on both ranks: the same bits everywhere, and the ring's: a+b == b+a), straight into
+its output. One copy and one reduction per element, one wait per chunk, no copy-out.
+Larger groups, per chunk: each rank copies its input into its area (all but its own slice), then
+reduces its slice of the chunk over every rank's input into the result area, then everyone copies the
+whole result out. Each element is reduced in rank order 0, 1, ..., n-1, by one rank, so every rank
+gets the same bits. Small buffers skip the split: every rank reduces the whole buffer (one wait, not
+two).
 
-Memory traffic per rank for ``B`` bytes at np=``n`` (pipelined path): copy in ``(n-1)/n B`` (read
-input, write own area), fold ``B/n`` (read own input slice and ``n-1`` peers' areas, write the result
-area), copy out ``B`` (read result areas, write output): ``2.5 B`` read and ``2 B`` written at np=2,
-of which DRAM sees only the input read once and the output written once (``2 B``, one memcpy's
-worth) while a slot (``3 x chunk`` at np=2) stays in cache. A single-copy design with Linux CMA
-(``process_vm_readv`` of the peer's input half into a cached temporary, reduce into our output,
-then ``process_vm_readv`` of the peer's reduced half) copies less (``1.5 B``) but all its sources
-are DRAM pages of the peer's buffer: ``1.5 B`` read and ``1 B`` written in DRAM per rank, more than
-``2 B``; and the kernel's copy ran at 0.7x NumPy's memcpy here (3.3 vs 4.75 GB/s, 64 MiB in 1 MiB
-pieces, page pinning included): about 20 ms of kernel copies for a 64 MiB allreduce before the
-reduction, where this path takes 18-21 ms in all. Not built.
+Memory traffic per rank for ``B`` bytes, np=2 path: copy in ``B`` (read the input, write our area),
+fold ``B`` (read our input again while it is still in cache, read the peer's area across cores,
+write the output in place over lines just read): ``3 B`` read and ``2 B`` written in two passes, of
+which DRAM sees the input read once and the output written once (``2 B``, one memcpy's worth) while a
+slot (``2 x chunk`` used at np=2) stays in cache. The split path (np > 2, and np=2 before): copy in
+``(n-1)/n B``, fold ``B/n`` (read ``n`` inputs, write the result area), copy out ``B``: at np=2 ``2.5 B``
+read and ``2 B`` written in three passes, the same DRAM traffic, but its copy-out writes output lines
+that left the cache two chunks earlier, and its ranks wait twice per chunk's round trip (a chunk's
+result needs both halves). Measured in one job (benchmarks/shm_profile.py, 64 MiB): 12% less CPU in
+the phases, 7-27% less wall time. A single-copy design with Linux CMA (``process_vm_readv`` of the
+peer's input into a cached temporary, reduce into our output) copies as much (``B`` per rank), but
+through the kernel, which copied at 0.7x NumPy's speed here (3.3 vs 4.75 GB/s, 64 MiB in 1 MiB pieces,
+page pinning included), and its sources are the peer's DRAM pages: not built.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ UFUNCS = {Average: np.add, Sum: np.add, Min: np.minimum, Max: np.maximum, Produc
 # 0.07-0.16 vs 0.31-0.51 ms, 512 KiB 0.26 vs 0.26 ms, 1 MiB even (a wait costs more than the extra
 # reads on a loaded 2-core machine). Capped by the chunk, the size of one rank's area.
 SMALL_BYTES = 256 << 10
+# np=2 takes the one-copy path (:func:`_allreduce_pair`); False sends it down the split path that
+# larger groups take (benchmarks/shm_profile.py switches it to compare the two in one job)
+PAIR = True
 
 
 def _ufunc(op: int):
@@ -88,6 +96,9 @@ def allreduce(g, flat: np.ndarray, op: int, src: np.ndarray | None = None) -> No
     if flat.nbytes <= min(SMALL_BYTES, g.chunk):
         _allreduce_small(g, flat, inp, ufunc)
         return
+    if n == 2 and PAIR:
+        _allreduce_pair(g, flat, src, ufunc)
+        return
     # Pipelined: one wait per chunk. Between two waits a rank copies out chunk j-1, reduces its
     # slice of chunk j and copies in chunk j+1, so the one signal after them says all three.
     # (Needs three slots: chunk j+1's slot held chunk j-2, which every rank copied out before
@@ -114,6 +125,52 @@ def allreduce(g, flat: np.ndarray, op: int, src: np.ndarray | None = None) -> No
     g.wait(s)
     _copy_out(g, raw, isz, flat.size, per, starts[-1], slots[-1])
     g.done_after(slots[-1], s)
+
+
+def _allreduce_pair(g, flat: np.ndarray, src: np.ndarray, ufunc) -> None:
+    """np=2: each rank copies its whole input chunk into its area, and once the peer has too, reduces
+    the whole chunk itself, straight into its output: ``flat = in0 op in1`` (rank 0's operand first on
+    both ranks, so both get the same bits). One copy and one reduction per element, one wait per
+    chunk, no result area and no copy-out.
+
+    Per chunk ``j`` a rank waits for the peer's copy-in of ``j`` (which also says the peer is done
+    reading the slot that chunk ``j + 1`` takes: its fold of ``j - 2``), copies in ``j + 1``,
+    publishes that, then folds ``j``."""
+    r, dt = g.rank, flat.dtype
+    per = g.chunk // flat.itemsize
+    count = flat.size
+    k = -(-count // per)
+    slot = g.acquire()
+    m = min(per, count)
+    _pair_in(g.area(slot, r, dt), src, 0, m)
+    s = g.signal()
+    for j in range(k):
+        a = j * per
+        m = min(per, count - a)
+        cur = slot
+        if j + 1 < k:
+            slot = g.acquire()
+            g.wait(s)
+            b = a + per
+            _pair_in(g.area(slot, r, dt), src, b, min(per, count - b))
+            s2 = g.signal()
+        else:
+            g.wait(s)
+        _pair_fold(ufunc, r, src[a:a + m], g.area(cur, 1 - r, dt)[:m], flat[a:a + m])
+        g.done_after(cur, g.step)  # the peer's next step after this one says it has folded this chunk
+        if j + 1 < k:
+            s = s2
+
+
+def _pair_in(area: np.ndarray, src: np.ndarray, a: int, m: int) -> None:
+    area[:m] = src[a:a + m]
+
+
+def _pair_fold(ufunc, r: int, own: np.ndarray, peer: np.ndarray, out: np.ndarray) -> None:
+    if r == 0:
+        ufunc(own, peer, out=out)
+    else:
+        ufunc(peer, own, out=out)
 
 
 def _allreduce_small(g, flat: np.ndarray, inp: np.ndarray, ufunc) -> None:
