@@ -99,7 +99,8 @@ def _gloo_worker(sizes, budget, reps):
 
     torch.set_num_threads(1)
     rank, n = int(os.environ["HORA_RANK"]), int(os.environ["HORA_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}", rank=rank,
+    master = os.environ.get("BENCH_MASTER", "127.0.0.1")  # hierarchical.py: rank 0's namespace host
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{os.environ['BENCH_PORT']}", rank=rank,
                             world_size=n)
 
     def agree_max(x):
