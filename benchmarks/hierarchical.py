@@ -416,12 +416,17 @@ def markdown(res: dict) -> str:
              f"`{res['command']}`, {res['date']}, {res['machine']}; {res['rounds']} round(s) of fresh jobs, "
              f"cells are medians over them; {res['took_s']:.0f} s.", ""]
     lines += [f"- {note}" for note in res["notes"]]
-    lines += ["", "**The link** (GB/s per direction, 64 MiB transfers; median over rounds):", "",
+    lines += ["", "**The link** (GB/s per direction, 64 MiB transfers; median over rounds, (min–max)):", "",
               "| measure | one way alone | each way, both at once |", "|---|---|---|"]
     names = {"python": "socket blaster, kernel-tuned buffers", "python_4mib": "socket blaster, 4 MiB buffers (hora's)",
              "iperf3": "iperf3 (1 stream; --bidir)"}
     for src, v in lk.items():
-        lines.append(f"| {names[src]} | {v.get('oneway', 0):.2f} | {v.get('both', 0):.2f} |")
+        cells = []
+        for mode in ("oneway", "both"):
+            xs = [r[src][mode] for r in res["link"] if mode in r.get(src, {})]
+            spread = f" ({min(xs):.2f}–{max(xs):.2f})" if len(xs) > 1 else ""
+            cells.append(f"{v[mode]:.2f}{spread}" if mode in v else "–")
+        lines.append(f"| {names[src]} | " + " | ".join(cells) + " |")
     if res.get("link_ref"):
         lines += ["", f"The link's one-way figure for the targets: **{res['link_ref']:.2f} GB/s** "
                   f"({res['link_ref_src']})."]
