@@ -407,6 +407,12 @@ def targets(res: dict) -> list[str]:
         if t:
             out.append(f"- hora allreduce at 64 MiB >= {p} over the same link: {verdict(t >= e, res)} "
                        f"({bw:.2f} against {_bw(s, t, 2):.2f} GB/s: {t / e:.2f}x)")
+    h = _med(res["2x2"].get("hora hierarchical", {}).get(s, []))
+    for p in ("gloo", "Open MPI"):  # 2 x 2: what auto picks there against the peers with 4 ranks
+        t = _med(res["2x2"].get(p, {}).get(s, []))
+        if h and t:
+            out.append(f"- 2x2: hora's hierarchical allreduce at 64 MiB >= {p} (4 ranks): {verdict(t >= h, res)} "
+                       f"({_bw(s, h, 4):.2f} against {_bw(s, t, 4):.2f} GB/s: {t / h:.2f}x)")
     return out
 
 
