@@ -49,6 +49,8 @@ FULL_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [1 << 20, 16 << 20, 64 << 20]
 BLAST_BYTES = 64 << 20
 HORA_BUF = 4 << 20  # what hora.transport.net gives the data sockets
+LINK_NAMES = {"python": "socket blaster, kernel-tuned buffers", "python_4mib": "socket blaster, 4 MiB buffers (hora's)",
+              "iperf3": "iperf3 (1 stream; --bidir)"}
 
 
 # --- rank side ---------------------------------------------------------------------------------------
@@ -424,15 +426,13 @@ def markdown(res: dict) -> str:
     lines += [f"- {note}" for note in res["notes"]]
     lines += ["", "**The link** (GB/s per direction, 64 MiB transfers; median over rounds, (min–max)):", "",
               "| measure | one way alone | each way, both at once |", "|---|---|---|"]
-    names = {"python": "socket blaster, kernel-tuned buffers", "python_4mib": "socket blaster, 4 MiB buffers (hora's)",
-             "iperf3": "iperf3 (1 stream; --bidir)"}
     for src, v in lk.items():
         cells = []
         for mode in ("oneway", "both"):
             xs = [r[src][mode] for r in res["link"] if mode in r.get(src, {})]
             spread = f" ({min(xs):.2f}–{max(xs):.2f})" if len(xs) > 1 else ""
             cells.append(f"{v[mode]:.2f}{spread}" if mode in v else "–")
-        lines.append(f"| {names[src]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {LINK_NAMES[src]} | " + " | ".join(cells) + " |")
     if res.get("link_ref"):
         lines += ["", f"The link's one-way figure for the targets: **{res['link_ref']:.2f} GB/s** "
                   f"({res['link_ref_src']})."]
@@ -488,7 +488,7 @@ def main() -> None:
     ref = max(((v["oneway"], k) for k, v in lk.items() if "oneway" in v), default=(None, None))
     res.update(conditions=conditions, machine=machine(), date=conditions["date"], rounds=rounds, quick=args.quick,
                sizes=sizes, took_s=time.monotonic() - t_start, link_ref=ref[0], link_ref_src=ref[1] and (
-                   f"the fastest one-way figure above: {ref[1]}"),
+                   f"the fastest one-way figure above: {LINK_NAMES[ref[1]]}"),
                command=" ".join(["sudo .venv/bin/python benchmarks/hierarchical.py", *sys.argv[1:]]))
     finish(res, markdown, args.out, "hierarchical")
 
