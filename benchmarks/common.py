@@ -1,5 +1,11 @@
 """What the benchmarks share: starting a job of rank processes, timing a collective, reporting.
 
+Honest measurement (issue 15 part 6): :func:`start` records the 1-minute load and a 64 MiB memcpy
+figure when a run begins (optionally after waiting for the machine to go quiet), :func:`finish` the
+load at its end; a run that started above :data:`LOADED` is marked "loaded" in its header and JSON,
+and :func:`verdict` words every target so that a loaded run's "met" does not count. On a shared
+2-core machine a figure means nothing without the load it was taken under.
+
 A job is ``n`` fresh processes of ``python <script> --worker ...`` with hora's launcher-to-worker
 environment and a store served here (no ``hora run``, so a launcher change cannot skew a figure),
 or the same under ``mpirun`` for MPI. Rank 0 prints one ``RESULT {json}`` line; :func:`run_job`
@@ -20,6 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+LOADED = 0.5  # a run whose 1-minute load average at the start is above this is "loaded"
+_IMPORT_LOAD = os.getloadavg()  # the fallback start load for a script that does not call start()
 ONE_THREAD = {k: "1" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
 
 
@@ -118,6 +126,67 @@ def memcpy_gbs(nbytes: int = 64 << 20, reps: int = 7) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def wait_quiet(seconds: float, log=None) -> float:
+    """Wait up to ``seconds`` for the 1-minute load to drop to :data:`LOADED` or below; the seconds
+    waited. (The 1-minute figure decays with a ~1 min time constant: a burst needs a minute or two.)"""
+    t0 = time.monotonic()
+    said = False
+    while os.getloadavg()[0] > LOADED and time.monotonic() - t0 < seconds:
+        if log and not said:
+            log(f"waiting up to {seconds:.0f} s for the 1-minute load ({os.getloadavg()[0]:.2f}) to drop to {LOADED}")
+            said = True
+        time.sleep(2)
+    return time.monotonic() - t0
+
+
+def add_args(ap) -> None:
+    """The options every benchmark takes for honest measurement."""
+    ap.add_argument("--wait-quiet", type=float, default=0, metavar="SECONDS",
+                    help=f"wait up to SECONDS for the 1-minute load to drop to {LOADED} before starting")
+
+
+def start(wait_quiet_s: float = 0, log=None) -> dict:
+    """The run's starting conditions, to store in its result: ``load_start`` (1/5/15 min),
+    ``memcpy_gbs`` (the physical reference, measured now), ``loaded`` and ``waited_s``."""
+    waited = wait_quiet(wait_quiet_s, log) if wait_quiet_s > 0 else 0.0
+    load = os.getloadavg()
+    return {"load_start": list(load), "memcpy_gbs": memcpy_gbs(), "loaded": load[0] > LOADED,
+            "waited_s": round(waited, 1), "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def _conditions(res: dict) -> dict:
+    """``res["conditions"]``, filled in for a script that never called :func:`start` (its load from
+    when it imported this module; memcpy measured at the end, and said so)."""
+    c = res.setdefault("conditions", {})
+    if "load_start" not in c:
+        load = res.get("load_start") or _IMPORT_LOAD
+        c.update(load_start=list(load), loaded=load[0] > LOADED, memcpy_gbs=memcpy_gbs(),
+                 memcpy_at="end", date=time.strftime("%Y-%m-%d %H:%M"))
+    return c
+
+
+def header(res: dict) -> str:
+    """One line for a report's head: the load at the start and end, the memcpy figure, the mark."""
+    c = res.get("conditions", {})
+    if "load_start" not in c:
+        return ""
+    end = c.get("load_after")
+    line = (f"Load average (1 min) at the start **{c['load_start'][0]:.2f}**"
+            + (f", at the end {end[0]:.2f}" if end else "")
+            + (f" (waited {c['waited_s']:.0f} s for quiet)" if c.get("waited_s") else "")
+            + f"; memcpy (64 MiB NumPy copy, median of 7{', at the end' if c.get('memcpy_at') == 'end' else ''})"
+            f" **{c['memcpy_gbs']:.1f} GB/s**")
+    if c["loaded"]:
+        line += f". **LOADED run** (start load above {LOADED}): no target counts as met from it"
+    return line + "."
+
+
+def verdict(met: bool, res: dict) -> str:
+    """A target's word: met / not met, and when the run is loaded, that it does not count."""
+    word = "**met**" if met else "**not met**"
+    return word + (" (loaded run: does not count)" if res.get("conditions", {}).get("loaded") else "")
+
+
 def machine() -> str:
     cpus = len(os.sched_getaffinity(0))
     model = ""
@@ -135,10 +204,13 @@ def size_label(nbytes: int) -> str:
 
 
 def finish(res: dict, markdown, out: Path, stem: str) -> str:
-    """Record the load at the end, write ``<stem>.md`` (``markdown(res)``) and ``<stem>.json`` under ``out``, print
-    the table and return it."""
+    """Record the load at the end, write ``<stem>.md`` (the :func:`header` line, then ``markdown(res)``) and
+    ``<stem>.json`` under ``out``, print the text and return it."""
     res["load_after"] = os.getloadavg()
-    text = markdown(res)
+    c = _conditions(res)
+    c["load_after"] = list(res["load_after"])
+    res["loaded"] = c["loaded"]
+    text = header(res) + "\n\n" + markdown(res)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.md").write_text(text)
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1))

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import collect, finish, free_port, machine, worker_env  # noqa: E402
+from common import add_args, collect, finish, free_port, machine, start, worker_env  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve())
 # model -> (description, per-rank batch)
@@ -339,6 +339,7 @@ def main() -> None:
                     "(default: one job of two processes running both, their timed windows interleaved)")
     ap.add_argument("--compression", default="", help="comma-separated compressors to add as hora rows: fp16, "
                     "bf16, topk:<ratio>, powersgd:<rank> (with --separate: not supported)")
+    add_args(ap)
     ap.add_argument("--worker", choices=["single", "hora", "ddp", "both", "horovod"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=None, help=argparse.SUPPRESS)
@@ -359,16 +360,19 @@ def main() -> None:
     have_horovod = importlib.util.find_spec("horovod") is not None
     kinds = ["single", "pair"] + (["ddp", "hora"] if args.separate else ["both"]) + (
         ["horovod"] if have_horovod else [])
-    start = time.monotonic()
-    load = os.getloadavg()
+    t_start = time.monotonic()
 
     def log(msg):
-        print(f"[{time.monotonic() - start:6.1f} s] {msg}", file=sys.stderr, flush=True)
+        print(f"[{time.monotonic() - t_start:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    conditions = start(args.wait_quiet, log)  # the load and memcpy figure at the start; "loaded" above 0.5
+    load = conditions["load_start"]
 
     if not have_horovod:
         log("Horovod is not installed: its figures will be estimates from issue 5's table")
     res = {"models": {}, "rounds": rounds, "steps": steps, "windows": windows, "quick": args.quick,
-           "have_horovod": have_horovod, "machine": machine(), "load": load, "date": time.strftime("%Y-%m-%d %H:%M")}
+           "have_horovod": have_horovod, "machine": machine(), "load": load, "date": time.strftime("%Y-%m-%d %H:%M"),
+           "conditions": conditions}
     for m in models:
         wargs = ["--model", m, "--steps", str(steps), "--windows", str(windows), "--warmup", str(warmup),
                  "--compression", args.compression]
