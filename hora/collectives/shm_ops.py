@@ -18,6 +18,12 @@ whole result out. Each element is reduced in rank order 0, 1, ..., n-1, by one r
 gets the same bits. Small buffers skip the split: every rank reduces the whole buffer (one wait, not
 two).
 
+A fused allreduce at np=2 (:func:`allreduce_parts`, the engine's ``native_allreduce_parts``) runs the
+np=2 steps on the tensors themselves: the segment is the fusion buffer. Packing is the copy-in (the
+pieces of the tensors that fall in a chunk, straight into our area) and unpacking is the fold (each
+output piece straight into its tensor): two passes per element where the fusion buffer took four
+(pack, copy in, fold, unpack) or five (and the Average's scaling of the buffer).
+
 Memory traffic per rank for ``B`` bytes, np=2 path: copy in ``B`` (read the input, write our area),
 fold ``B`` (read our input again while it is still in cache, read the peer's area across cores,
 write the output in place over lines just read): ``3 B`` read and ``2 B`` written in two passes, of
