@@ -38,11 +38,16 @@ class Request(Protocol):
 class NativeOps:
     """A set of native collectives (ranks and roots are the group's); each is None where there is none.
     Contracts: ``native_allreduce(flat, op, src=None)`` reduces the 1-D ``flat`` in place (Average is Sum
-    here: the engine scales), or ``src`` into ``flat`` without writing ``src``; the others have the
-    contracts of ``ring.reduce_scatter`` and ``exchange``'s ``allgather_blocks``, ``broadcast`` and
-    ``alltoall_blocks`` (with ``op`` instead of a reducer)."""
+    here: the engine scales), or ``src`` into ``flat`` without writing ``src``;
+    ``native_allreduce_parts(srcs, outs, op, prescale=1.0, postscale=1.0)`` reduces the 1-D arrays
+    ``srcs`` (one dtype) as one allreduce of their concatenation into ``outs`` (each ``srcs[i]`` itself,
+    in place, or a fresh array of its size), scaling inputs by ``prescale`` and results by ``postscale``
+    as :func:`hora.collectives.reduce.scale` does: a fused allreduce without a fusion buffer. The others
+    have the contracts of ``ring.reduce_scatter`` and ``exchange``'s ``allgather_blocks``,
+    ``broadcast`` and ``alltoall_blocks`` (with ``op`` instead of a reducer)."""
 
     native_allreduce: Callable | None = None
+    native_allreduce_parts: Callable | None = None
     native_allgather: Callable | None = None
     native_broadcast: Callable | None = None
     native_alltoall: Callable | None = None
@@ -60,6 +65,7 @@ class Communicator(Protocol):
     name: str  # the timeline's name for this transport ("TCP", "SHM", ...)
     ctrl: ControlPlane
     native_allreduce: Callable | None
+    native_allreduce_parts: Callable | None
     native_allgather: Callable | None
     native_broadcast: Callable | None
     native_alltoall: Callable | None
@@ -105,6 +111,7 @@ class CommunicatorBase(NativeOps):
         """Install the native collectives that :mod:`hora.collectives.native` assembled from this
         transport's primitives (and ``group(ranks)``, which does the same for a process set)."""
         self.native_allreduce = ops.native_allreduce
+        self.native_allreduce_parts = ops.native_allreduce_parts
         self.native_allgather = ops.native_allgather
         self.native_broadcast = ops.native_broadcast
         self.native_alltoall = ops.native_alltoall
