@@ -181,3 +181,28 @@ def test_the_engine_thread_waits_for_a_driving_caller_to_release():
     assert took.wait(JOIN_S) and b.holder is ENGINE
     c.engine.join(JOIN_S)
     b.release()
+
+
+def test_the_engine_thread_parks_while_a_caller_drives_and_the_release_unparks_it():
+    """engine_take(park) never sleeps on the baton while a caller drives: it parks (under the lock) and
+    returns False; that caller's release reports the park to ``on_caller_release`` exactly once."""
+    b = Baton()
+    released, parks = [], []
+    b.on_caller_release = released.append
+
+    def drive(me):
+        assert b.engine_take(lambda: parks.append(b.holder)) is False  # the engine thread's look
+        assert parks == [CALLER] and b.holder is CALLER
+        me.done = True
+        return True
+
+    c = Caller(b, drive)
+    c.start()
+    c.join()
+    assert released == [True] and b.holder is NOBODY
+    c2 = Caller(b).start()  # a later session that nobody parked during: told so
+    c2.join()
+    assert released == [True, False]
+    assert b.engine_take(lambda: parks.append("again")) is True and b.holder is ENGINE  # free: taken
+    b.release()
+    assert released == [True, False] and parks == [CALLER]  # the engine's own release is no caller's
