@@ -105,13 +105,13 @@ class Baton:
         with self._lock:
             was, self.holder = self.holder, NOBODY
             self.epoch += 1
-            if was is CALLER and self.on_caller_release is not None:
-                try:
+            try:
+                if was is CALLER and self.on_caller_release is not None:
                     self.on_caller_release(self._parked)  # under the lock: no engine_take in between
-                finally:
-                    self._parked = False
-            if self.waiters or self._engine_waiting:
-                self._notify_locked()
+            finally:  # whatever the hook did, the waiters hear of the release
+                self._parked = False
+                if self.waiters or self._engine_waiting:
+                    self._notify_locked()
 
     def poke(self) -> None:
         """Handles finished outside any cycle (failed at shutdown): waiters look again."""

@@ -282,17 +282,22 @@ class Engine:
         """The engine thread found a caller driving (under the baton's lock): it sleeps with the wake
         pipe disarmed too, so that a submission made for the driver (``Submissions.add``) wakes only
         the driver."""
-        if not self._ep.closed:
+        try:
             self._ep.modify(self.subs.fd, 0)
+        except (OSError, ValueError):  # shut down meanwhile (closed): the loop ends on its next look
+            pass
 
     def _caller_released(self, parked: bool) -> None:
         """A driving caller released the baton (under its lock): give the engine thread its wake-ups
         back, and wake it for what this session left."""
         if self._ep.closed:  # shutdown closed it while this caller still drove
             return
-        self._ep.modify(self._ep_ctrl.fileno(), select.EPOLLIN)  # wakes it if a message waits
-        if parked:
-            self._ep.modify(self.subs.fd, select.EPOLLIN)  # wakes it if a byte waits
+        try:
+            self._ep.modify(self._ep_ctrl.fileno(), select.EPOLLIN)  # wakes it if a message waits
+            if parked:
+                self._ep.modify(self.subs.fd, select.EPOLLIN)  # wakes it if a byte waits
+        except (OSError, ValueError):  # closed by a shutdown from another thread meanwhile: nothing to wake
+            return
         if self._inbox or self.subs.pending or self._unsent or (parked and self._timeout() is not None):
             # work this session took in but did not finish (messages read during a data wait, other
             # threads' submissions) or a timer (a parked thread sleeps without one): the engine
