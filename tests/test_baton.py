@@ -181,3 +181,49 @@ def test_the_engine_thread_waits_for_a_driving_caller_to_release():
     assert took.wait(JOIN_S) and b.holder is ENGINE
     c.engine.join(JOIN_S)
     b.release()
+
+
+def test_the_engine_thread_parks_while_a_caller_drives_and_the_release_unparks_it():
+    """engine_take(park) never sleeps on the baton while a caller drives: it parks (under the lock) and
+    returns False; that caller's release reports the park to ``on_caller_release`` exactly once."""
+    b = Baton()
+    released, parks = [], []
+    b.on_caller_release = released.append
+
+    def drive(me):
+        assert b.engine_take(lambda: parks.append(b.holder)) is False  # the engine thread's look
+        assert parks == [CALLER] and b.holder is CALLER
+        me.done = True
+        return True
+
+    c = Caller(b, drive)
+    c.start()
+    c.join()
+    assert released == [True] and b.holder is NOBODY
+    c2 = Caller(b).start()  # a later session that nobody parked during: told so
+    c2.join()
+    assert released == [True, False]
+    assert b.engine_take(lambda: parks.append("again")) is True and b.holder is ENGINE  # free: taken
+    b.release()
+    assert released == [True, False] and parks == [CALLER]  # the engine's own release is no caller's
+
+
+def test_a_release_whose_hook_fails_still_wakes_the_waiters():
+    """``on_caller_release`` runs under the lock; if it raises (the engine shut down meanwhile), the
+    waiters still hear of the release (invariant 3), so none sleeps through it."""
+    b = Baton()
+    calls = []
+
+    def hook(parked):
+        calls.append(parked)
+        if len(calls) == 1:
+            raise ValueError("closed")
+
+    b.on_caller_release = hook
+    b.engine_take()
+    c = Caller(b).start()  # sleeps: the engine holds the baton
+    b.holder = CALLER  # as if a caller had held it (the hook runs for callers' releases only)
+    with pytest.raises(ValueError):
+        b.release()
+    c.join()  # woken, found the baton free, drove
+    assert c.drove == [CALLER] and c.result is True and b.holder is NOBODY and len(calls) == 2

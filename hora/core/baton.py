@@ -7,7 +7,8 @@ machine::
 
     NOBODY --engine_take()--------------------------> ENGINE --release()--> NOBODY
     NOBODY --wait(), by the only waiting caller-----> CALLER --release()--> NOBODY
-    (the engine thread's engine_take() sleeps while a caller holds it; the release wakes it)
+    (the engine thread's engine_take(park) finds a caller holding it: it parks and goes back to
+    sleep; the caller's release runs ``on_caller_release``, which wakes it if there is work)
 
 Invariants. All of the baton's state is read and written under one lock, except ``holder`` read by
 the holder itself (who knows it) or by a submitter (see ``Submissions.add`` for why that is enough).
@@ -26,6 +27,10 @@ the holder itself (who knows it) or by a submitter (see ``Submissions.add`` for 
 4. When the baton is free and callers wait, the engine thread must be awake to serve them: the
    waiter that finds the baton free but may not take it kicks the engine thread (once per wait;
    from then on the work it waits for wakes the engine thread: control messages and submissions).
+5. A parked engine thread sleeps until the driving caller's release: the caller serves everything
+   meanwhile, and ``on_caller_release(parked=True)``, under the lock, re-arms the engine thread's
+   wake-ups and wakes it if work or a timer is left. Parking happens under the lock too, and only
+   while a caller holds the baton, so no release can slip between the look and the park.
 
 Every timed wait below uses ``SAFETY_NET_S``, a safety net for a flaw in this reasoning only; the
 tests set it to an hour, so that a lost wake-up shows up as a hang rather than as latency.
@@ -47,7 +52,8 @@ _allocate = threading.Lock
 
 
 class Baton:
-    __slots__ = ("_lock", "_sleepers", "holder", "waiters", "epoch", "_engine_waiting")
+    __slots__ = ("_lock", "_sleepers", "holder", "waiters", "epoch", "_engine_waiting", "_parked",
+                 "on_caller_release")
 
     def __init__(self) -> None:
         # A condition variable of our own (``_sleep_locked``, ``_notify_locked``) rather than
@@ -59,20 +65,33 @@ class Baton:
         self.waiters = 0  # callers inside wait()
         self.epoch = 0  # advanced by every event a waiter may wait for (invariant 3)
         self._engine_waiting = False
+        self._parked = False  # the engine thread found a caller holding the baton and went back to sleep
+        # ``on_caller_release(parked)``: run under the lock when a caller releases the baton; the
+        # engine re-arms its wake-ups there (and wakes its thread if the caller left work)
+        self.on_caller_release: Callable[[bool], None] | None = None
 
     def held(self) -> bool:
         """Somebody runs cycles now (read without the lock, by a submitter)."""
         return self.holder is not NOBODY
 
     # -- the engine thread ---------------------------------------------------------------------
-    def engine_take(self) -> None:
-        """Block until the baton is free, then hold it (the engine thread, before a cycle)."""
+    def engine_take(self, park: Callable[[], None] | None = None) -> bool:
+        """Hold the baton (the engine thread, before a cycle) and return True. While a caller holds it:
+        with ``park``, call it (under the lock) and return False at once: the engine thread then sleeps
+        where it sleeps anyway (epoll) until the caller's release (``on_caller_release``) says there is
+        work, instead of being woken by every release only to find the next caller holding it again (a
+        thread wake and a GIL hand-off per synchronous collective). Without ``park``, sleep until free."""
         with self._lock:
             while self.holder is not NOBODY:
+                if park is not None and self.holder is CALLER:
+                    self._parked = True
+                    park()
+                    return False
                 self._engine_waiting = True
                 self._sleep_locked(None)
             self._engine_waiting = False
             self.holder = ENGINE
+            return True
 
     # -- the holder ----------------------------------------------------------------------------
     def cycle_done(self) -> None:
@@ -84,10 +103,15 @@ class Baton:
 
     def release(self) -> None:
         with self._lock:
-            self.holder = NOBODY
+            was, self.holder = self.holder, NOBODY
             self.epoch += 1
-            if self.waiters or self._engine_waiting:
-                self._notify_locked()
+            try:
+                if was is CALLER and self.on_caller_release is not None:
+                    self.on_caller_release(self._parked)  # under the lock: no engine_take in between
+            finally:  # whatever the hook did, the waiters hear of the release
+                self._parked = False
+                if self.waiters or self._engine_waiting:
+                    self._notify_locked()
 
     def poke(self) -> None:
         """Handles finished outside any cycle (failed at shutdown): waiters look again."""

@@ -113,6 +113,7 @@ class Engine:
         self._leaving: ShutdownError | None = None  # set when rank 0 says goodbye
         self._ended = False  # the loop has stopped (shutdown or failure): no more cycles
         self.baton = Baton()
+        self.baton.on_caller_release = self._caller_released
         self._window = None  # the interrupt gate's safe point while the main thread drives (else None)
         # no busy look when this host's ranks outnumber its cores: the spinner would take the core of
         # the rank it waits for
@@ -195,7 +196,12 @@ class Engine:
     def _loop(self) -> None:
         woken = True
         while True:
-            self.baton.engine_take()
+            if not self.baton.engine_take(self._park):
+                # a caller drives: it serves messages, submissions and timers until its release, whose
+                # hook (_caller_released) re-arms this thread's wake-ups and kicks it if work is left
+                self._ep.poll(-1)
+                woken = True
+                continue
             try:
                 # a wait that timed out runs a cycle only if a timer is still due: a caller may have
                 # driven the work that set it (the stall check of a tensor since reduced) meanwhile
@@ -270,13 +276,33 @@ class Engine:
                     self.baton.cycle_done()  # threads that came to wait since may have had theirs finished
             return True
         finally:
-            self._window = None
-            if not self._ep.closed:  # (shutdown closed it while this caller still drove)
-                self._ep.modify(self._ep_ctrl.fileno(), select.EPOLLIN)  # wakes it if a message waits
-            if self._inbox or self.subs.pending or self._unsent:
-                # work this session took in but did not finish (messages read during a data wait,
-                # other threads' submissions): the engine thread cannot see it from its epoll
-                self.subs.kick()
+            self._window = None  # (the baton's release, next, runs _caller_released)
+
+    def _park(self) -> None:
+        """The engine thread found a caller driving (under the baton's lock): it sleeps with the wake
+        pipe disarmed too, so that a submission made for the driver (``Submissions.add``) wakes only
+        the driver."""
+        try:
+            self._ep.modify(self.subs.fd, 0)
+        except (OSError, ValueError):  # shut down meanwhile (closed): the loop ends on its next look
+            pass
+
+    def _caller_released(self, parked: bool) -> None:
+        """A driving caller released the baton (under its lock): give the engine thread its wake-ups
+        back, and wake it for what this session left."""
+        if self._ep.closed:  # shutdown closed it while this caller still drove
+            return
+        try:
+            self._ep.modify(self._ep_ctrl.fileno(), select.EPOLLIN)  # wakes it if a message waits
+            if parked:
+                self._ep.modify(self.subs.fd, select.EPOLLIN)  # wakes it if a byte waits
+        except (OSError, ValueError):  # closed by a shutdown from another thread meanwhile: nothing to wake
+            return
+        if self._inbox or self.subs.pending or self._unsent or (parked and self._timeout() is not None):
+            # work this session took in but did not finish (messages read during a data wait, other
+            # threads' submissions) or a timer (a parked thread sleeps without one): the engine
+            # thread cannot see it from its epoll
+            self.subs.kick()
 
     def _fail(self, e: BaseException) -> None:
         """This engine can run no more collectives: fail its handles and later submissions with ``e``

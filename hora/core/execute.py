@@ -32,12 +32,20 @@ class Pending:
     flush: bool = False  # a synchronous caller waits: negotiate now, don't gather more
 
 
-def dtype_of(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
+_DTYPES: dict[str, np.dtype] = {}  # by name: np.dtype(name) parses the string, several times per collective
 
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+
+def dtype_of(name: str) -> np.dtype:
+    dt = _DTYPES.get(name)
+    if dt is None:
+        if name == "bfloat16":
+            import ml_dtypes
+
+            dt = np.dtype(ml_dtypes.bfloat16)
+        else:
+            dt = np.dtype(name)
+        _DTYPES[name] = dt
+    return dt
 
 
 def nbytes_of(dtype: str, shape: tuple) -> int:
