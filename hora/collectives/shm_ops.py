@@ -18,11 +18,14 @@ whole result out. Each element is reduced in rank order 0, 1, ..., n-1, by one r
 gets the same bits. Small buffers skip the split: every rank reduces the whole buffer (one wait, not
 two).
 
-A fused allreduce at np=2 (:func:`allreduce_parts`, the engine's ``native_allreduce_parts``) runs the
-np=2 steps on the tensors themselves: the segment is the fusion buffer. Packing is the copy-in (the
+A fused allreduce (:func:`allreduce_parts`, the engine's ``native_allreduce_parts``) runs the same
+steps on the tensors themselves: the segment is the fusion buffer. At np=2 packing is the copy-in (the
 pieces of the tensors that fall in a chunk, straight into our area) and unpacking is the fold (each
 output piece straight into its tensor): two passes per element where the fusion buffer took four
-(pack, copy in, fold, unpack) or five (and the Average's scaling of the buffer).
+(pack, copy in, fold, unpack) or five (and the Average's scaling of the buffer). Larger groups run the
+split pipeline so (:func:`_parts_split`): copy in from the tensors, copy out into them, postscaled
+there; at np=3 and 4 (oversubscribed on 2 cores) 0.6-0.9x the fusion buffer's time and CPU
+(benchmarks/shm_fused.py --np).
 
 Memory traffic per rank for ``B`` bytes, np=2 path: copy in ``B`` (read the input, write our area),
 fold ``B`` (read our input again while it is still in cache, read the peer's area across cores,
