@@ -1,9 +1,10 @@
-"""A fused allreduce through shared memory at np=2: fusion buffer against parts (issue 15 part 2).
+"""A fused allreduce through shared memory: fusion buffer against parts (issue 15 part 2; np > 2 round 2).
 
     python benchmarks/shm_fused.py                      # the three workloads, 5 interleaved repetitions
     python benchmarks/shm_fused.py --workloads mlp --reps 9
+    python benchmarks/shm_fused.py --np 4 --no-oop      # np > 2: the split pipeline; results/shm_fused_np4.*
 
-One fresh np=2 job (``HORA_TRANSPORT=shm``). Each workload is one ``hora.grouped_allreduce_`` of
+One fresh job of ``--np`` ranks (default 2; ``HORA_TRANSPORT=shm``). Each workload is one ``hora.grouped_allreduce_`` of
 float32 tensors, Average (a gradient step), through the engine; ``buffer`` packs the fusion buffer,
 allreduces it and unpacks it (``hora.core.execute.PARTS = False``), ``parts`` reduces the tensors
 straight through the segment (``native_allreduce_parts``). The two alternate within each repetition,
@@ -96,7 +97,9 @@ def _worker(names: list[str], reps: int, budget: float, oop: bool) -> None:
 
 
 def markdown(res: dict) -> str:
-    lines = [f"# shm_fused: fused allreduce at np=2, fusion buffer vs parts ({time.strftime('%Y-%m-%d')})", "",
+    n = res.get("np", 2)
+    over = f", oversubscribed ({n} ranks on {os.cpu_count()} cores)" if n > (os.cpu_count() or 1) else ""
+    lines = [f"# shm_fused: fused allreduce at np={n}{over}, fusion buffer vs parts ({time.strftime('%Y-%m-%d')})", "",
              f"Machine: {res['machine']}. Load (1 min) before {res['load_before']:.2f}, after "
              f"{res['load_after'][0]:.2f}. float32 Average through the engine, in place unless `-oop`; "
              "time is the median of the interleaved repetitions, CPU and faults are per call, per rank.", "",
@@ -118,17 +121,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions per design")
     ap.add_argument("--budget", type=float, default=0.4, help="seconds per repetition and design")
     ap.add_argument("--no-oop", action="store_true", help="skip the out-of-place rows")
+    ap.add_argument("--np", type=int, default=2, help="ranks (default 2)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         _worker(args.workloads.split(","), args.reps, args.budget, not args.no_oop)
         return
-    res = {"machine": machine(), "load_before": os.getloadavg()[0]}
+    res = {"machine": machine(), "load_before": os.getloadavg()[0], "np": args.np}
     argv = [str(Path(__file__).resolve()), "--worker", "--workloads", args.workloads, "--reps", str(args.reps),
             "--budget", str(args.budget)] + (["--no-oop"] if args.no_oop else [])
-    res.update(run_job(2, argv, {"HORA_TRANSPORT": "shm"}, timeout=600))
-    finish(res, markdown, args.out, "shm_fused")
+    res.update(run_job(args.np, argv, {"HORA_TRANSPORT": "shm"}, timeout=600))
+    finish(res, markdown, args.out, "shm_fused" + ("" if args.np == 2 else f"_np{args.np}"))
 
 
 if __name__ == "__main__":

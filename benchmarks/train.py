@@ -4,6 +4,7 @@
     python benchmarks/train.py --quick    # shorter windows, one round (about 2.5 minutes on 2 busy CPUs)
     python benchmarks/train.py --models cnn --steps 50
     python benchmarks/train.py --models mlp --compression topk:0.01,powersgd:4   # results/train_compression.md
+    python benchmarks/train.py --np 4 --quick   # hora vs DDP with 4 ranks; writes results/train_np4.{md,json}
 
 The same model, per-rank batch, synthetic data (``torch.randn``, fixed seeds) and SGD with momentum,
 trained three ways, each as its own job of fresh processes limited to one thread each
@@ -29,6 +30,11 @@ as such. Compare ratios within one run, not absolute figures across runs.
 ``bf16``, ``topk:<ratio>``, ``powersgd:<rank>``; docs/compression.md) and a table of the bytes each rank
 hands to the collectives per step (``payload_bytes``; at np=2 a ring allreduce and an allgather both send
 each rank exactly that many bytes) against samples/s, beside hora uncompressed.
+
+``--np N`` (N > 2) runs only hora and DDP, with N ranks (interleaved in one job, or ``--separate``), and
+reports their samples/s and the ratio; with more ranks than cores (4 on this 2-core machine) the run is
+*oversubscribed*: ranks take turns on the cores, so the figure measures how well each way shares them
+(wake-ups, spinning, the engine thread) rather than scaling. The single and ceiling columns are np=2's.
 """
 
 from __future__ import annotations
@@ -270,6 +276,8 @@ def run(kind: str, n: int, wargs: list[str], timeout: float = 600) -> dict:
 
 
 def markdown(res: dict) -> str:
+    if res.get("np", 2) != 2:
+        return markdown_np(res)
     est = "" if res["have_horovod"] else " (estimate)"
     lines = [f"Training throughput, samples/s over all ranks (median window; per cell the "
              f"median of {res['rounds']} round(s), the faster when two), np=2, one thread per process. "
@@ -309,11 +317,40 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def markdown_np(res: dict) -> str:
+    """The np > 2 table: hora against DDP only (single-process and ceiling columns are np=2's)."""
+    n, cores = res["np"], os.cpu_count() or 1
+    over = f"oversubscribed: {n} ranks on {cores} cores" if n > cores else f"{n} ranks on {cores} cores"
+    lines = [f"Training throughput, samples/s over all ranks (median window; per cell the median of "
+             f"{res['rounds']} round(s), the faster when two), np={n} ({over}), one thread per process. "
+             f"Machine: {res['machine']}; load average before the run "
+             f"{res['load'][0]:.2f}, {res['load'][1]:.2f}, {res['load'][2]:.2f}.", "",
+             f"| model | grads | batch/rank | DDP np={n} | hora np={n} | hora/DDP | DDP windows | hora windows |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def spread(r: dict) -> str:  # samples/s of the fastest and slowest timed window (of the median round)
+        rates = [n * r["batch"] * res["steps"] / t for t in r["windows"]]
+        return f"{min(rates):.0f}-{max(rates):.0f}"
+
+    for m, r in res["models"].items():
+        d, h = r["ddp"]["rate"], r["hora"]["rate"]
+        lines.append(f"| {m} | {r['hora']['grad_mib']:.1f} MiB | {r['hora']['batch']} | {d:.0f} | {h:.0f} | "
+                     f"**{h / d:.2f}** | {spread(r['ddp'])} | {spread(r['hora'])} |")
+    lines += ["", "Per step on rank 0, ms (forward / backward / optimizer step):", "",
+              "| model | DDP | hora |", "|---|---|---|"]
+    for m, r in res["models"].items():
+        cells = [f"{r[k]['ms_fwd']:.1f} / {r[k]['ms_bwd']:.1f} / {r[k]['ms_step']:.1f}" for k in ("ddp", "hora")]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += _compression_table(res)
+    return "\n".join(lines) + "\n"
+
+
 def _compression_table(res: dict) -> list[str]:
     rows = [(m, k, r[k]) for m, r in res["models"].items() for k in r if k.startswith("hora:")]
     if not rows:
         return []
-    lines = ["", "Compression (hora np=2, in the same job as the table above): bytes each rank hands to the "
+    lines = ["", f"Compression (hora np={res.get('np', 2)}, in the same job as the table above): bytes each rank "
+             "hands to the "
              "collectives per step (at np=2 also the bytes it sends), and samples/s against hora uncompressed:", "",
              "| model | compression | bytes/step/rank | vs none | samples/s | vs none |", "|---|---|---|---|---|---|"]
     for m, r in res["models"].items():
@@ -339,6 +376,8 @@ def main() -> None:
                     "(default: one job of two processes running both, their timed windows interleaved)")
     ap.add_argument("--compression", default="", help="comma-separated compressors to add as hora rows: fp16, "
                     "bf16, topk:<ratio>, powersgd:<rank> (with --separate: not supported)")
+    ap.add_argument("--np", type=int, default=2, help="ranks (default 2); above 2 only hora and DDP run, "
+                    "and the results go to train_np<N>.{md,json}")
     add_args(ap)
     ap.add_argument("--worker", choices=["single", "hora", "ddp", "both", "horovod"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -356,9 +395,11 @@ def main() -> None:
         ap.error(f"unknown models {sorted(unknown)}; choose from {','.join(MODELS)}")
     if args.compression and args.separate:
         ap.error("--compression runs in the interleaved job; leave out --separate")
+    if args.np < 2:
+        ap.error("--np must be at least 2")
     rounds = args.rounds or (1 if args.quick else 2)
     have_horovod = importlib.util.find_spec("horovod") is not None
-    kinds = ["single", "pair"] + (["ddp", "hora"] if args.separate else ["both"]) + (
+    kinds = (["single", "pair"] if args.np == 2 else []) + (["ddp", "hora"] if args.separate else ["both"]) + (
         ["horovod"] if have_horovod else [])
     t_start = time.monotonic()
 
@@ -372,14 +413,14 @@ def main() -> None:
         log("Horovod is not installed: its figures will be estimates from issue 5's table")
     res = {"models": {}, "rounds": rounds, "steps": steps, "windows": windows, "quick": args.quick,
            "have_horovod": have_horovod, "machine": machine(), "load": load, "date": time.strftime("%Y-%m-%d %H:%M"),
-           "conditions": conditions}
+           "conditions": conditions, "np": args.np}
     for m in models:
         wargs = ["--model", m, "--steps", str(steps), "--windows", str(windows), "--warmup", str(warmup),
                  "--compression", args.compression]
         runs = {k: [] for k in kinds}
         for rnd in range(rounds):
             for k in kinds:
-                r = run(k, 1 if k in ("single", "pair") else 2, wargs)
+                r = run(k, 1 if k in ("single", "pair") else args.np, wargs)
                 for kk, rr in (r.items() if k == "both" else [(k, r)]):
                     runs.setdefault(kk, []).append(rr)
                     log(f"{m} round {rnd + 1}/{rounds} {kk}: {rr['rate']:.0f} samples/s")
@@ -388,10 +429,11 @@ def main() -> None:
         for k, rs in runs.items():
             best = sorted(rs, key=lambda r: r["rate"])[len(rs) // 2]  # the median round, with its breakdown
             entry[k] = dict(best, rates=[r["rate"] for r in rs])
-        entry["horovod"] = entry["horovod"]["rate"] if have_horovod else (
-            entry["ddp"]["rate"] * ISSUE["horovod_mpi"] / ISSUE["ddp"] if m == "mlp1k" else None)
+        if args.np == 2:
+            entry["horovod"] = entry["horovod"]["rate"] if have_horovod else (
+                entry["ddp"]["rate"] * ISSUE["horovod_mpi"] / ISSUE["ddp"] if m == "mlp1k" else None)
         res["models"][m] = entry
-    stem = "train_compression" if args.compression else "train"
+    stem = ("train_compression" if args.compression else "train") + ("" if args.np == 2 else f"_np{args.np}")
     finish(res, markdown, args.out, stem)
     log(f"wrote {args.out / (stem + '.md')}, {stem}.json")
 

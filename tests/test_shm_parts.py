@@ -1,13 +1,14 @@
-"""Fused allreduces without a fusion buffer: shared memory's ``native_allreduce_parts`` at np=2.
+"""Fused allreduces without a fusion buffer: shared memory's ``native_allreduce_parts``, np=2, 3 and 4.
 
 A response of several tensors goes from the tensors straight into the segment and from the segment
 straight into the outputs (hora/collectives/shm_ops.py ``allreduce_parts``). On real np=2 jobs through
 the engine (grouped allreduces, in place and out of place, every op, the dtypes, tensors of size 0, 1,
 odd, spanning chunk boundaries, many tiny with one large, pre- and postscale), each result must be
 bitwise the same on every rank, bitwise what the fusion-buffer path gives (``execute.PARTS = False``)
-and bitwise NumPy's ``in0 op in1`` (scaled by ``hora.collectives.reduce.scale``'s rules); inputs of an
-out-of-place call are left as they were; a rank SIGKILLed in the middle is named by the other, which
-leaves no segment mapped and nothing in /dev/shm.
+and bitwise NumPy's ``((in0 op in1) op in2) ...`` in rank order (scaled by
+``hora.collectives.reduce.scale``'s rules); inputs of an out-of-place call are left as they were; a
+rank that packs (one array twice) and ranks that do not share a call; a rank SIGKILLed in the middle
+is named by the others, which leave no segment mapped and nothing in /dev/shm.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def shapes(dtype: str) -> dict[str, list[int]]:
     per = CHUNK // np.dtype(np.float16 if dtype == "bfloat16" else dtype).itemsize
     return {
         "small": [0, 1, 7, 1000, 0, 3],  # one chunk (what the fusion path reduces in its one-step path)
+        "mid": [per // 4, 5, per // 4 + 1],  # one chunk past the one-step path's size: np > 2 splits it
         "span": [per - 1, 3, per + 1, 2, 0, per // 2],  # pieces that cross chunk boundaries
         "tiny+large": [5] * 200 + [2 * per + 3] + [1] * 20,  # many pieces in the first chunk and the last
         "thirds": [per // 3 + k for k in range(8)],  # several pieces per chunk, each split by a boundary
@@ -71,19 +73,21 @@ def _inputs(rank: int, dtype: str, sizes: list[int], op: int) -> list[np.ndarray
     return out
 
 
-def _expected(dtype, sizes, op, pre, post) -> list[np.ndarray]:
-    """``in0 op in1`` with NumPy, each input prescaled first and the result postscaled after."""
+def _expected(dtype, sizes, op, pre, post, n: int = 2) -> list[np.ndarray]:
+    """``((in0 op in1) op in2) ...`` with NumPy, each input prescaled first and the result postscaled after."""
     from hora.collectives.reduce import scale
     from hora.collectives.shm_ops import UFUNCS
 
-    ins = [_inputs(r, dtype, sizes, op) for r in (0, 1)]
+    ins = [_inputs(r, dtype, sizes, op) for r in range(n)]
     outs = []
-    for a, b in zip(*ins):
-        a, b = a.copy(), b.copy()
-        scale(a, pre)
-        scale(b, pre)
-        o = UFUNCS[op](a, b)
-        scale(o, post * (0.5 if op == Average else 1.0))
+    for xs in zip(*ins):
+        xs = [x.copy() for x in xs]
+        for x in xs:
+            scale(x, pre)
+        o = UFUNCS[op](xs[0], xs[1])
+        for x in xs[2:]:
+            UFUNCS[op](o, x, out=o)
+        scale(o, post * (1.0 / n if op == Average else 1.0))
         outs.append(o)
     return outs
 
@@ -108,7 +112,7 @@ def _fused(hvd, cases):
     try:
         for key, dtype, sizes, op, inplace, pre, post in cases:
             xs = _inputs(r, dtype, sizes, op)
-            want = _expected(dtype, sizes, op, pre, post)
+            want = _expected(dtype, sizes, op, pre, post, hvd.size())
             seen, bad = {}, []
             for parts in (True, False):
                 execute.PARTS = parts
@@ -129,7 +133,7 @@ def _fused(hvd, cases):
             if seen[True] != seen[False]:
                 bad.append("parts path differs from the fusion-buffer path")
             if seen[True] != [digest(w) for w in want]:
-                bad.append("parts path differs from NumPy's in0 op in1")
+                bad.append("parts path differs from NumPy's in0 op in1 ... (rank order)")
             out[key] = {"digest": seen[True], "bad": bad}
     finally:
         shm_ops.allreduce_parts = real
@@ -152,6 +156,15 @@ def _check(results: list[dict]) -> None:
 def test_fused_parts_equal_the_fusion_buffer_and_numpy(dtype):
     mine = [c for c in cases() if c[1] == dtype]
     _check(run_hora(2, _fused, mine, env=ENV, timeout=280))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int32", "int64"])
+def test_fused_parts_larger_groups(n, dtype):
+    """The split pipeline on the tensors (np > 2; np=4 runs oversubscribed on 2 cores): the same checks."""
+    mine = [c for c in cases() if c[1] == dtype]
+    _check(run_hora(n, _fused, mine, env=ENV, timeout=280))
 
 
 def _async_many(hvd, count):
@@ -207,18 +220,40 @@ def test_one_array_twice_in_place():
     assert run_hora(2, _aliased, env=ENV) == [True, True]
 
 
-def _np3(hvd):
-    """np=3 has no parts allreduce: fused responses pack the fusion buffer (the split path's)."""
+def _mixed(hvd):
+    """One call where rank 0 packs (one array submitted twice in place: the direct way does not apply)
+    and the others reduce their tensors directly: the two take the same steps, so results are right."""
+    from hora.collectives import shm_ops
     from workers import comm
 
-    assert comm().native_allreduce_parts is None
-    xs = [np.full(c, hvd.rank() + 1, np.int64) for c in (0, 5, (CHUNK >> 3) + 1)]
-    return [a.tolist()[:3] for a in hvd.grouped_allreduce(xs, op=hvd.Sum)]
+    assert comm().native_allreduce_parts is not None
+    real, calls = shm_ops.allreduce_parts, [0]
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    shm_ops.allreduce_parts = counted
+    try:
+        n, r, per = hvd.size(), hvd.rank(), CHUNK // 8
+        k = n * (n + 1) // 2
+        if r == 0:
+            base = np.arange(3 * per, dtype=np.int64)
+            hvd.grouped_allreduce_([base[:3 * per], base[:per]], op=hvd.Sum, name="mixed")
+            right = np.array_equal(base, np.arange(3 * per) * k)
+        else:
+            xs = [np.arange(3 * per, dtype=np.int64) * (r + 1), np.arange(per, dtype=np.int64) * (r + 1)]
+            hvd.grouped_allreduce_(xs, op=hvd.Sum, name="mixed")
+            right = np.array_equal(xs[0], np.arange(3 * per) * k) and np.array_equal(xs[1], np.arange(per) * k)
+    finally:
+        shm_ops.allreduce_parts = real
+    return [bool(right), calls[0]]
 
 
 @pytest.mark.timeout(60)
-def test_np3_keeps_the_fusion_buffer():
-    assert run_hora(3, _np3, env=ENV) == [[[], [6] * 3, [6] * 3]] * 3
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_packed_and_direct_ranks_share_a_call(n):
+    assert run_hora(n, _mixed, env=ENV) == [[True, 1]] * n
 
 
 def _fused_until_lost(nbytes: int) -> None:
@@ -249,25 +284,30 @@ def _fused_until_lost(nbytes: int) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_sigkill_mid_fused_allreduce_is_named_and_leaves_nothing():
+@pytest.mark.parametrize("n", [2, 3])
+def test_sigkill_mid_fused_allreduce_is_named_and_leaves_nothing(n):
     before = _dev_shm()
-    with spawn_job(2, functools.partial(_fused_until_lost, 16 << 20), env=ENV) as job:
-        job.wait_for("looping/0", "looping/1")
+    with spawn_job(n, functools.partial(_fused_until_lost, 16 << 20), env=ENV) as job:
+        job.wait_for(*(f"looping/{r}" for r in range(n)))
         os.kill(job.procs[1].pid, signal.SIGKILL)
         codes = job.wait()
         assert codes[1] == -signal.SIGKILL, f"rank 1 exited {codes[1]} before the kill"
-        rep = job.report(0)
-        err = rep["error"]
-        assert err is not None, "rank 0 never noticed that rank 1 died"
-        assert "PeerLostError" in err["types"], f"rank 0 raised {err['types'][0]}: {err['message']}"
-        assert err["rank"] == 1 or "rank 1" in err["message"], err["message"]
-        assert rep["maps_after_shutdown"] == 0, "rank 0 still maps the segment"
-        assert codes[0] == 0, f"rank 0 exited {codes[0]}:\n{job.output(0)}"
+        for r in range(n):
+            if r == 1:
+                continue
+            rep = job.report(r)
+            err = rep["error"]
+            assert err is not None, f"rank {r} never noticed that rank 1 died"
+            assert "PeerLostError" in err["types"], f"rank {r} raised {err['types'][0]}: {err['message']}"
+            assert err["rank"] == 1 or "rank 1" in err["message"], err["message"]
+            assert rep["maps_after_shutdown"] == 0, f"rank {r} still maps the segment"
+            assert codes[r] == 0, f"rank {r} exited {codes[r]}:\n{job.output(r)}"
     assert _dev_shm() <= before, "a segment was left in /dev/shm"
 
 
 def _direct_steps(hvd):
-    """The parts allreduce itself: one step per chunk of the concatenation, as np=2's one-tensor path."""
+    """The parts allreduce itself: the steps of :func:`allreduce` on the packed buffer (at np=2 one per
+    chunk of the concatenation, as np=2's one-tensor path), so packing and direct ranks can mix."""
     from workers import comm as job_comm
 
     comm = job_comm()
@@ -275,18 +315,28 @@ def _direct_steps(hvd):
     g = comm.group
     per = g.chunk // 4
     out = []
-    for sizes in ([1, 2], [per, 1], [per - 1, 1], [3 * per + 5], [0, 0]):
+    for sizes in ([1, 2], [per, 1], [per - 1, 1], [per // 2, 1], [3 * per + 5], [0, 0]):
         xs = [np.ones(c, np.float32) for c in sizes]
         before = g.step
         comm.native_allreduce_parts(xs, xs, Sum)
-        out.append(((g.step - before) & 0xFFFFFFFF, -(-sum(sizes) // per), all((x == 2).all() for x in xs)))
+        steps = (g.step - before) & 0xFFFFFFFF
+        flat = np.ones(sum(sizes), np.float32)
+        before = g.step
+        if flat.size:
+            comm.native_allreduce(flat, Sum)
+        packed = (g.step - before) & 0xFFFFFFFF
+        right = all((x == hvd.size()).all() for x in xs)
+        out.append((steps, packed, -(-sum(sizes) // per), right))
     comm.ctrl.on_message = hook
     hvd.barrier()
     return out
 
 
 @pytest.mark.timeout(60)
-def test_parts_take_one_step_per_chunk():
-    for rank_steps in run_hora(2, _direct_steps, env=ENV):
-        for steps, chunks, right in rank_steps:
-            assert right and steps == chunks, rank_steps
+@pytest.mark.parametrize("n", [2, 3])
+def test_parts_take_the_steps_of_the_packed_allreduce(n):
+    for rank_steps in run_hora(n, _direct_steps, env=ENV):
+        for steps, packed, chunks, right in rank_steps:
+            assert right and steps == packed, rank_steps
+            if n == 2:
+                assert steps == chunks, rank_steps

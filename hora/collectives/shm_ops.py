@@ -18,11 +18,14 @@ whole result out. Each element is reduced in rank order 0, 1, ..., n-1, by one r
 gets the same bits. Small buffers skip the split: every rank reduces the whole buffer (one wait, not
 two).
 
-A fused allreduce at np=2 (:func:`allreduce_parts`, the engine's ``native_allreduce_parts``) runs the
-np=2 steps on the tensors themselves: the segment is the fusion buffer. Packing is the copy-in (the
+A fused allreduce (:func:`allreduce_parts`, the engine's ``native_allreduce_parts``) runs the same
+steps on the tensors themselves: the segment is the fusion buffer. At np=2 packing is the copy-in (the
 pieces of the tensors that fall in a chunk, straight into our area) and unpacking is the fold (each
 output piece straight into its tensor): two passes per element where the fusion buffer took four
-(pack, copy in, fold, unpack) or five (and the Average's scaling of the buffer).
+(pack, copy in, fold, unpack) or five (and the Average's scaling of the buffer). Larger groups run the
+split pipeline so (:func:`_parts_split`): copy in from the tensors, copy out into them, postscaled
+there; at np=3 and 4 (oversubscribed on 2 cores) 0.6-0.9x the fusion buffer's time and CPU
+(benchmarks/shm_fused.py --np).
 
 Memory traffic per rank for ``B`` bytes, np=2 path: copy in ``B`` (read the input, write our area),
 fold ``B`` (read our input again while it is still in cache, read the peer's area across cores,
@@ -106,31 +109,49 @@ def allreduce(g, flat: np.ndarray, op: int, src: np.ndarray | None = None) -> No
     if n == 2 and PAIR:
         _allreduce_pair(g, flat, src, ufunc)
         return
-    # Pipelined: one wait per chunk. Between two waits a rank copies out chunk j-1, reduces its
-    # slice of chunk j and copies in chunk j+1, so the one signal after them says all three.
-    # (Needs three slots: chunk j+1's slot held chunk j-2, which every rank copied out before
-    # the signal we just waited for.)
     per = g.chunk // isz
-    starts = range(0, flat.size, per)
+    count = flat.size
+
+    def fill(j: int, slot: int) -> None:
+        _copy_in(g, inp, isz, count, per, j * per, slot)
+
+    def fold(j: int, slot: int) -> None:
+        a = j * per
+        lo, hi = _split(min(per, count - a), n, r)
+        srcs = [src[a + lo:a + hi] if p == r else g.area(slot, p, dt)[lo:hi] for p in range(n)]
+        _fold(ufunc, srcs, g.area(slot, n, dt)[lo:hi])
+
+    def drain(j: int, slot: int) -> None:
+        _copy_out(g, raw, isz, count, per, j * per, slot)
+
+    _split_steps(g, -(-count // per), fill, fold, drain)
+
+
+def _split_steps(g, k: int, fill, fold, drain) -> None:
+    """The pipeline of groups larger than 2 over ``k`` chunks: ``fill(j, slot)`` writes this rank's
+    operand of chunk ``j`` into its area of ``slot`` (all but its own slice, which it reads where it
+    is), ``fold(j, slot)`` reduces its slice of chunk ``j`` over every rank's operand into the result
+    area, ``drain(j, slot)`` copies the whole result of chunk ``j`` out.
+
+    One wait per chunk: between two waits a rank drains chunk ``j - 1``, folds its slice of ``j`` and
+    fills ``j + 1``, so the one signal after them says all three. (Needs three slots: chunk ``j + 1``'s
+    slot held chunk ``j - 2``, which every rank drained before the signal we just waited for.)"""
     slots = [g.acquire()]
-    _copy_in(g, inp, isz, flat.size, per, starts[0], slots[0])
+    fill(0, slots[0])
     s = g.signal()
-    for j, a in enumerate(starts):
+    for j in range(k):
         g.wait(s)
         if j:
-            _copy_out(g, raw, isz, flat.size, per, starts[j - 1], slots[j - 1])
-        m = min(per, flat.size - a)
-        lo, hi = _split(m, n, r)
-        srcs = [src[a + lo:a + hi] if p == r else g.area(slots[j], p, dt)[lo:hi] for p in range(n)]
-        _fold(ufunc, srcs, g.area(slots[j], n, dt)[lo:hi])
-        if j + 1 < len(starts):
+            drain(j - 1, slots[j - 1])
+        fold(j, slots[j])
+        if j + 1 < k:
             slots.append(g.acquire())
-            _copy_in(g, inp, isz, flat.size, per, starts[j + 1], slots[j + 1])
+            fill(j + 1, slots[j + 1])
         s = g.signal()
         if j:
             g.mark_free(slots[j - 1], s)
     g.wait(s)
-    _copy_out(g, raw, isz, flat.size, per, starts[-1], slots[-1])
+    drain(k - 1, slots[-1])
     g.done_after(slots[-1], s)
 
 
@@ -193,17 +214,20 @@ def _pair_fold(ufunc, r: int, own: np.ndarray, peer: np.ndarray, out: np.ndarray
 
 
 def allreduce_parts(g, srcs: list, outs: list, op: int, prescale: float = 1.0, postscale: float = 1.0) -> None:
-    """np=2: reduce the tensors ``srcs`` (1-D, contiguous, one dtype) into ``outs`` as one allreduce of
-    their concatenation, with no fusion buffer: the segment is it. Per chunk of the (virtual)
-    concatenation, the pieces of ``srcs`` in it are copied into our area (the packing is the copy-in)
-    and scaled by ``prescale``; once the peer's are there, each output piece is ``area0 op area1``
-    (rank 0's operand first: the bits of :func:`allreduce` on the packed buffer), then scaled by
-    ``postscale`` while still in cache (the unpacking is the fold). Two passes per element instead
-    of the fusion buffer's four or five.
+    """Reduce the tensors ``srcs`` (1-D, contiguous, one dtype) into ``outs`` as one allreduce of
+    their concatenation, with no fusion buffer: the segment is it. ``outs[i]`` is ``srcs[i]`` itself
+    (in place) or a fresh array. Each result has the bits of :func:`allreduce` on the packed buffer
+    (prescaled before, postscaled after), and takes its steps, so ranks may mix the two.
 
-    ``outs[i]`` is ``srcs[i]`` itself (in place) or a fresh array. The fold of chunk ``j`` writes
-    in-place tensors before later chunks are copied in, so when an in-place tensor shares memory
-    with another input (one array submitted twice), the call goes through a packed copy instead."""
+    np=2, per chunk of the (virtual) concatenation: the pieces of ``srcs`` in it are copied into our
+    area (the packing is the copy-in) and scaled by ``prescale``; once the peer's are there, each
+    output piece is ``area0 op area1`` (rank 0's operand first), then scaled by ``postscale`` while
+    still in cache (the unpacking is the fold). Two passes per element instead of the fusion
+    buffer's four or five. Larger groups (:func:`_parts_split`) run the split pipeline the same way.
+
+    The fold (or copy-out) of chunk ``j`` writes in-place tensors before later chunks are copied in, so
+    when an in-place tensor shares memory with another input (one array submitted twice) and there
+    is more than one chunk, the call goes through a packed copy instead."""
     ufunc = _ufunc(op)
     if len(srcs) != len(outs):
         raise HoraValueError(f"shared-memory allreduce: {len(srcs)} inputs but {len(outs)} outputs")
@@ -216,11 +240,20 @@ def allreduce_parts(g, srcs: list, outs: list, op: int, prescale: float = 1.0, p
     if total == 0:
         return
     per = g.chunk // dt.itemsize
-    if g.size != 2 or (total > per and _aliased(srcs, outs)):
+    n, r = g.size, g.rank
+    if n < 2 or (total > per and _aliased(srcs, outs)):
         _packed(g, srcs, outs, op, prescale, postscale)
         return
     plan = _plan(srcs, outs, total, per)
-    r = g.rank
+    # Our operand read from the input itself rather than from our copy of it in the area (the same
+    # numbers when nothing was prescaled): in place, the fold then writes over lines it has just read,
+    # instead of fetching the output's lines from memory first (measured: ~10-30% faster per call at np=2)
+    direct = prescale == 1.0 and not _aliased(srcs, outs)
+    if n > 2 and total * dt.itemsize > min(SMALL_BYTES, g.chunk):
+        _parts_split(g, plan, per, ufunc, dt, direct, prescale, postscale)
+        return
+    # np=2's pipeline, or (larger groups, one small chunk) allreduce's one step: every rank reduces it all
+    direct = direct and n == 2  # past two operands, _fold's output may not be one of them
 
     def fill(j: int, slot: int) -> None:
         m, ins, _ = plan[j]
@@ -231,24 +264,61 @@ def allreduce_parts(g, srcs: list, outs: list, op: int, prescale: float = 1.0, p
             np.concatenate(ins, out=mine)
         scale(mine, prescale)
 
-    # Our operand read from the input itself rather than from our copy of it in the area (the same
-    # numbers when nothing was prescaled): in place, the fold then writes over lines it has just read,
-    # instead of fetching the output's lines from memory first (measured: ~10-30% faster per call at np=2)
-    direct = prescale == 1.0 and not _aliased(srcs, outs)
-
     def fold(j: int, slot: int) -> None:
-        a0, a1 = g.area(slot, 0, dt), g.area(slot, 1, dt)
+        areas = [g.area(slot, p, dt) for p in range(n)]
         _, ins, folds = plan[j]
         for x, (o, a, b) in zip(ins, folds):
-            if not direct:
-                ufunc(a0[a:b], a1[a:b], out=o)
-            elif r == 0:
-                ufunc(x, a1[a:b], out=o)
-            else:
-                ufunc(a0[a:b], x, out=o)
+            _fold(ufunc, [x if direct and p == r else areas[p][a:b] for p in range(n)], o)
             scale(o, postscale)
 
-    _pair_steps(g, len(plan), fill, fold)
+    _pair_steps(g, len(plan), fill, fold)  # n > 2 here means one chunk: allreduce's one-step path
+
+
+def _parts_split(g, plan: list, per: int, ufunc, dt, direct: bool, prescale: float, postscale: float) -> None:
+    """Groups larger than 2: :func:`allreduce`'s split pipeline on the tensors. The fill copies the
+    pieces in the chunk straight into our area (but our own slice, unless prescaled: then all of it,
+    scaled, and the fold reads it there); the fold reduces our slice piece by piece into the result
+    area; the drain copies each output piece straight out of the result area and postscales it while
+    it is in cache. Three passes per element (a third of one for the fold) where the fusion buffer
+    took five or six (pack, copy in, fold, copy out, unpack, and the Average's scaling)."""
+    n, r = g.size, g.rank
+
+    def fill(j: int, slot: int) -> None:
+        m, ins, folds = plan[j]
+        mine = g.area(slot, r, dt)
+        if not direct:
+            if len(ins) == 1:
+                mine[:m] = ins[0]
+            else:
+                np.concatenate(ins, out=mine[:m])
+            scale(mine[:m], prescale)
+            return
+        lo, hi = _split(m, n, r)
+        for x, (_, a, b) in zip(ins, folds):
+            if a < lo:
+                e = min(b, lo)
+                mine[a:e] = x[:e - a]
+            if b > hi:
+                u = max(a, hi)
+                mine[u:b] = x[u - a:]
+
+    def fold(j: int, slot: int) -> None:
+        m, ins, folds = plan[j]
+        lo, hi = _split(m, n, r)
+        areas = [g.area(slot, p, dt) for p in range(n)]
+        res = g.area(slot, n, dt)
+        for x, (_, a, b) in zip(ins, folds):
+            u, v = max(a, lo), min(b, hi)
+            if u < v:
+                _fold(ufunc, [x[u - a:v - a] if direct and p == r else areas[p][u:v] for p in range(n)], res[u:v])
+
+    def drain(j: int, slot: int) -> None:
+        res = g.area(slot, n, dt)
+        for o, a, b in plan[j][2]:
+            o[...] = res[a:b]
+            scale(o, postscale)
+
+    _split_steps(g, len(plan), fill, fold, drain)
 
 
 def _plan(srcs: list, outs: list, total: int, per: int) -> list:
@@ -439,8 +509,6 @@ class ShmCollectives(NativeOps):
 
     def __init__(self, group):
         self._group = group
-        if group.size != 2:  # larger groups: the executor packs a fusion buffer (allreduce_parts is np=2's)
-            self.native_allreduce_parts = None
 
     def _run(self, fn, *args) -> None:
         g = self._group

@@ -17,8 +17,8 @@ from hora.core import messages as m
 from hora.core.handles import Handle
 from hora.transport.base import SubCommunicator
 
-# A fused allreduce goes to the transport's ``native_allreduce_parts`` where it has one (shared memory
-# at np=2: the tensors are copied straight into the segment and reduced straight into the outputs, no
+# A fused allreduce goes to the transport's ``native_allreduce_parts`` where it has one (shared memory:
+# the tensors are copied straight into the segment and the results straight into the outputs, no
 # fusion buffer); False packs the fusion buffer always (tests and benchmarks compare the two)
 PARTS = True
 
