@@ -4,10 +4,11 @@ Pure logic, no I/O (the engine feeds it messages and sends what it returns), so 
 read in one place: a tensor is ready when every rank of its process set has submitted it (joined
 ranks excepted: they contribute the op's neutral element to allreduces, zeros for Sum and Average);
 the submissions must agree on everything but the data (else every rank gets the same error naming
-the ranks and both values); grouped tensors wait for their whole group; ready allreduces with the
-same dtype, op, scaling and process set are fused up to the threshold; and signatures seen before
-get a bit in the response cache so that in steady state ranks send small integers instead of
-descriptions.
+the ranks and both values); grouped tensors wait for their whole group (a group whose number of
+tensors differs between ranks fails on every rank at once, since its members' names would never
+meet); ready allreduces with the same dtype, op, scaling and process set are fused up to the
+threshold; and signatures seen before get a bit in the response cache so that in steady state ranks
+send small integers instead of descriptions.
 """
 
 from __future__ import annotations
@@ -86,10 +87,13 @@ class _Failed:
     refused: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> why it refused its input
 
     def text(self) -> str:
-        said = []
-        for i, r in enumerate(sorted(self.counts)):
-            forms = " and ".join(f"a single {self.kind} (not grouped)" if n == 0 else
-                                 f"{n} tensor(s)" if i == 0 else str(n) for n in self.counts[r])
+        said, unit = [], " tensor(s)"  # the unit after the first count only: "1 tensor(s), rank 1 submitted 2"
+        for r in sorted(self.counts):
+            counts = []
+            for n in self.counts[r]:
+                counts.append(f"a single {self.kind} (not grouped)" if n == 0 else f"{n}{unit}")
+                unit = unit if n == 0 else ""
+            forms = " and ".join(counts)
             said.append(f"rank {r} submitted {forms}" + (f" (refused at submission: {self.refused[r]})"
                                                          if r in self.refused else ""))
         unnamed = " (an unnamed group: unnamed ops are matched by their order on each rank)" \
