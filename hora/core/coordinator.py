@@ -241,20 +241,26 @@ class Coordinator:
         match them: a hang until the stall shutdown. The check is eager: a rank that has two groups of one
         name and different sizes in flight at once, in another order than its peers, is taken for a
         mismatch too (one name, one group at a time)."""
-        ps = req.ps
-        g, n = req.group if req.group is not None else _plain_form(req.name)
+        ps, group = req.ps, req.group
+        g, n = group if group is not None else _plain_form(req.name)
         gk = (ps, g)
-        failed = self._failed.get(gk)
-        if failed is not None and self._late(failed, gk, rank, n, req):
-            return True
+        if self._failed:
+            failed = self._failed.get(gk)
+            if failed is not None and self._late(failed, gk, rank, n, req):
+                return True
         forms = self._forms.get(gk)
-        if req.group is not None:
+        if group is not None:
             if forms is None:
                 forms = self._forms[gk] = {}
-            seen = forms.setdefault(n, {})
-            k = seen[rank] = seen.get(rank, 0) + 1
-            # a rank's part is checked at its first member; all ranks alike and no single op: no clash
-            if k > 1 or len(forms) == 1 and (ps, _plain_name(g)) not in self.table:
+            seen = forms.get(n)
+            if seen is None:
+                seen = forms[n] = {}
+            k = seen.get(rank)
+            if k is not None:  # a rank's part is checked at its first member only
+                seen[rank] = k + 1
+                return False
+            seen[rank] = 1
+            if len(forms) == 1 and (ps, _plain_name(g)) not in self.table:  # all alike, no single op
                 return False
         elif forms is None:
             return False
