@@ -144,6 +144,136 @@ def test_a_mismatch_in_a_group_releases_the_other_members():
     assert sorted(n for r in out for n in r.names) == ["g.0", "g.1", "g.2"], out
 
 
+def _part(c, rank, group, n, ps=0, make=None):
+    """Rank ``rank``'s part of group ``group`` of ``n`` tensors, named as hora.core.ops names them."""
+    names = [group] if n == 1 else [f"{group}.{i}" for i in range(n)]
+    for nm in names:
+        c.submit(rank, (make or req)(nm, group=(group, n), ps=ps))
+
+
+def _clean(c):
+    return not (c.table or c._forms or c._failed or c._groups)
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_a_group_whose_size_differs_between_ranks_fails_whole_on_every_rank_at_once(first):
+    c = coord(2)
+    counts = {0: 1, 1: 2}
+    for r in (first, 1 - first):
+        _part(c, r, "compress.p", counts[r])
+    out, _ = take(c)
+    assert sorted(n for r in out for n in r.names) == ["compress.p", "compress.p.0", "compress.p.1"], out
+    assert {r.kind for r in out} == {"error"} and {r.error.cls for r in out} == {MismatchError}
+    assert {r.error.text for r in out} == {"grouped allreduce 'compress.p': rank 0 submitted 1 tensor(s), rank 1 "
+                                           "submitted 2; every rank must pass the same number of tensors"}
+    assert _clean(c)
+    submit_all(c, req("next"))  # the next collective, and the next step's group of one size, run
+    _part(c, 0, "compress.p", 2)
+    _part(c, 1, "compress.p", 2)
+    out, _ = take(c)
+    assert [(r.kind, r.names) for r in out] == [(m.ALLREDUCE, ("next", "compress.p.0", "compress.p.1"))]
+    assert _clean(c)
+
+
+def test_sizes_that_share_member_names_fail_each_name_once():
+    c = coord(2)
+    _part(c, 0, "g", 2)
+    _part(c, 1, "g", 3)  # g.0 and g.1 are names of both parts
+    out, _ = take(c)
+    assert sorted(n for r in out for n in r.names) == ["g.0", "g.1", "g.2"], out
+    assert "rank 0 submitted 2 tensor(s), rank 1 submitted 3" in out[0].error.text
+    assert _clean(c)
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1), (0, 2, 1)])
+def test_at_np3_a_rank_that_reaches_the_failed_group_late_fails_too(order):
+    c = coord(3)
+    counts = {0: 2, 1: 1, 2: 2}
+    texts = {}
+    for r in order:
+        _part(c, r, "g", counts[r])
+        for resp in take(c)[0]:
+            assert resp.kind == "error", resp
+            texts.setdefault(r, set()).add(resp.error.text)
+    late = order[-1]  # its part comes after the mismatch: it fails as it arrives
+    assert texts[late] == {"grouped allreduce 'g': rank 0 submitted 2 tensor(s), rank 1 submitted 1, rank 2 "
+                           "submitted 2; every rank must pass the same number of tensors"}, texts
+    assert _clean(c)
+    submit_all(c, req("after"))
+    assert [r.names for r in take(c)[0]] == [("after",)]
+
+
+def test_unnamed_groups_of_different_sizes():
+    c = coord(2)
+    _part(c, 0, "group.noname.3", 1)
+    _part(c, 1, "group.noname.3", 3)
+    out, _ = take(c)
+    assert sorted(n for r in out for n in r.names) == ["group.noname.3"] + [f"group.noname.3.{i}" for i in range(3)]
+    assert out[0].error.text.startswith("grouped allreduce 'group.noname.3' (an unnamed group"), out[0].error
+    assert _clean(c)
+
+
+@pytest.mark.parametrize("name,group", [("p", "p"), ("noname.4", "group.noname.4")])
+@pytest.mark.parametrize("single_first", [True, False])
+def test_a_single_op_where_a_peer_runs_a_group_of_two(name, group, single_first):
+    c = coord(2)
+    steps = [lambda: c.submit(0, req(name)), lambda: _part(c, 1, group, 2)]
+    for step in steps if single_first else steps[::-1]:
+        step()
+    out, _ = take(c)
+    assert sorted(n for r in out for n in r.names) == sorted([name, f"{group}.0", f"{group}.1"]), out
+    expect = "1 tensor(s)" if name == "p" else "a single allreduce (not grouped)"
+    assert f"rank 0 submitted {expect}, rank 1 submitted 2" in out[0].error.text, out[0].error
+    assert _clean(c)
+
+
+def test_a_named_single_op_matches_a_group_of_one():
+    c = coord(2)
+    c.submit(0, req("p"))
+    _part(c, 1, "p", 1)
+    assert [(r.kind, r.names) for r in take(c)[0]] == [(m.ALLREDUCE, ("p",))]
+    assert _clean(c)
+
+
+def test_groups_of_one_name_on_different_process_sets_do_not_clash():
+    c = coord(2)
+    c.process_sets[1] = (0, 1)
+    _part(c, 0, "g", 2, ps=0)
+    _part(c, 1, "g", 1, ps=1)
+    assert take(c)[0] == []
+    _part(c, 1, "g", 2, ps=0)
+    _part(c, 0, "g", 3, ps=1)
+    out, _ = take(c)
+    assert [(r.ps, r.kind, r.names) for r in out if r.kind != "error"] == [(0, m.ALLREDUCE, ("g.0", "g.1"))]
+    assert sorted(n for r in out if r.kind == "error" for n in r.names) == ["g", "g.0", "g.1", "g.2"]
+    assert {r.ps for r in out if r.kind == "error"} == {1} and _clean(c)
+
+
+def test_a_rank_that_refused_its_group_is_named_with_its_reason():
+    c = coord(2)
+    c.submit(0, m.Refusal("p", m.ALLREDUCE, "HoraValueError: expected a list", group=("p", 1)))
+    _part(c, 1, "p", 2)
+    out, _ = take(c)
+    assert "rank 0 submitted 1 tensor(s) (refused at submission: HoraValueError: expected a list), rank 1 " \
+           "submitted 2" in out[0].error.text, out[0].error
+    assert _clean(c)
+
+
+def test_cached_group_members_of_a_changed_size_fail_too():
+    c = coord(2)
+    for _ in range(2):
+        _part(c, 0, "g", 2)
+        _part(c, 1, "g", 2)
+        assert [r.names for r in take(c)[0]] == [("g.0", "g.1")]
+    bits = {q.name: b for q, b in c.cache.bit_of.items()}
+    c.submit_bit(0, bits["g.0"])  # rank 0 sends its cached part, rank 1 a new size
+    c.submit_bit(0, bits["g.1"])
+    _part(c, 1, "g", 3)
+    out, _ = take(c)
+    assert sorted(n for r in out for n in r.names) == ["g.0", "g.1", "g.2"] and {r.kind for r in out} == {"error"}
+    assert _clean(c)
+
+
 # --- fusion ------------------------------------------------------------------------------------------
 
 def test_fusion_by_dtype_op_scaling_and_process_set():

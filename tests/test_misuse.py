@@ -307,3 +307,56 @@ def _refuse_in_a_loop(hvd, times):
 def test_a_name_refused_again_while_in_flight_still_reaches_the_peers(n):
     out = run_hora(n, _refuse_in_a_loop, 3, env=INLINE, timeout=30)
     assert out == [["refused"] * 3] + [["mismatch"] * 3] * (n - 1)
+
+
+# --- a grouped op whose number of tensors differs between ranks ------------------------------------
+
+def _group_sizes_differ(hvd, case):
+    """Rank 1 passes one tensor, the others two: every rank raises at once (the stall warning is set far
+    beyond the run's timeout, so only the coordinator's check can end the wait), naming the group and the
+    counts, and the engine goes on: an unnamed allreduce and a group of one size after it run."""
+    import re
+
+    from hora.base.errors import HoraValueError
+    from hora.core.compressors import PowerSGD
+
+    r, n = hvd.rank(), hvd.size()
+    count = 1 if r == 1 else 2
+    x = np.ones(2 * n, np.float32)
+    calls = {
+        "named": lambda: hvd.grouped_allreduce([x] * count, op=hvd.Sum, name="g"),
+        "unnamed": lambda: hvd.grouped_allreduce([x] * count, op=hvd.Sum),
+        "async": lambda: hvd.synchronize(hvd.grouped_allreduce_async([x] * count, name="g")),
+        "allgather": lambda: hvd.grouped_allgather([x] * count, name="g"),
+        "reducescatter": lambda: hvd.grouped_reducescatter([x] * count, op=hvd.Sum, name="g"),
+        # a single allreduce where the others run a group of two under its name
+        "single": lambda: hvd.allreduce(x, name="g") if r == 1 else hvd.grouped_allreduce([x, x], name="g"),
+        "powersgd": lambda: PowerSGD(rank=2).reduce(["a", "b"][:count], [np.ones((40, 30))] * count),
+        # rank 1 passes an array, not a list: refused there, and told to the others as a group of one
+        "refused": lambda: hvd.grouped_allreduce(x if r == 1 else [x, x], name="g"),
+    }
+    refused = case == "refused" and r == 1
+    expected = HoraValueError if case == "powersgd" or refused else hvd.MismatchError
+    with pytest.raises(expected) as info:
+        calls[case]()
+    text = str(info.value)
+    if refused:
+        assert "expected a list of arrays" in text, text
+    else:
+        assert re.search(r"grouped \w+ '(g|compress\.p|group\.noname\.\d+)'", text), text
+        assert re.search(r"rank 1 submitted 1\b", text) and "every rank must pass the same number of tensors" in text
+        assert case != "refused" or "(refused at submission: HoraValueError: grouped_allreduce: expected" in text, text
+    assert hvd.allreduce(np.full(3, r, np.float32), op=hvd.Sum).tolist() == [sum(range(n))] * 3
+    out = hvd.grouped_allreduce([np.full(2, r, np.int64)] * 2, op=hvd.Sum, name="g")
+    assert [o.tolist() for o in out] == [[sum(range(n))] * 2] * 2
+    return type(info.value).__name__
+
+
+@pytest.mark.timeout(60)
+@SIZES
+@pytest.mark.parametrize("case", ["named", "unnamed", "async", "allgather", "reducescatter", "single", "powersgd",
+                                  "refused"])
+def test_a_group_whose_size_differs_between_ranks_fails_every_rank_at_once(n, case):
+    env = {**INLINE, "HORA_STALL_CHECK_TIME_SECONDS": "600"}
+    out = run_hora(n, _group_sizes_differ, case, env=env, timeout=30)
+    assert len(set(out[:1] + out[2:])) == 1 and out[1] == ("HoraValueError" if case == "refused" else out[0]), out

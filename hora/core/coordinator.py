@@ -4,10 +4,11 @@ Pure logic, no I/O (the engine feeds it messages and sends what it returns), so 
 read in one place: a tensor is ready when every rank of its process set has submitted it (joined
 ranks excepted: they contribute the op's neutral element to allreduces, zeros for Sum and Average);
 the submissions must agree on everything but the data (else every rank gets the same error naming
-the ranks and both values); grouped tensors wait for their whole group; ready allreduces with the
-same dtype, op, scaling and process set are fused up to the threshold; and signatures seen before
-get a bit in the response cache so that in steady state ranks send small integers instead of
-descriptions.
+the ranks and both values); grouped tensors wait for their whole group (a group whose number of
+tensors differs between ranks fails on every rank at once, since its members' names would never
+meet); ready allreduces with the same dtype, op, scaling and process set are fused up to the
+threshold; and signatures seen before get a bit in the response cache so that in steady state ranks
+send small integers instead of descriptions.
 """
 
 from __future__ import annotations
@@ -48,6 +49,57 @@ def _show(field: str, value) -> str:
     if field in ("shape", "ranks"):
         return str(tuple(value))
     return repr(value) if isinstance(value, str) else str(value)
+
+
+_AUTO = ("noname.", "group.noname.")  # automatic names' prefixes (hora.core.ops): an unnamed op's, an unnamed group's
+
+
+def _plain_form(name: str) -> tuple[str, int]:
+    """(group name, form) of a single, ungrouped op named ``name``: where it stands in for a group, the
+    group it stands for. A named op is a group of one (the member of group ``g`` of one is named ``g``:
+    the two match). An unnamed op takes the automatic name ``noname.N`` that an unnamed group in its place
+    takes as ``group.noname.N``; they never match, so a single op is a form of its own there (0: no
+    group has 0 members, since a group of none submits nothing)."""
+    return ("group." + name, 0) if name.startswith("noname.") else (name, 1)
+
+
+def _members(group: str, form: int) -> list[str]:
+    """The names of a rank's part in group ``group`` of form ``form`` (hora.core.ops._group_name)."""
+    return [_plain_name(group)] if form == 0 else [group] if form == 1 else [f"{group}.{i}" for i in range(form)]
+
+
+def _plain_name(group: str) -> str:
+    """The name a single op in group ``group``'s place takes (the inverse of :func:`_plain_form`)."""
+    return group[6:] if group.startswith("group.noname.") else group
+
+
+@dataclasses.dataclass
+class _Failed:
+    """A group that ranks submitted with different numbers of members, failed: who sent what (for the
+    text), and the members still to come, which fail on arrival (a rank's members arrive one by one, and
+    a rank of the set may not have reached the group yet). Forgotten once every rank's part is in."""
+
+    kind: str
+    group: str
+    counts: dict[int, list[int]]  # rank -> the forms it submitted: member counts, 0 for a single op
+    left: dict[tuple[int, int], int]  # (rank, form) -> members of it not yet submitted
+    waiting: set[int]  # ranks of the set that have not submitted their part yet
+    refused: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> why it refused its input
+
+    def text(self) -> str:
+        said, unit = [], " tensor(s)"  # the unit after the first count only: "1 tensor(s), rank 1 submitted 2"
+        for r in sorted(self.counts):
+            counts = []
+            for n in self.counts[r]:
+                counts.append(f"a single {self.kind} (not grouped)" if n == 0 else f"{n}{unit}")
+                unit = unit if n == 0 else ""
+            forms = " and ".join(counts)
+            said.append(f"rank {r} submitted {forms}" + (f" (refused at submission: {self.refused[r]})"
+                                                         if r in self.refused else ""))
+        unnamed = " (an unnamed group: unnamed ops are matched by their order on each rank)" \
+            if self.group.startswith("group.noname.") else ""
+        return (f"grouped {self.kind} '{self.group}'{unnamed}: " + ", ".join(said)
+                + "; every rank must pass the same number of tensors")
 
 
 @dataclasses.dataclass
@@ -114,6 +166,9 @@ class Coordinator:
         self.additions: list[tuple[int, Request]] = []  # cache bits assigned since last take()
         self.evictions: list[tuple[int, int]] = []  # (bit, process set) evicted since last take()
         self._groups: dict[tuple, list[Response]] = {}
+        # groups in flight by (process set, group name): member count -> {rank: members submitted}
+        self._forms: dict[tuple[int, str], dict[int, dict[int, int]]] = {}
+        self._failed: dict[tuple[int, str], _Failed] = {}  # groups of differing sizes, failed (_fail_group)
         self.joined: list[int] = []
 
     # -- input ---------------------------------------------------------------------------------
@@ -124,6 +179,8 @@ class Coordinator:
             self._recheck()
             return
         key = (req.ps, req.name)
+        if (req.group is not None or self._forms or self._failed) and self._sized(rank, req):
+            return
         entry = self.table.get(key)
         if entry is None:
             entry = self.table[key] = Entry({}, time.monotonic())
@@ -158,6 +215,8 @@ class Coordinator:
         del self.table[key]
         resp = self._respond(key, entry)
         group = next(iter(entry.requests.values())).group
+        if group is None and self._forms:  # a named single op matches a group of one (_plain_form)
+            group = next((q.group for q in entry.requests.values() if q.group is not None), None)
         if group is None:
             self.ready.append(resp)
             return
@@ -167,6 +226,123 @@ class Coordinator:
         if len(members) == group[1]:
             del self._groups[(key[0],) + tuple(group)]
             self.ready.extend(members)
+            forms = self._forms.get((key[0], group[0]))
+            if forms is not None:
+                forms.pop(group[1], None)
+                if not forms:
+                    del self._forms[(key[0], group[0])]
+
+    # -- groups of differing sizes ---------------------------------------------------------------
+    def _sized(self, rank: int, req: Request) -> bool:
+        """Check ``req`` (a group's member, or a single op while groups are in flight) against the group
+        sizes the other ranks submitted under its group's name; True if it was failed here, as one member
+        of a group whose size differs between ranks (or of such a group failed before). Without this, the
+        members' names differ between the ranks (``g`` against ``g.0``, ``g.1``) and nothing would ever
+        match them: a hang until the stall shutdown. The check is eager: a rank that has two groups of one
+        name and different sizes in flight at once, in another order than its peers, is taken for a
+        mismatch too (one name, one group at a time)."""
+        ps, group = req.ps, req.group
+        g, n = group if group is not None else _plain_form(req.name)
+        gk = (ps, g)
+        if self._failed:
+            failed = self._failed.get(gk)
+            if failed is not None and self._late(failed, gk, rank, n, req):
+                return True
+        forms = self._forms.get(gk)
+        if group is not None:
+            if forms is None:
+                forms = self._forms[gk] = {}
+            seen = forms.get(n)
+            if seen is None:
+                seen = forms[n] = {}
+            k = seen.get(rank)
+            if k is not None:  # a rank's part is checked at its first member only
+                seen[rank] = k + 1
+                return False
+            seen[rank] = 1
+            if len(forms) == 1 and (ps, _plain_name(g)) not in self.table:  # all alike, no single op
+                return False
+        elif forms is None:
+            return False
+        have = self._have(ps, g, forms)
+        if all(n in f for r, f in have.items() if r != rank):
+            return False
+        if req.group is None:
+            have.setdefault(rank, []).append(n)
+        self._fail_group(gk, rank, req, have)
+        return True
+
+    def _have(self, ps: int, g: str, forms: dict[int, dict[int, int]]) -> dict[int, list[int]]:
+        """rank -> the forms (:func:`_plain_form`) in flight under group name ``g``: the groups' sizes,
+        and a single op of the name that stands for the group, waiting in the table."""
+        have: dict[int, list[int]] = {}
+        for n, seen in forms.items():
+            for r in seen:
+                have.setdefault(r, []).append(n)
+        entry = self.table.get((ps, _plain_name(g)))
+        if entry is not None:
+            form = _plain_form(_plain_name(g))[1]
+            for r, q in entry.requests.items():
+                if q.group is None:
+                    have.setdefault(r, []).append(form)
+        return have
+
+    def _fail_group(self, gk: tuple[int, str], rank: int, req: Request, have: dict[int, list[int]]) -> None:
+        """Fail group ``gk`` on every rank at once, ``req`` (from ``rank``) having shown that the ranks'
+        sizes differ: one error for each name that any rank's part has (the names follow from the group's
+        name and size, and a rank's members all reach its engine together, so its handles are all there to
+        fail), and the members still to come remembered, to be dropped as they arrive (:meth:`_late`)."""
+        ps, g = gk
+        forms = self._forms.pop(gk, {})
+        left = {(r, n): n - k for n, seen in forms.items() for r, k in seen.items() if k < n}
+        failed = _Failed(req.kind, g, have, left, self._required(ps) - set(have))
+        names = [nm for n in dict.fromkeys(n for f in have.values() for n in f) for nm in _members(g, n)]
+        plain = _plain_name(g)
+        for (kps, name), entry in self.table.items():  # the members waiting (and why a rank refused its own)
+            if kps == ps and any(q.group[0] == g if q.group is not None else name == plain
+                                 for q in entry.requests.values()):
+                names.append(name)
+                failed.refused.update((r, q.reason) for r, q in entry.requests.items() if type(q) is Refusal)
+        if type(req) is Refusal:
+            failed.refused[rank] = req.reason
+        for n in forms:  # the members negotiated already, held for the rest of their group
+            names += [nm for resp in self._groups.pop((ps, g, n), []) for nm in resp.names]
+        text = failed.text()
+        for name in dict.fromkeys(names):
+            self._fail_name(ps, name, text)
+        if failed.left or failed.waiting:
+            self._failed[gk] = failed
+
+    def _late(self, failed: _Failed, gk: tuple[int, str], rank: int, n: int, req: Request) -> bool:
+        """True if ``req`` belongs to failed group ``gk``, and then it is dropped: a member of a rank's part
+        whose error has gone out, or the first of a part not seen before (a rank that reached the group
+        late), whose members all fail now. A rank whose part is all in starts afresh (its next step)."""
+        left = failed.left.get((rank, n), 0)
+        if left > 1:
+            failed.left[(rank, n)] = left - 1
+        elif left == 1:
+            del failed.left[(rank, n)]
+        elif rank in failed.waiting:
+            failed.waiting.discard(rank)
+            failed.counts[rank] = [n]
+            if n > 1:
+                failed.left[(rank, n)] = n - 1
+            if type(req) is Refusal:
+                failed.refused[rank] = req.reason
+            text = failed.text()
+            for name in _members(gk[1], n):
+                self._fail_name(gk[0], name, text)
+        else:
+            return False
+        if not failed.left and not failed.waiting:
+            del self._failed[gk]
+        return True
+
+    def _fail_name(self, ps: int, name: str, text: str) -> None:
+        """An error for ``name`` on every rank of set ``ps`` (each fails its handle of that name, if it
+        has one), and the name's requests forgotten, so that no rank is left waiting under it."""
+        self.table.pop((ps, name), None)
+        self.ready.append(error(ps, name, MismatchError, text))
 
     # -- validation ----------------------------------------------------------------------------
     def _respond(self, key: tuple[int, str], entry: Entry) -> Response:
@@ -227,9 +403,10 @@ class Coordinator:
 
     def _cache(self, req: Request) -> None:
         """Give ``req`` a bit (evicting the least recently used entry when full). Auto-named ops
-        (``noname.N``) are never seen twice, so they are not cached at all."""
+        (``noname.N``, an unnamed group's ``group.noname.N[.i]``) are never seen twice, so they are not
+        cached at all."""
         cache = self.cache
-        if not req.cacheable or cache.capacity == 0 or not self.cache_on or req.name.startswith("noname."):
+        if not req.cacheable or cache.capacity == 0 or not self.cache_on or req.name.startswith(_AUTO):
             return
         if req in cache.bit_of:
             cache.touch(req)

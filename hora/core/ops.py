@@ -168,7 +168,7 @@ def refused_group(kind: str, err: Exception, n: int, name: str | None = None,
     except HoraError:
         return
     for i in range(n):
-        refused(kind, err, taken[i] if i < len(taken) else _group_name(name, i, n), process_set, gid)
+        refused(kind, err, taken[i] if i < len(taken) else _group_name(gid[0], i, n), process_set, gid)
 
 
 def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False, finish=None,
@@ -321,8 +321,12 @@ def _group_id(name, ps: int, n: int) -> tuple:
     return (str(name) if name is not None else f"group.{_auto_name(None, ps)}", n)
 
 
-def _group_name(name, i, n):
-    return None if name is None else f"{name}.{i}" if n > 1 else str(name)
+def _group_name(group: str, i: int, n: int) -> str:
+    """Member ``i``'s name in group ``group`` of ``n``: the group's name for a group of one. An unnamed
+    group's members are named from its one automatic name too, so that a group takes one number of the
+    automatic sequence whatever its size, and ranks whose groups differ in size (an error every rank
+    hears) still agree on the names of the ops that follow."""
+    return f"{group}.{i}" if n > 1 else group
 
 
 # -- allreduce -----------------------------------------------------------------------------------
@@ -384,7 +388,7 @@ def _grouped(kind: str, arrays, name, flush, process_set, inplace=False, reduce:
         if reduce is not None:
             fields.update(_reduce_fields(*reduce))
         for i, a in enumerate(arrays):
-            pends.append(_prepare(st, kind, a, _group_name(name, i, len(arrays)), process_set, inplace, flush,
+            pends.append(_prepare(st, kind, a, _group_name(gid[0], i, len(arrays)), process_set, inplace, flush,
                                   group=gid, **fields))
     except BaseException as e:  # the members made so far never reach the caller: their handles go
         st.engine.handles.discard(*(p.handle.id for p in pends))
