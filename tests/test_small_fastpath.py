@@ -158,5 +158,5 @@ def test_reinit_cycles():
 def test_sigkill_of_the_peer_is_named():
     """Both ranks loop on one cached 4 KiB allreduce (the mailbox's case); rank 1 is killed."""
     reports = kill_mid_allreduce(2, 1, 4096, env=ON, transport="ShmCommunicator", in_place=True)
-    assert reports[0]["maps_after_shutdown"] == 0, "rank 0 still maps the segment"
+    assert reports[0]["maps_after_shutdown"] == 0, f"rank 0 still maps the segment: {reports}"
     assert "PeerLostError" in reports[0]["error"]["types"], reports[0]["error"]

@@ -349,10 +349,10 @@ class Engine:
         return None if not waits else max(0.0, min(waits))
 
     def _cycle(self, block: bool = True) -> None:
-        timeout = self._timeout() if block else 0.0
         driving = self.baton.holder is CALLER
         subs = self.subs
         if not self._inbox and not subs.due(driving):
+            timeout = self._timeout() if block else 0.0  # (only when it waits: it costs a few us on rank 0)
             if self.size > 1:
                 got = self._spin() if block and driving and (timeout is None or timeout > _SPIN_S) else []
                 if not got and not subs.pending and not subs.stopping:

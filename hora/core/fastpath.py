@@ -16,7 +16,7 @@ joined ranks waiting at rank 0. Everything else takes the normal path.
 How: the rank posts (the bit, its input) and looks for the peer's post of the same bit; the
 mailbox's protocol makes both ranks complete through it or both negotiate the call. On a match each
 rank reduces the two inputs in rank order itself, with the inline path's numerics
-(:func:`hora.core.inline.reduce`), so both get the same bits, and the same bits as the inline path.
+(those of :func:`hora.core.inline.reduce`), so both get the same bits, and the same bits as the inline path.
 A mismatch (another tensor, another shape or dtype under the name: another bit or none), a peer
 that posts nothing within the spin (it runs something else, it died), new work or a control message
 during the look: negotiation, which reports mismatches and lost ranks as ever.
@@ -24,14 +24,18 @@ during the look: negotiation, which reports mismatches and lost ranks as ever.
 
 from __future__ import annotations
 
-from hora.collectives.reduce import Adasum
-from hora.core import inline
+import time
+
+import numpy as np
+
+from hora.collectives.reduce import _UFUNC, Adasum, Average, scale
 from hora.core import messages as m
-from hora.core.execute import Pending, dtype_of
+from hora.core.execute import Pending
 from hora.core.interrupts import GATE
 from hora.transport import mailbox
 
 _RANKS = (0, 1)
+_POLL_S = 50e-6  # how often a rank looking for the peer's post reads its control connections
 
 
 def create(engine, comm, cfg: dict):
@@ -48,6 +52,7 @@ class FastPath:
 
     def __init__(self, engine, group, limit: int):
         self.engine, self.group, self.limit = engine, group, limit
+        self._next_poll = 0.0
 
     def _idle(self) -> bool:
         """Nothing but the one request in flight on this rank (its coordinator's work included)."""
@@ -72,35 +77,67 @@ class FastPath:
         g = self.group
         if bit is None or g.closed or g.mailbox is None:
             return False
+        out = None
         g.begin()
         try:
             peer = g.mailbox.exchange(bit, a, self._stop, e.stats.tensors)
-            if peer is None:
-                return False
-            try:
-                resp = m.Response(m.ALLREDUCE, 0, (req.name,), op=req.op, dtype=req.dtype, shapes=(req.shape,),
-                                  root=req.root, pre=req.pre, post=req.post)
-                theirs = peer.view(dtype_of(req.dtype))
-                me = e.rank
-                out = inline.reduce(resp, _RANKS, lambda r, _n: a if r == me else theirs)
-            finally:
-                g.mailbox.done()
+            if peer is not None:
+                try:
+                    out = _reduce(req, p, peer.view(a.dtype), e.rank)
+                finally:
+                    g.mailbox.done()
+                    peer = None
         finally:
             g.end()
+        if out is None:
+            return False
         if e.coord is not None:
             cache.touch(req)  # the coordinator's LRU order, as a negotiated hit keeps it
         e.subs.local.pop((0, req.name), None)
-        e.stats.tensors_mailbox += 1
-        e.executor.inline_result(m.with_data(resp, out), [p])
+        st = e.stats
+        st.collectives += 1
+        st.tensors += 1
+        st.tensors_inline += 1  # (an inline allreduce whose inputs met in the mailbox)
+        st.tensors_mailbox += 1
+        p.handle.complete(out)
         return True
 
     def _stop(self) -> bool:
-        """Give up looking for the peer's post: other work came (a submission, a control message, a signal)."""
+        """Give up looking for the peer's post: other work came (a submission, a control message, a signal).
+        The control connections are looked at every ``_POLL_S`` only (a system call), and not read: the
+        cycle that falls back reads them (an error raised here would keep the look's frames, holding
+        views of the segment, alive in its traceback)."""
         e = self.engine
         if e.subs.pending or e.subs.stopping or (e._window is not None and GATE.pending):
             return True
-        got = e.control.poll()
-        if got:
-            e._inbox += got  # handled by this cycle, once it falls back (or by the next)
+        now = time.perf_counter()
+        if now < self._next_poll:
+            return False
+        self._next_poll = now + _POLL_S
+        try:
+            return bool(e._ep_ctrl.poll(0))
+        except (OSError, ValueError):  # closed by a shutdown meanwhile
             return True
-        return False
+
+
+def _reduce(req: m.Request, p: Pending, theirs: np.ndarray, me: int) -> np.ndarray:
+    """The result of ``p`` from both inputs, with :func:`hora.core.inline.reduce`'s numerics (each input
+    prescaled in its dtype, rank 0's (op) rank 1's, then postscaled, ``1/2`` folded in for Average), so the
+    same bits on both ranks and as the inline path; written into ``p``'s array when in place."""
+    mine = p.array.reshape(-1)
+    first, second = (mine, theirs) if me == 0 else (theirs, mine)
+    combine = _UFUNC[req.op]  # elementwise: ``out`` may be either input
+    if req.pre == 1.0:
+        out = mine if p.inplace else np.empty_like(mine)
+        combine(first, second, out=out)
+    else:
+        out = np.array(first)
+        scale(out, req.pre)
+        x = np.array(second)
+        scale(x, req.pre)
+        combine(out, x, out=out)
+    scale(out, req.post * (0.5 if req.op == Average else 1.0))
+    if p.inplace and out is not mine:
+        mine[:] = out
+        out = mine
+    return p.array if p.inplace else out.reshape(p.array.shape)
