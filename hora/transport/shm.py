@@ -9,9 +9,10 @@ leave one behind: the kernel frees it when the last rank unmaps it.
 
 Layout: a header with one cache line per rank (progress counter, state, pid), a small metadata
 block per rank, then ``SLOTS`` slots of ``size + 1`` areas of ``chunk`` bytes (one area per rank,
-plus a result area). The algorithms live a layer up, in :mod:`hora.collectives.shm_ops`, which also
-turns a group into native collectives; this module hands out the groups (:class:`ShmCommunicator`'s
-``group`` and ``open_group``).
+plus a result area), and for a pair of ranks the small-allreduce mailbox (:mod:`hora.transport.mailbox`).
+The algorithms live a layer up, in :mod:`hora.collectives.shm_ops`, which also turns a group into
+native collectives; this module hands out the groups (:class:`ShmCommunicator`'s ``group`` and
+``open_group``).
 
 Synchronisation: each rank's *progress* is a 32-bit counter that it alone writes, bumped once per
 step; every rank takes the same steps, so "rank p has done step s" is ``progress[p] >= s``. A
