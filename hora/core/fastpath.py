@@ -15,8 +15,8 @@ joined ranks waiting at rank 0. Everything else takes the normal path.
 
 How: the rank posts (the bit, its input) and looks for the peer's post of the same bit; the
 mailbox's protocol makes both ranks complete through it or both negotiate the call. On a match each
-rank reduces the two inputs in rank order itself, with the inline path's numerics
-(those of :func:`hora.core.inline.reduce`), so both get the same bits, and the same bits as the inline path.
+rank reduces the two inputs in rank order itself, with the inline path's numerics (those of
+:func:`hora.core.inline.reduce`), so both get the same bits, and the same bits as the inline path.
 A mismatch (another tensor, another shape or dtype under the name: another bit or none), a peer
 that posts nothing within the spin (it runs something else, it died), new work or a control message
 during the look: negotiation, which reports mismatches and lost ranks as ever.
@@ -34,8 +34,7 @@ from hora.core.execute import Pending
 from hora.core.interrupts import GATE
 from hora.transport import mailbox
 
-_RANKS = (0, 1)
-_POLL_S = 50e-6  # how often a rank looking for the peer's post reads its control connections
+_POLL_S = 50e-6  # how often a rank looking for the peer's post looks at its control connections
 
 
 def create(engine, comm, cfg: dict):
