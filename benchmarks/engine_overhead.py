@@ -8,9 +8,10 @@ and it prints a markdown table. Each row is one way of reducing the same 200 ten
 * the same with the response cache off, with fusion off, and with the timeline on;
 * a loop of 200 synchronous ``allreduce_`` calls (each negotiates and runs alone);
 
-plus the latency of one synchronous 4 KiB allreduce. Times are medians over the measured steps on rank 0
-(ranks line up at a barrier before each row); ``statistics()`` deltas show collectives and coordination
-messages per step.
+plus the latency of one synchronous 4 KiB allreduce, and the same with the small-allreduce fast path
+(``HORA_SMALL_FASTPATH``, hora.core.fastpath) on and off in turns in one job (``--latency-only``: just
+those). Times are medians over the measured steps on rank 0 (ranks line up at a barrier before each row);
+``statistics()`` deltas show collectives and coordination messages per step.
 """
 
 from __future__ import annotations
@@ -61,20 +62,38 @@ def _measure(hora, step, steps, warmup):
             "cache_hits": per_step["cache_hits"]}
 
 
-def _latency(hora, reps):
+def _latency(hora, reps, raw=None):
     a = np.ones(1024, np.float32)  # 4 KiB
     for _ in range(50):
         hora.allreduce(a, name="lat")
     hora.barrier()
-    times = []
+    times = [] if raw is None else raw
     for _ in range(reps):
         t0 = time.perf_counter()
         hora.allreduce(a, name="lat")
         times.append(time.perf_counter() - t0)
-    return {"median_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * sorted(times)[int(0.9 * reps)]}
+    return {"median_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * sorted(times)[int(0.9 * len(times))]}
 
 
-def worker(out: str, steps: int, reps: int) -> None:
+def _latency_ab(hora, knob_table, reps, turns=6):
+    """The latency row with the fast path on and off, in turns (on, off, off, on, ...) within one job."""
+    raw: dict[bool, list[float]] = {True: [], False: []}
+    met = {True: 0, False: 0}
+    for t in range(turns):
+        for on in (True, False) if t % 2 == 0 else (False, True):
+            hora.shutdown()
+            with knob_table.override(small_fastpath=on):
+                hora.init()
+            s0 = hora.statistics()["tensors_mailbox"]
+            _latency(hora, reps // turns, raw[on])
+            met[on] += hora.statistics()["tensors_mailbox"] - s0
+    return {("on" if on else "off"): {"median_ms": 1e3 * statistics.median(ts),
+                                      "p90_ms": 1e3 * sorted(ts)[int(0.9 * len(ts))],
+                                      "mailbox_share": met[on] / ((reps // turns + 50) * turns)}
+            for on, ts in raw.items()}
+
+
+def worker(out: str, steps: int, reps: int, latency_only: bool = False) -> None:
     import hora
     from hora.base import knobs as knob_table
 
@@ -92,6 +111,13 @@ def worker(out: str, steps: int, reps: int) -> None:
             hora.stop_timeline()
 
     hora.init()
+    if latency_only:
+        ab = _latency_ab(hora, knob_table, reps)
+        latency = _latency(hora, reps)
+        if hora.rank() == 0:
+            Path(out).write_text(json.dumps({"rows": {}, "latency": latency, "size": hora.size(), "fastpath": ab}))
+        hora.shutdown()
+        return
     phase("async, fused + cached (defaults)", _step_async)
     phase("async, cache off (cache_capacity=0)", _step_async, cache_capacity=0)
     phase("async, fusion off (fusion_threshold=0)", _step_async, fusion_threshold=0)
@@ -99,9 +125,10 @@ def worker(out: str, steps: int, reps: int) -> None:
         phase("async, fused + cached, timeline on", _step_async, timeline=os.path.join(tmp, "timeline.json"))
     phase(f"loop of {TENSORS} synchronous allreduce_", _step_sync)
     latency = _latency(hora, reps)
+    ab = _latency_ab(hora, knob_table, reps)
     hora.barrier()
     if hora.rank() == 0:
-        Path(out).write_text(json.dumps({"rows": rows, "latency": latency, "size": hora.size()}))
+        Path(out).write_text(json.dumps({"rows": rows, "latency": latency, "size": hora.size(), "fastpath": ab}))
     hora.shutdown()
 
 
@@ -115,6 +142,9 @@ def table(res: dict) -> str:
     lat = res["latency"]
     lines.append(f"| one synchronous 4 KiB allreduce (latency) | {lat['median_ms']:.3f} | p90 {lat['p90_ms']:.3f} "
                  "| | 1 | |")
+    for k, r in res.get("fastpath", {}).items():
+        lines.append(f"| the same, HORA_SMALL_FASTPATH {k} (in turns) | {r['median_ms']:.3f} | p90 {r['p90_ms']:.3f} "
+                     f"| | 1 | {100 * r['mailbox_share']:.0f}% through the mailbox |")
     return "\n".join(lines)
 
 
@@ -122,16 +152,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=100, help="measured steps per row (default 100)")
     p.add_argument("--reps", type=int, default=1000, help="4 KiB allreduces timed for the latency row")
+    p.add_argument("--latency-only", action="store_true", help="only the latency rows (fast path on/off in turns)")
     p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.reps)
+        worker(args.worker, args.steps, args.reps, args.latency_only)
         return
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable, str(Path(__file__).resolve()),
-               "--worker", out, "--steps", str(args.steps), "--reps", str(args.reps)]
+               "--worker", out, "--steps", str(args.steps), "--reps", str(args.reps)] + (
+                   ["--latency-only"] if args.latency_only else [])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
         load = os.getloadavg()[0]
         subprocess.run(cmd, check=True, cwd=root, env=env)

@@ -96,6 +96,12 @@ KNOBS = [
          "allreduce tensors up to this many bytes travel with their negotiation: rank 0 reduces them and sends "
          "the result with its answer, one round trip instead of negotiation plus a collective (0 turns it off)",
          1, _nonneg, ">= 0"),
+    Knob("small_fastpath", bool, True, "SMALL_FASTPATH", None,
+         "np=2 on one host: a synchronous allreduce of a cached tensor up to the inline threshold (16 KiB at "
+         "most) meets the other rank's in the shared segment's mailbox and both ranks reduce it there, with "
+         "no negotiation message (hora.core.fastpath); anything else, or a peer that does not post the same "
+         "tensor within the shared-memory spin, is negotiated as usual. On by default: "
+         "the whole test suite passes with it on; 0 turns it off"),
     Knob("transport", str, "auto", "TRANSPORT", "--transport",
          "data path between ranks: auto (the fastest that applies), tcp, shm (ranks on one host), mpi (jobs "
          "started by mpirun), hierarchical (shared memory in each host, a ring across hosts)",

@@ -33,7 +33,7 @@ import threading
 import time
 
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
-from hora.core import autotune, inline
+from hora.core import autotune, fastpath, inline
 from hora.core import messages as m
 from hora.core.baton import CALLER, NOBODY, Baton
 from hora.core.interrupts import GATE
@@ -68,7 +68,8 @@ class Stats:
     """Counters for ``hora.statistics()``: users and tests see fusion and the cache at work."""
 
     __slots__ = ("cycles", "coordination_messages_sent", "coordination_messages_received",
-                 "collectives", "tensors", "tensors_fused", "bytes_fused", "tensors_inline", "cache_hits")
+                 "collectives", "tensors", "tensors_fused", "bytes_fused", "tensors_inline", "cache_hits",
+                 "tensors_mailbox")
 
     def __init__(self) -> None:
         for f in self.__slots__:
@@ -143,6 +144,7 @@ class Engine:
         if not cfg["stall_check_disable"] and self.size > 1:
             self.control.watch_data_waits(DataWatch(self.rank, self.control, cfg["stall_check_time"],
                                                     cfg["stall_shutdown_time"], self._what, self.stall).on_wait)
+        self._fast = fastpath.create(self, comm, cfg)  # None: every collective is negotiated
         self.thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
         self.thread.start()
 
@@ -347,10 +349,10 @@ class Engine:
         return None if not waits else max(0.0, min(waits))
 
     def _cycle(self, block: bool = True) -> None:
-        timeout = self._timeout() if block else 0.0
         driving = self.baton.holder is CALLER
         subs = self.subs
         if not self._inbox and not subs.due(driving):
+            timeout = self._timeout() if block else 0.0  # (only when it waits: it costs a few us on rank 0)
             if self.size > 1:
                 got = self._spin() if block and driving and (timeout is None or timeout > _SPIN_S) else []
                 if not got and not subs.pending and not subs.stopping:
@@ -371,7 +373,11 @@ class Engine:
         if new:
             if self._quiet_s and len(subs.local) == len(new):  # nothing waited for rank 0 until now
                 self._heard = time.monotonic()
-            if not self._unsent:
+            if driving and len(new) == 1 and self._fast is not None and self._fast.run(new[0]):
+                if not self._inbox:
+                    return  # done through the mailbox: nothing else to do in this cycle
+                new = []
+            if not self._unsent and new:
                 self._batch_start = since  # the batch's cycle time started with its first submission
             self._unsent += new
         responses: list[m.Response] = []

@@ -9,9 +9,10 @@ leave one behind: the kernel frees it when the last rank unmaps it.
 
 Layout: a header with one cache line per rank (progress counter, state, pid), a small metadata
 block per rank, then ``SLOTS`` slots of ``size + 1`` areas of ``chunk`` bytes (one area per rank,
-plus a result area). The algorithms live a layer up, in :mod:`hora.collectives.shm_ops`, which also
-turns a group into native collectives; this module hands out the groups (:class:`ShmCommunicator`'s
-``group`` and ``open_group``).
+plus a result area), and for a pair of ranks the small-allreduce mailbox (:mod:`hora.transport.mailbox`).
+The algorithms live a layer up, in :mod:`hora.collectives.shm_ops`, which also turns a group into
+native collectives; this module hands out the groups (:class:`ShmCommunicator`'s ``group`` and
+``open_group``).
 
 Synchronisation: each rank's *progress* is a 32-bit counter that it alone writes, bumped once per
 step; every rank takes the same steps, so "rank p has done step s" is ``progress[p] >= s``. A
@@ -40,6 +41,7 @@ import numpy as np
 
 from hora.base.errors import CommunicatorClosedError, HoraError, HoraValueError, PeerLostError
 from hora.transport.base import CommunicatorBase
+from hora.transport import mailbox
 from hora.transport.control import ControlPlane
 from hora.transport.store import agree
 
@@ -121,6 +123,12 @@ def _layout(n: int, chunk: int) -> tuple[int, int, int]:
     return meta_off, meta_per, _round(meta_off + n * meta_per, _PAGE)
 
 
+def _size(n: int, chunk: int) -> int:
+    """Bytes of a segment for ``n`` ranks: the layout's, and a pair's mailbox (:mod:`hora.transport.mailbox`)."""
+    data_end = _layout(n, chunk)[2] + SLOTS * (n + 1) * chunk
+    return data_end + (mailbox.BYTES if n == 2 else 0)
+
+
 def _round(x: int, to: int) -> int:
     return (x + to - 1) // to * to
 
@@ -164,6 +172,8 @@ class ShmGroup:
         self._pidfds: dict[int, int] = {}
         self._poll = select.poll()
         self._watch: dict[int, int] = {}  # fd -> group rank whose end it shows
+        # a pair's rendezvous for small allreduces (hora.core.fastpath), after the data areas
+        self.mailbox = mailbox.Mailbox(mm, data_off + SLOTS * (n + 1) * chunk, index, self.spin) if n == 2 else None
 
     # -- what the algorithms use ---------------------------------------------------------------
     def area(self, slot: int, p: int, dtype: np.dtype | None = None) -> np.ndarray:
@@ -306,6 +316,8 @@ class ShmGroup:
             except OSError:  # not ours to look at: our own view decides, as before
                 return
         self.spin = SPIN_S if self.size <= len(cpus) else 0.0
+        if self.mailbox is not None:
+            self.mailbox.spin = self.spin
 
     def watch_peers(self) -> None:
         """Open a pidfd per peer (from the pids in the header): readable once that process exits."""
@@ -362,7 +374,7 @@ class ShmGroup:
             os.close(fd)
         self._pidfds.clear()
         self._watch.clear()
-        self._hdr = self._hdr64 = self._hdr8 = self._meta = self._areas = self._typed = None
+        self._hdr = self._hdr64 = self._hdr8 = self._meta = self._areas = self._typed = self.mailbox = None
         try:
             self._mm.close()
         except BufferError:  # a view still lives (e.g. in a traceback); the GC unmaps it later
@@ -393,7 +405,7 @@ def open_group(store, key: str, members: list[int], me: int, ctrl: ControlPlane 
     members = sorted(members)
     index = members.index(me)
     n = len(members)
-    size = _layout(n, chunk)[2] + SLOTS * (n + 1) * chunk
+    size = _size(n, chunk)
     if _futex is None:
         return None, f"shared memory needs x86-64's store order; this is {os.uname().machine}"
     if index == 0:
@@ -445,7 +457,7 @@ def _attach(store, key, members, index, ctrl, timeout):
         return None, f"rank {members[0]} could not create the segment"
     pid, fd, nonce, chunk = seg.decode().split(":")
     chunk = int(chunk)  # the creator's: every rank must lay the segment out alike
-    size = _layout(len(members), chunk)[2] + SLOTS * (len(members) + 1) * chunk
+    size = _size(len(members), chunk)
     mm, why = None, ""
     try:
         mm = _map_peer(int(pid), int(fd), size)
