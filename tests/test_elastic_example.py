@@ -89,7 +89,10 @@ def test_example_survives_a_killed_worker(tmp_path):
         workers[-1].send_signal(signal.SIGKILL)
 
     out = _run(tmp_path, 2, 2, 2, 4, 3, "epoch  1/", kill, r"generation ([2-9]|\d\d+): 2 workers")
-    assert "killed by signal 9" in out and "lost the connection to rank 1" in out, out
+    assert "killed by signal 9" in out, out
+    # the survivor names the lost worker: through its dead connection, or through the driver's word of the death
+    # (which of the two comes first depends on where the survivor was waiting: a socket, or shared memory)
+    assert re.search(r"rank 0: (.*lost the connection to rank 1|worker localhost:1 was killed by signal 9)", out), out
     assert re.search(r"generation 2: \d workers .*resets after failures 1", out), out
     _check_resumed(out, 2)
 
