@@ -100,8 +100,8 @@ KNOBS = [
          "np=2 on one host: a synchronous allreduce of a cached tensor up to the inline threshold (16 KiB at "
          "most) meets the other rank's in the shared segment's mailbox and both ranks reduce it there, with "
          "no negotiation message (hora.core.fastpath); anything else, or a peer that does not post the same "
-         "tensor within the shared-memory spin, is negotiated as usual. On by default: "
-         "the whole test suite passes with it on; 0 turns it off"),
+         "tensor within the shared-memory spin, is negotiated as usual; 0 turns it off (every call is then "
+         "negotiated, as before)"),
     Knob("transport", str, "auto", "TRANSPORT", "--transport",
          "data path between ranks: auto (the fastest that applies), tcp, shm (ranks on one host), mpi (jobs "
          "started by mpirun), hierarchical (shared memory in each host, a ring across hosts)",
