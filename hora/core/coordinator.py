@@ -190,6 +190,12 @@ class Coordinator:
     def submit_bit(self, rank: int, bit: int) -> None:
         self.submit(rank, self.cache.lookup(bit))
 
+    def idle(self) -> bool:
+        """Nothing waits here: no request, response, join, group or process-set removal in flight (the
+        small-allreduce fast path, :mod:`hora.core.fastpath`, may then pair two ranks' calls itself)."""
+        return not (self.table or self.ready or self.joined or self._groups or self._removing or self._forms
+                    or self._failed)
+
     def ranks_of(self, ps: int) -> tuple[int, ...]:
         """The ranks of set ``ps`` for the batch last taken (a set it removes included)."""
         ranks = self.process_sets.get(ps)

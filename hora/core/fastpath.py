@@ -61,10 +61,8 @@ class FastPath:
         c = e.coord
         if c is None:
             return e._leaving is None
-        # (groups in flight or failed: ``_forms`` and ``_failed`` where the coordinator tracks them)
-        return (not c.table and not c.ready and not c.joined and not c._groups and not e._payloads
-                and not c._removing and not getattr(c, "_forms", None) and not getattr(c, "_failed", None)
-                and e.tuner is None and e.executor.timeline is None and c.cache_on)
+        return (c.idle() and not e._payloads and e.tuner is None and e.executor.timeline is None
+                and c.cache_on)
 
     def run(self, p: Pending) -> bool:
         """Complete ``p`` through the mailbox; False: negotiate it (the peer does too)."""
