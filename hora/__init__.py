@@ -16,6 +16,7 @@ from hora.core.ops import (Adasum, Average, Max, Min, Product, Sum, allgather, a
                              grouped_reducescatter_async, join, poll, reducescatter, reducescatter_async,
                              synchronize)
 from hora.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from hora.transport.arena import empty as shared_empty
 
 __version__ = "0.1.0"
 
@@ -29,7 +30,7 @@ __all__ = [
     "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
     "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join",
     "poll", "synchronize", "broadcast_object", "allgather_object",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "shared_empty",
     "HoraError", "InternalError", "HorovodInternalError", "HostsUpdatedInterrupt", "MismatchError",
     "NotInitializedError", "PeerLostError", "ShutdownError", "StallError", "__version__",
 ]

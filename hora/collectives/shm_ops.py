@@ -39,7 +39,16 @@ result needs both halves). Measured in one job (benchmarks/shm_profile.py, 64 Mi
 the phases, 7-27% less wall time. A single-copy design with Linux CMA (``process_vm_readv`` of the
 peer's input into a cached temporary, reduce into our output) copies as much (``B`` per rank), but
 through the kernel, which copied at 0.7x NumPy's speed here (3.3 vs 4.75 GB/s, 64 MiB in 1 MiB pieces,
-page pinning included), and its sources are the peer's DRAM pages: not built.
+page pinning included; 6.6 vs 9.5 GB/s on a quiet machine), and its sources are the peer's DRAM
+pages: not built.
+
+Only inputs that already lie in shared memory go below two passes. Buffers from ``hora.shared_empty``
+(:mod:`hora.transport.arena`) do: when both ranks of a pair reduce one in place, past the first
+(short) chunk :func:`_zero_copy` reads the peer's input where it is. Per rank, half the elements are
+folded (read ours and the peer's, write ours) and half copied from the peer's result: ``1.5 B`` read
+and ``B`` written in one pass, DRAM seeing each buffer read once and written once (both ranks' inputs
+are read by someone once). Measured (np=2, quiet, same job): 64 MiB 9.4-10.3 ms against 16.5-17.3
+through the segment, 16 MiB 1.73-1.78 ms against 3.4-3.6.
 """
 
 from __future__ import annotations
@@ -49,8 +58,9 @@ import traceback
 
 import numpy as np
 
-from hora.base.errors import HoraValueError
+from hora.base.errors import HoraError, HoraValueError
 from hora.collectives.reduce import Average, Max, Min, Product, Sum, scale
+from hora.transport import arena
 from hora.transport.base import NativeOps
 
 UFUNCS = {Average: np.add, Sum: np.add, Min: np.minimum, Max: np.maximum, Product: np.multiply}
@@ -62,6 +72,12 @@ SMALL_BYTES = 256 << 10
 # np=2 takes the one-copy path (:func:`_allreduce_pair`); False sends it down the split path that
 # larger groups take (benchmarks/shm_profile.py switches it to compare the two in one job)
 PAIR = True
+# np=2, both buffers in shared memory (hora.transport.arena), in place: read the peer's where it is
+# (:func:`_zero_copy`), in pieces of this many bytes
+ZERO_COPY = True
+ZERO_COPY_BYTES = 8 << 20
+# np=2 past one chunk: the first chunk's size (the one that carries the descriptors)
+HEAD_BYTES = 64 << 10
 
 
 def _ufunc(op: int):
@@ -159,31 +175,77 @@ def _allreduce_pair(g, flat: np.ndarray, src: np.ndarray, ufunc) -> None:
     """np=2: each rank copies its whole input chunk into its area, and once the peer has too, reduces
     the whole chunk itself, straight into its output: ``flat = in0 op in1`` (rank 0's operand first on
     both ranks, so both get the same bits). One copy and one reduction per element, one wait per
-    chunk, no result area and no copy-out. The steps are :func:`_pair_steps`'."""
+    chunk, no result area and no copy-out. The steps are :func:`_pair_steps`'.
+
+    With the first chunk each rank publishes where its buffer lies in shared memory (its descriptor,
+    :mod:`hora.transport.arena`); when both reduce in place an array that lies there, the rest of the
+    buffer goes :func:`_zero_copy`'s way once the first chunk is folded. Both ranks decide alike from
+    the same two descriptors."""
     r, dt = g.rank, flat.dtype
     per = g.chunk // flat.itemsize
     count = flat.size
+    starts = pair_starts(count, per, flat.itemsize)
+    k = len(starts)
+    switch = None
+    if k > 1:
+        where = arena.find(flat) if src is flat and ZERO_COPY else None
+        d = g.desc(r)
+        d[1:] = 0
+        if where is not None:
+            d[1:5] = (*where, flat.nbytes)
+        d[0] = where is not None
+
+        def switch() -> bool:
+            pd = g.desc(1 - r)
+            if where is None or not pd[0]:
+                return False
+            if int(pd[4]) != flat.nbytes:
+                raise HoraValueError(f"shared-memory allreduce: rank {g.members[1 - r]}'s buffer holds "
+                                     f"{int(pd[4])} bytes, this rank's {flat.nbytes}")
+            peer = g.peer_view(1 - r, int(pd[1]), int(pd[2]), int(pd[3]), int(pd[4]))
+            if peer is None:
+                raise HoraError(f"shared-memory allreduce: cannot map rank {g.members[1 - r]}'s array in "
+                                "shared memory (it freed it early, or /proc/<pid>/fd is closed to us)")
+            g.zero_copy += 1
+            head = starts[1]
+            _zero_copy(g, flat[head:], peer.view(dt)[head:], ufunc)
+            return True
+
+    def bounds(j: int) -> tuple[int, int]:
+        return starts[j], starts[j + 1] if j + 1 < k else count
 
     def fill(j: int, slot: int) -> None:
-        a = j * per
-        _pair_in(g.area(slot, r, dt), src, a, min(per, count - a))
+        a, b = bounds(j)
+        _pair_in(g.area(slot, r, dt), src, a, b - a)
 
     def fold(j: int, slot: int) -> None:
-        a = j * per
-        m = min(per, count - a)
-        _pair_fold(ufunc, r, src[a:a + m], g.area(slot, 1 - r, dt)[:m], flat[a:a + m])
+        a, b = bounds(j)
+        _pair_fold(ufunc, r, src[a:b], g.area(slot, 1 - r, dt)[:b - a], flat[a:b])
 
-    _pair_steps(g, -(-count // per), fill, fold)
+    _pair_steps(g, k, fill, fold, switch)
 
 
-def _pair_steps(g, k: int, fill, fold) -> None:
+def pair_starts(count: int, per: int, itemsize: int) -> list[int]:
+    """Where np=2's chunks of a ``count``-element buffer start: past one chunk of ``per`` elements
+    the first is a short one (``HEAD_BYTES``), which carries the descriptors of
+    :func:`_allreduce_pair`; what it holds goes through the segment even when the rest is read
+    where it lies. ``allreduce_parts`` cuts the concatenation alike: both take the same steps."""
+    if count <= per:
+        return [0]
+    head = min(per, max(1, HEAD_BYTES // itemsize))
+    return [0, *range(head, count, per)]
+
+
+def _pair_steps(g, k: int, fill, fold, switch=None) -> None:
     """The np=2 pipeline over ``k`` chunks: ``fill(j, slot)`` writes this rank's operand of chunk ``j``
     into its area of ``slot``; ``fold(j, slot)`` reduces chunk ``j`` from both areas (or from our own
     input and the peer's area) into the output, reading the peer's area only.
 
     Per chunk ``j`` a rank waits for the peer's fill of ``j`` (which also says the peer is done
     reading the slot that chunk ``j + 1`` takes: its fold of ``j - 2``), fills ``j + 1``, publishes
-    that, then folds ``j``: one step and one wait per chunk."""
+    that, then folds ``j``: one step and one wait per chunk. ``switch`` (with ``k > 1``), called
+    once the peer's first chunk is there, may take over the chunks after the first: True says it
+    did, and the pipeline folds chunk 0 and ends."""
     slot = g.acquire()
     fill(0, slot)
     s = g.signal()
@@ -192,6 +254,15 @@ def _pair_steps(g, k: int, fill, fold) -> None:
         if j + 1 < k:
             slot = g.acquire()
             g.wait(s)
+            if j == 0 and switch is not None:
+                fold(0, cur)  # before the switch's steps or chunk 1's: either says we are done with it
+                if switch():
+                    g.done_after(cur, g.step)
+                    return
+                fill(1, slot)
+                s = g.signal()
+                g.done_after(cur, s)
+                continue
             fill(j + 1, slot)
             s2 = g.signal()
         else:
@@ -200,6 +271,48 @@ def _pair_steps(g, k: int, fill, fold) -> None:
         g.done_after(cur, g.step)  # the peer's next step after this one says it has folded this chunk
         if j + 1 < k:
             s = s2
+
+
+def _zero_copy(g, own: np.ndarray, peer: np.ndarray, ufunc) -> None:
+    """np=2, both buffers in shared memory, in place: ``own`` is this rank's, ``peer`` the peer's,
+    mapped here. Per piece, rank ``r`` reduces its half into its own buffer, ``in0 op in1`` (rank
+    0's operand first, as everywhere), and once the peer has reduced the other half, copies that
+    half of the result from the peer's buffer into its own. Per element one fold (half of them) or
+    one copy (the other half): one pass, where going through the segment takes two.
+
+    One step per piece: a rank folds piece ``j``, publishes that, then copies the peer's half of
+    piece ``j - 1`` (whose fold the step it last waited for announced) while the peer folds ``j``
+    (other memory). Nobody writes memory the other still reads: a rank's fold writes its own half,
+    which the peer reads only after the announcing step; its copy writes the peer's half of its own
+    buffer, which the peer read in a fold announced before. A last step says both are done reading
+    the other's buffer: after it, either may return and write its buffer again."""
+    r = g.rank
+    count = own.size
+    per = max(1, ZERO_COPY_BYTES // own.itemsize)
+    k = -(-count // per)
+
+    def fold(j: int) -> None:
+        a = j * per
+        lo, hi = _split(min(per, count - a), 2, r)
+        o = own[a + lo:a + hi]
+        _pair_fold(ufunc, r, o, peer[a + lo:a + hi], o)
+
+    def copy(j: int) -> None:
+        a = j * per
+        lo, hi = _split(min(per, count - a), 2, 1 - r)
+        own[a + lo:a + hi] = peer[a + lo:a + hi]
+
+    fold(0)
+    s = g.signal()
+    for j in range(1, k):
+        g.wait(s)  # the peer folded piece j - 1
+        fold(j)
+        s2 = g.signal()
+        copy(j - 1)
+        s = s2
+    g.wait(s)
+    copy(k - 1)
+    g.wait(g.signal())  # both are done reading the other's buffer
 
 
 def _pair_in(area: np.ndarray, src: np.ndarray, a: int, m: int) -> None:
@@ -244,7 +357,7 @@ def allreduce_parts(g, srcs: list, outs: list, op: int, prescale: float = 1.0, p
     if n < 2 or (total > per and _aliased(srcs, outs)):
         _packed(g, srcs, outs, op, prescale, postscale)
         return
-    plan = _plan(srcs, outs, total, per)
+    plan = _plan(srcs, outs, total, pair_starts(total, per, dt.itemsize) if n == 2 else range(0, total, per))
     # Our operand read from the input itself rather than from our copy of it in the area (the same
     # numbers when nothing was prescaled): in place, the fold then writes over lines it has just read,
     # instead of fetching the output's lines from memory first (measured: ~10-30% faster per call at np=2)
@@ -321,14 +434,14 @@ def _parts_split(g, plan: list, per: int, ufunc, dt, direct: bool, prescale: flo
     _split_steps(g, len(plan), fill, fold, drain)
 
 
-def _plan(srcs: list, outs: list, total: int, per: int) -> list:
-    """Per chunk of ``per`` elements of the concatenation of ``srcs``: (its length, the pieces of
+def _plan(srcs: list, outs: list, total: int, starts: list[int]) -> list:
+    """Per chunk (``starts``: where each begins) of the concatenation of ``srcs``: (its length, the pieces of
     ``srcs`` in it, in order, and (piece of ``outs``, start, end in the chunk) for each); once per
     call, so a chunk's fill is one copy (or one ``np.concatenate``) and its fold one ufunc per piece."""
     plan = []
     i = pos = 0
-    for c in range(0, total, per):
-        m = min(per, total - c)
+    for j, c in enumerate(starts):
+        m = (starts[j + 1] if j + 1 < len(starts) else total) - c
         ins, folds = [], []
         filled = 0
         while filled < m:

@@ -20,7 +20,7 @@ from hora.torch.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgath
                                 grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
                                 grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
                                 grouped_reducescatter_async, init, join, poll, reducescatter, reducescatter_async,
-                                shutdown, sparse_allreduce_async, synchronize)
+                                shared_empty, shutdown, sparse_allreduce_async, synchronize)
 from hora.torch.optimizer import DistributedOptimizer
 from hora.torch.sync_batch_norm import SyncBatchNorm
 
@@ -34,7 +34,7 @@ __all__ = [
     "grouped_allreduce_async", "grouped_allreduce_", "grouped_allreduce_async_", "sparse_allreduce_async",
     "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_async",
     "broadcast_", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
-    "grouped_reducescatter", "grouped_reducescatter_async", "poll", "synchronize", "join", "barrier",
+    "grouped_reducescatter", "grouped_reducescatter_async", "poll", "synchronize", "join", "barrier", "shared_empty",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "Compression", "DistributedOptimizer", "SyncBatchNorm", "hooks", "elastic",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",

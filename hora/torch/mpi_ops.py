@@ -71,6 +71,24 @@ def _view(tensor, what: str) -> tuple[np.ndarray, torch.Tensor | None]:
                              "int32, int64, float16, bfloat16, float32, float64 or bool") from None
 
 
+def shared_empty(*size, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised CPU tensor in shared memory (``torch.empty``'s arguments): in place, np=2 on one
+    host, an allreduce of such tensors on both ranks reads the peer's where it is, one pass over the
+    data instead of two (:mod:`hora.transport.arena`). Elsewhere an ordinary tensor."""
+    from hora.transport import arena
+
+    shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+    dtype = dtype or torch.get_default_dtype()
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(arena.empty(shape, np.int16)).view(torch.bfloat16)
+    try:
+        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        raise HoraValueError(f"shared_empty: tensor type {dtype} is not supported; use uint8, int8, int16, "
+                             "int32, int64, float16, bfloat16, float32, float64 or bool") from None
+    return torch.from_numpy(arena.empty(shape, np_dtype))
+
+
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
     if a.dtype.name == "bfloat16":
         t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)

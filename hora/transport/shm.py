@@ -41,13 +41,14 @@ import numpy as np
 
 from hora.base.errors import CommunicatorClosedError, HoraError, HoraValueError, PeerLostError
 from hora.transport.base import CommunicatorBase
-from hora.transport import mailbox
+from hora.transport import arena, mailbox
 from hora.transport.control import ControlPlane
 from hora.transport.store import agree
 
 log = logging.getLogger("hora.transport")
 
 CHUNK_BYTES = 1 << 20  # per rank and slot: 3 MiB per slot at np=2 stays in L2/L3; see benchmarks/allreduce.py
+DESC = 8  # int64 words per rank describing its buffer in shared memory (hora.collectives.shm_ops)
 SLOTS = 3  # a rank fills the next slot while slower ones still read the last (shm_ops.allreduce needs 3)
 # Busy-wait (yielding the core) before sleeping. Waking a futex sleeper costs 100-300 us on the 2-vCPU
 # VMs we measure on, not the 10-50 us of bare metal: an idle vCPU halts and its wake-up goes through
@@ -119,7 +120,7 @@ _TIMEOUT_P = ctypes.addressof(_TIMEOUT)
 def _layout(n: int, chunk: int) -> tuple[int, int, int]:
     """(meta offset, meta bytes per rank, data offset) of a segment for ``n`` ranks."""
     meta_off = _round(64 + n * _LINE, 64)
-    meta_per = _round(2 * (n + 1) * 8, 64)  # alltoall's bounds, double buffered
+    meta_per = _round(2 * (n + 1) * 8, 64) + DESC * 8  # alltoall's bounds, double buffered; a descriptor
     return meta_off, meta_per, _round(meta_off + n * meta_per, _PAGE)
 
 
@@ -154,6 +155,8 @@ class ShmGroup:
         self._areas = [[np.frombuffer(mm, np.uint8, count=chunk, offset=data_off + (s * (n + 1) + a) * chunk)
                         for a in range(n + 1)] for s in range(SLOTS)]
         self._typed: dict = {}
+        self._peer_maps = None  # arena.PeerMaps of the peers' arrays in shared memory
+        self.zero_copy = 0  # allreduces that read the peer's input where it is (statistics for tests)
         self.step = 0  # this rank's progress (what it last published)
         self._free = [0] * SLOTS  # the step after which every rank is done with each slot
         self._next = 0
@@ -188,9 +191,21 @@ class ShmGroup:
         return view
 
     def meta(self, p: int, parity: int) -> np.ndarray:
-        m = self._meta[p]
+        m = self._meta[p][:-DESC]
         half = len(m) // 2
         return m[parity * half:(parity + 1) * half]
+
+    def desc(self, p: int) -> np.ndarray:
+        """Rank ``p``'s descriptor words: where its buffer of the running allreduce lies in shared
+        memory (:mod:`hora.transport.arena`), written before a step that the readers wait for."""
+        return self._meta[p][-DESC:]
+
+    def peer_view(self, p: int, fd: int, ino: int, offset: int, nbytes: int) -> np.ndarray | None:
+        """Rank ``p``'s bytes of an array in shared memory (its memfd ``fd``, inode ``ino``), mapped
+        on first use; None when it cannot be mapped."""
+        if self._peer_maps is None:
+            self._peer_maps = arena.PeerMaps()
+        return self._peer_maps.view(int(self._hdr[self._word[p] + _PID]), fd, ino, offset, nbytes)
 
     def acquire(self) -> int:
         """The next slot, once every rank is done with its previous use."""
@@ -374,6 +389,8 @@ class ShmGroup:
             os.close(fd)
         self._pidfds.clear()
         self._watch.clear()
+        if self._peer_maps is not None:
+            self._peer_maps.close()
         self._hdr = self._hdr64 = self._hdr8 = self._meta = self._areas = self._typed = self.mailbox = None
         try:
             self._mm.close()
