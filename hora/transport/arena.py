@@ -90,7 +90,7 @@ def find(a: np.ndarray) -> tuple[int, int, int] | None:
 
 class PeerMaps:
     """This rank's mappings of a peer's arrays, by (pid, fd, inode): mapped once, kept while the peer
-    holds the memfd open (looked at when a new one is mapped), at most ``limit`` of them."""
+    holds the memfd open (looked at on each use while more than one is mapped), at most ``limit``."""
 
     def __init__(self, limit: int = 64):
         self.limit = limit
@@ -100,8 +100,9 @@ class PeerMaps:
         """The peer's ``nbytes`` at ``offset`` in its memfd, as bytes; None when it cannot be mapped."""
         key = (pid, fd, ino)
         got = self._maps.get(key)
-        if got is None:
-            got = self._map(key)
+        if len(self._maps) > 1 or got is None:
+            self._prune(key)  # a few stat calls: the memory of an array the peer dropped is not held here
+            got = self._maps.get(key) or self._map(key)
             if got is None:
                 return None
         raw = got[1]
@@ -111,7 +112,6 @@ class PeerMaps:
 
     def _map(self, key):
         pid, fd, ino = key
-        self._prune()
         try:
             f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
         except OSError:
@@ -128,9 +128,11 @@ class PeerMaps:
         got = self._maps[key] = (mm, np.frombuffer(mm, np.uint8))
         return got
 
-    def _prune(self) -> None:
-        """Unmap the arrays the peer has let go of (and the oldest, past ``limit``)."""
+    def _prune(self, keep) -> None:
+        """Unmap the arrays the peer has let go of, but ``keep`` (and the oldest, past ``limit``)."""
         for key in list(self._maps):
+            if key == keep:
+                continue
             pid, fd, ino = key
             try:
                 alive = os.stat(f"/proc/{pid}/fd/{fd}").st_ino == ino
