@@ -23,6 +23,7 @@ NOT_IN_JAX = {
     "broadcast_optimizer_state": "an optax state is a pytree: broadcast_parameters(opt_state) broadcasts it",
     "SyncBatchNorm": "not built for JAX: Flax's BatchNorm takes axis_name for pmap/shard_map instead",
     "hooks": "torch's DDP communication hooks have no JAX counterpart",
+    "shared_empty": "jax arrays are immutable, so never reduced in place; hora.shared_empty makes a NumPy one",
 }
 # shared names whose signature differs on purpose: name -> hora.jax's parameters
 DIFFERENT = {
