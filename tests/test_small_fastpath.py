@@ -5,7 +5,9 @@ Real np=2 jobs over shared memory. The contract: the same bits on both ranks, an
 inline path (the knob off) for every dtype and op, in place and out of place; a mismatch under a cached
 name still fails on both ranks with the negotiation's error; a rank that runs something else meanwhile
 (an asynchronous batch, a new tensor, barrier, broadcast, allgather) makes both ranks negotiate, with no
-deadlock; a SIGKILLed peer is named; re-init cycles keep working. Whether a given call took the mailbox
+deadlock; a SIGKILLed peer is named; re-init cycles keep working. Past the inline size the mailbox
+carries only the agreement and both ranks run the segment's allreduce: the same checks, its results
+bit for bit the negotiated ones (shared arrays' zero-copy path included). Whether a given call took the mailbox
 depends on timing (a peer late by more than the spin is negotiated with); the tests check results on
 every call and only that some calls took it.
 """
@@ -69,35 +71,71 @@ def test_results_are_the_inline_paths_bit_for_bit():
     assert fast[0][1] == fast[1][1] > 0, f"no call took the mailbox: {fast[0][1]}, {fast[1][1]}"
 
 
-def _mismatch(hvd, field):
+def _large_cases(hvd):
+    """Past the inline size (the agreement only): dtypes x ops, in place and out of place, one chunk
+    and several, and a shared array (np=2's zero-copy path under the agreement)."""
+    out = []
+    for i, (dt, op) in enumerate([(dt, op) for dt in ("float32", "float64", "int32") for op in OPS]):
+        for inplace in (False, True):
+            n = (5000, 700_000)[(i + inplace) % 2] // np.dtype(dt).itemsize * 4
+            for rep in range(REPS):
+                x = _value(hvd.rank(), dt, op, n, 100 * i + 10 * inplace + rep)
+                keep = x.copy()
+                if inplace:
+                    y = hvd.allreduce_(x, op=getattr(hvd, op), name=f"L{i}.{inplace}")
+                else:
+                    y = hvd.allreduce(x, op=getattr(hvd, op), name=f"L{i}.{inplace}")
+                    assert x.tobytes() == keep.tobytes(), "an out-of-place call changed its input"
+                out.append(y.tobytes())
+    s = hvd.shared_empty(600_000, np.float32)
+    for rep in range(REPS):
+        s[...] = _value(hvd.rank(), "float32", "Sum", s.size, rep)
+        out.append(hvd.allreduce_(s, op=hvd.Average, name="shared").tobytes())
+    return out, hvd.statistics()["tensors_mailbox"]
+
+
+@pytest.mark.timeout(300)
+def test_past_the_inline_size_results_are_the_negotiated_ones_bit_for_bit():
+    fast = run_hora(2, _large_cases, env=ON, timeout=240)
+    plain = run_hora(2, _large_cases, env=OFF, timeout=240)
+    assert fast[0][0] == fast[1][0], "the ranks' results differ"
+    assert plain[0][0] == plain[1][0]
+    for k, (a, b) in enumerate(zip(fast[0][0], plain[0][0])):
+        assert a == b, f"call {k}: the agreed call's result differs from the negotiated one's"
+    assert plain[0][1] == plain[1][1] == 0, "the knob off still used the mailbox"
+    assert fast[0][1] == fast[1][1] > 0, f"no call took the mailbox: {fast[0][1]}, {fast[1][1]}"
+
+
+def _mismatch(hvd, field, n):
     from hora.base.errors import MismatchError
 
-    x = np.ones(100, np.float32)
+    x = np.ones(n, np.float32)
     for _ in range(REPS):
         hvd.allreduce(x, op=hvd.Sum, name="m")  # cached on both ranks
     if hvd.rank() == 1:
-        x = {"shape": np.ones(101, np.float32), "dtype": np.ones(100, np.float64)}.get(field, x)
+        x = {"shape": np.ones(n + 1, np.float32), "dtype": np.ones(n, np.float64)}.get(field, x)
     op = hvd.Max if field == "op" and hvd.rank() == 1 else hvd.Sum
     try:
         hvd.allreduce(x, op=op, name="m")
         got = "nothing raised"
     except MismatchError as e:
         got = str(e)
-    after = hvd.allreduce(np.ones(100, np.float32), op=hvd.Sum, name="m")  # the job goes on
+    after = hvd.allreduce(np.ones(n, np.float32), op=hvd.Sum, name="m")  # the job goes on
     return got, float(after[0])
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [100, 300_000])
 @pytest.mark.parametrize("field", ["shape", "dtype", "op"])
-def test_a_mismatch_under_a_cached_name_fails_on_both_ranks(field):
-    for got, after in run_hora(2, _mismatch, field, env=ON, timeout=90):
+def test_a_mismatch_under_a_cached_name_fails_on_both_ranks(field, n):
+    for got, after in run_hora(2, _mismatch, field, n, env=ON, timeout=90):
         assert "'m'" in got and field in got, got
         assert after == 2.0
 
 
-def _others_meanwhile(hvd):
+def _others_meanwhile(hvd, n):
     """Rank 1 runs other work while rank 0 makes a synchronous cached call (its mailbox finds no post)."""
-    a = np.arange(1000, dtype=np.float32)
+    a = np.arange(n, dtype=np.float32)
     r = hvd.rank()
     for _ in range(REPS):
         hvd.allreduce(a, op=hvd.Sum, name="a")
@@ -123,9 +161,10 @@ def _others_meanwhile(hvd):
 
 
 @pytest.mark.timeout(120)
-def test_other_work_on_one_rank_negotiates_without_deadlock():
+@pytest.mark.parametrize("n", [1000, 400_000])
+def test_other_work_on_one_rank_negotiates_without_deadlock(n):
     for env in (ON, OFF):
-        res = run_hora(2, _others_meanwhile, env=env, timeout=90)
+        res = run_hora(2, _others_meanwhile, n, env=env, timeout=90)
         assert res[0][0] == res[1][0], "the ranks' results differ"
         out, expect = res[0]
         for step in range(6):
@@ -155,8 +194,10 @@ def test_reinit_cycles():
 
 
 @pytest.mark.timeout(90)
-def test_sigkill_of_the_peer_is_named():
-    """Both ranks loop on one cached 4 KiB allreduce (the mailbox's case); rank 1 is killed."""
-    reports = kill_mid_allreduce(2, 1, 4096, env=ON, transport="ShmCommunicator", in_place=True)
+@pytest.mark.parametrize("nbytes", [4096, 4 << 20])
+def test_sigkill_of_the_peer_is_named(nbytes):
+    """Both ranks loop on one cached allreduce (4 KiB: the mailbox carries it; 4 MiB: the agreement
+    only); rank 1 is killed."""
+    reports = kill_mid_allreduce(2, 1, nbytes, env=ON, transport="ShmCommunicator", in_place=True)
     assert reports[0]["maps_after_shutdown"] == 0, f"rank 0 still maps the segment: {reports}"
     assert "PeerLostError" in reports[0]["error"]["types"], reports[0]["error"]

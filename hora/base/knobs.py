@@ -97,9 +97,10 @@ KNOBS = [
          "the result with its answer, one round trip instead of negotiation plus a collective (0 turns it off)",
          1, _nonneg, ">= 0"),
     Knob("small_fastpath", bool, True, "SMALL_FASTPATH", None,
-         "np=2 on one host: a synchronous allreduce of a cached tensor up to the inline threshold (16 KiB at "
-         "most) meets the other rank's in the shared segment's mailbox and both ranks reduce it there, with "
-         "no negotiation message (hora.core.fastpath); anything else, or a peer that does not post the same "
+         "np=2 on one host: a synchronous allreduce of a cached tensor meets the other rank's in the shared "
+         "segment's mailbox, with no negotiation message (hora.core.fastpath): up to the inline threshold "
+         "(16 KiB at most) both ranks reduce it there; past it the mailbox carries only the agreement and "
+         "both run the segment's allreduce at once; anything else, or a peer that does not post the same "
          "tensor within the shared-memory spin, is negotiated as usual; 0 turns it off (every call is then "
          "negotiated, as before)"),
     Knob("transport", str, "auto", "TRANSPORT", "--transport",

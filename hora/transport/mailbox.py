@@ -56,6 +56,7 @@ BYTES = 2 * REGION  # what a pair's segment holds for it
 # (the peer attempt claimed, this rank's attempt it claimed with), the C library's tag, per slot the
 # position + 1, the input's byte count and the poster's epoch
 _CUR, _SEEN, _CLAIMED, _CLAIMED_WITH, _LIBC, _POS, _NBYTES, _EPOCH = 0, 1, 2, 3, 4, 8, 12, 16
+_AGREED = 1 << 62  # in a post's byte count: it carries no data, only the agreement to run the call
 _LOOK_EVERY = 8  # spins between two calls of the caller's ``stop`` (it may poll a socket)
 
 
@@ -113,21 +114,29 @@ class Mailbox:
             self._ok = _CALLS is not None and int(self._w[self.peer][_LIBC]) == _LIBC_TAG
         return self._ok
 
-    def exchange(self, pos: int, data: np.ndarray, stop: Callable[[], bool], epoch: int) -> np.ndarray | None:
+    def exchange(self, pos: int, data: np.ndarray, stop: Callable[[], bool], epoch: int,
+                 carry: bool = True) -> np.ndarray | None:
         """Post ``data`` (C-contiguous) as tensor ``pos`` and return the peer's input for the same tensor
         (a view of the segment: call :meth:`done` once read), or None: negotiate this call (the peer
         will too). ``stop()`` True: give up looking (other work came). ``epoch``: how many collectives
         this rank has run; a retracted peer post of the same tensor and epoch is this very call (the
-        peer negotiates it: stop looking), another is an old one (look on). Only speed depends on it."""
+        peer negotiates it: stop looking), another is an old one (look on). Only speed depends on it.
+
+        ``carry=False`` posts no data, only the agreement to run this call now (any size): a match
+        returns an empty view, and both ranks then run the collective itself. A post of either kind
+        matches only one of the same kind (the kind is in the posted byte count)."""
         n = data.nbytes
         a = self.attempt + 1
         s = a % SLOTS
         mine, theirs = self._w[self.me], self._w[self.peer]
-        if n > SLOT_BYTES or not self.usable() or a - SLOTS > int(theirs[_SEEN]):
+        if (carry and n > SLOT_BYTES) or not self.usable() or a - SLOTS > int(theirs[_SEEN]):
             return None  # the slot's last attempt is not yet done with on the peer's side
         init, trylock, _free, taken = _CALLS
         init(self._lock[self.me][s], 1)
-        self._data[self.me][s][:n] = data.reshape(-1).view(np.uint8)
+        if carry:
+            self._data[self.me][s][:n] = data.reshape(-1).view(np.uint8)
+        else:
+            n |= _AGREED
         mine[_POS + s], mine[_NBYTES + s], mine[_EPOCH + s] = pos + 1, n, epoch
         mine[_CUR] = self.attempt = a  # the post: its stores above are visible before this one
         clock, look, peek, own = time.perf_counter, 0, self._peek[self.peer], self._peek[self.me]
@@ -149,7 +158,7 @@ class Mailbox:
                     mine[_CLAIMED], mine[_CLAIMED_WITH] = c, a  # before the locked instruction
                     if trylock(self._lock[self.peer][sp]) == 0:
                         self._got = c
-                        return self._data[self.peer][sp][:n]
+                        return self._data[self.peer][sp][:n if carry else 0]
                     self._done(c)  # retracted meanwhile
                     break
             look += 1
@@ -165,7 +174,7 @@ class Mailbox:
             raise InternalError(f"the shared-memory mailbox is inconsistent: attempt {a} was claimed, but the peer "
                                 f"names attempt {int(theirs[_CLAIMED])} (with {c}; done with {self.seen})")
         self._got = c
-        return self._data[self.peer][c % SLOTS][:n]
+        return self._data[self.peer][c % SLOTS][:n if carry else 0]
 
     def done(self) -> None:
         """This rank has read the peer's input of the match :meth:`exchange` returned."""
