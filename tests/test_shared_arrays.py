@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 from harness import run_hora, spawn_job
 from test_shm import _dev_shm
+from test_shm_parts import _expected as parts_expected
+from test_shm_parts import _inputs as parts_inputs
 
 Average, Sum, Min, Max, Product = 0, 1, 3, 4, 5
 ENV = {"HORA_TRANSPORT": "shm", "HORA_INLINE_THRESHOLD": "0"}
@@ -42,28 +44,11 @@ def test_shared_empty_makes_ordinary_arrays():
 
 
 def _inputs(rank: int, dtype: str, count: int, op: int) -> np.ndarray:
-    from workers import dtype_of
-
-    rng = np.random.default_rng([11, rank, count, op])
-    if dtype.startswith("int"):
-        x = rng.integers(0, 2, count) if op == Product else rng.integers(-50, 50, count)
-    elif op == Product:
-        x = rng.uniform(0.5, 1.5, count)
-    else:
-        x = rng.standard_normal(count) * 4  # not exact in 16 bits: the order of operations shows
-    return x.astype(dtype_of(dtype))
+    return parts_inputs(rank, dtype, [count], op)[0]
 
 
 def _expected(dtype: str, count: int, op: int, pre: float, post: float) -> np.ndarray:
-    from hora.collectives.reduce import scale
-    from hora.collectives.shm_ops import UFUNCS
-
-    xs = [_inputs(r, dtype, count, op) for r in (0, 1)]
-    for x in xs:
-        scale(x, pre)
-    o = UFUNCS[op](xs[0], xs[1])
-    scale(o, post * (0.5 if op == Average else 1.0))
-    return o
+    return parts_expected(dtype, [count], op, pre, post)[0]
 
 
 def _counts(dtype: str) -> list[int]:
