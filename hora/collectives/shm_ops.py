@@ -47,8 +47,8 @@ Only inputs that already lie in shared memory go below two passes. Buffers from 
 (short) chunk :func:`_zero_copy` reads the peer's input where it is. Per rank, half the elements are
 folded (read ours and the peer's, write ours) and half copied from the peer's result: ``1.5 B`` read
 and ``B`` written in one pass, DRAM seeing each buffer read once and written once (both ranks' inputs
-are read by someone once). Measured (np=2, quiet, same job): 64 MiB 9.4-10.3 ms against 16.5-17.3
-through the segment, 16 MiB 1.73-1.78 ms against 3.4-3.6.
+are read by someone once). ``benchmarks/allreduce.py --np 2 --rounds 3`` on a quiet machine: 64 MiB
+8.0 ms against 13.1 through the segment, 16 MiB 1.3 against 2.6 ms (benchmarks/README.md, round 3).
 """
 
 from __future__ import annotations
@@ -204,8 +204,9 @@ def _allreduce_pair(g, flat: np.ndarray, src: np.ndarray, ufunc) -> None:
                                      f"{int(pd[4])} bytes, this rank's {flat.nbytes}")
             peer = g.peer_view(1 - r, int(pd[1]), int(pd[2]), int(pd[3]), int(pd[4]))
             if peer is None:
-                raise HoraError(f"shared-memory allreduce: cannot map rank {g.members[1 - r]}'s array in "
-                                "shared memory (it freed it early, or /proc/<pid>/fd is closed to us)")
+                raise HoraError(f"shared-memory allreduce: cannot map rank {g.members[1 - r]}'s array from "
+                                "hora.shared_empty through /proc/<pid>/fd (ranks run as different users, or "
+                                "/proc is mounted hidepid?); allocate the buffer with np.empty instead")
             g.zero_copy += 1
             head = starts[1]
             _zero_copy(g, flat[head:], peer.view(dt)[head:], ufunc)
@@ -254,15 +255,10 @@ def _pair_steps(g, k: int, fill, fold, switch=None) -> None:
         if j + 1 < k:
             slot = g.acquire()
             g.wait(s)
-            if j == 0 and switch is not None:
-                fold(0, cur)  # before the switch's steps or chunk 1's: either says we are done with it
-                if switch():
-                    g.done_after(cur, g.step)
-                    return
-                fill(1, slot)
-                s = g.signal()
-                g.done_after(cur, s)
-                continue
+            if j == 0 and switch is not None and switch():
+                fold(0, cur)  # the slot is free once the peer's next step (the next call's) is seen
+                g.done_after(cur, g.step)
+                return
             fill(j + 1, slot)
             s2 = g.signal()
         else:
