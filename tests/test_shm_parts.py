@@ -13,6 +13,7 @@ is named by the others, which leave no segment mapped and nothing in /dev/shm.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -92,52 +93,63 @@ def _expected(dtype, sizes, op, pre, post, n: int = 2) -> list[np.ndarray]:
     return outs
 
 
-def _fused(hvd, cases):
-    """Each case through the engine twice, parts path and fusion-buffer path; what this rank saw."""
-    from workers import digest, transport_class
-
+@contextlib.contextmanager
+def _counting_parts():
+    """``shm_ops.allreduce_parts``, the real function, counted while the block runs: the list it
+    yields holds how many calls took it (which path each call took)."""
     from hora.collectives import shm_ops
-    from hora.core import execute
-    from hora.transport import shm
 
-    assert transport_class() == "ShmCommunicator" and shm.CHUNK_BYTES == CHUNK
     real, calls = shm_ops.allreduce_parts, [0]
 
     def counted(*args):
         calls[0] += 1
         return real(*args)
 
-    shm_ops.allreduce_parts = counted  # the real function, counted: which path each call took
-    r, out = hvd.rank(), {}
+    shm_ops.allreduce_parts = counted
     try:
-        for key, dtype, sizes, op, inplace, pre, post in cases:
-            xs = _inputs(r, dtype, sizes, op)
-            want = _expected(dtype, sizes, op, pre, post, hvd.size())
-            seen, bad = {}, []
-            for parts in (True, False):
-                execute.PARTS = parts
-                before = calls[0]
-                args = [x.copy() for x in xs]
-                call = hvd.grouped_allreduce_ if inplace else hvd.grouped_allreduce
-                res = call(args, op=op, prescale_factor=pre, postscale_factor=post, name=f"{key}/{parts}")
-                took = calls[0] - before
-                if took != (1 if parts else 0):
-                    bad.append(f"parts={parts}: allreduce_parts ran {took} times")
-                if inplace and not all(np.shares_memory(a, b) or a.size == 0 for a, b in zip(res, args)):
-                    bad.append(f"parts={parts}: an in-place result is not the tensor itself")
-                if not inplace and any(digest(a) != digest(x) for a, x in zip(args, xs)):
-                    bad.append(f"parts={parts}: an out-of-place input was written")
-                if [a.shape for a in res] != [x.shape for x in xs]:
-                    bad.append(f"parts={parts}: shapes {[a.shape for a in res][:5]}")
-                seen[parts] = [digest(a) for a in res]
-            if seen[True] != seen[False]:
-                bad.append("parts path differs from the fusion-buffer path")
-            if seen[True] != [digest(w) for w in want]:
-                bad.append("parts path differs from NumPy's in0 op in1 ... (rank order)")
-            out[key] = {"digest": seen[True], "bad": bad}
+        yield calls
     finally:
         shm_ops.allreduce_parts = real
-        execute.PARTS = True
+
+
+def _fused(hvd, cases):
+    """Each case through the engine twice, parts path and fusion-buffer path; what this rank saw."""
+    from workers import digest, transport_class
+
+    from hora.core import execute
+    from hora.transport import shm
+
+    assert transport_class() == "ShmCommunicator" and shm.CHUNK_BYTES == CHUNK
+    r, out = hvd.rank(), {}
+    with _counting_parts() as calls:
+        try:
+            for key, dtype, sizes, op, inplace, pre, post in cases:
+                xs = _inputs(r, dtype, sizes, op)
+                want = _expected(dtype, sizes, op, pre, post, hvd.size())
+                seen, bad = {}, []
+                for parts in (True, False):
+                    execute.PARTS = parts
+                    before = calls[0]
+                    args = [x.copy() for x in xs]
+                    call = hvd.grouped_allreduce_ if inplace else hvd.grouped_allreduce
+                    res = call(args, op=op, prescale_factor=pre, postscale_factor=post, name=f"{key}/{parts}")
+                    took = calls[0] - before
+                    if took != (1 if parts else 0):
+                        bad.append(f"parts={parts}: allreduce_parts ran {took} times")
+                    if inplace and not all(np.shares_memory(a, b) or a.size == 0 for a, b in zip(res, args)):
+                        bad.append(f"parts={parts}: an in-place result is not the tensor itself")
+                    if not inplace and any(digest(a) != digest(x) for a, x in zip(args, xs)):
+                        bad.append(f"parts={parts}: an out-of-place input was written")
+                    if [a.shape for a in res] != [x.shape for x in xs]:
+                        bad.append(f"parts={parts}: shapes {[a.shape for a in res][:5]}")
+                    seen[parts] = [digest(a) for a in res]
+                if seen[True] != seen[False]:
+                    bad.append("parts path differs from the fusion-buffer path")
+                if seen[True] != [digest(w) for w in want]:
+                    bad.append("parts path differs from NumPy's in0 op in1 ... (rank order)")
+                out[key] = {"digest": seen[True], "bad": bad}
+        finally:
+            execute.PARTS = True
     hvd.barrier()
     return out
 
@@ -170,16 +182,7 @@ def test_fused_parts_larger_groups(n, dtype):
 def _async_many(hvd, count):
     """Many asynchronous allreduces submitted back to back (the engine fuses what one cycle gathers),
     in place and out of place mixed; against NumPy's sum of both ranks' inputs."""
-    from hora.collectives import shm_ops
-
-    real, calls = shm_ops.allreduce_parts, [0]
-
-    def counted(*args):
-        calls[0] += 1
-        return real(*args)
-
-    shm_ops.allreduce_parts = counted
-    try:
+    with _counting_parts() as calls:
         sizes = [(k * 7919) % 70_000 for k in range(count)]
         ins = [_inputs(r, "float32", sizes, Sum) for r in (0, 1)]
         mine = [x.copy() for x in ins[hvd.rank()]]
@@ -188,8 +191,6 @@ def _async_many(hvd, count):
         res = [hvd.synchronize(h) for h in handles]
         wrong = [k for k, (o, a, b) in enumerate(zip(res, *ins)) if not np.array_equal(o, a + b)]
         untouched = all(np.array_equal(mine[k], ins[hvd.rank()][k]) for k in range(0, count, 2))
-    finally:
-        shm_ops.allreduce_parts = real
     hvd.barrier()
     return {"wrong": wrong, "untouched": untouched, "fused calls": calls[0]}
 
@@ -223,18 +224,10 @@ def test_one_array_twice_in_place():
 def _mixed(hvd):
     """One call where rank 0 packs (one array submitted twice in place: the direct way does not apply)
     and the others reduce their tensors directly: the two take the same steps, so results are right."""
-    from hora.collectives import shm_ops
     from workers import comm
 
     assert comm().native_allreduce_parts is not None
-    real, calls = shm_ops.allreduce_parts, [0]
-
-    def counted(*args):
-        calls[0] += 1
-        return real(*args)
-
-    shm_ops.allreduce_parts = counted
-    try:
+    with _counting_parts() as calls:
         n, r, per = hvd.size(), hvd.rank(), CHUNK // 8
         k = n * (n + 1) // 2
         if r == 0:
@@ -245,8 +238,6 @@ def _mixed(hvd):
             xs = [np.arange(3 * per, dtype=np.int64) * (r + 1), np.arange(per, dtype=np.int64) * (r + 1)]
             hvd.grouped_allreduce_(xs, op=hvd.Sum, name="mixed")
             right = np.array_equal(xs[0], np.arange(3 * per) * k) and np.array_equal(xs[1], np.arange(per) * k)
-    finally:
-        shm_ops.allreduce_parts = real
     return [bool(right), calls[0]]
 
 

@@ -61,12 +61,18 @@ def _cases(hvd):
 
 @pytest.mark.timeout(300)
 def test_results_are_the_inline_paths_bit_for_bit():
-    fast = run_hora(2, _cases, env=ON, timeout=240)
-    plain = run_hora(2, _cases, env=OFF, timeout=240)
+    _same_bits_as_with_the_knob_off(_cases, "the inline path's")
+
+
+def _same_bits_as_with_the_knob_off(body, what: str) -> None:
+    """``body`` (results, mailbox count) on np=2 with the fast path on and off: the same bits on both
+    ranks and in both runs, no mailbox with the knob off and some with it on."""
+    fast = run_hora(2, body, env=ON, timeout=240)
+    plain = run_hora(2, body, env=OFF, timeout=240)
     assert fast[0][0] == fast[1][0], "the ranks' results differ"
     assert plain[0][0] == plain[1][0]
     for k, (a, b) in enumerate(zip(fast[0][0], plain[0][0])):
-        assert a == b, f"call {k}: the fast path's result differs from the inline path's"
+        assert a == b, f"call {k}: the fast path's result differs from {what}"
     assert plain[0][1] == plain[1][1] == 0, "the knob off still used the mailbox"
     assert fast[0][1] == fast[1][1] > 0, f"no call took the mailbox: {fast[0][1]}, {fast[1][1]}"
 
@@ -96,14 +102,7 @@ def _large_cases(hvd):
 
 @pytest.mark.timeout(300)
 def test_past_the_inline_size_results_are_the_negotiated_ones_bit_for_bit():
-    fast = run_hora(2, _large_cases, env=ON, timeout=240)
-    plain = run_hora(2, _large_cases, env=OFF, timeout=240)
-    assert fast[0][0] == fast[1][0], "the ranks' results differ"
-    assert plain[0][0] == plain[1][0]
-    for k, (a, b) in enumerate(zip(fast[0][0], plain[0][0])):
-        assert a == b, f"call {k}: the agreed call's result differs from the negotiated one's"
-    assert plain[0][1] == plain[1][1] == 0, "the knob off still used the mailbox"
-    assert fast[0][1] == fast[1][1] > 0, f"no call took the mailbox: {fast[0][1]}, {fast[1][1]}"
+    _same_bits_as_with_the_knob_off(_large_cases, "the negotiated one's")
 
 
 def _mismatch(hvd, field, n):
