@@ -39,8 +39,8 @@ result needs both halves). Measured in one job (benchmarks/shm_profile.py, 64 Mi
 the phases, 7-27% less wall time. A single-copy design with Linux CMA (``process_vm_readv`` of the
 peer's input into a cached temporary, reduce into our output) copies as much (``B`` per rank), but
 through the kernel, which copied at 0.7x NumPy's speed here (3.3 vs 4.75 GB/s, 64 MiB in 1 MiB pieces,
-page pinning included; 6.6 vs 9.5 GB/s on a quiet machine), and its sources are the peer's DRAM
-pages: not built.
+page pinning included; on a quiet machine 8.7 vs 18.4 GB/s into a cached temporary, 6.8 vs 7.2 into
+a 64 MiB destination: benchmarks/cma_copy.py), and its sources are the peer's DRAM pages: not built.
 
 Only inputs that already lie in shared memory go below two passes. Buffers from ``hora.shared_empty``
 (:mod:`hora.transport.arena`) do: when both ranks of a pair reduce one in place, past the first
