@@ -35,12 +35,15 @@ class _State:
         from hora.core.engine import Engine
 
         self.engine = Engine(comm, topo, self.cfg, timeline)  # holds the timeline from now on
+        self.pulse = None  # the frozen-rank watch (hora.core.pulse), set by _connect
         self.groups: dict[int, list[int]] = {}  # grouped handles
         self.barriers: dict[int, int] = {}  # barrier count per process set (names them)
         self.ps_calls = 0  # add/remove_process_set calls (names them)
         self.names: dict = {}  # process set id -> counter naming unnamed ops (noname.N)
 
     def close(self) -> None:
+        if self.pulse is not None:
+            self.pulse.close()  # first: a rank that stops beating while it shuts down is not frozen
         self.engine.shutdown()
         self.comm.close()
         if self.store is not None:
@@ -118,7 +121,17 @@ def _connect(job: launchers.Job, cfg: dict) -> _State:
         comm.close()
         store.close()
         raise
-    return _State(job.topo, comm, store, prefix, cfg)
+    st = _State(job.topo, comm, store, prefix, cfg)
+    if cfg["frozen_timeout"] > 0:
+        from hora.core.pulse import Pulse
+
+        try:
+            st.pulse = Pulse(job.topo.rank, job.topo.size, store, prefix, job.secret.encode(), bind, advertise,
+                             cfg["frozen_timeout"], st.engine.fail_from_outside, timeout)
+        except BaseException:
+            st.close()
+            raise
+    return st
 
 
 def _mesh(job: launchers.Job, store, prefix: str, bind: str, advertise: str, timeout: float):
@@ -185,6 +198,8 @@ def _after_fork_in_child() -> None:
         return
     st.forked = True
     st.engine.control.close_in_child()
+    if st.pulse is not None:
+        st.pulse.close_in_child()
 
 
 def state() -> _State:

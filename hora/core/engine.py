@@ -141,9 +141,13 @@ class Engine:
         self._quiet_s = (cfg["stall_shutdown_time"] + LONE_GRACE if self.rank != 0 and self.size > 1
                          and cfg["stall_shutdown_time"] > 0 and not cfg["stall_check_disable"] else 0.0)
         self._heard = time.monotonic()  # the last message from rank 0 (or when work began to wait for one)
+        self.verdict: BaseException | None = None  # a failure found outside the engine (hora.core.pulse)
+        self._watch = None
         if not cfg["stall_check_disable"] and self.size > 1:
-            self.control.watch_data_waits(DataWatch(self.rank, self.control, cfg["stall_check_time"],
-                                                    cfg["stall_shutdown_time"], self._what, self.stall).on_wait)
+            self._watch = DataWatch(self.rank, self.control, cfg["stall_check_time"], cfg["stall_shutdown_time"],
+                                    self._what, self.stall).on_wait
+        if self.size > 1:
+            self.control.watch_data_waits(self._on_wait)
         self._fast = fastpath.create(self, comm, cfg)  # None: every collective is negotiated
         self.thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
         self.thread.start()
@@ -365,6 +369,8 @@ class Engine:
                 select.select([subs.fd], [], [], timeout)
         if subs.stopping:
             raise _Stop
+        if self.verdict is not None:
+            raise self.verdict
         self.stats.cycles += 1
         tl = self.executor.timeline
         if tl is not None and tl.mark_cycles:
@@ -494,6 +500,18 @@ class Engine:
     def _on_data_stall(self, peer: int, msg) -> None:
         if self.stall is not None:
             self.stall.on_data_wait(*msg[1:])
+
+    def fail_from_outside(self, err: BaseException) -> None:
+        """End this engine with ``err`` at its next look (a cycle, or a data wait's heartbeat): for a
+        verdict found by another thread (a frozen peer, hora.core.pulse)."""
+        self.verdict = err
+        self.subs.kick()
+
+    def _on_wait(self, peer: int, progress: object, describe) -> None:
+        if self.verdict is not None:
+            raise self.verdict
+        if self._watch is not None:
+            self._watch(peer, progress, describe)
 
     def _what(self) -> str:
         r = self._running
