@@ -32,6 +32,8 @@ import select
 import threading
 import time
 
+import numpy as np
+
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
 from hora.core import autotune, fastpath, inline
 from hora.core import messages as m
@@ -191,6 +193,7 @@ class Engine:
     # -- who runs cycles -----------------------------------------------------------------------
     def _run(self) -> None:
         """The engine thread: wait for work without the baton, then run a cycle with it."""
+        np.seterr(all="ignore")  # this thread only: reductions overflow and meet NaNs silently, as MPI's do
         try:
             self._loop()
         except BaseException as e:  # noqa: BLE001 - outside a cycle (epoll, timers): still no silent death
@@ -273,14 +276,15 @@ class Engine:
         self._ep.modify(self._ep_ctrl.fileno(), 0)
         self._window = window
         try:
-            while not handle.done:
-                if window is not None and GATE.pending:
-                    GATE.check()  # between cycles: nothing is half done
-                if not self._step(block=True):
-                    return False
-                if not handle.done:  # (when it is, the release that follows tells the other waiters)
-                    self.baton.cycle_done()  # threads that came to wait since may have had theirs finished
-            return True
+            with np.errstate(all="ignore"):  # as on the engine thread; the caller's own state after
+                while not handle.done:
+                    if window is not None and GATE.pending:
+                        GATE.check()  # between cycles: nothing is half done
+                    if not self._step(block=True):
+                        return False
+                    if not handle.done:  # (when it is, the release that follows tells the other waiters)
+                        self.baton.cycle_done()  # threads that came to wait since may have had theirs finished
+                return True
         finally:
             self._window = None  # (the baton's release, next, runs _caller_released)
 
