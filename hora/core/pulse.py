@@ -20,7 +20,11 @@ rank R stays silent ``NAME_AFTER`` s writes a note in the store (``<prefix>/froz
 rank's pulse thread reads the notes every ``POLL_S`` and logs the frozen rank with its last stack, then
 "runs again" if it resumes. Once it has been silent ``frozen_timeout`` s the note says so and every rank
 fails its engine with a :class:`PeerLostError` naming it (an InternalError: elastic training recovers).
-A watcher judges silence only over time it was awake itself: when its own loop was held up (its process
+Frozen or cut off? A stopped process's kernel still acknowledges what it is sent; a cut link does not.
+So the watcher writes a byte a second back on each beat connection, with ``TCP_USER_TIMEOUT`` at
+``USER_TIMEOUT_MS``: behind a cut link that write fails before ``NAME_AFTER`` s, the connection is
+dropped as a network failure (the data mesh names the lost peer), and a partition is never called a
+freeze. A watcher judges silence only over time it was awake itself: when its own loop was held up (its process
 was stopped, or starved), it restarts every count. A closed beat connection is a rank that left or died,
 which the data mesh reports; it is not frozen.
 
@@ -49,7 +53,8 @@ log = logging.getLogger("hora")
 BEAT_S = 1.0  # faulthandler's period
 POLL_S = 1.0  # a rank's look at the notes (and its Python marker)
 LOOK_S = 0.5  # a watcher's look at its beat connections
-NAME_AFTER = 5.0  # s of silence after which a rank is named frozen
+NAME_AFTER = 6.0  # s of silence after which a rank is named frozen (> USER_TIMEOUT_MS + a write's spacing)
+USER_TIMEOUT_MS = 3000  # a beat connection whose bytes go unacknowledged this long is a network failure
 GAP_S = 2.0  # a watcher whose own loop was held up this long restarts its counts
 MARK = b"\x00hora-alive\x00"
 _KEEP = 64 << 10  # bytes of the latest beats kept per rank
@@ -90,7 +95,7 @@ class Pulse:
         addr = store.get(f"{prefix}/pulse/{watcher_of(rank)}", timeout=start_timeout).decode()
         sock = socket.create_connection(net.parse_addr(addr), timeout=start_timeout)
         auth.connect_handshake(sock, secret, f"{rank}|{threading.main_thread().ident}|{prefix}".encode())
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _tune(sock)
         sock.setblocking(False)  # a full buffer drops a beat; it never blocks the watchdog thread
         self._beat = sock
         faulthandler.dump_traceback_later(BEAT_S, repeat=True, file=sock.fileno())
@@ -102,6 +107,7 @@ class Pulse:
         rank, main, prefix = ident.decode("ascii", "replace").split("|", 2)
         if prefix != self.prefix or watcher_of(int(rank)) != self.rank:
             raise HoraError(f"a pulse connection for {prefix} rank {rank}, not one this rank watches")
+        _tune(sock)
         sock.setblocking(False)
         with self._lock:
             old = self._watched.pop(int(rank), None)
@@ -117,18 +123,32 @@ class Pulse:
             return
         except OSError:
             data = b""
-        if not data:  # the rank closed it: it left or died (the mesh says which); no longer watched
-            with self._lock:
-                self._watched.pop(r, None)
-            w.sock.close()
-            if w.named:
-                self._note(r, w, "gone", now)
+        if not data:  # the rank closed it, or the network failed: the mesh says which; no longer watched
+            self._forget(r, w, now)
             return
         w.last = now
         w.buf = (w.buf + data)[-_KEEP:]
         if w.named:
             w.named = w.failed = False
             self._note(r, w, "running", now)
+
+    def _forget(self, r: int, w: _Watched, now: float) -> None:
+        with self._lock:
+            if self._watched.get(r) is w:
+                del self._watched[r]
+        w.sock.close()
+        if w.named:
+            self._note(r, w, "gone", now)
+
+    def _ask(self, now: float) -> None:
+        """A byte to each watched rank: unacknowledged, it fails the connection (a network failure)."""
+        for r, w in list(self._watched.items()):
+            try:
+                w.sock.send(b".")
+            except BlockingIOError:
+                pass
+            except OSError:
+                self._forget(r, w, now)
 
     def _judge(self, now: float) -> None:
         for r, w in list(self._watched.items()):
@@ -171,6 +191,7 @@ class Pulse:
             self._judge(now)
             if now - last_poll >= POLL_S:
                 last_poll = now
+                self._ask(now)
                 self._mark()
                 self._poll_notes()
 
@@ -179,7 +200,7 @@ class Pulse:
         if beat is None:
             return
         try:
-            if beat.recv(1, socket.MSG_PEEK) == b"":  # the watcher closed it (it shut down): stop beating
+            if beat.recv(4096) == b"":  # the watcher closed it (it shut down): stop beating
                 self._stop_beating()
                 return
         except BlockingIOError:
@@ -274,3 +295,10 @@ def last_stack(buf: bytes, main: int) -> str:
     block = next((b for b in blocks if want in b.lower()), blocks[0] if blocks else "")
     lines = [ln.strip() for ln in block.splitlines() if ln.strip().startswith("File ")]
     return "\n".join(f"  {ln}" for ln in lines[:6])
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    opt = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if opt is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, opt, USER_TIMEOUT_MS)
