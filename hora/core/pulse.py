@@ -92,15 +92,40 @@ class Pulse:
             listener = socket.create_server((bind, 0), backlog=socket.SOMAXCONN)
             self._acceptor = Acceptor(listener, secret, self._claim, f"hora rank {rank}: pulse port")
             store.set(f"{prefix}/pulse/{rank}", f"{advertise}:{listener.getsockname()[1]}".encode())
-        addr = store.get(f"{prefix}/pulse/{watcher_of(rank)}", timeout=start_timeout).decode()
-        sock = socket.create_connection(net.parse_addr(addr), timeout=start_timeout)
-        auth.connect_handshake(sock, secret, f"{rank}|{threading.main_thread().ident}|{prefix}".encode())
-        _tune(sock)
-        sock.setblocking(False)  # a full buffer drops a beat; it never blocks the watchdog thread
-        self._beat = sock
-        faulthandler.dump_traceback_later(BEAT_S, repeat=True, file=sock.fileno())
+        self._secret, self._start_timeout = secret, start_timeout
         self._thread = threading.Thread(target=self._loop, name="hora-pulse", daemon=True)
         self._thread.start()
+
+    def _start_beating(self) -> None:
+        """Connect to this rank's watcher and arm the watchdog (on the pulse thread: init does not wait,
+        and a peer that shuts down at once, closing its port mid-handshake, fails nothing)."""
+        ident = f"{self.rank}|{threading.main_thread().ident}|{self.prefix}".encode()
+        key, deadline = f"{self.prefix}/pulse/{watcher_of(self.rank)}", time.monotonic() + self._start_timeout
+        try:
+            addr = self.store.try_get(key)  # polled, not a blocking get: that would hold the shared client
+            while addr is None and not self._closed and time.monotonic() < deadline:
+                time.sleep(0.05)
+                addr = self.store.try_get(key)
+            if addr is None:
+                return
+            sock = socket.create_connection(net.parse_addr(addr.decode()), timeout=self._start_timeout)
+        except (OSError, HoraError) as e:
+            log.debug("hora rank %d: no heartbeat to rank %d: %s", self.rank, watcher_of(self.rank), e)
+            return
+        try:
+            auth.connect_handshake(sock, self._secret, ident)
+            _tune(sock)
+            sock.setblocking(False)  # a full buffer drops a beat; it never blocks the watchdog thread
+        except (OSError, HoraError) as e:
+            log.debug("hora rank %d: no heartbeat to rank %d: %s", self.rank, watcher_of(self.rank), e)
+            sock.close()
+            return
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            self._beat = sock
+            faulthandler.dump_traceback_later(BEAT_S, repeat=True, file=sock.fileno())
 
     # -- the watcher's side ------------------------------------------------------------------------
     def _claim(self, sock: socket.socket, ident: bytes, addr) -> None:
@@ -170,6 +195,7 @@ class Pulse:
 
     # -- every rank --------------------------------------------------------------------------------
     def _loop(self) -> None:
+        self._start_beating()
         last_look = last_poll = time.monotonic()
         while not self._closed:
             with self._lock:
@@ -245,17 +271,19 @@ class Pulse:
 
     # -- lifetime ------------------------------------------------------------------------------------
     def _stop_beating(self) -> None:
-        if self._beat is not None:
-            faulthandler.cancel_dump_traceback_later()
-            self._beat.close()
-            self._beat = None
+        with self._lock:
+            if self._beat is not None:
+                faulthandler.cancel_dump_traceback_later()  # before the close: the descriptor may be reused
+                self._beat.close()
+                self._beat = None
 
     def close(self) -> None:
         """Stop beating (first: the watcher must not take a rank that shut down for a frozen one) and
         watching."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._stop_beating()
         try:
             self._wake_w.send(b"x")
