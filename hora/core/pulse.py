@@ -93,28 +93,24 @@ class Pulse:
             self._acceptor = Acceptor(listener, secret, self._claim, f"hora rank {rank}: pulse port")
             store.set(f"{prefix}/pulse/{rank}", f"{advertise}:{listener.getsockname()[1]}".encode())
         self._secret, self._start_timeout = secret, start_timeout
+        self._start_beating()  # before init returns: the rank may hold the GIL for hours right after
         self._thread = threading.Thread(target=self._loop, name="hora-pulse", daemon=True)
         self._thread.start()
 
     def _start_beating(self) -> None:
-        """Connect to this rank's watcher and arm the watchdog (on the pulse thread: init does not wait,
-        and a peer that shuts down at once, closing its port mid-handshake, fails nothing)."""
+        """Connect to this rank's watcher and arm the watchdog. Best effort: a watcher that shut down at
+        once (its port closed mid-handshake) or never came fails nothing; this rank is then not watched."""
         ident = f"{self.rank}|{threading.main_thread().ident}|{self.prefix}".encode()
-        key, deadline = f"{self.prefix}/pulse/{watcher_of(self.rank)}", time.monotonic() + self._start_timeout
         try:
-            addr = self.store.try_get(key)  # polled, not a blocking get: that would hold the shared client
-            while addr is None and not self._closed and time.monotonic() < deadline:
-                time.sleep(0.05)
-                addr = self.store.try_get(key)
-            if addr is None:
-                return
+            addr = self.store.get(f"{self.prefix}/pulse/{watcher_of(self.rank)}", timeout=self._start_timeout)
             sock = socket.create_connection(net.parse_addr(addr.decode()), timeout=self._start_timeout)
         except (OSError, HoraError) as e:
             log.debug("hora rank %d: no heartbeat to rank %d: %s", self.rank, watcher_of(self.rank), e)
             return
         try:
             auth.connect_handshake(sock, self._secret, ident)
-            _tune(sock)
+            # no user timeout on this side: a watcher merely busy reads nothing and may close its window
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setblocking(False)  # a full buffer drops a beat; it never blocks the watchdog thread
         except (OSError, HoraError) as e:
             log.debug("hora rank %d: no heartbeat to rank %d: %s", self.rank, watcher_of(self.rank), e)
@@ -195,7 +191,6 @@ class Pulse:
 
     # -- every rank --------------------------------------------------------------------------------
     def _loop(self) -> None:
-        self._start_beating()
         last_look = last_poll = time.monotonic()
         while not self._closed:
             with self._lock:
