@@ -1,4 +1,4 @@
-"""Frozen ranks (issue 25, item 3; hora/core/pulse.py): a rank whose process stopped (a real SIGSTOP) is named
+"""Frozen ranks (issue 25, item 3; hora/engine/pulse.py): a rank whose process stopped (a real SIGSTOP) is named
 on every other rank within 15 s and the job ends within the frozen timeout, with the default knobs; a rank
 that computes for minutes between collectives, holding the GIL in a C loop or with the GIL released, is
 never called frozen.

@@ -30,7 +30,7 @@ which the data mesh reports; it is not frozen.
 
 What this does not see: a rank that runs but makes no progress (two of its threads deadlocked, a loader
 waiting forever on a file system) looks exactly like a busy one from outside; the stall inspector names
-it, with its stack, after ``stall_check_time`` s (hora/core/stall.py).
+it, with its stack, after ``stall_check_time`` s (hora/engine/stall.py).
 """
 
 from __future__ import annotations
