@@ -1,0 +1,381 @@
+"""``DistributedOptimizer(..., zero_stage=1|2)``: each rank keeps the optimizer state of its slice only.
+
+The parameters are laid end to end (:mod:`hora.core.sharding`); rank ``r`` owns a contiguous slice. The
+wrapped optimizer is rebuilt over *pieces*: flat views of the owned elements of each parameter, sharing the
+parameter's storage, so the optimizer's in-place update writes the parameter itself and its state
+(``exp_avg`` ...) exists only for the slice. A step:
+
+1. backward: a parameter's hook counts its gradient; when the last gradient of a bucket exists, the bucket
+   is packed and its reduce-scatter starts (overlapping the rest of backward). Stage 2 drops the
+   parameters' full gradients at once; the reduced slice lands in one slice-sized buffer. Stage 1 keeps
+   them and writes the reduced values into the owned part of ``p.grad``.
+2. ``step()``: wait for the reductions, run the wrapped optimizer on the pieces, all-gather the updated
+   slices into every rank's parameters (all buckets' gathers in flight while the first are unpacked).
+
+Checkpoints (:mod:`hora.core.shard_state`): :meth:`save_sharded` / :meth:`load_sharded` (a directory, any
+world size), :meth:`consolidated_state_dict` (an ordinary ``torch.optim`` state dict on one rank, which
+:meth:`load_state_dict` slices at any world size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import hora.core.ops as _core
+from hora.base.errors import HoraValueError
+from hora.core import shard_state, sharding
+from hora.core.frontend import predivide
+from hora.core.process_sets import global_process_set
+from hora.torch.compression import Compression
+
+META = "meta.pkl"
+
+
+class _ShardedDistributedOptimizer(torch.optim.Optimizer):
+    """Methods copied into the dynamic subclass; ``_hora_base`` is the wrapped optimizer's class."""
+
+    _hora_base = torch.optim.Optimizer
+    _hora_base_step = torch.optim.Optimizer.step
+    _hora_sharded = True
+
+    def __init__(self, groups, names, compression, backward_passes_per_step, op, gradient_predivide_factor,
+                 process_set, zero_stage, _source):
+        self._model_groups = [dict(g) for g in groups]
+        self._params = [p for g in groups for p in g["params"] if p.requires_grad]
+        self._parameter_names = names
+        _check_params(self._params, names)
+        self.zero_stage, self.op, self.process_set = zero_stage, op, process_set
+        self.backward_passes_per_step = backward_passes_per_step
+        self._wire = _wire(compression)
+        self._scales = predivide(op, gradient_predivide_factor)
+        self._rank = process_set.rank()
+        self.plan = sharding.make_plan([p.numel() for p in self._params], process_set.size())
+        self._offsets = self.plan.offsets
+        itemsize = self._params[0].element_size() if self._params else 4
+        from hora.base import knobs
+
+        cap = min(knobs.value("fusion_threshold"), sharding.BUCKET_BYTES)
+        self._buckets = sharding.make_buckets(self.plan.sizes, itemsize, cap)
+        self._bucket_of = {i: b for b, (first, stop) in enumerate(self._buckets) for i in range(first, stop)}
+        self._index = {p: i for i, p in enumerate(self._params)}
+        # the pieces: leaves sharing the parameters' storage, so the wrapped optimizer updates them in place
+        self._pieces = {i: self._params[i].detach().view(-1)[a:b] for i, a, b in self.plan.pieces(self._rank)}
+        lo, hi = self.plan.range(self._rank)
+        self._grad_flat = None if zero_stage == 1 else self._params[0].new_zeros(hi - lo) if self._params else None
+        shard_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                         "params": [self._pieces[self._index[p]] for p in g["params"]
+                                    if p in self._index and self._index[p] in self._pieces]} for g in groups]
+        self._hora_base.__init__(self, shard_groups)
+        self.defaults = _source.defaults
+        if _source.state:  # a state loaded into the wrapped optimizer before wrapping: keep this rank's part
+            self._load_full(_source.state_dict())
+        self._ready: dict[int, set] = {}
+        self._handles: dict[int, tuple] = {}
+        self._delay = {p: backward_passes_per_step for p in self._params}
+        self._synchronized, self._should_synchronize = False, True
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._hora_hook) for p in self._params]
+
+    # -- backward: buckets start their reduce-scatter when complete --------------------------------
+    def _hora_hook(self, p: torch.Tensor) -> None:
+        if self._delay[p] <= 0:
+            raise AssertionError(
+                f"parameter '{self._parameter_names[p]}' got more than backward_passes_per_step="
+                f"{self.backward_passes_per_step} gradients before step(): raise backward_passes_per_step to "
+                "accumulate more passes locally, or call step() or synchronize() after each backward")
+        self._delay[p] -= 1
+        if self._delay[p] > 0:
+            return
+        i = self._index[p]
+        b = self._bucket_of[i]
+        ready = self._ready.setdefault(b, set())
+        ready.add(i)
+        first, stop = self._buckets[b]
+        if len(ready) == stop - first:
+            self._submit(b)
+
+    def _submit(self, b: int) -> None:
+        first, stop = self._buckets[b]
+        params = self._params[first:stop]
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None and p.grad.is_sparse:  # densified (sparse_as_dense is implied)
+                    p.grad = p.grad.to_dense()
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        lo, hi = self._offsets[first], self._offsets[stop]
+        pre, post = self._scales
+        handle = sharding.reduce_scatter_async(flat.numpy(), self.plan.counts(lo, hi), f"hora.zero.rs.{b}", self.op,
+                                               pre, post, self._wire, self.process_set)
+        if self.zero_stage == 2:  # the packed copy is all the reduction needs: free the full gradients now
+            for p in params:
+                p.grad = None
+        self._handles[b] = (flat, handle)
+
+    # -- public methods --------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait until every bucket is reduced (submitting those whose hooks have not all fired); this rank's
+        slice of the averaged gradient is then in the pieces' ``grad``."""
+        for b in range(len(self._buckets)):
+            if b not in self._handles:
+                self._submit(b)
+        error = None
+        mlo, mhi = self.plan.range(self._rank)
+        for b, (_, handle) in sorted(self._handles.items()):
+            try:  # wait for every handle even after a failure, so none is left in flight
+                part = torch.from_numpy(handle.wait())
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the others are drained
+                error = error or e
+                continue
+            lo, hi = self._offsets[self._buckets[b][0]], self._offsets[self._buckets[b][1]]
+            s, e = max(lo, mlo), min(hi, mhi)
+            if e <= s:
+                continue
+            if self._grad_flat is not None:
+                self._grad_flat[s - mlo:e - mlo].copy_(part)
+                continue
+            for i, a, c in sharding.pieces_of(self._offsets, s, e):
+                start = self._offsets[i] + a - s
+                self._params[i].grad.view(-1)[a:c].copy_(part[start:start + c - a])
+        self._reset()
+        if error is not None:
+            raise error
+        for i, a, c in self.plan.pieces(self._rank):
+            if self._grad_flat is not None:
+                start = self._offsets[i] + a - mlo
+                self._pieces[i].grad = self._grad_flat[start:start + c - a]
+            else:
+                self._pieces[i].grad = self._params[i].grad.view(-1)[a:c]
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside this block ``step()`` does not synchronize (you called ``synchronize()`` yourself)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Reduce, update this rank's slice, all-gather the parameters. A ``closure`` runs first (its
+        backward feeds this step), not inside the wrapped optimizer's step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._should_synchronize:
+            self.synchronize()
+        self._synchronized = False
+        type(self)._hora_base_step(self)
+        self._gather()
+        return loss
+
+    def _gather(self) -> None:
+        mlo, mhi = self.plan.range(self._rank)
+        pending = []
+        with torch.no_grad():
+            for b, (first, stop) in enumerate(self._buckets):
+                lo, hi = self._offsets[first], self._offsets[stop]
+                mine = [self._params[i].view(-1)[a:c] for i, a, c in
+                        sharding.pieces_of(self._offsets, max(lo, mlo), min(hi, mhi))]
+                flat = torch.cat(mine) if mine else self._params[first].new_empty(0)
+                pending.append((b, flat, sharding.allgather_async(flat.numpy(), f"hora.zero.ag.{b}",
+                                                                  self.process_set)))
+            for b, _, handle in pending:
+                out = torch.from_numpy(_core.synchronize(handle))
+                first, stop = self._buckets[b]
+                for i in range(first, stop):
+                    a = self._offsets[i] - self._offsets[first]
+                    self._params[i].view(-1).copy_(out[a:a + self.plan.sizes[i]])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._handles:
+            from hora.torch.optimizer import ZERO_GRAD_MSG
+
+            raise AssertionError(ZERO_GRAD_MSG)
+        for p in self._params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+        for piece in self._pieces.values():
+            piece.grad = None
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+        self._reset()
+
+    def _reset(self) -> None:
+        self._handles.clear()
+        self._ready.clear()
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+
+    # -- state: this rank's shard, sharded directories, consolidated dicts ---------------------------
+    def state_dict(self):
+        """This rank's shard (the wrapped optimizer's state of its pieces) plus ``"hora_shard"``: the plan
+        and rank, which :meth:`load_state_dict` checks. For a checkpoint, see :meth:`save_sharded` and
+        :meth:`consolidated_state_dict`."""
+        out = self._hora_base.state_dict(self)
+        out["hora_shard"] = {"plan": self.plan.to_json(), "rank": self._rank}
+        return out
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load this rank's own shard (from :meth:`state_dict`, same world), or slice an ordinary
+        ``torch.optim`` state dict of the whole model (:meth:`consolidated_state_dict`, any world)."""
+        self._reset()
+        self._synchronized, self._should_synchronize = False, True
+        shard = state_dict.get("hora_shard")
+        if shard is None:
+            return self._load_full(state_dict)
+        if shard["plan"] != self.plan.to_json() or shard["rank"] != self._rank:
+            raise HoraValueError(
+                f"load_state_dict: this shard was saved by rank {shard['rank']} of "
+                f"{len(shard['plan']['bounds']) - 1} for another layout; this is rank {self._rank} of "
+                f"{self.plan.world}. Load a sharded directory with load_sharded(), or a consolidated state dict")
+        return self._hora_base.load_state_dict(self, {k: v for k, v in state_dict.items() if k != "hora_shard"})
+
+    def shard_state(self) -> shard_state.ShardState:
+        """This rank's state as flat NumPy arrays over its slice (views where possible) and scalars."""
+        out = shard_state.ShardState()
+        chunks: dict[str, list] = {}
+        for i, piece in self._pieces.items():
+            st = self.state.get(piece, {})
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.shape == piece.shape:
+                    chunks.setdefault(k, []).append(v.detach())
+                else:
+                    out.scalars.setdefault(i, {})[k] = v.detach().numpy() if isinstance(v, torch.Tensor) else v
+        for k, parts in chunks.items():
+            if len(parts) != len(self._pieces):
+                raise HoraValueError(f"optimizer state '{k}' exists for {len(parts)} of this rank's "
+                                     f"{len(self._pieces)} pieces; step every parameter before saving")
+            out.arrays[k] = torch.cat(parts).numpy()
+        return out
+
+    def set_shard_state(self, state: shard_state.ShardState) -> None:
+        """Replace this rank's state with ``state`` (arrays over this rank's slice)."""
+        mlo, _ = self.plan.range(self._rank)
+        self.state.clear()
+        for i, a, c in self.plan.pieces(self._rank):
+            piece = self._pieces[i]
+            st = {k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v
+                  for k, v in state.scalars.get(i, {}).items()}
+            start = self._offsets[i] + a - mlo
+            for k, arr in state.arrays.items():
+                st[k] = torch.from_numpy(np.array(arr[start:start + c - a])).to(piece.dtype)
+            if st:
+                self.state[piece] = st
+
+    def _load_full(self, state_dict) -> None:
+        model_index = {p: j for j, p in enumerate(p for g in self._model_groups for p in g["params"])}
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise HoraValueError(f"load_state_dict: the state has {len(state_dict['param_groups'])} parameter "
+                                 f"groups, this optimizer {len(self.param_groups)}")
+        full = shard_state.ShardState()
+        states = state_dict["state"]
+        present = [model_index[p] in states for p in self._params]
+        if any(present):
+            if not all(present):
+                raise HoraValueError(f"load_state_dict: {present.count(False)} of {len(present)} parameters have no "
+                                     "optimizer state; a sharded optimizer needs all or none")
+            keys = [k for k, v in states[model_index[self._params[0]]].items()
+                    if isinstance(v, torch.Tensor) and v.shape == self._params[0].shape]
+            for k in keys:
+                full.arrays[k] = torch.cat([states[model_index[p]][k].reshape(-1) for p in self._params]).numpy()
+            for i, p in enumerate(self._params):
+                full.scalars[i] = {k: (v.numpy() if isinstance(v, torch.Tensor) else v)
+                                   for k, v in states[model_index[p]].items() if k not in keys}
+        self.set_shard_state(shard_state.slice_full(self.plan, self._rank, full))
+        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+
+    def consolidated_state_dict(self, root: int = 0):
+        """The whole optimizer state as an ordinary ``torch.optim`` state dict (the one the unsharded
+        optimizer would have) on rank ``root``; None on the others. Collective: every rank calls it.
+        ``torch.save`` it on the root; plain PyTorch loads it, and so does :meth:`load_state_dict` at any
+        world size."""
+        full = shard_state.consolidate(self.plan, self.shard_state(), root, self.process_set)
+        if full is None:
+            return None
+        model = [p for g in self._model_groups for p in g["params"]]
+        index = {p: j for j, p in enumerate(model)}
+        state = {}
+        for i, p in enumerate(self._params):
+            st = {k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v
+                  for k, v in full.scalars.get(i, {}).items()}
+            o, n = self._offsets[i], self.plan.sizes[i]
+            st.update({k: torch.from_numpy(a[o:o + n].copy()).view_as(p) for k, a in full.arrays.items()})
+            if st:
+                state[index[p]] = st
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in mg["params"]]}
+                  for g, mg in zip(self.param_groups, self._model_groups)]
+        return {"state": state, "param_groups": groups}
+
+    def save_sharded(self, path) -> None:
+        """Write this rank's slice into directory ``path`` (rank 0 adds the index). Collective."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        shard_state.save_sharded(path, self.plan, self._rank, self.shard_state(), process_set=self.process_set)
+        if self._rank == 0:
+            with open(Path(path) / META, "wb") as f:
+                pickle.dump({"param_groups": groups}, f)
+        _core.barrier(self.process_set)
+
+    def load_sharded(self, path) -> None:
+        """Load a directory written by :meth:`save_sharded` at any number of ranks: this rank reads only
+        the ranges of the saved slices that overlap its own."""
+        self._reset()
+        state, _ = shard_state.load_sharded(path, self.plan, self._rank)
+        self.set_shard_state(state)
+        with open(Path(path) / META, "rb") as f:
+            groups = pickle.load(f)["param_groups"]
+        for g, saved in zip(self.param_groups, groups):
+            g.update(saved)
+
+
+def _check_params(params, names) -> None:
+    if not params:
+        raise HoraValueError("DistributedOptimizer(zero_stage=...): no parameter requires a gradient")
+    bad = [names[p] for p in params if p.dtype != params[0].dtype or p.device != params[0].device]
+    if bad:
+        raise HoraValueError(f"DistributedOptimizer(zero_stage=...): the parameters must share one dtype and "
+                             f"device ({params[0].dtype}, {params[0].device}); {bad[:3]} differ. Not supported "
+                             "yet: keep the sharded optimizer to one dtype")
+    bad = [names[p] for p in params if not p.is_contiguous()]
+    if bad:
+        raise HoraValueError(f"DistributedOptimizer(zero_stage=...): parameters {bad[:3]} are not contiguous; the "
+                             "pieces are flat views of the parameters (call .data = p.contiguous() first)")
+
+
+def _wire(compression) -> str | None:
+    if compression is Compression.none:
+        return None
+    if compression is Compression.fp16:
+        return "float16"
+    if compression is Compression.bf16:
+        return "bfloat16"
+    raise HoraValueError(f"DistributedOptimizer(zero_stage=...): compression {compression!r} cannot combine with "
+                         "a sharded optimizer (each rank receives only its slice, while top-k and PowerSGD "
+                         "reduce whole gradients); use Compression.none, fp16 or bf16")
+
+
+def make(optimizer, names, compression, backward_passes_per_step, op, gradient_predivide_factor, groups,
+         sparse_as_dense, process_set, zero_stage):
+    """The factory's sharded branch: a dynamic subclass of ``optimizer``'s class, as the unsharded one."""
+    if groups:
+        warnings.warn("DistributedOptimizer(zero_stage=...): groups= accepted, no effect: buckets are runs of "
+                      "consecutive parameters up to the fusion threshold", stacklevel=3)
+    if process_set is not global_process_set and not process_set.included():
+        raise HoraValueError(f"DistributedOptimizer(zero_stage=...): this rank is not in {process_set}")
+    base = type(optimizer)
+    namespace = {k: v for k, v in vars(_ShardedDistributedOptimizer).items() if k not in ("__dict__", "__weakref__")}
+    base_step = base.step.__wrapped__ if getattr(base.step, "hooked", False) else base.step
+    cls = type(base.__name__, (base,), {**namespace, "_hora_base": base, "_hora_base_step": base_step})
+    return cls(optimizer.param_groups, names, compression, backward_passes_per_step, op, gradient_predivide_factor,
+               process_set, zero_stage, optimizer)
