@@ -211,6 +211,14 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = passes
         self._reset()
 
+    def broadcast_options(self, root_rank: int = 0) -> None:
+        """Make the options (lr, betas, ...) of every parameter group rank ``root_rank``'s; the state stays each
+        rank's own slice (``hvd.broadcast_optimizer_state`` calls this for a sharded optimizer)."""
+        options = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        for g, saved in zip(self.param_groups, _core.broadcast_object(options, root_rank, name="hora.zero.options",
+                                                                      process_set=self.process_set)):
+            g.update(saved)
+
     def _reset(self) -> None:
         self._handles.clear()
         self._ready.clear()
