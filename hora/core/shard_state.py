@@ -168,3 +168,118 @@ def slice_full(plan: ShardPlan, rank: int, full: ShardState) -> ShardState:
     wanted = {i for i, _, _ in plan.pieces(rank)}
     return ShardState({k: np.array(a[lo:hi]) for k, a in full.arrays.items()},
                       {i: d for i, d in full.scalars.items() if i in wanted})
+
+
+# -- moving committed slices between ranks (elastic) ---------------------------------------------
+def move(held: list[tuple[int, np.ndarray]], assigned: list[list[tuple[int, int]]], wanted: list[tuple[int, int]],
+         dtype, name: str, process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """One alltoall that gives every rank ``d`` the flat range ``wanted[d]``: rank ``s`` sends the parts of
+    its ``assigned[s]`` ranges (disjoint over all ranks, covering what is wanted) that fall in each
+    ``wanted[d]``, reading them from ``held`` (``(start, array)`` pairs, each array a run of the flat
+    vector). Every rank computes the same segment lists, so the receiver knows where each part goes."""
+    me = process_set.rank()
+    n = process_set.size()
+
+    def segments(s: int, d: int) -> list[tuple[int, int]]:
+        lo, hi = wanted[d]
+        return sorted((max(a, lo), min(b, hi)) for a, b in assigned[s] if min(b, hi) > max(a, lo))
+
+    def read(a: int, b: int) -> np.ndarray:
+        for start, arr in held:
+            if start <= a and b <= start + len(arr):
+                return arr[a - start:b - start]
+        raise HoraValueError(f"rank {me} was assigned the range {a}:{b} of '{name}' but does not hold it")
+
+    parts = [read(a, b) for d in range(n) for a, b in segments(me, d)]
+    send = np.concatenate(parts) if parts else np.empty(0, dtype)
+    splits = [sum(b - a for a, b in segments(me, d)) for d in range(n)]
+    out, _ = _ops.alltoall(send.astype(dtype, copy=False), splits, name=name, process_set=process_set)
+    lo, hi = wanted[me]
+    result, pos = np.empty(hi - lo, dtype), 0
+    for s in range(n):
+        for a, b in segments(s, me):
+            result[a - lo:b - lo] = out[pos:pos + b - a]
+            pos += b - a
+    return result
+
+
+def buddy_copy(plan: ShardPlan, own: ShardState, process_set: ProcessSet = global_process_set) -> ShardState:
+    """The slice of the next rank (``rank + 1 mod N``), so that a lost rank's committed state survives on the
+    rank before it. Collective; sends 1/N of the state per rank."""
+    me, n = process_set.rank(), process_set.size()
+    info = _ops.allgather_object(({k: str(a.dtype) for k, a in own.arrays.items()}, own.scalars),
+                                 name="hora.shard_state.buddy", process_set=process_set)
+    keys: dict[str, str] = {}
+    for k, _ in info:
+        keys.update(k)
+    start = plan.range(me)[0]
+    arrays = {}
+    for key, dtype in sorted(keys.items()):
+        mine = own.arrays.get(key, np.empty(0, np.dtype(dtype)))
+        arrays[key] = move([(start, mine)], [[plan.range(s)] for s in range(n)],
+                           [plan.range((d + 1) % n) for d in range(n)], np.dtype(dtype),
+                           f"hora.shard_state.buddy.{key}", process_set)
+    return ShardState(arrays, info[(me + 1) % n][1])
+
+
+def redistribute(held: dict[int, tuple[ShardPlan, dict[int, ShardState]]], plan: ShardPlan,
+                 process_set: ProcessSet = global_process_set) -> tuple[ShardState, int]:
+    """This rank's slice under ``plan`` (the current world) of the newest committed version that the live
+    ranks hold completely. ``held``: version -> (the plan of that commit, {old rank: its slice}) for the
+    slices this rank holds (its own and the next rank's); a new worker holds none. Collective. Every old
+    slice is sent by one holder straight to its new owners: no rank holds more than its own slices."""
+    me = process_set.rank()
+    mine = {v: (p.to_json(), sorted(s), {k: str(a.dtype) for st in s.values() for k, a in st.arrays.items()},
+                any(st.scalars or st.arrays for st in s.values())) for v, (p, s) in held.items()}
+    everyone = _ops.allgather_object(mine, name="hora.shard_state.held", process_set=process_set)
+    version, old, holders, keys = _choose(everyone)
+    if old is None:  # nothing committed anywhere (a job whose every rank is new): an empty state
+        return ShardState(), 0
+    check_same_parameters(old, plan, "elastic reshard")
+    # each old slice is sent by its first holder (its owner when it lives: ranks keep their order)
+    sender = {q: min(ranks) for q, ranks in holders.items()}
+    assigned = [[old.range(q) for q, s in sender.items() if s == r] for r in range(process_set.size())]
+    wanted = [plan.range(d) for d in range(process_set.size())]
+    slices = held.get(version, (None, {}))[1]
+    mine_held = [(old.range(q)[0], st) for q, st in slices.items() if sender[q] == me]
+    state = ShardState()
+    for key, dtype in sorted(keys.items()):
+        state.arrays[key] = move([(start, st.arrays[key]) for start, st in mine_held if key in st.arrays],
+                                 assigned, wanted, np.dtype(dtype), f"hora.shard_state.move.{key}", process_set)
+    scalars = {i: d for _, st in mine_held for i, d in st.scalars.items()}
+    wanted_params = {i for i, _, _ in plan.pieces(me)}
+    for theirs in _ops.allgather_object(scalars, name="hora.shard_state.scalars", process_set=process_set):
+        for i, d in theirs.items():
+            if i in wanted_params:
+                state.scalars.setdefault(i, d)
+    return state, version
+
+
+def _choose(everyone: list[dict]) -> tuple[int, ShardPlan | None, dict[int, list[int]], dict[str, str]]:
+    """The newest version whose every old slice some live rank holds (among the ranks that committed it
+    under one plan: a new worker's version 0 is its own, at the new size); its plan, holders and keys."""
+    versions = sorted({v for held in everyone for v in held}, reverse=True)
+    for v in versions:
+        for plan_json in sorted({json.dumps(held[v][0]) for held in everyone if v in held}):
+            old = ShardPlan.from_json(json.loads(plan_json))
+            group = [(r, held[v]) for r, held in enumerate(everyone)
+                     if v in held and json.dumps(held[v][0]) == plan_json]
+            holders: dict[int, list[int]] = {}
+            keys: dict[str, str] = {}
+            for r, (_, qs, ks, _) in group:
+                keys.update(ks)
+                for q in qs:
+                    holders.setdefault(q, []).append(r)
+            if not any(content for _, (_, _, _, content) in group):  # nothing stepped yet: nothing to move
+                return v, old, holders, {}
+            for q in range(old.world):  # an empty slice needs no holder
+                if old.range(q)[0] == old.range(q)[1]:
+                    holders.setdefault(q, [group[0][0]])
+            if len(holders) == old.world:
+                return v, old, holders, keys
+    if versions:
+        raise HoraValueError("elastic reshard: no committed version of the sharded optimizer state is complete on "
+                             "the live ranks (each slice lives on its owner and, from the first commit on, on the "
+                             f"rank before it; both are gone for some slice). Versions seen: {versions}. Commit "
+                             "once after building the state, or restart from a checkpoint")
+    return 0, None, {}, {}

@@ -19,6 +19,7 @@ world size), :meth:`consolidated_state_dict` (an ordinary ``torch.optim`` state 
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import pickle
 import warnings
@@ -35,6 +36,15 @@ from hora.core.process_sets import global_process_set
 from hora.torch.compression import Compression
 
 META = "meta.pkl"
+
+
+class ShardedOptimizer(abc.ABC):  # noqa: B024 - a marker, recognised by __subclasshook__
+    """``isinstance(opt, ShardedOptimizer)`` holds for what ``DistributedOptimizer(zero_stage=1|2)`` returns
+    (a dynamic subclass of the wrapped optimizer's class, so this is how handlers recognise it)."""
+
+    @classmethod
+    def __subclasshook__(cls, other):
+        return True if getattr(other, "_hora_sharded", False) else NotImplemented
 
 
 class _ShardedDistributedOptimizer(torch.optim.Optimizer):
@@ -54,24 +64,9 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self._wire = _wire(compression)
         self._scales = predivide(op, gradient_predivide_factor)
-        self._rank = process_set.rank()
-        self.plan = sharding.make_plan([p.numel() for p in self._params], process_set.size())
-        self._offsets = self.plan.offsets
-        itemsize = self._params[0].element_size() if self._params else 4
-        from hora.base import knobs
-
-        cap = min(knobs.value("fusion_threshold"), sharding.BUCKET_BYTES)
-        self._buckets = sharding.make_buckets(self.plan.sizes, itemsize, cap)
-        self._bucket_of = {i: b for b, (first, stop) in enumerate(self._buckets) for i in range(first, stop)}
         self._index = {p: i for i, p in enumerate(self._params)}
-        # the pieces: leaves sharing the parameters' storage, so the wrapped optimizer updates them in place
-        self._pieces = {i: self._params[i].detach().view(-1)[a:b] for i, a, b in self.plan.pieces(self._rank)}
-        lo, hi = self.plan.range(self._rank)
-        self._grad_flat = None if zero_stage == 1 else self._params[0].new_zeros(hi - lo) if self._params else None
-        shard_groups = [{**{k: v for k, v in g.items() if k != "params"},
-                         "params": [self._pieces[self._index[p]] for p in g["params"]
-                                    if p in self._index and self._index[p] in self._pieces]} for g in groups]
-        self._hora_base.__init__(self, shard_groups)
+        self._layout()
+        self._hora_base.__init__(self, self._shard_groups())
         self.defaults = _source.defaults
         if _source.state:  # a state loaded into the wrapped optimizer before wrapping: keep this rank's part
             self._load_full(_source.state_dict())
@@ -80,6 +75,35 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
         self._delay = {p: backward_passes_per_step for p in self._params}
         self._synchronized, self._should_synchronize = False, True
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._hora_hook) for p in self._params]
+
+    def _layout(self) -> None:
+        """The shard plan for the process set's current size, this rank's pieces and buckets."""
+        from hora.base import knobs
+
+        self._rank = self.process_set.rank()
+        self.plan = sharding.make_plan([p.numel() for p in self._params], self.process_set.size())
+        self._offsets = self.plan.offsets
+        cap = min(knobs.value("fusion_threshold"), sharding.BUCKET_BYTES)
+        self._buckets = sharding.make_buckets(self.plan.sizes, self._params[0].element_size(), cap)
+        self._bucket_of = {i: b for b, (first, stop) in enumerate(self._buckets) for i in range(first, stop)}
+        # the pieces: leaves sharing the parameters' storage, so the wrapped optimizer updates them in place
+        self._pieces = {i: self._params[i].detach().view(-1)[a:b] for i, a, b in self.plan.pieces(self._rank)}
+        lo, hi = self.plan.range(self._rank)
+        self._grad_flat = self._params[0].new_zeros(hi - lo) if self.zero_stage == 2 else None
+
+    def _shard_groups(self) -> list[dict]:
+        return [{**{k: v for k, v in g.items() if k != "params"},
+                 "params": [self._pieces[self._index[p]] for p in g["params"]
+                            if p in self._index and self._index[p] in self._pieces]} for g in self._model_groups]
+
+    def relayout(self) -> None:
+        """Follow a new number of ranks (elastic reset): a new plan and new pieces; the state is emptied,
+        to be filled by :meth:`set_shard_state` (``hora.torch.elastic`` reshards the committed one)."""
+        self._reset()
+        self._layout()
+        for g, new in zip(self.param_groups, self._shard_groups()):
+            g["params"] = new["params"]
+        self.state.clear()
 
     # -- backward: buckets start their reduce-scatter when complete --------------------------------
     def _hora_hook(self, p: torch.Tensor) -> None:
