@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import itertools
 import pickle
 import warnings
 from pathlib import Path
@@ -36,6 +37,7 @@ from hora.core.process_sets import global_process_set
 from hora.torch.compression import Compression
 
 META = "meta.pkl"
+_ids = itertools.count()
 
 
 class ShardedOptimizer(abc.ABC):  # noqa: B024 - a marker, recognised by __subclasshook__
@@ -63,6 +65,7 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
         self.zero_stage, self.op, self.process_set = zero_stage, op, process_set
         self.backward_passes_per_step = backward_passes_per_step
         self._wire = _wire(compression)
+        self._name = f"hora.zero.{next(_ids)}"  # ranks create their optimizers in the same order
         self._scales = predivide(op, gradient_predivide_factor)
         self._index = {p: i for i, p in enumerate(self._params)}
         self._layout()
@@ -128,12 +131,16 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
         params = self._params[first:stop]
         with torch.no_grad():
             for p in params:
-                if p.grad is not None and p.grad.is_sparse:  # densified (sparse_as_dense is implied)
+                if p.grad is None:  # no gradient on this rank: it contributes zeros, as the unsharded optimizer
+                    p.grad = torch.zeros_like(p)
+                elif p.grad.is_sparse:  # densified (sparse_as_dense is implied)
                     p.grad = p.grad.to_dense()
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+                elif not p.grad.is_contiguous():  # stage 1 writes the reduced slice into a flat view of it
+                    p.grad = p.grad.contiguous()
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
         lo, hi = self._offsets[first], self._offsets[stop]
         pre, post = self._scales
-        handle = sharding.reduce_scatter_async(flat.numpy(), self.plan.counts(lo, hi), f"hora.zero.rs.{b}", self.op,
+        handle = sharding.reduce_scatter_async(flat.numpy(), self.plan.counts(lo, hi), f"{self._name}.rs.{b}", self.op,
                                                pre, post, self._wire, self.process_set)
         if self.zero_stage == 2:  # the packed copy is all the reduction needs: free the full gradients now
             for p in params:
@@ -208,7 +215,7 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
                 mine = [self._params[i].view(-1)[a:c] for i, a, c in
                         sharding.pieces_of(self._offsets, max(lo, mlo), min(hi, mhi))]
                 flat = torch.cat(mine) if mine else self._params[first].new_empty(0)
-                pending.append((b, flat, sharding.allgather_async(flat.numpy(), f"hora.zero.ag.{b}",
+                pending.append((b, flat, sharding.allgather_async(flat.numpy(), f"{self._name}.ag.{b}",
                                                                   self.process_set)))
             for b, _, handle in pending:
                 out = torch.from_numpy(_core.synchronize(handle))
@@ -239,7 +246,7 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
         """Make the options (lr, betas, ...) of every parameter group rank ``root_rank``'s; the state stays each
         rank's own slice (``hvd.broadcast_optimizer_state`` calls this for a sharded optimizer)."""
         options = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        for g, saved in zip(self.param_groups, _core.broadcast_object(options, root_rank, name="hora.zero.options",
+        for g, saved in zip(self.param_groups, _core.broadcast_object(options, root_rank, name=f"{self._name}.options",
                                                                       process_set=self.process_set)):
             g.update(saved)
 
