@@ -86,3 +86,68 @@ def test_what_cannot_combine_says_so():
     adasum, topk, passes = run(2, _refusals, env=ENV)[0]
     assert "Adasum cannot combine" in adasum and "cannot combine with a sharded" in topk
     assert "optax.MultiSteps" in passes
+
+
+def _checkpoint(directory, phase):
+    """phase "save" (np=4): 10 steps, consolidate (rank 0 pickles it), 10 more: the uninterrupted run.
+    phase "load": the step-10 checkpoint sliced at this world size, then steps 10-20."""
+    import pickle
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import hora.jax as hvd
+    from hora.jax import sharded
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    params = {"w1": jax.random.normal(k1, (6, 8)), "b1": jnp.zeros(8), "w2": jax.random.normal(k2, (8, 3))}
+
+    def loss(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2)
+
+    tx = hvd.DistributedOptimizer(optax.adam(0.01), zero_stage=1)
+
+    @jax.jit
+    def step(p, s, x, y):
+        u, s = tx.update(jax.grad(loss)(p, x, y), s, p)
+        return optax.apply_updates(p, u), s
+
+    def steps(p, s, first, last):
+        for i in range(first, last):
+            g = np.random.default_rng(i)
+            x, y = g.standard_normal((12, 6), np.float32), g.standard_normal((12, 3), np.float32)
+            k = 12 // n
+            p, s = step(p, s, x[r * k:(r + 1) * k], y[r * k:(r + 1) * k])
+        return p, s
+
+    if phase == "save":
+        p, s = steps(params, tx.init(params), 0, 10)
+        full = sharded.consolidate(s, p)
+        plain = optax.adam(0.01).init(p)  # the unsharded state's structure: plain optax takes the checkpoint
+        assert jax.tree_util.tree_structure(full) == jax.tree_util.tree_structure(plain)
+        optax.adam(0.01).update(jax.tree_util.tree_map(jnp.zeros_like, p), full, p)
+        if r == 0:
+            with open(f"{directory}/ckpt.pkl", "wb") as f:
+                pickle.dump(jax.device_get((p, full)), f)
+        p, s = steps(p, s, 10, 20)
+    else:
+        with open(f"{directory}/ckpt.pkl", "rb") as f:
+            p, full = pickle.load(f)
+        s = sharded.shard(full, p, tx.init(p))
+        p, s = steps(p, s, 10, 20)
+    hvd.shutdown()
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(p)]
+
+
+def test_consolidated_state_saved_at_4_continues_at_2_and_3(tmp_path):
+    import numpy as np
+
+    reference = run(4, _checkpoint, str(tmp_path), "save", timeout=220, env=ENV)[0]
+    for n in (2, 3):
+        for rank, got in enumerate(run(n, _checkpoint, str(tmp_path), "load", timeout=220, env=ENV)):
+            for a, b in zip(got, reference):
+                np.testing.assert_allclose(a, b, rtol=0, atol=2e-5, err_msg=f"np={n} rank {rank}")

@@ -104,3 +104,45 @@ def make(optimizer, op, compression, backward_passes_per_step, gradient_predivid
         return jax.tree_util.tree_unflatten(treedef, out), ShardedState(new_inner)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _slice(params, process_set):
+    leaves = jax.tree_util.tree_leaves(params)
+    plan = sharding.make_plan([int(np.prod(x.shape)) for x in leaves], process_set.size())
+    return plan, plan.range(process_set.rank())
+
+
+def consolidate(state: ShardedState, params, process_set=None):
+    """The whole state, as the unsharded transformation keeps it (each slice-shaped array of the wrapped
+    state gathered and shaped like ``params``), on every rank: what to save as a checkpoint that plain optax
+    loads and that :func:`shard` slices at any number of ranks. Collective."""
+    from hora.core.process_sets import global_process_set
+
+    ps = process_set or global_process_set
+    plan, (lo, hi) = _slice(params, ps)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    offsets = plan.offsets
+
+    def whole(x):
+        if getattr(x, "shape", None) != (hi - lo,):
+            return x
+        full = _core.allgather(np.ascontiguousarray(np.asarray(x)), name="jax.zero.consolidate", process_set=ps)
+        return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(full[offsets[i]:offsets[i + 1]]).reshape(p.shape)
+                                                      for i, p in enumerate(leaves)])
+    return jax.tree_util.tree_map(whole, state.inner)
+
+
+def shard(full, params, template: ShardedState, process_set=None) -> ShardedState:
+    """This rank's :class:`ShardedState` of a whole state (:func:`consolidate`'s, or the unsharded
+    transformation's) at the current number of ranks; ``template``: ``tx.init(params)`` of the sharded
+    transformation (it says which arrays are slice-shaped)."""
+    from hora.core.process_sets import global_process_set
+
+    ps = process_set or global_process_set
+    _, (lo, hi) = _slice(params, ps)
+
+    def mine(t, f):
+        if getattr(t, "shape", None) != (hi - lo,):
+            return f
+        return jnp.concatenate([jnp.ravel(x) for x in jax.tree_util.tree_leaves(f)])[lo:hi]
+    return ShardedState(jax.tree_util.tree_map(mine, template.inner, full))
