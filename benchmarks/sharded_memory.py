@@ -54,7 +54,8 @@ def _memory(model_name: str) -> dict:
         grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
         flat = getattr(opt, "_grad_flat", None)
         grads += flat.nbytes if flat is not None else 0
-        out[mode] = {"state": state, "grads": grads, "params": sum(p.nbytes for p in model.parameters())}
+        out[mode] = {"state": state, "grads": grads, "params": sum(p.nbytes for p in model.parameters()),
+                     "peak_in_flight": getattr(opt, "peak_pending_bytes", 0)}
     hvd.shutdown()
     return out
 
@@ -93,30 +94,41 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_args(ap)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--models", default="cnn,mlp,mlp1k")
+    ap.add_argument("--models", default="cnn,mlp,mlp1k", help="train.py's models to time; 'none': memory only "
+                    "(written to results/sharded_memory.{md,json})")
+    ap.add_argument("--bucket-mb", type=float, default=None, help="the fusion threshold (bucket cap) in MiB")
     args = ap.parse_args()
     import hora
 
     res = {"conditions": start(args.wait_quiet)}
-    res["memory"] = {n: hora.run(_memory, args=("mlp",), num_proc=n) for n in (1, 2, 4)}
+    knobs = {} if args.bucket_mb is None else {"fusion_threshold": int(args.bucket_mb * 2**20)}
+    res["bucket_mb"] = args.bucket_mb
+    res["memory"] = {n: hora.run(_memory, args=("mlp",), num_proc=n, **knobs) for n in (1, 2, 4)}
+    models = [] if args.models == "none" else args.models.split(",")
     steps, windows, warmup = (10, 3, 3) if args.quick else (20, 5, 5)
-    res["throughput"] = {m: hora.run(_throughput, args=(m, steps, windows, warmup), num_proc=2)[0]
-                         for m in args.models.split(",")}
-    res["traffic"] = {m: traffic(m, 2) for m in args.models.split(",")}
-    print(finish(res, _markdown, Path(__file__).resolve().parent / "results", "sharded"))
+    res["throughput"] = {m: hora.run(_throughput, args=(m, steps, windows, warmup), num_proc=2, **knobs)[0]
+                         for m in models}
+    res["traffic"] = {m: traffic(m, 2) for m in models}
+    stem = "sharded" if models else "sharded_memory"
+    print(finish(res, _markdown, Path(__file__).resolve().parent / "results", stem))
 
 
 def _markdown(res: dict) -> str:
-    lines = ["Memory per rank (mlp, Adam; MiB; worst rank; % of the unsharded):", "",
-             "| np | state unsharded | state zero1 | state zero2 | grads unsharded | grads zero1 | grads zero2 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"Memory per rank (mlp, Adam; MiB; worst rank; % of the unsharded; bucket cap "
+             f"{res.get('bucket_mb') or 'default'} MiB):", "",
+             "| np | state unsharded | state zero1 | state zero2 | grads unsharded | grads zero1 | grads zero2 "
+             "| zero2 packed gradients in flight, peak |",
+             "|---|---|---|---|---|---|---|---|"]
     for n, ranks in res["memory"].items():
         worst = {m: {k: max(r[m][k] for r in ranks) for k in ("state", "grads")} for m in MODES}
         cells = []
         for k in ("state", "grads"):
             base = worst["unsharded"][k]
             cells += [f"{worst[m][k] / 2**20:.2f} ({100 * worst[m][k] / base:.1f}%)" for m in MODES]
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        peak = max(r["zero2"]["peak_in_flight"] for r in ranks)
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {peak / 2**20:.2f} |")
+    if not res["throughput"]:
+        return "\n".join(lines)
     lines += ["", "Throughput at np=2 (samples/s, median window) and bytes sent per rank per step:", "",
               "| model | unsharded | zero1 | zero2 | zero2/unsharded | traffic unsharded | traffic sharded |",
               "|---|---|---|---|---|---|---|"]

@@ -77,6 +77,7 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
         self._handles: dict[int, tuple] = {}
         self._delay = {p: backward_passes_per_step for p in self._params}
         self._synchronized, self._should_synchronize = False, True
+        self.peak_pending_bytes = 0  # stage 2: the most bytes of packed gradients in flight at once
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._hora_hook) for p in self._params]
 
     def _layout(self) -> None:
@@ -142,10 +143,33 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
         pre, post = self._scales
         handle = sharding.reduce_scatter_async(flat.numpy(), self.plan.counts(lo, hi), f"{self._name}.rs.{b}", self.op,
                                                pre, post, self._wire, self.process_set)
+        self._handles[b] = (flat, handle)
         if self.zero_stage == 2:  # the packed copy is all the reduction needs: free the full gradients now
             for p in params:
                 p.grad = None
-        self._handles[b] = (flat, handle)
+            # and the packed copies of the buckets already reduced: only those in flight stay
+            for done in [c for c, (f, h) in self._handles.items() if f is not None and c != b and _core.poll(h.handle)]:
+                self._finish(done)
+            self.peak_pending_bytes = max(self.peak_pending_bytes,
+                                          sum(f.nbytes for f, _ in self._handles.values() if f is not None))
+
+    def _finish(self, b: int) -> None:
+        """Wait for bucket ``b``'s reduction and put this rank's part of it in place (stage 2: the slice
+        buffer; stage 1: the owned part of ``p.grad``)."""
+        _, handle = self._handles[b]
+        self._handles[b] = (None, None)
+        part = torch.from_numpy(handle.wait())
+        mlo, mhi = self.plan.range(self._rank)
+        lo, hi = self._offsets[self._buckets[b][0]], self._offsets[self._buckets[b][1]]
+        s, e = max(lo, mlo), min(hi, mhi)
+        if e <= s:
+            return
+        if self._grad_flat is not None:
+            self._grad_flat[s - mlo:e - mlo].copy_(part)
+            return
+        for i, a, c in sharding.pieces_of(self._offsets, s, e):
+            start = self._offsets[i] + a - s
+            self._params[i].grad.view(-1)[a:c].copy_(part[start:start + c - a])
 
     # -- public methods --------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -155,23 +179,14 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
             if b not in self._handles:
                 self._submit(b)
         error = None
-        mlo, mhi = self.plan.range(self._rank)
-        for b, (_, handle) in sorted(self._handles.items()):
+        mlo, _ = self.plan.range(self._rank)
+        for b in sorted(self._handles):
+            if self._handles[b][1] is None:
+                continue
             try:  # wait for every handle even after a failure, so none is left in flight
-                part = torch.from_numpy(handle.wait())
+                self._finish(b)
             except Exception as e:  # noqa: BLE001 - re-raised below, after the others are drained
                 error = error or e
-                continue
-            lo, hi = self._offsets[self._buckets[b][0]], self._offsets[self._buckets[b][1]]
-            s, e = max(lo, mlo), min(hi, mhi)
-            if e <= s:
-                continue
-            if self._grad_flat is not None:
-                self._grad_flat[s - mlo:e - mlo].copy_(part)
-                continue
-            for i, a, c in sharding.pieces_of(self._offsets, s, e):
-                start = self._offsets[i] + a - s
-                self._params[i].grad.view(-1)[a:c].copy_(part[start:start + c - a])
         self._reset()
         if error is not None:
             raise error
