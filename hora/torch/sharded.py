@@ -9,8 +9,9 @@ parameter's storage, so the optimizer's in-place update writes the parameter its
    is packed and its reduce-scatter starts (overlapping the rest of backward). Stage 2 drops the
    parameters' full gradients at once; the reduced slice lands in one slice-sized buffer. Stage 1 keeps
    them and writes the reduced values into the owned part of ``p.grad``.
-2. ``step()``: wait for the reductions, run the wrapped optimizer on the pieces, all-gather the updated
-   slices into every rank's parameters (all buckets' gathers in flight while the first are unpacked).
+2. ``step()``: wait for the reductions; bucket by bucket, run the wrapped optimizer on the bucket's pieces
+   and start its all-gather (which runs while the next bucket is updated); copy the gathered parameters
+   into the model as each completes.
 
 Checkpoints (:mod:`hora.core.shard_state`): :meth:`save_sharded` / :meth:`load_sharded` (a directory, any
 world size), :meth:`consolidated_state_dict` (an ordinary ``torch.optim`` state dict on one rank, which
@@ -92,6 +93,7 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
         self._bucket_of = {i: b for b, (first, stop) in enumerate(self._buckets) for i in range(first, stop)}
         # the pieces: leaves sharing the parameters' storage, so the wrapped optimizer updates them in place
         self._pieces = {i: self._params[i].detach().view(-1)[a:b] for i, a, b in self.plan.pieces(self._rank)}
+        self._piece_bucket = {piece: self._bucket_of[i] for i, piece in self._pieces.items()}
         lo, hi = self.plan.range(self._rank)
         self._grad_flat = self._params[0].new_zeros(hi - lo) if self.zero_stage == 2 else None
 
@@ -217,21 +219,38 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
         if self._should_synchronize:
             self.synchronize()
         self._synchronized = False
-        type(self)._hora_base_step(self)
-        self._gather()
+        if len(self._buckets) == 1:
+            type(self)._hora_base_step(self)
+            self._gather([self._start_gather(0)])
+            return loss
+        # bucket by bucket, so that each bucket's all-gather runs while the next one is updated
+        everything = [g["params"] for g in self.param_groups]
+        pending = []
+        try:
+            for b in range(len(self._buckets)):
+                for g, pieces in zip(self.param_groups, everything):
+                    g["params"] = [q for q in pieces if self._piece_bucket[q] == b]
+                type(self)._hora_base_step(self)
+                pending.append(self._start_gather(b))
+        finally:
+            for g, pieces in zip(self.param_groups, everything):
+                g["params"] = pieces
+        self._gather(pending)
         return loss
 
-    def _gather(self) -> None:
+    def _start_gather(self, b: int) -> tuple:
         mlo, mhi = self.plan.range(self._rank)
-        pending = []
+        first, stop = self._buckets[b]
+        lo, hi = self._offsets[first], self._offsets[stop]
         with torch.no_grad():
-            for b, (first, stop) in enumerate(self._buckets):
-                lo, hi = self._offsets[first], self._offsets[stop]
-                mine = [self._params[i].view(-1)[a:c] for i, a, c in
-                        sharding.pieces_of(self._offsets, max(lo, mlo), min(hi, mhi))]
-                flat = torch.cat(mine) if mine else self._params[first].new_empty(0)
-                pending.append((b, flat, sharding.allgather_async(flat.numpy(), f"{self._name}.ag.{b}",
-                                                                  self.process_set)))
+            mine = [self._params[i].view(-1)[a:c] for i, a, c in
+                    sharding.pieces_of(self._offsets, max(lo, mlo), min(hi, mhi))]
+            flat = torch.cat(mine) if mine else self._params[first].new_empty(0)
+        return b, flat, sharding.allgather_async(flat.numpy(), f"{self._name}.ag.{b}", self.process_set)
+
+    def _gather(self, pending: list) -> None:
+        """Copy every bucket's gathered parameters into the model as its all-gather completes."""
+        with torch.no_grad():
             for b, _, handle in pending:
                 out = torch.from_numpy(_core.synchronize(handle))
                 first, stop = self._buckets[b]
