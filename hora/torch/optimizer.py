@@ -288,13 +288,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         warnings.warn("DistributedOptimizer(num_groups=...) is deprecated; use groups=", DeprecationWarning,
                       stacklevel=2)
         groups = num_groups if groups is None else groups
-    if check_stage(zero_stage, "DistributedOptimizer"):
+    stage = check_stage(zero_stage, "DistributedOptimizer")
+    if stage:  # a third variant (hora.torch.sharded), as Adasum's is a second
         from hora.torch import sharded
 
         check_shardable(op, "DistributedOptimizer")
         return sharded.make(optimizer, _names(named_parameters, optimizer.param_groups), compression,
                             backward_passes_per_step, op, gradient_predivide_factor, groups, sparse_as_dense,
-                            process_set, check_stage(zero_stage, "DistributedOptimizer"))
+                            process_set, stage)
     base = type(optimizer)
     namespace = {k: v for k, v in vars(_DistributedOptimizer).items() if k not in ("__dict__", "__weakref__")}
     if op == Adasum:  # Horovod's delta semantics: the change of the weights is reduced (hora.torch.adasum)
