@@ -79,7 +79,7 @@ def _throughput(model_name: str, steps: int, windows: int, warmup: int) -> dict:
 
 def traffic(model_name: str, n: int, wire: int = 4, itemsize: int = 4) -> dict:
     """Bytes rank 0 sends per step (the ring's ranks all send about the same)."""
-    from hora.core.sharding import make_plan
+    from hora.kit.sharding import make_plan
 
     sizes = [p.numel() for p in build(model_name).parameters()]
     plan = make_plan(sizes, n)

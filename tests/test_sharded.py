@@ -122,7 +122,7 @@ def _model_cpu():
 
 
 def test_plan_balanced_and_aligned():
-    from hora.core.sharding import make_buckets, make_plan, pieces_of
+    from hora.kit.sharding import make_buckets, make_plan, pieces_of
 
     plan = make_plan([1000, 3, 7, 100, 5, 33], 4)
     counts = [b - a for a, b in zip(plan.bounds, plan.bounds[1:])]

@@ -1,5 +1,5 @@
 """``DistributedOptimizer(tx, zero_stage=1)``: an optax transformation whose wrapped state covers this rank's
-slice of the parameters only (ZeRO stage 1; :mod:`hora.core.sharding` has the layout).
+slice of the parameters only (ZeRO stage 1; :mod:`hora.kit.sharding` has the layout).
 
 ``init(params)`` lays the parameters end to end and gives the wrapped transformation this rank's slice (a
 1-D array). ``update`` packs the gradients the same way, reduce-scatters them in one ordered host call (each
@@ -20,8 +20,8 @@ import numpy as np
 
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
-from hora.core import sharding
-from hora.core.frontend import predivide
+from hora.kit import sharding
+from hora.kit.frontend import predivide
 from hora.jax import bridge
 from hora.jax.compression import Compression
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import tensorflow as tf
 
 from hora.base.errors import HoraValueError
-from hora.core.frontend import check_optimizer_args
+from hora.kit.frontend import check_optimizer_args
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
-from hora.core.sharding import check_stage
+from hora.kit.sharding import check_stage
 from hora.tensorflow.compression import Compression
 from hora.tensorflow.gradient_tape import GradientReducer
 

@@ -1,5 +1,5 @@
 """``hora.tensorflow.DistributedOptimizer(keras_optimizer, zero_stage=1)`` for custom training loops: the
-wrapped Keras optimizer's state covers this rank's slice of the variables only (:mod:`hora.core.sharding`).
+wrapped Keras optimizer's state covers this rank's slice of the variables only (:mod:`hora.kit.sharding`).
 
 It takes the *local* gradients (a plain ``tf.GradientTape``, not ``DistributedGradientTape``: the reduction
 is its job). ``apply_gradients(zip(grads, variables))`` packs them into one flat vector, reduce-scatters it in
@@ -21,8 +21,8 @@ import tensorflow as tf
 
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
-from hora.core import sharding
-from hora.core.frontend import predivide
+from hora.kit import sharding
+from hora.kit.frontend import predivide
 from hora.tensorflow import bridge
 from hora.tensorflow.compression import Compression
 

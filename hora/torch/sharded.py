@@ -1,6 +1,6 @@
 """``DistributedOptimizer(..., zero_stage=1|2)``: each rank keeps the optimizer state of its slice only.
 
-The parameters are laid end to end (:mod:`hora.core.sharding`); rank ``r`` owns a contiguous slice. The
+The parameters are laid end to end (:mod:`hora.kit.sharding`); rank ``r`` owns a contiguous slice. The
 wrapped optimizer is rebuilt over *pieces*: flat views of the owned elements of each parameter, sharing the
 parameter's storage, so the optimizer's in-place update writes the parameter itself and its state
 (``exp_avg`` ...) exists only for the slice. A step:
@@ -13,7 +13,7 @@ parameter's storage, so the optimizer's in-place update writes the parameter its
    and start its all-gather (which runs while the next bucket is updated); copy the gathered parameters
    into the model as each completes.
 
-Checkpoints (:mod:`hora.core.shard_state`): :meth:`save_sharded` / :meth:`load_sharded` (a directory, any
+Checkpoints (:mod:`hora.kit.shard_state`): :meth:`save_sharded` / :meth:`load_sharded` (a directory, any
 world size), :meth:`consolidated_state_dict` (an ordinary ``torch.optim`` state dict on one rank, which
 :meth:`load_state_dict` slices at any world size).
 """
@@ -32,8 +32,8 @@ import torch
 
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
-from hora.core import shard_state, sharding
-from hora.core.frontend import predivide
+from hora.kit import shard_state, sharding
+from hora.kit.frontend import predivide
 from hora.core.process_sets import global_process_set
 from hora.torch.compression import Compression
 

@@ -1,11 +1,11 @@
 """The elastic handler of a sharded optimizer (``DistributedOptimizer(zero_stage=1|2)``).
 
 A commit keeps this rank's slice of the optimizer state *and a copy of the next rank's*
-(:func:`hora.core.shard_state.buddy_copy`: 1/N of the state sent per rank), so that the committed state
+(:func:`hora.kit.shard_state.buddy_copy`: 1/N of the state sent per rank), so that the committed state
 survives the loss of any rank whose neighbour lives. The last two commits are kept: a rank lost in the
 middle of a commit's exchange leaves the previous one complete. After a reset, :meth:`sync` lays the
 parameters out for the new number of ranks and every committed slice goes from one holder straight to
-its new owners (:func:`hora.core.shard_state.redistribute`); no rank gathers the whole state. The options
+its new owners (:func:`hora.kit.shard_state.redistribute`); no rank gathers the whole state. The options
 (lr, ...) are committed too and are rank 0's after a sync.
 """
 
@@ -15,8 +15,8 @@ import copy
 
 import numpy as np
 
-from hora.core import shard_state
-from hora.core.frontend_elastic import StateHandler
+from hora.kit import shard_state
+from hora.elastic.handlers import StateHandler
 
 KEEP = 2  # committed versions kept: the newest may be incomplete when a rank died during its exchange
 

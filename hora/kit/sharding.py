@@ -6,7 +6,7 @@ elements. Rank ``r`` owns the contiguous slice ``bounds[r]:bounds[r + 1]``: bala
 cut moved to the nearest tensor boundary when that changes the rank's share by at most
 ``ALIGN_SLACK``. The plan depends only on the parameter sizes and the world size, so every rank computes
 the same one, and a checkpoint saved at N ranks maps onto the plan of M ranks by plain interval
-arithmetic (:mod:`hora.core.shard_state`).
+arithmetic (:mod:`hora.kit.shard_state`).
 
 A step, per bucket (a run of consecutive parameters, about ``bucket_bytes``, reduced as soon as the last of
 its gradients exists):

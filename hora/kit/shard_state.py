@@ -1,7 +1,7 @@
 """Sharded optimizer state at rest: checkpoints saved at N ranks and loaded at M, framework-free.
 
 A rank's state (:class:`ShardState`) is what the wrapped optimizer keeps for the rank's slice of the flat
-parameter vector (:mod:`hora.core.sharding`): ``arrays``, one 1-D array over the whole slice per
+parameter vector (:mod:`hora.kit.sharding`): ``arrays``, one 1-D array over the whole slice per
 elementwise key (Adam's ``exp_avg``, SGD's ``momentum_buffer``), and ``scalars``, the per-parameter values
 that are not elementwise (Adam's ``step``), for each parameter the slice touches.
 
@@ -29,7 +29,7 @@ import numpy as np
 import hora.core.ops as _ops
 from hora.base.errors import HoraValueError
 from hora.core.process_sets import ProcessSet, global_process_set
-from hora.core.sharding import ShardPlan
+from hora.kit.sharding import ShardPlan
 
 FORMAT = "hora-sharded-optimizer/1"
 INDEX = "index.json"
