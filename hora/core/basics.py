@@ -80,6 +80,9 @@ def init(comm=None, process_sets=None) -> None:
             _state = _State(job.topo, LocalCommunicator(), None, "", cfg)
         else:
             _state = _connect(job, cfg)
+        if _state.topo.rank == 0:
+            for line in knobs.no_effect_warnings():  # HOROVOD_ variables hora ignores: said once, by rank 0
+                launchers.log.warning("%s", line)
         if not _atexit_registered:
             atexit.register(shutdown)
             os.register_at_fork(after_in_child=_after_fork_in_child)
