@@ -61,16 +61,27 @@ class ProcessSet:
 
 
 class _GlobalProcessSet(ProcessSet):
-    """The set of all ranks, id 0; its ranks are filled in by ``init()``."""
+    """The set of all ranks, id 0: ``ranks`` lists every rank of the job once ``init()`` has run (``[]``
+    before it, and after ``shutdown()``)."""
 
     def __init__(self):
         super().__init__([])
         self.process_set_id = 0
 
+    @property
+    def ranks(self) -> list[int]:
+        from hora.core import basics
+
+        return list(range(basics.size())) if basics.is_initialized() else []
+
+    @ranks.setter
+    def ranks(self, value) -> None:  # ProcessSet.__init__ assigns it; the job's size decides
+        pass
+
     def _require(self):
         from hora.core import basics
 
-        self.ranks = list(range(basics.size()))
+        basics.state()
 
 
 global_process_set = _GlobalProcessSet()

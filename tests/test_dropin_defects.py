@@ -1,0 +1,55 @@
+"""Defects Horovod's own suites found in hora (issue 24): each test here failed before its fix."""
+
+import numpy as np
+import pytest
+from harness import run
+
+
+def _static_sets():
+    import hora as hvd
+
+    assert hvd.global_process_set.ranks == []  # before init
+    size = int(__import__("os").environ["HORA_SIZE"])
+    rank = int(__import__("os").environ["HORA_RANK"])
+    second = list(range(1, size)) if rank == 0 else list(reversed(range(1, size)))  # order does not matter
+    with pytest.raises(ValueError):  # a duplicate of the global set, and of an earlier set
+        hvd.init(process_sets=[hvd.ProcessSet([0]), hvd.ProcessSet(second),
+                               hvd.ProcessSet(range(size - 1, -1, -1)), hvd.ProcessSet([0])])
+    sets = [hvd.ProcessSet([0]), hvd.ProcessSet(second)]
+    hvd.init(process_sets=sets)
+    assert hvd.global_process_set.process_set_id == 0
+    assert hvd.global_process_set.ranks == list(range(size))  # read directly, before any size() call
+    assert [s.process_set_id for s in sets] == [1, 2] and sets[1].ranks == list(range(1, size))
+    out = hvd.allreduce(np.ones(1, np.float32), op=hvd.Sum, process_set=sets[1]) if rank else None
+    hvd.barrier()  # rank 0 is not in sets[1]: it must not shut down while the others reduce
+    hvd.shutdown()
+    assert hvd.global_process_set.ranks == []
+    return None if out is None else out.tolist()
+
+
+@pytest.mark.timeout(90)
+def test_static_process_sets_as_horovod_numbers_them():
+    assert run(3, _static_sets) == [None, [2.0], [2.0]]
+
+
+def _reuse_ids():
+    import hora as hvd
+
+    hvd.init(process_sets="dynamic")
+    size = hvd.size()
+    set1, set2 = hvd.add_process_set([0]), hvd.add_process_set(range(1, size))
+    old = set1.process_set_id
+    hvd.remove_process_set(set1)
+    hvd.add_process_set(set1)
+    assert set1.process_set_id == old
+    hvd.remove_process_set(set1)
+    set3 = hvd.add_process_set([0, size - 1])
+    assert set3.process_set_id == old  # Horovod reuses a removed set's id
+    with pytest.raises(ValueError):
+        hvd.add_process_set(range(1, size))  # a duplicate of set2
+    return [set2.process_set_id, set3.process_set_id]
+
+
+@pytest.mark.timeout(90)
+def test_removed_process_set_ids_are_reused():
+    assert run(3, _reuse_ids) == [[2, 1]] * 3
