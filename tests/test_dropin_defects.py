@@ -53,3 +53,35 @@ def _reuse_ids():
 @pytest.mark.timeout(90)
 def test_removed_process_set_ids_are_reused():
     assert run(3, _reuse_ids) == [[2, 1]] * 3
+
+
+def _sparse_as_dense_sparse_adam():
+    import copy
+
+    import torch
+
+    import hora.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    r = hvd.rank()
+    emb = torch.nn.Embedding(10, 4, sparse=True).double()
+    ref = copy.deepcopy(emb)
+    opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+                                   named_parameters=emb.named_parameters(), sparse_as_dense=True)
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
+    idx = torch.tensor([[1, 2], [2, 7], [3, 3], [9, 1]])
+    for _ in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        emb(idx[2 * r:2 * r + 2]).pow(2).mean().backward()
+        ref(idx).pow(2).mean().backward()  # the whole batch on one process: the mean over both ranks' halves
+        opt.step()
+        ref_opt.step()
+        assert emb.weight.grad.is_sparse and emb.weight.grad.sparse_dim() == 1  # sparse again, as Horovod
+    return (emb.weight - ref.weight).abs().max().item()
+
+
+@pytest.mark.timeout(120)
+def test_sparse_as_dense_gives_the_optimizer_a_sparse_gradient():
+    assert all(diff < 1e-12 for diff in run(2, _sparse_as_dense_sparse_adam))
