@@ -85,3 +85,27 @@ def _sparse_as_dense_sparse_adam():
 @pytest.mark.timeout(120)
 def test_sparse_as_dense_gives_the_optimizer_a_sparse_gradient():
     assert all(diff < 1e-12 for diff in run(2, _sparse_as_dense_sparse_adam))
+
+
+def test_elastic_sampler_has_horovods_public_attributes():
+    import hora.torch as hvd
+
+    hvd.init()  # a world of one
+    sampler = hvd.elastic.ElasticSampler(list(range(10)), shuffle=True, seed=3)
+    for name in ("dataset", "shuffle", "seed", "epoch", "processed_indices", "num_replicas", "rank",
+                 "remaining_indices", "num_samples", "total_size", "processed_num"):
+        assert hasattr(sampler, name), name
+    assert (sampler.num_replicas, sampler.rank, sampler.num_samples, sampler.total_size) == (1, 0, 10, 10)
+    assert sampler.processed_num == 0
+    first = list(sampler)[:4]
+    sampler.record_batch(0, 4)
+    assert sampler.processed_num == 4 and set(first) == sampler.processed_indices
+    sampler.reset()  # as in Horovod, the shard shrinks at the next reset (a state sync)
+    assert len(sampler.remaining_indices) == 6 and sampler.num_samples == 6
+    assert sampler.state_dict()["processed_num"] == 4
+    other = hvd.elastic.ElasticSampler(list(range(10)), shuffle=True, seed=3)
+    other.load_state_dict({"epoch": 0, "processed_num": 4})  # Horovod's state dict
+    assert other.processed_indices == set(first) and list(other) == list(sampler)
+    sampler.set_epoch(1)
+    assert sampler.processed_num == 0 and sampler.num_samples == 10
+    hvd.shutdown()
