@@ -94,3 +94,37 @@ def test_install_refuses_where_horovod_is_installed(tmp_path):
     assert code == 1 and "is not hora's" in out, out
     code, out = _run([python, "-m", "hora", "horovod-alias", "uninstall"], env, tmp_path)
     assert code == 0 and (env_dir / "bin" / "horovodrun").read_text().endswith("not hora\n")
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """A fresh environment after `hora horovod-alias install` (removed again at the end)."""
+    tmp = tmp_path_factory.mktemp("alias")
+    env_dir, python = _venv(tmp)
+    env = _env(env_dir)
+    code, out = _run([python, "-m", "hora", "horovod-alias", "install"], env, tmp)
+    assert code == 0, out
+    yield env
+    _run([python, "-m", "hora", "horovod-alias", "uninstall"], env, tmp)
+
+
+@pytest.mark.timeout(420)
+def test_a_tf2_tape_loop_runs_unchanged_under_horovodrun(installed, tmp_path):
+    pytest.importorskip("tensorflow")
+    env = dict(installed, TF_CPP_MIN_LOG_LEVEL="3")
+    code, out = _run(["horovodrun", "-np", "2", "python", SCRIPTS / "hvd_tf2_tape.py"], env, tmp_path, timeout=400)
+    assert code == 0, out[-5000:]
+    assert out.count("tf2 tape loop done on rank") == 2, out[-5000:]
+
+
+@pytest.mark.timeout(420)
+def test_an_elastic_torch_job_with_a_discovery_script_grows_under_horovodrun(installed, tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text("localhost:1\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    code, out = _run(["horovodrun", "-np", "1", "--min-np", "1", "--max-np", "2", "--host-discovery-script",
+                      discover, "python", SCRIPTS / "hvd_torch_elastic.py", hosts], installed, tmp_path, timeout=400)
+    assert code == 0, out[-5000:]
+    assert out.count("elastic done on rank") == 2 and "of 2, sizes [1, 2]" in out, out[-5000:]
