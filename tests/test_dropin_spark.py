@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("pyspark")
-
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """
 from pyspark.sql import SparkSession
@@ -37,6 +35,12 @@ spark.stop()
 
 @pytest.fixture(scope="module")
 def venv_python(tmp_path_factory):
+    from test_spark import HAVE_PYSPARK, IN_CI, JAVA  # the same prerequisites: skipped here, failed under CI
+
+    missing = [what for what, ok in (("Java 17 or 21 (make deps-system)", JAVA),
+                                     ("pyspark (pip install 'hora[spark]')", HAVE_PYSPARK)) if not ok]
+    if missing:
+        (pytest.fail if IN_CI else pytest.skip)(f"needs {' and '.join(missing)}")
     env_dir = tmp_path_factory.mktemp("spark") / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120)
     python = env_dir / "bin" / "python"
