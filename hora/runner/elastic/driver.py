@@ -75,7 +75,8 @@ from hora.elastic import protocol
 from hora.runner.elastic.blacklist import Blacklist
 from hora.runner.elastic.discovery import Discovery
 from hora.runner.elastic.workers import Pool, Proc
-from hora.runner.spawn import Output, describe_exit, exit_code
+from hora.base.outcome import RankOutcome, exit_status, headline, tail_of, what
+from hora.runner.spawn import Output, outcome_of
 
 TICK = 0.05
 EXIT_GRACE = 10.0  # s a worker told to exit gets before it is killed
@@ -130,6 +131,7 @@ class Driver:
         self.finishing = False
         self.failure: tuple[int, str] | None = None  # (exit status, message): the job failed
         self.member_failure: tuple[int, str] | None = None
+        self.root: RankOutcome | None = None  # the failed worker to blame when the job fails
         self._signal: int | None = None
         self.slot_failures: dict[str, int] = {}  # failures of a slot's processes since one came through
         self.slot_faults: dict[str, int] = {}  # of those, the ones that count against the host (no kills)
@@ -200,9 +202,10 @@ class Driver:
             except queue.Empty:
                 return
             rc, lost = p.returncode, p.worker.lost
-            what = lost or describe_exit(rc if rc is not None else 1)
             p.seen = True
             member = p.number in self.member_numbers
+            o = self._outcome(p)
+            how = what(o)
             if p.stopping:
                 continue
             if rc == 0 and lost is None:
@@ -213,7 +216,7 @@ class Driver:
                 self.finishing = True
                 continue
             rank = f", rank {self.member_numbers.index(p.number)}" if member else ""
-            _say(f"worker {p.number} ({p.wid}{rank}) {what}")
+            _say(f"worker {p.number} ({p.wid}{rank}) {how}")
             if member and self.finishing:
                 _say(f"warning: worker {p.wid} failed after another worker had finished training; "
                      "the training is complete, so the job still succeeds")
@@ -224,22 +227,30 @@ class Driver:
             if _host_fault(rc, lost):
                 self.slot_faults[p.wid] = f = self.slot_faults.get(p.wid, 0) + 1
                 if f >= self.slot_limit and self.failure is None:
-                    self.failure = (exit_code(rc) if rc is not None else 1,
-                                    f"the workers of slot {p.wid} failed {f} times in a row (the last one {what}); "
-                                    f"HORA_ELASTIC_SLOT_FAILURES={self.slot_limit} (kills by a signal do not "
-                                    "count)")
+                    self.root = o
+                    self.failure = (exit_status(o), f"{headline(o)} first; the workers of slot {p.wid} failed {f} "
+                                                    f"times in a row; HORA_ELASTIC_SLOT_FAILURES={self.slot_limit} "
+                                                    "(kills by a signal do not count)")
             if member:
                 # ranks still connecting the generation's mesh learn of it (the transport's abort note)
                 self.store.set(f"{self.scope}/{protocol.GENERATION_PREFIX}{self.gen}/1/abort",
-                               f"{self.member_numbers.index(p.number)}|worker {p.wid} {what}".encode())
+                               f"{self.member_numbers.index(p.number)}|worker {p.wid} {how}".encode())
                 self.failed_member = True
                 self.breaking = self.breaking or now
                 self.first_failure = self.first_failure or p.ended
                 if self.member_failure is None:
-                    self.member_failure = (exit_code(rc) if rc is not None else 255,
-                                           f"worker {p.wid} {what}")
+                    self.member_failure = (exit_status(o), f"{headline(o)} (worker {p.number}, slot {p.wid})")
+                    self.root = self.root or o
             if _host_fault(rc, lost):
                 self._host_failed(p.host, now)
+
+    def _outcome(self, p: Proc) -> RankOutcome:
+        """A worker's end as the record every launcher reports through: its rank in the current generation
+        (None for a worker that holds none), its slot and number, its last output lines."""
+        o = outcome_of(p.worker)
+        o.rank = self.member_numbers.index(p.number) if p.number in self.member_numbers else None
+        o.worker, o.time = f"{p.number} ({p.wid})", time.time()
+        return o
 
     def _host_failed(self, host: str, now: float) -> None:
         """Count a failure against ``host``; when that blacklists it, stop its other workers (no survivor may
@@ -516,14 +527,14 @@ class Driver:
         deadline = time.monotonic() + EXIT_GRACE / 2  # time to say why on their own, before the teardown
         while time.monotonic() < deadline and any(not p.done for p in told):
             time.sleep(TICK)
-        _say(f"elastic job failed: {msg}")
+        _say(f"elastic job failed: {msg}" + (tail_of(self.root) if self.root is not None else ""))
         return code
 
     def _result(self) -> int:
         """Success unless a member of the last generation failed before any worker finished training."""
         if self.member_failure is not None:
             code, msg = self.member_failure
-            _say(f"elastic job failed: {msg}")
+            _say(f"elastic job failed: {msg}" + (tail_of(self.root) if self.root is not None else ""))
             return code
         return 0
 

@@ -54,8 +54,8 @@ def _first_hosts(settings: dict[str, Any]) -> dict[str, int]:
 
 
 def run_elastic(values: dict[str, Any], command: list[str], noops: list[str],
-                extra_env: dict[str, str] | None = None) -> int:
-    """Run ``command`` as an elastic job; returns the exit status."""
+                extra_env: dict[str, str] | None = None, failures: list | None = None) -> int:
+    """Run ``command`` as an elastic job; returns the exit status (``failures`` receives its root cause)."""
     from hora.runner.launch import worker_envs
     from hora.transport.auth import new_secret
     from hora.transport.store import StoreServer
@@ -107,7 +107,11 @@ def run_elastic(values: dict[str, Any], command: list[str], noops: list[str],
             _say(f"  ignored {n}")
     output = Output(values.get("output_filename"), bool(values.get("prefix_timestamp")))
     try:
-        return Driver(command, settings, common, store, store_addr, output, remote).run()
+        driver = Driver(command, settings, common, store, store_addr, output, remote)
+        code = driver.run()
+        if code != 0 and driver.root is not None and failures is not None:
+            failures.append(driver.root)
+        return code
     finally:
         output.close()
         store.close()
