@@ -334,6 +334,20 @@ def test_a_rank_that_raises_fails_the_run_naming_it(spark, tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_the_root_cause_reads_as_under_hora_run(spark, how):
+    """tests/root_cause_check.py's failure: the same root-cause line as hora run's, hora.run()'s, the elastic
+    driver's and Ray's."""
+    import root_cause_check as rc
+
+    import hora.spark
+
+    with pytest.raises(ValueError if how == "raise" else LaunchError) as info:
+        hora.spark.run(rc.rank_one_fails, args=(how,), num_proc=2, stderr=io.StringIO())
+    rc.check(how, "\n".join([str(info.value), *getattr(info.value, "__notes__", [])]))
+
+
+@pytest.mark.timeout(120)
 def test_a_rank_killed_mid_collective_fails_the_run_naming_it(spark, tmp_path):
     import hora.spark
 

@@ -25,6 +25,7 @@ from hora.base.errors import PeerLostError, ShutdownError
 
 # exceptions a rank raises because another rank failed first: never a root cause while another exists
 CONSEQUENCES: tuple[type[BaseException], ...] = (PeerLostError, ShutdownError)
+CONSEQUENCE_NAMES = frozenset(c.__name__ for c in CONSEQUENCES)  # as read back from a printed traceback
 
 
 @dataclass
@@ -68,8 +69,23 @@ def from_exception(rank: int, exc: BaseException, tb: str, **where: object) -> R
                        time=_time.time(), consequence=isinstance(exc, CONSEQUENCES), **where)  # type: ignore[arg-type]
 
 
+def from_end(rank: int | None, returncode: int | None, lost: str | None = None, tail: list[str] | None = None,
+             **where: object) -> RankOutcome:
+    """The outcome of a rank process that ended with ``returncode`` (Popen-style) or was ``lost``; an exception
+    is read back from the traceback in its last output lines (``tail``), and one that only says a peer was
+    lost marks it a consequence."""
+    o = RankOutcome(rank, exit_code=returncode, lost=lost, tail=list(tail or []), **where)  # type: ignore[arg-type]
+    if returncode not in (0, None) and lost is None:
+        raised = exception_in_output(o.tail)
+        if raised is not None:
+            o.exc_type, o.exc_message, o.traceback = raised
+            o.consequence = o.consequence or o.exc_type in CONSEQUENCE_NAMES
+    return o
+
+
 _TB_HEAD = "Traceback (most recent call last)"
-_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)|[A-Z]\w*)(?::\s?(.*))?$")
+_NAMED_EXC = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))(?::\s?(.*))?$")
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::\s?(.*))?$")  # the exception line: a (dotted) name, its message
 
 
 def exception_in_output(lines: list[str]) -> tuple[str, str, str] | None:
@@ -80,7 +96,11 @@ def exception_in_output(lines: list[str]) -> tuple[str, str, str] | None:
     launcher's ``[rank]<stderr>:`` tag."""
     plain = [re.sub(r"^(?:\S+ \S+ \d+ [\d:]+ \d+)?\[\d+\]<std(?:out|err)>:", "", line) for line in lines]
     start = max((i for i, line in enumerate(plain) if line.startswith(_TB_HEAD)), default=None)
-    if start is None:
+    if start is None:  # the tail kept only the end of a long traceback: its last line naming an exception
+        for i in range(len(plain) - 1, 0, -1):
+            m = _NAMED_EXC.match(plain[i])
+            if m is not None and plain[i - 1].startswith(" "):
+                return m.group(1).rpartition(".")[2], (m.group(2) or "").strip(), "\n".join(plain[:i + 1])
         return None
     for i in range(start + 1, len(plain)):
         line = plain[i]

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from hora.base.outcome import RankOutcome, exception_in_output, headline, report, tail_of
+from hora.base.outcome import RankOutcome, exit_status, from_end, headline, report, root_cause, tail_of
 from hora.runner import reaper
 from hora.runner.hosts import Slot
 
@@ -39,6 +39,7 @@ TAIL_LINES = 10  # output lines of the failed rank quoted in the report
 READER_JOIN = 2.0  # s to wait for a worker's output pipes to drain after it is gone
 HOST_LOST_CODE = 255  # exit status when a remote host is the root cause (as ssh's own)
 SUSPECT_SILENCE = 3.0  # s: a host this quiet when a rank fails is taken as the cause of that failure
+CONSEQUENCE_WAIT = 2.0  # s: after a rank failed only because of a peer, how long to wait for the peer's own end
 REAP_EVERY = 1.0  # s between collections of orphans adopted by a subreaper launcher (else: zombies)
 _POLL = 0.05
 
@@ -78,15 +79,9 @@ def exit_code(returncode: int) -> int:
 
 
 def outcome_of(w: Worker, consequence: bool = False) -> RankOutcome:
-    """What the supervisor knows of a worker's end, as the record every launcher reports through; an
-    exception is read back from the traceback in its last output lines."""
-    o = RankOutcome(w.slot.rank, host=w.slot.host, pid=w.pid, exit_code=w.returncode, lost=w.lost,
-                    tail=list(w.tail), time=w.ended, consequence=consequence)
-    if w.returncode not in (0, None) and w.lost is None:
-        raised = exception_in_output(o.tail)
-        if raised is not None:
-            o.exc_type, o.exc_message, o.traceback = raised
-    return o
+    """What the supervisor knows of a worker's end, as the record every launcher reports through."""
+    return from_end(w.slot.rank, w.returncode, w.lost, list(w.tail), host=w.slot.host, pid=w.pid, time=w.ended,
+                    consequence=consequence)
 
 
 def _die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
@@ -370,15 +365,33 @@ class LocalJob:
                 suspect = None if w.lost else self._silent_host(exclude=w)
                 if suspect is not None:
                     suspect.give_up(suspect.describe_loss())  # no waiting on a host that is gone
+                seen = [outcome_of(w)]
+                if suspect is None and w.lost is None and seen[0].consequence:
+                    seen += self._own_failure(time.monotonic() + CONSEQUENCE_WAIT)
                 stopped = self._stop(signal.SIGTERM)
                 if w.lost is not None or suspect is not None:
                     root = outcome_of(w) if suspect is None else RankOutcome(
                         min(suspect.ranks), host=suspect.host, lost=suspect.describe_loss())
                     return Result(HOST_LOST_CODE, self._host_report(w, suspect, stopped), root)
-                root = outcome_of(w)
-                return Result(exit_code(w.returncode), report([root], stopped), root)
+                root = root_cause(seen)
+                return Result(exit_status(root), report(seen, stopped), root)
         self._stop(signal.SIGTERM)  # only reaches children that outlived their finished worker
         return Result(0)
+
+    def _own_failure(self, deadline: float) -> list[RankOutcome]:
+        """The first rank to fail only lost a peer (or saw it shut down): wait a little for the peer's own
+        end, which is the root cause (a rank exiting inside ``hora.shutdown()`` tells its peers first)."""
+        seen: list[RankOutcome] = []
+        while time.monotonic() < deadline:
+            try:
+                w = self._exits.get(timeout=_POLL)
+            except queue.Empty:
+                continue
+            o = outcome_of(w)
+            seen.append(o)
+            if o.failed and not o.consequence:
+                break
+        return seen
 
     def _silent_host(self, exclude: Worker) -> Any:
         """The remote session that has been quiet longest, if quiet enough to be why ``exclude`` failed."""

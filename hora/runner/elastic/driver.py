@@ -75,8 +75,8 @@ from hora.elastic import protocol
 from hora.runner.elastic.blacklist import Blacklist
 from hora.runner.elastic.discovery import Discovery
 from hora.runner.elastic.workers import Pool, Proc
-from hora.base.outcome import RankOutcome, exit_status, headline, tail_of, what
-from hora.runner.spawn import Output, outcome_of
+from hora.base.outcome import RankOutcome, exit_status, from_end, headline, tail_of, what
+from hora.runner.spawn import Output
 
 TICK = 0.05
 EXIT_GRACE = 10.0  # s a worker told to exit gets before it is killed
@@ -247,9 +247,13 @@ class Driver:
     def _outcome(self, p: Proc) -> RankOutcome:
         """A worker's end as the record every launcher reports through: its rank in the current generation
         (None for a worker that holds none), its slot and number, its last output lines."""
-        o = outcome_of(p.worker)
-        o.rank = self.member_numbers.index(p.number) if p.number in self.member_numbers else None
-        o.worker, o.time = f"{p.number} ({p.wid})", time.time()
+        w = p.worker  # a process's (hora.runner.spawn.Worker) or, under hora.ray, an actor's
+        rank = self.member_numbers.index(p.number) if p.number in self.member_numbers else None
+        o = from_end(rank, p.returncode, w.lost, list(getattr(w, "tail", ())), host=p.host, pid=getattr(w, "pid", None),
+                     time=time.time(), worker=f"{p.number} ({p.wid})")
+        error = getattr(w, "error", None)  # an actor's exception
+        if isinstance(error, BaseException) and o.exc_type is None:
+            o.exc_type, o.exc_message = type(error).__name__, str(error)
         return o
 
     def _host_failed(self, host: str, now: float) -> None:
