@@ -26,6 +26,9 @@ from hora.base.errors import PeerLostError, ShutdownError
 # exceptions a rank raises because another rank failed first: never a root cause while another exists
 CONSEQUENCES: tuple[type[BaseException], ...] = (PeerLostError, ShutdownError)
 CONSEQUENCE_NAMES = frozenset(c.__name__ for c in CONSEQUENCES)  # as read back from a printed traceback
+# s a supervisor waits, after the first failure it saw was only a consequence, for the failure behind it (a
+# rank that exits inside hora.shutdown() tells its peers before its own end is seen) before stopping the job
+CONSEQUENCE_WAIT = 2.0
 
 
 @dataclass

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from hora.base.outcome import RankOutcome, exit_status, from_end, headline, report, root_cause, tail_of
+from hora.base.outcome import (CONSEQUENCE_WAIT, RankOutcome, exit_status, from_end, headline, report, root_cause,
+                               tail_of)
 from hora.runner import reaper
 from hora.runner.hosts import Slot
 
@@ -39,7 +40,6 @@ TAIL_LINES = 10  # output lines of the failed rank quoted in the report
 READER_JOIN = 2.0  # s to wait for a worker's output pipes to drain after it is gone
 HOST_LOST_CODE = 255  # exit status when a remote host is the root cause (as ssh's own)
 SUSPECT_SILENCE = 3.0  # s: a host this quiet when a rank fails is taken as the cause of that failure
-CONSEQUENCE_WAIT = 2.0  # s: after a rank failed only because of a peer, how long to wait for the peer's own end
 REAP_EVERY = 1.0  # s between collections of orphans adopted by a subreaper launcher (else: zombies)
 _POLL = 0.05
 

@@ -24,7 +24,7 @@ from typing import IO, Any, Callable
 
 from hora.base.errors import HoraTimeoutError, LaunchError
 from hora.base import outcome
-from hora.base.outcome import RankOutcome, headline, report, root_cause
+from hora.base.outcome import CONSEQUENCE_WAIT, RankOutcome, headline, report, root_cause
 from hora.runner.api import collect_results
 from hora.spark import task
 from hora.transport.store import StoreServer
@@ -91,6 +91,7 @@ class Job:
         self.partial: dict[tuple[int, str], bytes] = {}
         self.kinds: dict[int, RankOutcome | None] = {}  # rank -> its failure (None: a value), once its result arrived
         self.exited: dict[int, float] = {}  # rank -> when the driver saw it exit without a result
+        self.consequence_at: float | None = None  # when the first failure seen was only a consequence
         self.culprit: int | None = None  # the rank the abort named as the root cause
 
     def run(self, func: Callable, args: tuple, kwargs: dict) -> list:
@@ -202,6 +203,10 @@ class Job:
         """Why to abort now, if at all, naming the root cause (:func:`hora.base.outcome.root_cause`) whatever
         its rank number."""
         root = root_cause(self._outcomes(store))
+        if root is not None and root.consequence:  # wait a little for the failure behind it
+            self.consequence_at = self.consequence_at or time.monotonic()
+            if time.monotonic() - self.consequence_at < CONSEQUENCE_WAIT:
+                return None
         if root is not None:
             if not root.consequence:
                 self.culprit = root.rank

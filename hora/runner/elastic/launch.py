@@ -13,7 +13,8 @@ from typing import Any, Callable
 from hora.elastic import protocol
 from hora.runner import hosts as hostlib
 from hora.runner import ssh
-from hora.runner.elastic.driver import Driver, new_scope, settings_from
+from hora.runner.elastic.driver import Driver
+from hora.runner.elastic.settings import new_scope, settings_from
 from hora.runner.flags import env_for
 from hora.runner.spawn import Output
 
