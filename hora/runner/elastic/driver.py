@@ -45,15 +45,19 @@ States of the current generation g:
   a warning: the training is complete); otherwise it exits with the first such failure's status. Workers
   still running ``--elastic-timeout`` s after the first one finished are killed, with a warning (exit 0).
 
-Hosts (:mod:`hora.runner.elastic.blacklist`): a host whose workers fail 3 times in a row
-(``HORA_ELASTIC_BLACKLIST_AFTER``; an error exit, a crash, a worker that never came or a lost host count,
-a kill by SIGKILL/SIGTERM/SIGINT/SIGHUP does not) is blacklisted (its workers are stopped, so no survivor
-waits on them), for good or for a growing cooldown within ``--blacklist-cooldown-range``. The count starts
-again whenever a worker of the host comes through the end of a generation alive: a host whose workers crash
-at start is blacklisted, one whose workers are killed now and then while the others there train is not.
-A slot whose workers fail that way ``HORA_ELASTIC_SLOT_FAILURES`` times in a row (its count starts again
-only when one of its own workers comes through a generation) fails the job with the last one's status: the
-survivors on its host keep the host's count at 0, so without it a deterministic crash would loop for ever.
+Discovery results (:class:`hora.runner.elastic.policy.DiscoveryGuard`): one that would remove every running
+worker, or list fewer slots than ``--min-np``, is acted on only once a later successful run still lists it
+``HORA_ELASTIC_DISCOVERY_GRACE`` s after the first; the log says what was seen and decided.
+
+Hosts (:class:`hora.runner.elastic.policy.FailurePolicy`, which owns the counts below): a host whose workers
+fail 3 times in a row (``HORA_ELASTIC_BLACKLIST_AFTER``; an error exit, a crash, a worker that never came or a
+lost host count, a kill by SIGKILL/SIGTERM/SIGINT/SIGHUP does not) is blacklisted (its workers are stopped, so
+no survivor waits on them), for good or for a growing cooldown within ``--blacklist-cooldown-range``. The count
+starts again whenever a worker of the host comes through the end of a generation alive: a host whose workers
+crash at start is blacklisted, one whose workers are killed now and then while the others there train is not. A
+slot whose workers fail that way ``HORA_ELASTIC_SLOT_FAILURES`` times in a row (its count starts again only when
+one of its own workers comes through a generation) fails the job with the last one's status: the survivors on
+its host keep the host's count at 0, so without it a deterministic crash would loop for ever.
 
 Exit status: 0 on success; the failed worker's status (128+N for signal N); 1 when the driver gives up (below
 ``--min-np`` too long, ``--reset-limit``, failure resets with no progress, the committed state lost); 128+N
