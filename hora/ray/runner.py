@@ -405,12 +405,12 @@ class RayExecutor:
 
     def _lost(self, rank: int, error: Exception, what: str) -> None:
         where = self.places[rank] if rank < len(self.places) else None
-        at = f" (pid {where.pid} on node {where.address})" if where else ""
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip(".")
+        o = outcome.RankOutcome(rank, host=where.address if where else None, pid=where.pid if where else None,
+                                lost=f"(its worker actor) died during a {what}: {reason}")
         self.shutdown()
-        raise LaunchError(f"RayExecutor: the worker actor of rank {rank}{at} died during a {what}: {reason}. A job "
-                          "cannot go on without one of its ranks, so its other workers were stopped; call start() "
-                          "for a new job") from error
+        raise LaunchError(f"RayExecutor: {outcome.report([o], tail=False)}. A job cannot go on without one of its "
+                          "ranks, so its other workers were stopped; call start() for a new job") from error
 
 
 def _clean(tb: str) -> str:
