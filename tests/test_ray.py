@@ -442,7 +442,7 @@ def test_a_killed_worker_fails_the_run_naming_it(fresh):
     t.join(15)
     assert not t.is_alive(), "run() did not fail within 15 s of a worker's death"
     assert outcome and isinstance(outcome[0], LaunchError), outcome
-    assert f"rank 1 (pid {pids[1]}" in str(outcome[0]) and "died" in str(outcome[0])
+    assert re.search(rf"rank 1 \(host \S+, pid {pids[1]}\) \(its worker actor\) died", str(outcome[0])), outcome
     assert _gone(pids, 15), "worker processes outlived the failed job"
     assert ex.workers == []
     with pytest.raises(LaunchError, match="not started"):

@@ -409,7 +409,7 @@ class RayExecutor:
         o = outcome.RankOutcome(rank, host=where.address if where else None, pid=where.pid if where else None,
                                 lost=f"(its worker actor) died during a {what}: {reason}")
         self.shutdown()
-        raise LaunchError(f"RayExecutor: {outcome.report([o], tail=False)}. A job cannot go on without one of its "
+        raise LaunchError(f"RayExecutor: {outcome.headline(o)}. A job cannot go on without one of its "
                           "ranks, so its other workers were stopped; call start() for a new job") from error
 
 
