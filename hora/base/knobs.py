@@ -222,6 +222,11 @@ KNOBS = [
     Knob("discovery_timeout", float, 10.0, "DISCOVERY_TIMEOUT", None,
          "elastic: seconds one run of the host discovery script may take before it counts as failed", 1,
          _positive, "> 0", group="elastic", side="launcher"),
+    Knob("elastic_discovery_grace", float, 5.0, "ELASTIC_DISCOVERY_GRACE", None,
+         "elastic: seconds a discovery result that removes every running worker, or lists fewer slots than "
+         "--min-np, must persist (a later run still says so) before the driver acts on it; a flaky script's "
+         "empty answer is ignored meanwhile (0: act at once)", 1, _nonneg, ">= 0", group="elastic",
+         side="launcher"),
 ]
 _GPU = "hora has no GPU (NCCL/CUDA) data path yet: collectives run on the host, GPU tensors are copied"
 _ALGO = "hora has no {} yet; allreduce runs as a ring, or hierarchically (HORA_HIERARCHICAL_ALLREDUCE)"
