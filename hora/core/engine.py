@@ -179,6 +179,8 @@ class Engine:
         finally:  # whatever happened above, this engine's handles and descriptors are released
             err = ShutdownError("hora was shut down before this collective ran; call hora.init() again")
             self.handles.fail_all(self.subs.broken or err)
+            if self.executor.gpu is not None:
+                self.executor.gpu.close()
             self.baton.poke()
             self.subs.close()
             self._ep.close()
@@ -325,6 +327,8 @@ class Engine:
                 text = (f"rank {self.rank}: the engine of rank {self.rank} failed ({what}); it can run no more "
                         "collectives")
                 self.control.tell(self.control.peers, (m.ABORT, self.rank, text))
+        if self.executor.gpu is not None:  # no rank stays inside NCCL: abort its communicators
+            self.executor.gpu.fail(cause)
         self.handles.fail_all(cause)
 
     def _spread_abort(self, e: PeerLostError) -> None:

@@ -33,7 +33,7 @@ from hora.core.execute import Pending, dtype_of
 def payload(pend: Pending, threshold: int) -> bytes | None:
     """What a rank sends with its request for ``pend``: its input, if it is a small allreduce."""
     a = pend.array
-    if threshold <= 0 or pend.req.kind != m.ALLREDUCE or a is None or a.nbytes > threshold:
+    if threshold <= 0 or pend.req.kind != m.ALLREDUCE or a is None or a.nbytes > threshold or pend.req.device:
         return None
     return a.tobytes()
 

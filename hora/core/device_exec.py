@@ -1,0 +1,268 @@
+"""Running agreed responses whose tensors are on a GPU: NCCL where it serves, else the staged path.
+
+Negotiation, the response cache, fusion decisions, the timeline and the stall inspector treat a device
+request like a host one (``Request.device`` only keeps device and host tensors apart); this module takes over
+at execution. Per process set, the first device response decides the route, the same on every member: the
+members exchange (host, PCI bus id, NCCL loaded?) over the host communicator, and NCCL is used unless a rank
+has no NCCL library, two ranks share a GPU (NCCL refuses them: "Duplicate GPU detected"), a device is a MIG
+slice, or ``HORA_GPU_OPERATIONS``/``HORA_GPU_<OP>`` asks for the staged path; the reason is warned once.
+
+Streams (no host synchronisation on the hot path): one hora stream per device; it waits on the event each
+submission recorded on the framework's stream, runs the copies and NCCL calls, and records an event. A
+watcher thread completes each handle when its event completes, and polls ``ncclCommGetAsyncError``
+meanwhile: an asynchronous error, or the engine failing (a lost peer seen by the control plane), aborts
+the communicators so no kernel is left waiting, and the handles fail with ``HorovodInternalError``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+
+import numpy as np
+
+from hora.base import knobs
+from hora.base.device import DeviceArray
+from hora.base.errors import HoraError, InternalError
+from hora.core import device_ops, messages as m
+from hora.transport import cuda, nccl_lib
+
+log = logging.getLogger("hora.gpu")
+_WARNED: set[str] = set()
+POLL_S = 0.0002  # the watcher's poll: an event query and an async-error query cost ~1 us each on a GPU
+
+
+def warn_once(text: str) -> None:
+    if text not in _WARNED:
+        _WARNED.add(text)
+        log.warning(text)
+
+
+class Lane:
+    """One device: hora's stream, its events, the device fusion buffer and the pinned staging buffer."""
+
+    def __init__(self, rt: cuda.CudaRuntime, device: int):
+        self.rt, self.device = rt, device
+        rt.set_device(device)
+        self.stream = rt.stream()
+        self._events: list[int] = []
+        self._fusion, self._fusion_n = 0, 0
+        self._pinned, self._pinned_n = 0, 0
+
+    def event(self) -> int:
+        return self._events.pop() if self._events else self.rt.event()
+
+    def recycle(self, ev: int) -> None:
+        self._events.append(ev)
+
+    def record(self) -> int:
+        ev = self.event()
+        self.rt.record(ev, self.stream)
+        return ev
+
+    def fusion(self, nbytes: int) -> int:
+        """The device fusion buffer, grown (never shrunk) to ``nbytes``; growing waits for the stream."""
+        if nbytes > self._fusion_n:
+            if self._fusion:
+                self.rt.call("cudaStreamSynchronize", self.stream)
+                self.rt.call("cudaFree", self._fusion)
+            self._fusion, self._fusion_n = self.rt.malloc(nbytes), nbytes
+        return self._fusion
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        """Page-locked host memory for the staged path, as bytes (grown like the fusion buffer)."""
+        if nbytes > self._pinned_n:
+            if self._pinned:
+                self.rt.call("cudaStreamSynchronize", self.stream)
+                self.rt.call("cudaFreeHost", self._pinned)
+            self._pinned, self._pinned_n = self.rt.host_alloc(nbytes), nbytes
+        return np.frombuffer((ctypes.c_char * self._pinned_n).from_address(self._pinned), np.uint8)
+
+    def alloc(self, shape: tuple, dtype: str, like: DeviceArray | None) -> DeviceArray:
+        """An output: the framework's allocator where the input brought one, else hora's."""
+        if like is not None and like.alloc is not None:
+            return like.alloc(shape, dtype)
+        out = DeviceArray(0, shape, dtype, self.device)
+        out.ptr = self.rt.malloc(out.nbytes)
+        out.owner = _Freed(self.rt, out.ptr)
+        return out
+
+
+class _Freed:
+    def __init__(self, rt, ptr):
+        self.rt, self.ptr = rt, ptr
+
+    def __del__(self):
+        try:
+            self.rt.call("cudaFree", self.ptr)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class _Watch:
+    __slots__ = ("event", "lane", "comm", "done", "keep")
+
+    def __init__(self, event, lane, comm, done, keep):
+        self.event, self.lane, self.comm, self.done, self.keep = event, lane, comm, done, keep
+
+
+class DeviceExecutor:
+    """The engine's device half: ``run(resp, pends, comm)`` for responses with ``resp.device``."""
+
+    def __init__(self, host, store, prefix: str, topo, wake=lambda: None):
+        self.host, self.store, self.prefix, self.topo, self.wake = host, store, prefix, topo, wake
+        self.cfg = knobs.current()
+        self.where = self.cfg["nccl_library"]
+        self.device = topo.local_rank  # until a device tensor says otherwise
+        self.lanes: dict[int, Lane] = {}
+        self.routes: dict[int, str | None] = {}  # process set -> None (NCCL) or the staged path's reason
+        self.comms: dict[int, object] = {}
+        self._made: dict[int, int] = {}
+        self._watch: list[_Watch] = []
+        self._cv = threading.Condition()
+        self._failed: BaseException | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # -- the caller's side ----------------------------------------------------------------------------------
+    def runtime(self) -> cuda.CudaRuntime:
+        return cuda.load(self.where)
+
+    def lane(self, device: int) -> Lane:
+        lane = self.lanes.get(device)
+        if lane is None:
+            lane = self.lanes[device] = Lane(self.runtime(), device)
+        return lane
+
+    def submitted(self, a: DeviceArray) -> None:
+        """In the caller's thread, at submission: mark where the framework's stream is, so hora's stream
+        starts after the work that produces ``a`` and nothing later."""
+        self.device = a.device
+        lane = self.lane(a.device)
+        a.ready = lane.event()
+        lane.rt.record(a.ready, a.stream)
+
+    # -- routes ---------------------------------------------------------------------------------------------
+    def _route(self, ps: int, comm) -> str | None:
+        if ps in self.routes:
+            return self.routes[ps]
+        lib, why = None, ""
+        try:
+            lib = nccl_lib.load(self.where)
+        except HoraError as e:
+            why = str(e)
+        mig = _mig()
+        bus = self.lane(self.device).rt.pci_bus_id(self.device)
+        mine = f"{self.topo.hostname}|{bus}|{int(lib is not None)}|{int(mig)}|{why[:200]}"
+        everyone = device_ops.allgather_text(comm, mine)
+        reason = device_ops.route_reason(everyone, self.cfg["gpu_operations"])
+        if reason:
+            warn_once(f"GPU tensors of process set {ps} go through the staged path (device -> pinned host -> "
+                      f"hora's host collectives -> device): {reason}")
+        self.routes[ps] = reason
+        if reason is None:
+            n = self._made[ps] = self._made.get(ps, 0) + 1
+            from hora.transport.nccl import NcclComm
+            self.comms[ps] = NcclComm(lib, self.store, f"{self.prefix}/nccl/{ps}/{n}", comm.rank, comm.size,
+                                      self.device, self.runtime(), self.cfg["start_timeout"])
+        return reason
+
+    def run(self, resp: m.Response, pends: list, comm, op_name: str) -> None:
+        if self._failed is not None:
+            raise self._failed
+        reason = self._route(resp.ps, comm)
+        lane = self.lane(next((p.array.device for p in pends if p is not None), self.device))
+        for p in pends:
+            if p is not None and p.array.ready is not None:
+                lane.rt.wait(lane.stream, p.array.ready)
+                lane.recycle(p.array.ready)
+                p.array.ready = None
+        kind_knob = self.cfg.get(f"gpu_{resp.kind}", "")
+        nc = self.comms.get(resp.ps)
+        if reason is None and str(kind_knob).upper() not in ("", "AUTO", "NCCL"):
+            reason = f"HORA_GPU_{resp.kind.upper()}={kind_knob}"
+        if reason is None:
+            reason = device_ops.nccl_refuses(resp, nc.lib)
+        host = self.host
+        host._tl(resp.names, op_name if reason is None else "STAGED_" + op_name, True)
+        if reason is None:
+            done, keep = device_ops.run_nccl(resp, pends, nc, lane, comm.size, host.comm_rank_of(resp.root, comm))
+        else:
+            done, keep = device_ops.run_staged(resp, pends, comm, lane, host)
+        host._tl(resp.names, op_name if reason is None else "STAGED_" + op_name, False)
+        self._expect(_Watch(lane.record(), lane, nc if reason is None else None, done, keep))
+
+    # -- completion -----------------------------------------------------------------------------------------
+    def _expect(self, w: _Watch) -> None:
+        with self._cv:
+            self._watch.append(w)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watcher, name="hora-gpu-watch", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _watcher(self) -> None:
+        while True:
+            with self._cv:
+                while not self._watch and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._watch:
+                    return
+                w = self._watch[0]
+            if self._failed is None and w.lane.rt.query(w.event):
+                with self._cv:
+                    self._watch.pop(0)
+                w.lane.recycle(w.event)
+                for handle, result in w.done:
+                    handle.complete(result)
+                self.wake()
+                continue
+            code = w.comm.async_error() if (w.comm is not None and self._failed is None) else 0
+            if code not in (0, nccl_lib.IN_PROGRESS):
+                self.fail(InternalError(
+                    f"NCCL reported {nccl_lib.RESULTS.get(code, code)} on rank {self.topo.rank}'s communicator of "
+                    f"{w.comm.size} ranks (a peer was lost or misbehaved; the control plane names it); hora "
+                    "aborted the communicator; elastic training can recover from this error"))
+            if self._failed is not None:
+                self._drain(self._failed)
+                continue
+            time.sleep(POLL_S)
+
+    def _drain(self, err: BaseException) -> None:
+        with self._cv:
+            gone, self._watch = self._watch, []
+        for w in gone:
+            for handle, _ in w.done:
+                handle.complete(error=err)
+        self.wake()
+
+    def fail(self, err: BaseException) -> None:
+        """Abort every communicator (their pending kernels return) and fail what waits, with ``err``."""
+        if self._failed is None:
+            self._failed = err
+        for c in list(self.comms.values()):
+            try:
+                c.abort()
+            except HoraError as e:
+                log.warning("ncclCommAbort: %s", e)
+        self._drain(err)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(5)
+        for c in self.comms.values():
+            try:
+                c.destroy()
+            except HoraError:
+                pass
+        self.comms.clear()
+
+
+def _mig() -> bool:
+    import os
+    return any(v.strip().startswith("MIG-") for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(","))
