@@ -71,7 +71,7 @@ class FakeCudart:
         self.events: dict[int, _Event] = {}
         self._ids = iter(range(0x1000, 1 << 40, 16))
         self.local = threading.local()
-        self.devices = int(os.environ.get("FAKE_GPU_DEVICES", "2"))
+        self.devices = int(os.environ.get("FAKE_GPU_DEVICES", "8"))
 
     def enqueue(self, stream: int, fn) -> None:
         if stream == 0:  # the legacy default stream: in the caller, at once
@@ -106,6 +106,7 @@ class FakeCudart:
         return f"fake CUDA error {code}".encode()
 
     def cudaDeviceGetPCIBusId(self, buf, n, d):
+        d = 0 if os.environ.get("SHARE_GPU") == "1" else d  # tests: every rank on one GPU
         buf.value = f"0000:{d + 1:02x}:00.0".encode()
         return 0
 
@@ -241,7 +242,7 @@ def _reduce(arrays, op, dtype):
         else:
             out = np.minimum(out, a)
     if op == 4:
-        out = (out / len(arrays)).astype(dtype) if dtype.kind == "f" else out // len(arrays)
+        out = out // len(arrays) if dtype.kind in "iu" else (out / len(arrays)).astype(dtype)
     return out.astype(dtype)
 
 
@@ -482,6 +483,8 @@ def cudart() -> FakeCudart:
 
 
 def nccl() -> FakeNccl:
+    if os.environ.get("FAKE_NCCL_MISSING") == "1":
+        raise ImportError("FAKE_NCCL_MISSING=1: this stand-in plays a machine without libnccl")
     return _NCCL
 
 

@@ -31,6 +31,9 @@ from hora.transport import cuda, nccl_lib
 
 log = logging.getLogger("hora.gpu")
 _WARNED: set[str] = set()
+# after NCCL's asynchronous error, how long the handles wait (communicators already aborted) for the control
+# plane to name the lost peer: within hora's peer-loss bound on CPUs (10 s)
+NAME_GRACE_S = 10.0
 POLL_S = 0.0002  # the watcher's poll: an event query and an async-error query cost ~1 us each on a GPU
 
 
@@ -123,6 +126,7 @@ class DeviceExecutor:
         self._watch: list[_Watch] = []
         self._cv = threading.Condition()
         self._failed: BaseException | None = None
+        self._aborted_at, self._abort_text = 0.0, ""
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -188,7 +192,8 @@ class DeviceExecutor:
         host = self.host
         host._tl(resp.names, op_name if reason is None else "STAGED_" + op_name, True)
         if reason is None:
-            done, keep = device_ops.run_nccl(resp, pends, nc, lane, comm.size, host.comm_rank_of(resp.root, comm))
+            root = host.comm_rank_of(resp.root, comm) if resp.kind == m.BROADCAST else -1
+            done, keep = device_ops.run_nccl(resp, pends, nc, lane, comm.size, root)
         else:
             done, keep = device_ops.run_staged(resp, pends, comm, lane, host)
         host._tl(resp.names, op_name if reason is None else "STAGED_" + op_name, False)
@@ -204,6 +209,7 @@ class DeviceExecutor:
             self._cv.notify()
 
     def _watcher(self) -> None:
+        idle = 0  # polls in a row that found nothing: the sleep grows from POLL_S to 2 ms
         while True:
             with self._cv:
                 while not self._watch and not self._closed:
@@ -211,24 +217,34 @@ class DeviceExecutor:
                 if self._closed and not self._watch:
                     return
                 w = self._watch[0]
-            if self._failed is None and w.lane.rt.query(w.event):
+            if self._failed is not None:
+                self._drain(self._failed)
+                continue
+            aborted = w.comm is not None and w.comm.aborted
+            if not aborted and w.lane.rt.query(w.event):
                 with self._cv:
                     self._watch.pop(0)
                 w.lane.recycle(w.event)
                 for handle, result in w.done:
                     handle.complete(result)
                 self.wake()
+                idle = 0
                 continue
-            code = w.comm.async_error() if (w.comm is not None and self._failed is None) else 0
-            if code not in (0, nccl_lib.IN_PROGRESS):
-                self.fail(InternalError(
-                    f"NCCL reported {nccl_lib.RESULTS.get(code, code)} on rank {self.topo.rank}'s communicator of "
-                    f"{w.comm.size} ranks (a peer was lost or misbehaved; the control plane names it); hora "
-                    "aborted the communicator; elastic training can recover from this error"))
-            if self._failed is not None:
-                self._drain(self._failed)
-                continue
-            time.sleep(POLL_S)
+            if aborted:  # the control plane's verdict names the peer; past the grace, fail without it
+                if time.monotonic() - self._aborted_at > NAME_GRACE_S:
+                    self.fail(InternalError(self._abort_text))
+            elif w.comm is not None:
+                code = w.comm.async_error()
+                if code not in (0, nccl_lib.IN_PROGRESS):
+                    self._abort_text = (
+                        f"NCCL reported {nccl_lib.RESULTS.get(code, code)} on rank {self.topo.rank}'s communicator "
+                        f"of {w.comm.size} ranks (a peer was lost or misbehaved, and hora's control plane did not "
+                        f"name one within {NAME_GRACE_S:g} s); hora aborted the communicator; elastic training "
+                        "can recover from this error")
+                    self._aborted_at = time.monotonic()
+                    self._abort_all()  # nobody stays inside NCCL while the control plane decides
+            time.sleep(min(POLL_S * (1 << min(idle, 4)), 0.002))
+            idle += 1
 
     def _drain(self, err: BaseException) -> None:
         with self._cv:
@@ -242,12 +258,15 @@ class DeviceExecutor:
         """Abort every communicator (their pending kernels return) and fail what waits, with ``err``."""
         if self._failed is None:
             self._failed = err
+        self._abort_all()
+        self._drain(err)
+
+    def _abort_all(self) -> None:
         for c in list(self.comms.values()):
             try:
                 c.abort()
             except HoraError as e:
                 log.warning("ncclCommAbort: %s", e)
-        self._drain(err)
 
     def close(self) -> None:
         with self._cv:

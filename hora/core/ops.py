@@ -508,7 +508,7 @@ def alltoall_async(array, splits=None, name: str | None = None,
                    process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
     st = state()
     n = len(st.engine.process_sets[_ps_id(process_set, st, m.ALLTOALL)])
-    a = array if type(array) is np.ndarray else _as_array(array, m.ALLTOALL, False)
+    a = array if type(array) in (np.ndarray, DeviceArray) else _as_array(array, m.ALLTOALL, False)
     if a.ndim == 0:
         raise HoraValueError("alltoall: a scalar cannot be split; give an array with a first dimension")
     if splits is None:

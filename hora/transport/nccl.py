@@ -21,17 +21,26 @@ from hora.base.errors import HoraValueError
 from hora.transport import nccl_lib as n
 
 
+def share_unique_id(lib: n.NcclLibrary, store, key: str, rank: int, timeout: float) -> bytes:
+    """Rank 0 makes NCCL's unique id and publishes it under ``key`` in the authenticated store; the others
+    read it (waiting up to ``timeout`` s). The id holds rank 0's bootstrap address: whoever has it can join."""
+    if rank == 0:
+        uid = lib.unique_id()
+        store.set(key, uid)
+        return uid
+    uid = store.get(key, timeout=timeout)
+    if len(uid) != n.UNIQUE_ID_BYTES:
+        raise HoraValueError(f"NCCL unique id under {key!r} has {len(uid)} bytes, not {n.UNIQUE_ID_BYTES}")
+    return uid
+
+
 class NcclComm:
     """A communicator of ``size`` ranks on CUDA device ``device``; ``rank`` is this process's rank in it."""
 
     def __init__(self, lib: n.NcclLibrary, store, key: str, rank: int, size: int, device: int, rt,
                  timeout: float = 60.0):
         self.lib, self.rank, self.size, self.device = lib, rank, size, device
-        if rank == 0:
-            uid = lib.unique_id()
-            store.set(key, uid)
-        else:
-            uid = store.get(key, timeout=timeout)
+        uid = share_unique_id(lib, store, key, rank, timeout)
         rt.set_device(device)
         handle = ctypes.c_void_p()
         lib.call("ncclCommInitRank", ctypes.pointer(handle), size, n.UniqueId.from_buffer_copy(uid), rank)
