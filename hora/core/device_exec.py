@@ -48,8 +48,8 @@ class Lane:
 
     def __init__(self, rt: cuda.CudaRuntime, device: int):
         self.rt, self.device = rt, device
-        rt.set_device(device)
-        self.stream = rt.stream()
+        with rt.on(device):  # streams and events belong to the device current when they are made
+            self.stream = rt.stream()
         self._events: list[int] = []
         self._fusion, self._fusion_n = 0, 0
         self._pinned, self._pinned_n = 0, 0
@@ -145,8 +145,9 @@ class DeviceExecutor:
         starts after the work that produces ``a`` and nothing later."""
         self.device = a.device
         lane = self.lane(a.device)
-        a.ready = lane.event()
-        lane.rt.record(a.ready, a.stream)
+        with lane.rt.on(a.device):
+            a.ready = lane.event()
+            lane.rt.record(a.ready, a.stream)
 
     # -- routes ---------------------------------------------------------------------------------------------
     def _route(self, ps: int, comm) -> str | None:
@@ -178,6 +179,7 @@ class DeviceExecutor:
             raise self._failed
         reason = self._route(resp.ps, comm)
         lane = self.lane(next((p.array.device for p in pends if p is not None), self.device))
+        lane.rt.set_device(lane.device)  # the engine thread's: its allocations and NCCL calls go there
         for p in pends:
             if p is not None and p.array.ready is not None:
                 lane.rt.wait(lane.stream, p.array.ready)
@@ -197,6 +199,7 @@ class DeviceExecutor:
         else:
             done, keep = device_ops.run_staged(resp, pends, comm, lane, host)
         host._tl(resp.names, op_name if reason is None else "STAGED_" + op_name, False)
+        keep.extend(p.array for p in pends if p is not None)  # the inputs live until hora's stream has read them
         self._expect(_Watch(lane.record(), lane, nc if reason is None else None, done, keep))
 
     # -- completion -----------------------------------------------------------------------------------------

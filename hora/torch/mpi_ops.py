@@ -2,9 +2,9 @@
 
 Each function converts its tensors and makes one core call. A contiguous CPU tensor becomes a NumPy
 view of the same memory (no copy); bfloat16 is viewed as int16 and then as ``ml_dtypes.bfloat16``. The
-core copies a non-contiguous input (and, for in-place ops, copies the result back). Tensors on another
-device (CUDA) are staged through host memory and copied back at ``synchronize``; that path has not yet
-run on a GPU machine.
+core copies a non-contiguous input (and, for in-place ops, copies the result back). A CUDA tensor stays on
+its GPU (hora.torch.cuda: NCCL or the staged path, docs/gpu.md); a tensor on another device is staged
+through host memory and copied back at ``synchronize``.
 
 ``*_async`` functions return the core's int handle; ``synchronize`` returns what the synchronous form
 returns, as tensors (``_post`` maps a handle to the conversion). As with Horovod, an input must not be
@@ -58,6 +58,9 @@ def _view(tensor, what: str) -> tuple[np.ndarray, torch.Tensor | None]:
                              "for sparse tensors, or .to_dense()")
     t = tensor.detach()
     host = None
+    if t.device.type == "cuda":
+        from hora.torch import cuda
+        return cuda.device_array(t)
     if t.device.type != "cpu":
         host = t = t.cpu()  # staged: a GPU transport would reduce on the device instead
     if t.dtype == torch.bfloat16:
@@ -90,6 +93,9 @@ def shared_empty(*size, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda" and not isinstance(a, np.ndarray):  # a DeviceArray: the result on the GPU
+        from hora.torch import cuda
+        return cuda.tensor(a)
     if a.dtype.name == "bfloat16":
         t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     else:

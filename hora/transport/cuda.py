@@ -12,11 +12,13 @@ functions (the tests' CPU-backed one, ``tests/fake_gpu.py``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import importlib
 import os
 import sys
+from typing import Iterator
 
 from hora.base.errors import HoraError, NotSupportedError
 
@@ -104,6 +106,22 @@ class CudaRuntime:
 
     def set_device(self, device: int) -> None:
         self.call("cudaSetDevice", device)
+
+    def get_device(self) -> int:
+        return self._out("cudaGetDevice", kind=ctypes.c_int)
+
+    @contextlib.contextmanager
+    def on(self, device: int) -> Iterator[None]:
+        """Make ``device`` current in this thread for the block, and restore the caller's (a user's thread
+        keeps the device torch or its framework set)."""
+        prev = self.get_device()
+        if prev != device:
+            self.set_device(device)
+        try:
+            yield
+        finally:
+            if prev != device:
+                self.set_device(prev)
 
     def versions(self) -> tuple[int, int]:
         return self._out("cudaRuntimeGetVersion", kind=ctypes.c_int), self._out("cudaDriverGetVersion",
