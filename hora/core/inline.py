@@ -86,6 +86,8 @@ def _answer_one(resp: m.Response, sent: dict, local: dict, ranks: tuple[int, ...
             return None
         return local[(resp.ps, name)].array if r == me else sent[name][r]
 
+    if resp.device:  # GPU tensors never travel with their negotiation (hora.core.device_exec runs them)
+        return [resp]
     fast, slow = split(resp, [ready(n) for n in resp.names])
     out = [] if fast is None else [m.with_data(fast, reduce(fast, ranks, inputs))]
     return out if slow is None else out + [slow]

@@ -26,7 +26,8 @@ def share_unique_id(lib: n.NcclLibrary, store, key: str, rank: int, timeout: flo
     read it (waiting up to ``timeout`` s). The id holds rank 0's bootstrap address: whoever has it can join."""
     if rank == 0:
         uid = lib.unique_id()
-        store.set(key, uid)
+        if store is not None:  # None: a world of one, which has no store and no one to tell
+            store.set(key, uid)
         return uid
     uid = store.get(key, timeout=timeout)
     if len(uid) != n.UNIQUE_ID_BYTES:
