@@ -191,3 +191,70 @@ def test_a_lost_peer_aborts_nccl_and_names_the_peer(n, victim):
             assert "InternalError" in err["types"], err
             assert err["rank"] == victim or f"rank {victim}" in err["message"], err
             assert codes[r] == 0, job.output(r)
+
+
+@pytest.mark.timeout(90)
+def test_a_frozen_peer_inside_nccl_fails_the_others_within_the_stall_bound():
+    """SIGSTOP one rank while its peers wait inside NCCL for it: NCCL reports nothing (no error, no progress),
+    so the survivors abort their communicators at the stall shutdown time and raise HorovodInternalError."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    env = {**FAKE, "HORA_STALL_SHUTDOWN_TIME_SECONDS": "4", "HORA_STALL_CHECK_TIME_SECONDS": "2"}
+    with spawn_job(3, _loop_until_lost, env=env) as job:
+        job.wait_for(*(f"looping/{r}" for r in range(3)))
+        os.kill(job.procs[1].pid, signal.SIGSTOP)
+        try:
+            for r in (0, 2):
+                job.procs[r].wait(60)
+        finally:
+            os.kill(job.procs[1].pid, signal.SIGKILL)
+        for r in (0, 2):
+            err = job.report(r)["error"]
+            assert "InternalError" in err["types"], err
+            assert job.procs[r].returncode == 0, job.output(r)
+
+
+def test_route_reasons():
+    from hora.core.device_ops import route_reason
+    ok = ["a|0000:01:00.0|1|0|", "a|0000:02:00.0|1|0|", "b|0000:01:00.0|1|0|"]
+    assert route_reason(ok, "auto") is None and route_reason(ok, "NCCL") is None
+    assert "HORA_GPU_OPERATIONS=gloo" in route_reason(ok, "gloo")
+    assert "rank 1 of the set has no NCCL library (not found)" in route_reason(
+        [ok[0], "a|0000:02:00.0|0|0|not found"], "auto")
+    assert "MIG" in route_reason([ok[0], "a|0000:02:00.0|1|1|"], "auto")
+    assert "ranks 0 and 2 of the set share GPU 0000:01:00.0 on host a" in route_reason(ok[:2] + [ok[0]], "auto")
+
+
+def test_responses_nccl_leaves_to_the_staged_path():
+    from hora.collectives.reduce import Adasum, Average, Max, Sum
+    from hora.core.device_ops import nccl_refuses
+    from hora.core.messages import ALLREDUCE, ALLTOALL, Response
+    from hora.transport.nccl_lib import NcclLibrary
+
+    class Lib:
+        def __init__(self, code):
+            self.code = code
+
+        def ncclGetVersion(self, p):
+            p.contents.value = self.code
+            return 0
+        ncclAllReduce = ncclSend = ncclRedOpCreatePreMulSum = ncclGetVersion
+
+    new, old = NcclLibrary(Lib(22304), "t", "new"), NcclLibrary(Lib(2708), "t", "old")
+    r = Response(ALLREDUCE, 0, ("x",), op=Sum, dtype="float32", shapes=((4,),), device=True)
+    assert nccl_refuses(r, new) is None and nccl_refuses(r._replace(op=Average), new) is None
+    assert nccl_refuses(r._replace(op=Average), old) == "NCCL 2.7.8 has no ncclRedOpCreatePreMulSum"
+    assert nccl_refuses(r._replace(op=Adasum), new) == "Adasum runs on the host"
+    assert "Min, Max or Product" in nccl_refuses(r._replace(op=Max, pre=2.0), new)
+    assert "integer" in nccl_refuses(r._replace(op=Average, dtype="int32"), new)
+    assert nccl_refuses(r._replace(dtype="int16"), new) == "NCCL has no int16 type"
+    assert nccl_refuses(r._replace(dtype="bfloat16"), old) == "NCCL 2.7.8 has no bfloat16"
+    assert nccl_refuses(r._replace(kind=ALLTOALL, dtype="float32"), new) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_mig_slice_takes_the_staged_path_with_one_warning():
+    env = {**FAKE, "CUDA_VISIBLE_DEVICES": "MIG-4f0a1b2c-0000-0000-0000-000000000000"}
+    for warnings, nccl_calls in run_hora(2, _route_warning, env=env, timeout=100):
+        assert nccl_calls == 0
+        assert len(warnings) == 1 and "MIG slice" in warnings[0]

@@ -105,10 +105,11 @@ class _Freed:
 
 
 class _Watch:
-    __slots__ = ("event", "lane", "comm", "done", "keep")
+    __slots__ = ("event", "lane", "comm", "done", "keep", "since", "names")
 
-    def __init__(self, event, lane, comm, done, keep):
+    def __init__(self, event, lane, comm, done, keep, names):
         self.event, self.lane, self.comm, self.done, self.keep = event, lane, comm, done, keep
+        self.since, self.names = time.monotonic(), names
 
 
 class DeviceExecutor:
@@ -200,7 +201,7 @@ class DeviceExecutor:
             done, keep = device_ops.run_staged(resp, pends, comm, lane, host)
         host._tl(resp.names, op_name if reason is None else "STAGED_" + op_name, False)
         keep.extend(p.array for p in pends if p is not None)  # the inputs live until hora's stream has read them
-        self._expect(_Watch(lane.record(), lane, nc if reason is None else None, done, keep))
+        self._expect(_Watch(lane.record(), lane, nc if reason is None else None, done, keep, resp.names))
 
     # -- completion -----------------------------------------------------------------------------------------
     def _expect(self, w: _Watch) -> None:
@@ -236,6 +237,8 @@ class DeviceExecutor:
             if aborted:  # the control plane's verdict names the peer; past the grace, fail without it
                 if time.monotonic() - self._aborted_at > NAME_GRACE_S:
                     self.fail(InternalError(self._abort_text))
+            elif self._stalled(w):
+                continue
             elif w.comm is not None:
                 code = w.comm.async_error()
                 if code not in (0, nccl_lib.IN_PROGRESS):
@@ -248,6 +251,25 @@ class DeviceExecutor:
                     self._abort_all()  # nobody stays inside NCCL while the control plane decides
             time.sleep(min(POLL_S * (1 << min(idle, 4)), 0.002))
             idle += 1
+
+    def _stalled(self, w: _Watch) -> bool:
+        """A collective that NCCL has neither finished nor failed (a frozen peer): a warning after the stall
+        check time, and past the stall shutdown time the communicators are aborted and its handles fail,
+        the bounds the stall inspector keeps on CPUs."""
+        waited = time.monotonic() - w.since
+        limit = self.cfg["stall_shutdown_time"]
+        if self.cfg["stall_check_disable"]:
+            return False
+        if limit > 0 and waited > limit:
+            self.fail(InternalError(
+                f"GPU collective {', '.join(w.names[:3])} has not finished on rank {self.topo.rank} after "
+                f"{waited:.0f} s (HORA_STALL_SHUTDOWN_TIME_SECONDS={limit:g}): a peer is frozen or lost inside "
+                "NCCL; hora aborted its NCCL communicators; elastic training can recover from this error"))
+            return True
+        if waited > self.cfg["stall_check_time"]:
+            warn_once(f"GPU collective {', '.join(w.names[:3])} has waited {waited:.0f} s on rank {self.topo.rank} "
+                      "for NCCL to finish; a peer may be frozen")
+        return False
 
     def _drain(self, err: BaseException) -> None:
         with self._cv:
