@@ -25,7 +25,7 @@ import numpy as np
 
 from hora.base import knobs
 from hora.base.device import DeviceArray
-from hora.base.errors import HoraError, InternalError
+from hora.base.errors import HoraError, InternalError, ShutdownError
 from hora.core import device_ops, messages as m
 from hora.transport import cuda, nccl_lib
 
@@ -53,6 +53,7 @@ class Lane:
         self._events: list[int] = []
         self._fusion, self._fusion_n = 0, 0
         self._pinned, self._pinned_n = 0, 0
+        self.fused: tuple[int, int] | None = None  # (tensors, bytes) of the last fused device allreduce
 
     def event(self) -> int:
         return self._events.pop() if self._events else self.rt.event()
@@ -200,6 +201,10 @@ class DeviceExecutor:
         else:
             done, keep = device_ops.run_staged(resp, pends, comm, lane, host)
         host._tl(resp.names, op_name if reason is None else "STAGED_" + op_name, False)
+        if lane.fused is not None:
+            host.stats.tensors_fused += lane.fused[0]
+            host.stats.bytes_fused += lane.fused[1]
+            lane.fused = None
         keep.extend(p.array for p in pends if p is not None)  # the inputs live until hora's stream has read them
         self._expect(_Watch(lane.record(), lane, nc if reason is None else None, done, keep, resp.names))
 
@@ -294,9 +299,15 @@ class DeviceExecutor:
                 log.warning("ncclCommAbort: %s", e)
 
     def close(self) -> None:
+        """At shutdown: collectives still in flight are aborted (a destroy would wait for peers that may be
+        gone), the rest destroyed."""
         with self._cv:
             self._closed = True
+            pending = bool(self._watch)
             self._cv.notify()
+        if pending:
+            self.fail(ShutdownError("hora was shut down while this GPU collective was in flight; its "
+                                    "NCCL communicator was aborted"))
         if self._thread is not None:
             self._thread.join(5)
         for c in self.comms.values():

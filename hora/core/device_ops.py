@@ -140,6 +140,7 @@ def run_nccl(resp: m.Response, pends: list, nc, lane, n: int, root: int) -> tupl
                 rt.copy(off, p.array.ptr, c * item, cuda.D2D, s)
             off += c * item
         nc.allreduce(fb, fb, sum(counts), dtype, op, s)
+        lane.fused = (len(counts), sum(counts) * item)  # for the engine's statistics
         off = fb
         for p, c in zip(pends, counts):  # unpack
             if p is not None:
