@@ -258,3 +258,25 @@ def test_a_mig_slice_takes_the_staged_path_with_one_warning():
     for warnings, nccl_calls in run_hora(2, _route_warning, env=env, timeout=100):
         assert nccl_calls == 0
         assert len(warnings) == 1 and "MIG slice" in warnings[0]
+
+
+def _dlpack_producers(hvd):
+    """Any DLPack producer on CUDA (CuPy, JAX outside jit, ...) goes through hora's NumPy API as it is; the
+    result hands itself on through __cuda_array_interface__ (what cupy.asarray reads)."""
+    from test_device_array import Dlpack
+
+    from hora.base.device import from_cuda_array_interface
+    r = hvd.rank()
+    x = np.arange(6, dtype=np.float32) + r
+    out = hvd.allreduce(Dlpack(x, device=(2, r)), op=hvd.Sum, name="dl")
+    again = from_cuda_array_interface(out, device=r)
+    splits = [1] * hvd.size()
+    got, _ = hvd.alltoall(Dlpack(np.arange(hvd.size(), dtype=np.int64) + 10 * r, device=(2, r)), splits=splits)
+    return _host(out).tolist(), (again.ptr, again.shape) == (out.ptr, out.shape), _host(got).tolist()
+
+
+@pytest.mark.timeout(120)
+def test_any_dlpack_cuda_producer_through_the_numpy_api():
+    a, b = run_hora(2, _dlpack_producers, env=FAKE, timeout=100)
+    assert a[0] == b[0] == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0] and a[1] and b[1]
+    assert a[2] == [0, 10] and b[2] == [1, 11]

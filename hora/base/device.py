@@ -59,6 +59,16 @@ class DeviceArray:
     def ndim(self) -> int:
         return len(self.shape)
 
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """So that CuPy, Numba or PyTorch take a result without a copy (``cupy.asarray(out)``); the stream
+        is omitted: hora completes a handle only once its stream is done with the memory."""
+        typestr = {v: k for k, v in _TYPESTR.items()}.get(self.dtype)
+        if typestr is None:
+            raise AttributeError(f"__cuda_array_interface__ has no typestr for {self.dtype}")
+        return {"data": (self.ptr, False), "shape": tuple(self.shape), "typestr": "<" + typestr if typestr[0] != "b"
+                else "|b1", "strides": None, "version": 3}
+
     def __repr__(self) -> str:
         return f"DeviceArray(cuda:{self.device}, {self.dtype}{list(self.shape)}, 0x{self.ptr:x})"
 

@@ -233,6 +233,7 @@ class DeviceExecutor:
             if not aborted and w.lane.rt.query(w.event):
                 with self._cv:
                     self._watch.pop(0)
+                    self._cv.notify_all()
                 w.lane.recycle(w.event)
                 for handle, result in w.done:
                     handle.complete(result)
@@ -275,6 +276,14 @@ class DeviceExecutor:
             warn_once(f"GPU collective {', '.join(w.names[:3])} has waited {waited:.0f} s on rank {self.topo.rank} "
                       "for NCCL to finish; a peer may be frozen")
         return False
+
+    def settle(self, timeout: float = NAME_GRACE_S) -> None:
+        """Wait (up to ``timeout`` s) for the collectives already launched to finish: a peer that shut down
+        cleanly has finished its side of them, so they complete rather than fail with its goodbye."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._watch and self._failed is None and time.monotonic() < deadline:
+                self._cv.wait(0.05)
 
     def _drain(self, err: BaseException) -> None:
         with self._cv:

@@ -405,6 +405,8 @@ class Engine:
         if responses and self._quiet_s:  # time this rank spent running them is no silence of rank 0's
             self._heard = time.monotonic()
         if self._leaving is not None:  # rank 0 said goodbye: what it sent before has run; nothing more will
+            if self.executor.gpu is not None:  # GPU collectives it took part in have run on its side: ours finish
+                self.executor.gpu.settle()
             self.handles.fail_all(subs.fail(self._leaving, replace=True))
             raise _Stop
 

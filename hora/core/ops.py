@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from hora.base.device import DeviceArray
+from hora.base.device import DeviceArray, as_device_array
 from hora.base.errors import HoraError, HoraValueError, NotSupportedError
 from hora.collectives.adasum import check_dtype as adasum_dtype
 from hora.collectives.reduce import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, check_dtype
@@ -179,8 +179,8 @@ def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False
     never reaches the engine (only a notice that it was refused does, see :func:`_refusing`)."""
     ps = _ps_id(process_set, st, kind)
     a = None
-    if kind in _DATA_KINDS and type(array) is DeviceArray:
-        a = _device_input(st, array, kind, fields)
+    if kind in _DATA_KINDS and type(array) is not np.ndarray and (dev := as_device_array(array, what=kind)):
+        a = _device_input(st, dev, kind, fields)  # a GPU tensor: a DeviceArray, or any DLPack CUDA producer
     elif kind in _DATA_KINDS:
         a = array if type(array) is np.ndarray else _as_array(array, kind, inplace)
         dtype = check_dtype(a.dtype, kind)
@@ -508,7 +508,8 @@ def alltoall_async(array, splits=None, name: str | None = None,
                    process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
     st = state()
     n = len(st.engine.process_sets[_ps_id(process_set, st, m.ALLTOALL)])
-    a = array if type(array) in (np.ndarray, DeviceArray) else _as_array(array, m.ALLTOALL, False)
+    a = array if type(array) in (np.ndarray, DeviceArray) else (as_device_array(array, what=m.ALLTOALL)
+                                                                 or _as_array(array, m.ALLTOALL, False))
     if a.ndim == 0:
         raise HoraValueError("alltoall: a scalar cannot be split; give an array with a first dimension")
     if splits is None:
