@@ -34,7 +34,10 @@ _WARNED: set[str] = set()
 # after NCCL's asynchronous error, how long the handles wait (communicators already aborted) for the control
 # plane to name the lost peer: within hora's peer-loss bound on CPUs (10 s)
 NAME_GRACE_S = 10.0
-POLL_S = 0.0002  # the watcher's poll: an event query and an async-error query cost ~1 us each on a GPU
+# the watcher's first sleep between polls, doubled while nothing completes, up to 2 ms: a small collective is
+# seen done within tens of us, a long one costs a poll per 2 ms (an event query and an async-error query
+# cost ~1 us each on a GPU); a first guess, to be measured by benchmarks/gpu_check.py's per-call figures
+POLL_S = 20e-6
 
 
 def warn_once(text: str) -> None:
@@ -218,7 +221,7 @@ class DeviceExecutor:
             self._cv.notify()
 
     def _watcher(self) -> None:
-        idle = 0  # polls in a row that found nothing: the sleep grows from POLL_S to 2 ms
+        idle = 0  # polls in a row that found nothing: the sleep doubles from POLL_S up to 2 ms
         while True:
             with self._cv:
                 while not self._watch and not self._closed:
@@ -255,7 +258,7 @@ class DeviceExecutor:
                         "can recover from this error")
                     self._aborted_at = time.monotonic()
                     self._abort_all()  # nobody stays inside NCCL while the control plane decides
-            time.sleep(min(POLL_S * (1 << min(idle, 4)), 0.002))
+            time.sleep(min(POLL_S * (1 << min(idle, 7)), 0.002))
             idle += 1
 
     def _stalled(self, w: _Watch) -> bool:
