@@ -280,3 +280,38 @@ def test_any_dlpack_cuda_producer_through_the_numpy_api():
     a, b = run_hora(2, _dlpack_producers, env=FAKE, timeout=100)
     assert a[0] == b[0] == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0] and a[1] and b[1]
     assert a[2] == [0, 10] and b[2] == [1, 11]
+
+
+def _async_error_then_rebuild(hvd):
+    """NCCL reports an asynchronous error on rank 1 (no peer lost): both ranks raise HorovodInternalError,
+    then shutdown and init (what elastic training does) build a new communicator in the same process."""
+    import time
+
+    import fake_gpu
+
+    from hora.base.errors import HorovodInternalError
+    r = hvd.rank()
+    x = np.ones(8, np.float32)
+    assert _host(hvd.allreduce(_dev(x, r), op=hvd.Sum, name="before"))[0] == 2
+    if r == 1:
+        for comm in fake_gpu.nccl().comms.values():
+            comm.error = 2  # ncclSystemError, as a failed NIC or a dead proxy thread would report
+    t0 = time.monotonic()
+    try:
+        hvd.allreduce(_dev(x, r), op=hvd.Sum, name="during")
+        raised = None
+    except HorovodInternalError as e:
+        raised = str(e)
+    took = time.monotonic() - t0
+    hvd.shutdown()
+    hvd.init()
+    after = _host(hvd.allreduce(_dev(x, r), op=hvd.Sum, name="after"))[0]
+    return raised, took, after
+
+
+@pytest.mark.timeout(120)
+def test_an_async_error_aborts_and_elastic_rebuilds_in_process():
+    for raised, took, after in run_hora(2, _async_error_then_rebuild, env=FAKE, timeout=100):
+        assert raised is not None and ("NCCL reported" in raised or "rank" in raised), raised
+        assert took < 30
+        assert after == 2
