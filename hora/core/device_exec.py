@@ -59,7 +59,10 @@ class Lane:
         self.fused: tuple[int, int] | None = None  # (tensors, bytes) of the last fused device allreduce
 
     def event(self) -> int:
-        return self._events.pop() if self._events else self.rt.event()
+        try:  # callers' threads, the engine's and the watcher's share the pool: pop is atomic, a check is not
+            return self._events.pop()
+        except IndexError:
+            return self.rt.event()
 
     def recycle(self, ev: int) -> None:
         self._events.append(ev)
@@ -125,6 +128,7 @@ class DeviceExecutor:
         self.where = self.cfg["nccl_library"]
         self.device = topo.local_rank  # until a device tensor says otherwise
         self.lanes: dict[int, Lane] = {}
+        self._lanes_lock = threading.Lock()
         self.routes: dict[int, str | None] = {}  # process set -> None (NCCL) or the staged path's reason
         self.comms: dict[int, object] = {}
         self._made: dict[int, int] = {}
@@ -142,7 +146,10 @@ class DeviceExecutor:
     def lane(self, device: int) -> Lane:
         lane = self.lanes.get(device)
         if lane is None:
-            lane = self.lanes[device] = Lane(self.runtime(), device)
+            with self._lanes_lock:  # a caller's thread and the engine's may both come first
+                lane = self.lanes.get(device)
+                if lane is None:
+                    lane = self.lanes[device] = Lane(self.runtime(), device)
         return lane
 
     def submitted(self, a: DeviceArray) -> None:
