@@ -315,3 +315,21 @@ def test_an_async_error_aborts_and_elastic_rebuilds_in_process():
         assert raised is not None and ("NCCL reported" in raised or "rank" in raised), raised
         assert took < 30
         assert after == 2
+
+
+def _current_device_kept(hvd):
+    import fake_gpu
+    rt = fake_gpu.cudart()
+    rt.cudaSetDevice(5)  # the caller's own current device, unlike its tensors'
+    r = hvd.rank()
+    out = [_host(hvd.allreduce(_dev(np.ones(4, np.float32), r), op=hvd.Sum, name=f"k{i}"))[0] for i in range(3)]
+    p = ctypes.pointer(ctypes.c_int())
+    rt.cudaGetDevice(p)
+    return out, p.contents.value
+
+
+@pytest.mark.timeout(120)
+def test_the_callers_current_device_is_kept():
+    """The engine may run in the waiting caller's thread: hora's device switches are put back."""
+    for out, current in run_hora(2, _current_device_kept, env=FAKE, timeout=100):
+        assert out == [2.0] * 3 and current == 5

@@ -189,9 +189,13 @@ class DeviceExecutor:
     def run(self, resp: m.Response, pends: list, comm, op_name: str) -> None:
         if self._failed is not None:
             raise self._failed
-        reason = self._route(resp.ps, comm)
         lane = self.lane(next((p.array.device for p in pends if p is not None), self.device))
-        lane.rt.set_device(lane.device)  # the engine thread's: its allocations and NCCL calls go there
+        # the engine runs in a waiting caller's thread too (hora.core.baton): its current device is put back
+        with lane.rt.on(lane.device):
+            self._run(resp, pends, comm, op_name, lane)
+
+    def _run(self, resp: m.Response, pends: list, comm, op_name: str, lane: Lane) -> None:
+        reason = self._route(resp.ps, comm)
         for p in pends:
             if p is not None and p.array.ready is not None:
                 lane.rt.wait(lane.stream, p.array.ready)

@@ -42,9 +42,9 @@ class NcclComm:
                  timeout: float = 60.0):
         self.lib, self.rank, self.size, self.device = lib, rank, size, device
         uid = share_unique_id(lib, store, key, rank, timeout)
-        rt.set_device(device)
         handle = ctypes.c_void_p()
-        lib.call("ncclCommInitRank", ctypes.pointer(handle), size, n.UniqueId.from_buffer_copy(uid), rank)
+        with rt.on(device):  # the communicator's device; the calling thread's own is put back
+            lib.call("ncclCommInitRank", ctypes.pointer(handle), size, n.UniqueId.from_buffer_copy(uid), rank)
         self.handle = handle.value
         self.aborted = False
         self._premul: dict[tuple[float, str], int] = {}
