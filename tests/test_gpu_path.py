@@ -27,7 +27,7 @@ def _dev(a: np.ndarray, device: int):
 
 
 def _host(d) -> np.ndarray:
-    from hora.core.execute import dtype_of
+    from hora.engine.execute import dtype_of
     return np.frombuffer(ctypes.string_at(d.ptr, d.nbytes), dtype_of(d.dtype)).reshape(d.shape).copy()
 
 
@@ -45,7 +45,7 @@ def _every_op(hvd):
 
     for dtype in ("float32", "float64", "float16", "int32", "int64", "uint8", "int8", "bfloat16"):
         import ml_dtypes  # noqa: F401 - bfloat16 by name
-        from hora.core.execute import dtype_of
+        from hora.engine.execute import dtype_of
         dt = dtype_of(dtype)
         x = (np.arange(12) % 7 + r).astype(dt).reshape(3, 4)
         for op in (hvd.Sum, hvd.Min, hvd.Max, hvd.Product, hvd.Average):
@@ -112,7 +112,7 @@ def _route_warning(hvd):
     logging.getLogger("hora.gpu").addHandler(Catch())
     import fake_gpu
 
-    from hora.core import device_exec
+    from hora.engine import device_exec
     from hora.transport import nccl_lib
     nccl_lib.forget()  # this pool worker may have loaded the stand-in under another test's environment
     device_exec._WARNED.clear()
@@ -215,7 +215,7 @@ def test_a_frozen_peer_inside_nccl_fails_the_others_within_the_stall_bound():
 
 
 def test_route_reasons():
-    from hora.core.device_ops import route_reason
+    from hora.engine.device_ops import route_reason
     ok = ["a|0000:01:00.0|1|0|", "a|0000:02:00.0|1|0|", "b|0000:01:00.0|1|0|"]
     assert route_reason(ok, "auto") is None and route_reason(ok, "NCCL") is None
     assert "HORA_GPU_OPERATIONS=gloo" in route_reason(ok, "gloo")
@@ -227,8 +227,8 @@ def test_route_reasons():
 
 def test_responses_nccl_leaves_to_the_staged_path():
     from hora.collectives.reduce import Adasum, Average, Max, Sum
-    from hora.core.device_ops import nccl_refuses
-    from hora.core.messages import ALLREDUCE, ALLTOALL, Response
+    from hora.engine.device_ops import nccl_refuses
+    from hora.engine.messages import ALLREDUCE, ALLTOALL, Response
     from hora.transport.nccl_lib import NcclLibrary
 
     class Lib:

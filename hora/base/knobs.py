@@ -99,7 +99,7 @@ KNOBS = [
          1, _nonneg, ">= 0"),
     Knob("small_fastpath", bool, True, "SMALL_FASTPATH", None,
          "np=2 on one host: a synchronous allreduce of a cached tensor meets the other rank's in the shared "
-         "segment's mailbox, with no negotiation message (hora.core.fastpath): up to the inline threshold "
+         "segment's mailbox, with no negotiation message (hora.engine.fastpath): up to the inline threshold "
          "(16 KiB at most) both ranks reduce it there; past it the mailbox carries only the agreement and "
          "both run the segment's allreduce at once; anything else, or a peer that does not post the same "
          "tensor within the shared-memory spin, is negotiated as usual; 0 turns it off (every call is then "
@@ -119,7 +119,7 @@ KNOBS = [
          "in benchmarks/mpi_allreduce.py) or native (MPI's own Iallreduce)", **_one_of("ring", "native")),
     Knob("dynamic_process_sets", bool, False, "DYNAMIC_PROCESS_SETS", None,
          "allow add_process_set/remove_process_set after init"),
-    # autotune (hora.core.autotune): rank 0 tunes fusion_threshold, cycle_time and the response cache while
+    # autotune (hora.engine.autotune): rank 0 tunes fusion_threshold, cycle_time and the response cache while
     # training, leaving alone those the user set
     Knob("autotune", bool, False, "AUTOTUNE", "--autotune",
          "tune fusion threshold, cycle time and the response cache while training (rank 0 searches; the knobs "
@@ -158,7 +158,7 @@ KNOBS = [
          "MASTER_PORT+1, srun's job and step ids)", 1, lambda v: 0 <= v <= 65535, "0-65535"),
     Knob("elastic", bool, False, "ELASTIC", None,
          "set by the elastic driver: the job may change size, so collectives run even at size 1"),
-    # GPU tensors (hora.core.device_exec, docs/gpu.md): Horovod reads its GPU_* names when it is built; hora at
+    # GPU tensors (hora.engine.device_exec, docs/gpu.md): Horovod reads its GPU_* names when it is built; hora at
     # run time, so they act here
     Knob("gpu_operations", str, "auto", "GPU_OPERATIONS", None,
          "GPU tensors' collectives: auto or NCCL (NCCL where it can serve, else the staged path with a warning "

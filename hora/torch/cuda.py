@@ -30,5 +30,5 @@ def _wrap(c: torch.Tensor) -> DeviceArray:
 
 def tensor(a: DeviceArray) -> torch.Tensor:
     """The torch tensor behind a result. hora completes a handle once its stream's event has completed
-    (hora.core.device_exec), so torch's stream has nothing left to wait for."""
+    (hora.engine.device_exec), so torch's stream has nothing left to wait for."""
     return a.owner

@@ -25,9 +25,9 @@ import numpy as np
 from hora.base.device import ITEMSIZE, DeviceArray
 from hora.collectives import exchange, ring
 from hora.collectives.reduce import Adasum, Average, Max, Min, Product, Sum, fill_identity
-from hora.core import messages as m
-from hora.core.execute import Pending, allreduce_flat, dtype_of
-from hora.core.handles import Handle
+from hora.engine import messages as m
+from hora.engine.execute import Pending, allreduce_flat, dtype_of
+from hora.engine.handles import Handle
 from hora.transport import cuda, nccl_lib
 
 _NCCL_OP = {Sum: nccl_lib.SUM, Product: nccl_lib.PROD, Max: nccl_lib.MAX, Min: nccl_lib.MIN}

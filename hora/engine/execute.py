@@ -13,8 +13,8 @@ import numpy as np
 
 from hora.collectives import adasum, exchange, ring
 from hora.collectives.reduce import Adasum, Average, fill_identity, reducer, scale
-from hora.core import messages as m
-from hora.core.handles import Handle
+from hora.engine import messages as m
+from hora.engine.handles import Handle
 from hora.transport.base import SubCommunicator
 
 # A fused allreduce goes to the transport's ``native_allreduce_parts`` where it has one (shared memory:
@@ -108,7 +108,7 @@ class Executor:
         self.scratch = ring.Scratch()
         self.fusion = np.empty(0, np.uint8)
         self._subs: dict[int, SubCommunicator] = {}
-        self.gpu = None  # hora.core.device_exec.DeviceExecutor, set at init
+        self.gpu = None  # hora.engine.device_exec.DeviceExecutor, set at init
         # shared memory's and hierarchical's collectives, assembled a layer up from what the transport hands
         # out (imported here: `import hora` loads no transport module until init)
         from hora.collectives import native
@@ -153,13 +153,13 @@ class Executor:
         self.stats.collectives += 1
         self.stats.tensors += len(resp.names)
         op_name = self._activity[kind]
-        if resp.device:  # GPU tensors: NCCL or the staged path (hora.core.device_exec)
+        if resp.device:  # GPU tensors: NCCL or the staged path (hora.engine.device_exec)
             self.gpu.run(resp, pends, comm, op_name)
             return
         getattr(self, "_" + kind)(resp, pends, comm, op_name)
 
     def inline_result(self, resp, pends) -> None:
-        """Copy out the result the coordinator computed (:mod:`hora.core.inline`)."""
+        """Copy out the result the coordinator computed (:mod:`hora.engine.inline`)."""
         names = resp.names
         self.stats.collectives += 1
         self.stats.tensors += len(names)

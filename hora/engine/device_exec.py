@@ -26,7 +26,7 @@ import numpy as np
 from hora.base import knobs
 from hora.base.device import DeviceArray
 from hora.base.errors import HoraError, InternalError, ShutdownError
-from hora.core import device_ops, messages as m
+from hora.engine import device_ops, messages as m
 from hora.transport import cuda, nccl_lib
 
 log = logging.getLogger("hora.gpu")

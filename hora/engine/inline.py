@@ -26,8 +26,8 @@ import numpy as np
 
 from hora.collectives import adasum
 from hora.collectives.reduce import Adasum, Average, fill_identity, reducer, scale
-from hora.core import messages as m
-from hora.core.execute import Pending, dtype_of
+from hora.engine import messages as m
+from hora.engine.execute import Pending, dtype_of
 
 
 def payload(pend: Pending, threshold: int) -> bytes | None:
@@ -86,7 +86,7 @@ def _answer_one(resp: m.Response, sent: dict, local: dict, ranks: tuple[int, ...
             return None
         return local[(resp.ps, name)].array if r == me else sent[name][r]
 
-    if resp.device:  # GPU tensors never travel with their negotiation (hora.core.device_exec runs them)
+    if resp.device:  # GPU tensors never travel with their negotiation (hora.engine.device_exec runs them)
         return [resp]
     fast, slow = split(resp, [ready(n) for n in resp.names])
     out = [] if fast is None else [m.with_data(fast, reduce(fast, ranks, inputs))]
