@@ -333,3 +333,21 @@ def test_the_callers_current_device_is_kept():
     """The engine may run in the waiting caller's thread: hora's device switches are put back."""
     for out, current in run_hora(2, _current_device_kept, env=FAKE, timeout=100):
         assert out == [2.0] * 3 and current == 5
+
+
+def _per_op(hvd):
+    import fake_gpu
+    r = hvd.rank()
+    before = list(fake_gpu.STATS["calls"])
+    x = np.arange(4, dtype=np.float32) + r
+    red = _host(hvd.allreduce(_dev(x, r), op=hvd.Sum, name="po.r"))
+    gat = _host(hvd.allgather(_dev(x, r), name="po.g"))
+    calls = fake_gpu.STATS["calls"][len(before):]
+    return red.tolist(), gat.tolist(), calls
+
+
+@pytest.mark.timeout(120)
+def test_gpu_allreduce_knob_stages_allreduce_only():
+    for red, gat, calls in run_hora(2, _per_op, env={**FAKE, "HOROVOD_GPU_ALLREDUCE": "MPI"}, timeout=100):
+        assert red == [1.0, 3.0, 5.0, 7.0] and gat == [0.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0]
+        assert calls == ["allgather"]  # the allreduce went through the staged path
