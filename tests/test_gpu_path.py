@@ -351,3 +351,19 @@ def test_gpu_allreduce_knob_stages_allreduce_only():
     for red, gat, calls in run_hora(2, _per_op, env={**FAKE, "HOROVOD_GPU_ALLREDUCE": "MPI"}, timeout=100):
         assert red == [1.0, 3.0, 5.0, 7.0] and gat == [0.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0]
         assert calls == ["allgather"]  # the allreduce went through the staged path
+
+
+def _mixed(hvd):
+    from hora.base.errors import MismatchError
+    x = np.ones(4, np.float32)
+    try:
+        hvd.allreduce(_dev(x, 0) if hvd.rank() == 0 else x, name="mixed")
+    except MismatchError as e:
+        return str(e)
+
+
+@pytest.mark.timeout(120)
+def test_a_gpu_tensor_against_a_host_array_is_a_mismatch():
+    for text in run_hora(2, _mixed, env=FAKE, timeout=100):
+        assert text == ("allreduce 'mixed': rank 1 sent a tensor on the host, rank 0 one on the GPU; every rank "
+                        "must give a GPU tensor, or every rank a host one"), text

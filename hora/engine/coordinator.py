@@ -44,6 +44,8 @@ def _field(req: Request, field: str):
 def _show(field: str, value) -> str:
     if field == "op":
         return OP_NAMES.get(value, str(value))
+    if field == "device":
+        return "the GPU" if value else "the host"
     if field == "trailing":
         return f"{value[1]}-d with dimensions after the first {value[3]}"
     if field in ("shape", "ranks"):
@@ -372,8 +374,11 @@ class Coordinator:
                 if a != b:
                     label = "dimensions" if f == "trailing" else {
                         "pre": "prescale factor", "post": "postscale factor",
-                        "layout": "a packed buffer whose tensors' shapes or dtypes differ: layout",
-                        "device": "a tensor on a GPU (True) or the host (False):"}.get(f, f)
+                        "layout": "a packed buffer whose tensors' shapes or dtypes differ: layout"}.get(f, f)
+                    if f == "device":
+                        return self._error(ps, name, f"{first.kind} '{name}': rank {r} sent a tensor on {_show(f, a)}, "
+                                                     f"rank {first_rank} one on {_show(f, b)}; every rank must give "
+                                                     "a GPU tensor, or every rank a host one", first)
                     return self._error(ps, name, f"{first.kind} '{name}': rank {r} sent {label} "
                                                  f"{_show(f, a)}, rank {first_rank} sent {_show(f, b)}", first)
         if self.joined and ps == 0 and first.kind not in (ALLREDUCE, BARRIER):
