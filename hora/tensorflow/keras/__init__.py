@@ -5,14 +5,19 @@
 hora serves both (:mod:`hora.keras.flavour`).
 """
 
+import importlib
+
 from hora.keras import *  # noqa: F401,F403
 from hora.keras import __all__  # noqa: F401
 from hora.keras.compression import Compression
 from hora.keras.optimizer import distributed_optimizer
 from hora.core.ops import Average
 from hora.core.process_sets import global_process_set
-from hora.tensorflow.keras import callbacks  # noqa: F401 - the submodule, as Horovod's
-from hora.tensorflow.keras import elastic  # noqa: F401 - the submodule, as Horovod's
+
+# the submodules, as Horovod's; imported by name: `from hora.tensorflow.keras import callbacks` would find the
+# star import's hora.keras.callbacks and never load this package's own (its BestModelCheckpoint's order)
+callbacks = importlib.import_module("hora.tensorflow.keras.callbacks")
+elastic = importlib.import_module("hora.tensorflow.keras.elastic")
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='', compression=Compression.none,
