@@ -292,7 +292,8 @@ def distributed_optimizer(optimizer, name=None, device_dense='', device_sparse='
                                            average_aggregated_gradients, num_groups, groups, process_set,
                                            scale_local_gradients)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise HoraValueError(f"DistributedOptimizer: expected a Keras 3 optimizer, got {type(optimizer).__name__}; "
+        raise HoraValueError(f"DistributedOptimizer: expected a Keras 3 optimizer (or a tf_keras one), got "
+                             f"{type(optimizer).__name__}; "
                              "for a tf.compat.v1.train.Optimizer use hora.tensorflow.DistributedOptimizer")
     if isinstance(optimizer, _DistributedOptimizer):
         raise HoraValueError("DistributedOptimizer: this optimizer is already distributed; wrapping it twice "
