@@ -182,6 +182,19 @@ def _battery(tmp: str) -> None:
     for cls in (hvd.elastic.CommitStateCallback, hvd.elastic.UpdateBatchStateCallback):
         assert isinstance(cls(state), tf_keras.callbacks.Callback)
 
+    # 6. SyncBatchNormalization in a Keras 2 model, against one process's BatchNormalization(fused=False)
+    import hora.tensorflow as hvd_tf
+
+    batch = np.array([[k, k + 1.0] for k in range(n)], np.float32)
+    sync = hvd_tf.SyncBatchNormalization(fused=False, axis=1)
+    assert isinstance(sync, tf_keras.layers.Layer)
+    mine = sync(tf.constant(batch[r:r + 1]), training=True).numpy()
+    ref = tf.keras.layers.BatchNormalization(axis=1, fused=False)(tf.constant(batch), training=True).numpy()
+    assert np.allclose(mine, ref[r:r + 1], atol=1e-4), (mine, ref)
+    m = tf.keras.Sequential([tf.keras.layers.Dense(2, input_shape=(2,)), hvd_tf.SyncBatchNormalization()])
+    m.compile(loss="mse", optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1)))
+    m.fit(batch, batch, verbose=0)
+
 
 @pytest.mark.timeout(300)
 def test_tf_keras_contracts_np2(tmp_path):

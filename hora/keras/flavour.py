@@ -46,11 +46,17 @@ class Flavoured:
 
     def __new__(cls, *args, **kwargs):
         if legacy_requested() and cls.__module__.startswith("hora."):
-            from hora.keras.legacy_callbacks import twin
-
-            other = twin(cls)
+            other = cls._legacy_twin()
             if other is not None:
                 bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
                 named = {k: v for k, v in list(bound.arguments.items())[1:] if k != "kwargs"}
                 return other(**named, **bound.arguments.get("kwargs", {}))
-        return super().__new__(cls)
+        new = super().__new__
+        return new(cls) if new is object.__new__ else new(cls, *args, **kwargs)  # Keras 3 layers record them
+
+    @classmethod
+    def _legacy_twin(cls) -> type | None:
+        """The ``tf_keras`` class that stands for ``cls`` (the callbacks'; a layer names its own)."""
+        from hora.keras.legacy_callbacks import twin
+
+        return twin(cls)
