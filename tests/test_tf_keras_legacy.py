@@ -73,6 +73,9 @@ def _battery(tmp: str) -> None:
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     assert tf.keras.optimizers.SGD is tf_keras.optimizers.SGD
+
+    def _lr(opt):
+        return float(tf.keras.backend.get_value(opt.lr))
     rng = np.random.default_rng(1)
     X = rng.normal(size=(32, 5)).astype("float32")
     Y = rng.normal(size=(32, 2)).astype("float32")
@@ -156,6 +159,25 @@ def _battery(tmp: str) -> None:
     assert np.isclose(float(tf.keras.backend.get_value(model.optimizer.lr)), 0.01)  # epoch 1: 0.02 * 0.5 ** (1 - 0)
     if r == 0:
         assert os.path.exists(os.path.join(tmp, "w.h5"))
+    # load_model: the optimizer comes back distributed, with its state (Horovod's test_load_model contract)
+    from hora.keras.legacy import _Distributed
+
+    path = os.path.join(tmp, f"model{r}.h5")
+    model.save(path)
+    loaded = hvd.load_model(path)
+    assert isinstance(loaded.optimizer, _Distributed) and type(loaded.optimizer).__name__ == "Adam"
+    assert np.isclose(_lr(loaded.optimizer), _lr(model.optimizer))
+    for a, b in zip(loaded.optimizer.get_weights(), model.optimizer.get_weights()):
+        assert np.allclose(a, b)
+
+    class TestOptimizer(tf.keras.optimizers.legacy.RMSprop):
+        pass
+    custom = make()
+    custom.compile(loss="mse", optimizer=hvd.DistributedOptimizer(TestOptimizer(learning_rate=0.01)))
+    custom.fit(shard(X), shard(Y), batch_size=per, epochs=1, verbose=0)
+    custom.save(os.path.join(tmp, f"custom{r}.h5"))
+    again = hvd.load_model(os.path.join(tmp, f"custom{r}.h5"), custom_optimizers=[TestOptimizer])
+    assert isinstance(again.optimizer, TestOptimizer) and isinstance(again.optimizer, _Distributed)
     try:
         hvd.broadcast_global_variables(0)
         raise AssertionError("broadcast_global_variables must refuse eager mode, as Horovod's")
