@@ -2,7 +2,7 @@
 hooks that Keras 3's ``Callback`` lacks, so each has a twin on ``tf_keras.callbacks.Callback`` here.
 
 ``hora.keras.callbacks.X(...)`` returns the twin when ``TF_USE_LEGACY_KERAS=1`` (see :mod:`hora.keras.flavour`);
-the arithmetic is :mod:`hora.core.schedules`', as for Keras 3. Differences from the Keras 3 ones: the learning
+the arithmetic is :mod:`hora.kit.schedules`', as for Keras 3. Differences from the Keras 3 ones: the learning
 rate is a variable here, so ``momentum_correction`` acts (the momentum is scaled by the rate's change for the
 batch whose rate changed, then restored, as Horovod's); the broadcast goes through ``hora.tensorflow``.
 """
@@ -13,7 +13,7 @@ import functools
 
 import hora.core.basics as _basics
 from hora.base.errors import HoraValueError
-from hora.core import schedules as _fk
+from hora.kit import schedules as _fk
 from hora.keras.flavour import tf_keras
 
 __all__ = ["twin"]
