@@ -15,7 +15,7 @@ import signal
 import numpy as np
 import pytest
 
-from harness import ranks, run_hora
+from harness import ranks, run_hora, spawn_job
 
 
 def _refuse_then_alltoall(hvd, rounds: int, sync: bool) -> int:
@@ -83,10 +83,13 @@ def test_a_users_sigalrm_handler_runs_inside_a_wait():
     assert len(run_hora(2, _alarm_in_wait, timeout=90)) == 2
 
 
-def _alarm_in_tf_wait(hora, fresh_handler: bool):
+def _alarm_in_tf_wait(fresh_handler: bool):
     import tensorflow as tf
 
+    import hora
     import hora.tensorflow as hvd
+
+    hvd.init()
 
     class Alarm(Exception):
         pass
@@ -117,4 +120,7 @@ def _alarm_in_tf_wait(hora, fresh_handler: bool):
 @pytest.mark.parametrize("fresh_handler", [False, True])
 def test_a_users_sigalrm_handler_runs_inside_a_tensorflow_wait(fresh_handler):
     pytest.importorskip("tensorflow")
-    run_hora(2, _alarm_in_tf_wait, fresh_handler, timeout=150, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    # fresh processes: TensorFlow started in a pool worker would stay there for the next test files
+    with spawn_job(2, _alarm_in_tf_wait, fresh_handler, env={"TF_CPP_MIN_LOG_LEVEL": "2"}) as job:
+        codes = job.wait()
+        assert codes == [0, 0], "\n".join(job.output(r)[-3000:] for r in range(2))
