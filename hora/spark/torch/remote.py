@@ -150,6 +150,7 @@ def train(p: dict[str, Any]) -> Any:
 
 
 def _values(loss, metrics: list, outputs: list, labels: list) -> np.ndarray:
+    outputs = [o.detach() for o in outputs]
     out = [float(loss.detach()) if hasattr(loss, "detach") else float(loss)]
     for m in metrics:
         out.append(float(m(outputs[0] if len(outputs) == 1 else outputs, labels[0] if len(labels) == 1 else labels)))
