@@ -74,7 +74,8 @@ class KerasEstimator(HoraEstimator):
     def _env(self) -> dict[str, str]:
         import keras
 
-        return {"KERAS_BACKEND": keras.backend.backend(), **{k: str(v) for k, v in (self.getBackendEnv() or {}).items()}}
+        extra = {k: str(v) for k, v in (self.getBackendEnv() or {}).items()}
+        return {"KERAS_BACKEND": keras.backend.backend(), **extra}
 
     def _optimizer(self):
         import keras
