@@ -212,3 +212,20 @@ def test_keras_estimator_fits_transforms_saves_and_loads(spark, example, tmp_pat
     model, loaded = _check_fit(example, spark, tmp_path, "keras", "checkpoint.weights.npz")
     assert isinstance(loaded.getModel(), keras.Model)
     np.testing.assert_allclose(loaded.getModel().get_weights()[0], model.getModel().get_weights()[0])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not HAVE_PYSPARK, reason="needs pyspark")
+def test_horovods_import_paths_load_hora_under_the_alias():
+    import subprocess
+
+    from hora import _alias
+
+    code = ("from horovod.spark.common.store import Store, LocalStore, HDFSStore, DBFSLocalStore\n"
+            "from horovod.spark.torch import TorchEstimator, TorchModel\n"
+            "from horovod.spark.keras import KerasEstimator, KerasModel\n"
+            "print(TorchEstimator.__module__, KerasModel.__module__, type(Store.create('/tmp/x')).__module__)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([_alias.path(), str(ROOT)])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["hora.spark.torch.estimator", "hora.spark.keras.estimator", "hora.spark.common.store"]

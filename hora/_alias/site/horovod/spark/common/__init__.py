@@ -1,0 +1,1 @@
+"""``horovod.spark.common``: its ``store`` module is ``hora.spark.common.store``."""
