@@ -139,3 +139,21 @@ def test_lightning_checkpoints_are_written_once_and_restore(tmp_path):
         assert files == ["ckpt-epoch=0.ckpt", "ckpt-epoch=1.ckpt"]
         assert saved == (files if rank == 0 else [])  # rank 0 writes, the others do not
         np.testing.assert_allclose(params, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_the_lightning_digits_example_trains_under_hora_run():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
+    env["PYTHONPATH"] = str(root)
+    cmd = [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable, "examples/lightning/train_digits.py"]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=280)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    found = re.findall(r"2 ranks, 10 epochs: test accuracy ([0-9.]+)", out)
+    assert len(found) == 1 and float(found[0]) >= 0.95, out  # printed by rank 0 only
