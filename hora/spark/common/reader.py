@@ -133,13 +133,18 @@ class Shard:
         number = 0
         while True:
             for rows in self._pass(number):
-                if carry is not None:
-                    rows = {c: np.concatenate([carry[c], rows[c]]) for c in self.columns}
-                n = len(rows[self.columns[0]])
-                full = n - n % batch_size
-                for start in range(0, full, batch_size):
+                n, start = len(rows[self.columns[0]]), 0
+                if carry is not None:  # the batch that spans two buffers: the only copy made here
+                    need = batch_size - len(carry[self.columns[0]])
+                    if n < need:
+                        carry = {c: np.concatenate([carry[c], rows[c]]) for c in self.columns}
+                        continue
+                    yield {c: np.concatenate([carry[c], rows[c][:need]]) for c in self.columns}
+                    start, carry = need, None
+                while start + batch_size <= n:  # views into the buffer
                     yield {c: a[start:start + batch_size] for c, a in rows.items()}
-                carry = {c: a[full:] for c, a in rows.items()} if full < n else None
+                    start += batch_size
+                carry = {c: a[start:] for c, a in rows.items()} if start < n else None
             number += 1
 
 

@@ -25,8 +25,8 @@ def tensors(batch: dict, cols: list[str], shapes: list | None, dtype) -> list:
 
     out = []
     for i, c in enumerate(cols):
-        a = batch[c]
-        t = torch.from_numpy(np.ascontiguousarray(a))
+        a = np.ascontiguousarray(batch[c])
+        t = torch.from_numpy(a if a.flags.writeable else a.copy())  # Arrow's buffers are read-only
         if t.is_floating_point():
             t = t.to(dtype)
         if shapes and i < len(shapes) and shapes[i] is not None:
