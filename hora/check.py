@@ -135,7 +135,7 @@ def integrations() -> list[tuple[str, bool, str]]:
     spark = _found("pyspark") and _found("pyarrow") and _found("hora.spark.common")
     lightning = next((m for m in ("pytorch_lightning", "lightning") if _found(m)), None)
     return [
-        ("Spark Estimators (hora.spark.torch, hora.spark.keras)", spark,
+        ("Spark Estimators (hora.spark.torch, .keras, .lightning)", spark,
          "Store.create(path); Parquet through pyarrow" if spark else "needs pip install 'hora[spark]' (pyarrow)"),
         ("Lightning strategy (hora.lightning.HoraStrategy)", bool(lightning) and _found("torch"),
          f"{lightning} {_version((lightning,))}" if lightning else "needs pip install 'hora[lightning]'"),

@@ -40,6 +40,16 @@ HOROVOD_KERAS = ("num_proc model backend store custom_objects optimizer loss los
                  "train_steps_per_epoch validation_steps_per_epoch transformation_fn train_reader_num_workers "
                  "val_reader_num_workers reader_pool_type label_shapes checkpoint_callback inmemory_cache_all "
                  "backend_env use_gpu mp_start_method").split()
+HOROVOD_LIGHTNING = ("num_proc model backend store optimizer loss loss_constructors metrics loss_weights "
+                     "sample_weight_col gradient_compression feature_cols input_shapes validation label_cols callbacks "
+                     "batch_size val_batch_size epochs verbose random_seed shuffle_buffer_size shuffle "
+                     "partitions_per_process run_id train_minibatch_fn train_steps_per_epoch "
+                     "validation_steps_per_epoch transformation_fn transformation_edit_fields "
+                     "transformation_removed_fields train_reader_num_workers trainer_args val_reader_num_workers "
+                     "reader_pool_type label_shapes inmemory_cache_all num_gpus logger log_every_n_steps data_module "
+                     "loader_num_epochs terminate_on_nan profiler debug_data_loader "
+                     "train_async_data_loader_queue_size val_async_data_loader_queue_size use_gpu "
+                     "mp_start_method").split()
 
 
 def test_store_create_picks_the_filesystem_and_keeps_horovods_layout(tmp_path):
@@ -124,9 +134,11 @@ def test_fewer_row_groups_than_ranks_are_shared_by_rows(tmp_path):
 @pytest.mark.skipif(not HAVE_PYSPARK, reason="needs pyspark")
 def test_parameters_are_horovods_and_the_no_effect_ones_say_why():
     from hora.spark.keras import KerasEstimator
+    from hora.spark.lightning import TorchEstimator as LightningEstimator
     from hora.spark.torch import TorchEstimator
 
-    for cls, names in ((TorchEstimator, HOROVOD_TORCH), (KerasEstimator, HOROVOD_KERAS)):
+    for cls, names in ((TorchEstimator, HOROVOD_TORCH), (KerasEstimator, HOROVOD_KERAS),
+                       (LightningEstimator, HOROVOD_LIGHTNING)):
         assert list(inspect.signature(cls.__init__).parameters)[1:] == names, cls.__name__
         est = cls(batch_size=7, epochs=3)
         assert est.getBatchSize() == 7 and est.getEpochs() == 3 and est.getPartitionsPerProcess() == 10
@@ -224,8 +236,24 @@ def test_horovods_import_paths_load_hora_under_the_alias():
     code = ("from horovod.spark.common.store import Store, LocalStore, HDFSStore, DBFSLocalStore\n"
             "from horovod.spark.torch import TorchEstimator, TorchModel\n"
             "from horovod.spark.keras import KerasEstimator, KerasModel\n"
+            "from horovod.spark.lightning import TorchEstimator as LightningEstimator\n"
             "print(TorchEstimator.__module__, KerasModel.__module__, type(Store.create('/tmp/x')).__module__)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([_alias.path(), str(ROOT)])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["hora.spark.torch.estimator", "hora.spark.keras.estimator", "hora.spark.common.store"]
+
+
+@pytest.mark.timeout(600)
+def test_lightning_estimator_fits_transforms_saves_and_loads(spark, example, tmp_path):
+    pytest.importorskip("pytorch_lightning")
+    from hora.spark.torch import TorchModel
+
+    model, loaded, acc = example.main(["--framework", "lightning", "--num-proc", "2", "--store", str(tmp_path)])
+    assert acc >= 0.95, (acc, model.getHistory())
+    history = model.getHistory()
+    assert len(history["loss"]) == example.EPOCHS and len(history["val_accuracy"]) == example.EPOCHS
+    assert isinstance(loaded, TorchModel) and type(loaded.getModel()).__name__ == "Digits"
+    _, test = example.digits(spark)
+    assert example.test_accuracy(loaded, test) == acc
+    assert (Path(tmp_path) / "runs" / model.getRunId() / "checkpoint.pt").is_file()

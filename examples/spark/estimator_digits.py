@@ -3,6 +3,7 @@
 
     python examples/spark/estimator_digits.py --framework torch     # TorchEstimator, a local Spark with 2 slots
     python examples/spark/estimator_digits.py --framework keras     # KerasEstimator (Keras 3)
+    python examples/spark/estimator_digits.py --framework lightning # a LightningModule (hora.spark.lightning)
     spark-submit --master spark://host:7077 examples/spark/estimator_digits.py --store hdfs://nn/tmp/digits
 
 The DataFrame has a ``features`` column (a Spark ML vector of the 64 pixels), ``label`` and ``is_val`` (the
@@ -95,6 +96,41 @@ def keras_estimator(store, num_proc: int, epochs: int):
                           verbose=0)
 
 
+def lightning_estimator(store, num_proc: int, epochs: int):
+    import pytorch_lightning as pl
+    import torch
+
+    from hora.spark.lightning import TorchEstimator
+
+    class Digits(pl.LightningModule):
+        """Batches are dicts of column tensors (Horovod's Lightning Estimator's)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+        def forward(self, features):
+            return self.net(features)
+
+        def training_step(self, batch, _):
+            loss = torch.nn.functional.cross_entropy(self(batch["features"]), batch["label"])
+            self.log("loss", loss, sync_dist=True, on_epoch=True, on_step=False)
+            return loss
+
+        def validation_step(self, batch, _):
+            out = self(batch["features"])
+            self.log("val_loss", torch.nn.functional.cross_entropy(out, batch["label"]), sync_dist=True)
+            self.log("val_accuracy", (out.argmax(1) == batch["label"]).float().mean(), sync_dist=True)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=LR * num_proc)
+
+    torch.manual_seed(0)
+    return TorchEstimator(num_proc=num_proc, store=store, model=Digits(), feature_cols=["features"],
+                          label_cols=["label"], validation="is_val", batch_size=BATCH, epochs=epochs, random_seed=0,
+                          verbose=0)
+
+
 def test_accuracy(model, test) -> float:
     """Through ``transform``: the share of test rows whose ``label__output`` argmax is the label."""
     import numpy as np
@@ -106,7 +142,7 @@ def test_accuracy(model, test) -> float:
 def main(argv: list[str] | None = None):
     """Fit, transform, save and load; returns (the fitted model, the loaded model, test accuracy)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--framework", choices=["torch", "keras"], default="torch")
+    parser.add_argument("--framework", choices=["torch", "keras", "lightning"], default="torch")
     parser.add_argument("--master", default=None)
     parser.add_argument("--num-proc", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=EPOCHS)
@@ -117,7 +153,7 @@ def main(argv: list[str] | None = None):
     spark = session(args.master)
     prefix = args.store or tempfile.mkdtemp(prefix="hora-digits-")
     store = Store.create(prefix)
-    make = torch_estimator if args.framework == "torch" else keras_estimator
+    make = {"torch": torch_estimator, "keras": keras_estimator, "lightning": lightning_estimator}[args.framework]
     train, test = digits(spark)
     model = make(store, args.num_proc, args.epochs).fit(train)
     acc = test_accuracy(model, test)
