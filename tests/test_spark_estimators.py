@@ -64,7 +64,9 @@ def test_store_create_picks_the_filesystem_and_keeps_horovods_layout(tmp_path):
     assert local.get_full_path(local.get_train_data_path()) == f"file://{tmp_path}/s/train_data"
     hdfs = Store.create("hdfs://namenode:8020/user/me/work")
     assert isinstance(hdfs, HDFSStore) and hdfs.get_train_data_path() == "/user/me/work/train_data"
-    assert hdfs.get_full_path(hdfs.get_train_data_path()) == "hdfs:///user/me/work/train_data"
+    assert hdfs.get_full_path(hdfs.get_train_data_path()) == "hdfs://namenode:8020/user/me/work/train_data"
+    assert hdfs._hdfs["host"] == "namenode" and hdfs._hdfs["port"] == 8020
+    assert Store.create("hdfs:///tmp/w").get_full_path("/tmp/w/runs") == "hdfs:///tmp/w/runs"
     dbfs = Store.create("dbfs:/ml/work")
     assert isinstance(dbfs, DBFSLocalStore) and dbfs.prefix_path == "/dbfs/ml/work"
     assert dbfs.get_full_path(dbfs.get_train_data_path()) == "dbfs:/ml/work/train_data"

@@ -249,14 +249,17 @@ class HDFSStore(FilesystemStore):
     def __init__(self, prefix_path: str, host: str = "default", port: int = 0, user: str | None = None,
                  kerb_ticket: str | None = None, driver: str = "libhdfs", extra_conf: dict | None = None,
                  temp_dir: str | None = None, *args: Any, **kwargs: Any) -> None:
+        authority = prefix_path[len("hdfs://"):].partition("/")[0] if prefix_path.startswith("hdfs://") else ""
+        if authority and host == "default":  # hdfs://namenode:8020/path names the namenode
+            name, _, number = authority.partition(":")
+            host, port = name, int(number or 0)
         self._hdfs = dict(host=host, port=port, user=user, kerb_ticket=kerb_ticket, extra_conf=extra_conf)
         super().__init__(prefix_path, *args, **kwargs)
-        self.FS_PREFIX = "hdfs://"
+        self.FS_PREFIX = f"hdfs://{authority}"  # what Spark's writer gets back: the same namenode
 
     def get_normalized_path(self, path: str) -> str:
         if path.startswith("hdfs://"):  # hdfs://namenode:8020/a/b -> /a/b
-            rest = path[len("hdfs://"):]
-            return "/" + rest.partition("/")[2]
+            return "/" + path[len("hdfs://"):].partition("/")[2]
         return path
 
     def _make_filesystem(self):
