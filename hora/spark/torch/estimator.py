@@ -81,7 +81,6 @@ class TorchEstimator(HoraEstimator):
 
     def _payload(self, common: dict) -> dict:
         import cloudpickle
-        import torch
 
         optimizer = self.getOptimizer()
         if optimizer is None:
@@ -97,8 +96,7 @@ class TorchEstimator(HoraEstimator):
                     metrics=cloudpickle.dumps(list(self.getMetrics() or [])),
                     minibatch=cloudpickle.dumps(self.getTrainMinibatchFn()), input_shapes=self.getInputShapes(),
                     compression=self.getGradientCompression(),
-                    transformation_fn=cloudpickle.dumps(common["transformation_fn"]),
-                    torch_version=torch.__version__)
+                    transformation_fn=cloudpickle.dumps(common["transformation_fn"]))
 
     def _trainer(self) -> Callable[[dict], Any]:
         return remote.train
