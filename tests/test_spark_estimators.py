@@ -259,3 +259,25 @@ def test_lightning_estimator_fits_transforms_saves_and_loads(spark, example, tmp
     _, test = example.digits(spark)
     assert example.test_accuracy(loaded, test) == acc
     assert (Path(tmp_path) / "runs" / model.getRunId() / "checkpoint.pt").is_file()
+
+
+@pytest.mark.skipif(not HAVE_PYSPARK, reason="needs pyspark")
+def test_misuse_is_refused_before_any_spark_job():
+    import torch
+
+    from hora.base.errors import HoraValueError
+    from hora.spark.common.prepare import check_validation
+    from hora.spark.torch import TorchEstimator
+
+    with pytest.raises(HoraValueError, match="model is required"):
+        TorchEstimator(feature_cols=["x"], label_cols=["y"])._check()
+    with pytest.raises(HoraValueError, match="feature_cols and label_cols are required"):
+        TorchEstimator(model=torch.nn.Linear(1, 1))._check()
+    with pytest.raises(HoraValueError, match="store is required.*Store.create"):
+        TorchEstimator(model=torch.nn.Linear(1, 1))._store()
+    with pytest.raises(HoraValueError, match="loss or loss_constructors, not both"):
+        TorchEstimator(loss=torch.nn.functional.mse_loss, loss_constructors=[torch.nn.MSELoss])
+    for bad in (1.5, -0.1, True, [0.2]):
+        with pytest.raises(HoraValueError, match="a column name .* or a fraction in \\[0, 1\\)"):
+            check_validation(bad)
+    check_validation(0.2), check_validation("is_val"), check_validation(None)
