@@ -58,7 +58,7 @@ def _hora_worker(sizes, budget, reps):
     import hora
     from hora.collectives.ring import Scratch
     from hora.core import basics
-    from hora.core.execute import allreduce_flat
+    from hora.engine.execute import allreduce_flat
 
     hora.init()
     comm, scratch = basics.state().comm, Scratch()

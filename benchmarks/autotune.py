@@ -116,8 +116,8 @@ def cost() -> None:
     import numpy as np
 
     from hora.base import knobs
-    from hora.core import autotune, gp
-    from hora.core import messages as m
+    from hora.engine import autotune, gp
+    from hora.engine import messages as m
 
     cfg = knobs.current()
     cfg.update(autotune=True, autotune_steps_per_sample=10**6)  # accounting only, no search

@@ -9,7 +9,7 @@ and it prints a markdown table. Each row is one way of reducing the same 200 ten
 * a loop of 200 synchronous ``allreduce_`` calls (each negotiates and runs alone);
 
 plus the latency of one synchronous 4 KiB allreduce, and the same with the small-allreduce fast path
-(``HORA_SMALL_FASTPATH``, hora.core.fastpath) on and off in turns in one job (``--latency-only``: just
+(``HORA_SMALL_FASTPATH``, hora.engine.fastpath) on and off in turns in one job (``--latency-only``: just
 those). Times are medians over the measured steps on rank 0 (ranks line up at a barrier before each row);
 ``statistics()`` deltas show collectives and coordination messages per step.
 """

@@ -6,7 +6,7 @@
 
 One fresh job of ``--np`` ranks (default 2; ``HORA_TRANSPORT=shm``). Each workload is one ``hora.grouped_allreduce_`` of
 float32 tensors, Average (a gradient step), through the engine; ``buffer`` packs the fusion buffer,
-allreduces it and unpacks it (``hora.core.execute.PARTS = False``), ``parts`` reduces the tensors
+allreduces it and unpacks it (``hora.engine.execute.PARTS = False``), ``parts`` reduces the tensors
 straight through the segment (``native_allreduce_parts``). The two alternate within each repetition,
 so load hits both alike. Per design: median time per call, process CPU time per call (every thread:
 ``getrusage``), minor page faults per call. ``*-oop`` rows are the out-of-place form
@@ -44,7 +44,7 @@ def _worker(names: list[str], reps: int, budget: float, oop: bool) -> None:
     import numpy as np
 
     import hora
-    from hora.core import execute
+    from hora.engine import execute
 
     hora.init()
     load = os.getloadavg()[0]

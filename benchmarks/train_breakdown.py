@@ -48,7 +48,7 @@ def worker(model_name: str, steps: int, warmup: int, single: bool = False) -> No
     from torch import nn
 
     import hora.core.basics as basics
-    import hora.core.execute as execute
+    import hora.engine.execute as execute
     import hora.torch as hvd
     from train import MODELS, build
 
@@ -56,7 +56,7 @@ def worker(model_name: str, steps: int, warmup: int, single: bool = False) -> No
         _single(model_name, steps, warmup)
         return
     if os.environ.get("BREAKDOWN_NOSPIN"):  # A/B: waits sleep at once instead of spinning first
-        import hora.core.engine as engine_mod
+        import hora.engine.engine as engine_mod
         import hora.transport.shm as shm_mod
 
         shm_mod.SPIN_S = engine_mod._SPIN_S = 0.0

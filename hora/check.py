@@ -121,11 +121,11 @@ def features() -> list[tuple[str, bool, str]]:
         ("hora.run() (functions on every rank)", True, ""),
         ("tensor fusion, response cache, process sets", True, ""),
         ("timeline, stall inspector", True, ""),
-        ("autotune (fusion threshold, cycle time, response cache)", _found("hora.core.autotune"), ""),
+        ("autotune (fusion threshold, cycle time, response cache)", _found("hora.engine.autotune"), ""),
         ("Adasum (any np, every transport, process sets)", True, ""),
         ("elastic training", elastic, "hora run --min-np/--max-np/--host-discovery-script, hora.run(min_num_proc=...); "
          "ElasticRayExecutor; not yet on Spark" if elastic else "not yet"),
-        ("gradient compression: fp16, bf16, top-k, PowerSGD", _found("hora.core.compressors"), ""),
+        ("gradient compression: fp16, bf16, top-k, PowerSGD", _found("hora.kit.compressors"), ""),
         *integrations(),
     ]
 

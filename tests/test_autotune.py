@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from hora.base import knobs
-from hora.core import autotune, gp
-from hora.core import messages as m
-from hora.core.coordinator import Coordinator
-from hora.core.execute import nbytes_of
+from hora.engine import autotune, gp
+from hora.engine import messages as m
+from hora.engine.coordinator import Coordinator
+from hora.engine.execute import nbytes_of
 import harness
 
 pytestmark = pytest.mark.timeout(60)

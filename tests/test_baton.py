@@ -1,4 +1,4 @@
-"""The baton (hora/core/baton.py) as a state machine, without processes or sleeps: threads play the
+"""The baton (hora/engine/baton.py) as a state machine, without processes or sleeps: threads play the
 engine thread and waiting callers, events order them, and each test asserts the transitions.
 
 The safety-net timeout is set to an hour, so a lost wake-up hangs the test (and its timeout fails
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from hora.core import baton as baton_mod
-from hora.core.baton import CALLER, ENGINE, NOBODY, Baton
+from hora.engine import baton as baton_mod
+from hora.engine.baton import CALLER, ENGINE, NOBODY, Baton
 
 pytestmark = pytest.mark.timeout(20)
 JOIN_S = 10  # generous bound on joins; a healthy test never waits on it

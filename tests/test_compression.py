@@ -1,4 +1,4 @@
-"""Compression.topk and Compression.powersgd (hora.core.compressors) on real rank processes.
+"""Compression.topk and Compression.powersgd (hora.kit.compressors) on real rank processes.
 
 One rank function per world size batches the checks of the NumPy core (error feedback's bound, what travels,
 PowerSGD's exactness, the state round trip, equal results on every rank, the refusals); one more runs the
@@ -20,7 +20,7 @@ def _core_checks():
     import hora
     import hora.core.ops as core
     from hora.base.errors import HoraValueError, NotSupportedError
-    from hora.core.compressors import PowerSGD, TopK
+    from hora.kit.compressors import PowerSGD, TopK
 
     hora.init()
     r, w = hora.rank(), hora.size()
@@ -166,7 +166,7 @@ def _core_checks():
         assert same_state(c, snap), c
         assert all(np.isfinite(c.reduce(["w", "b"], [g, g[0]])[0]).all() for _ in range(5)), c
     # the class itself, uncalled, is refused at construction
-    from hora.core.compressors import check_compression_op, compressor_handler
+    from hora.kit.compressors import check_compression_op, compressor_handler
     with pytest.raises(HoraValueError, match=r"call it .*Compression\.topk\(ratio=0\.01\)"):
         check_compression_op(TopK, hora.Average, "DistributedOptimizer")
     with pytest.raises(HoraValueError, match=r"Compression\.powersgd\(rank=1\)"):
@@ -354,7 +354,7 @@ def _binding_checks():
     import hora.keras as hkeras
     import hora.tensorflow as htf
     from hora.base.errors import HoraValueError
-    from hora.core.compressors import PowerSGD, TopK
+    from hora.kit.compressors import PowerSGD, TopK
 
     htf.init()
     r = htf.rank()
@@ -458,7 +458,7 @@ def _mxnet_checks():
     import numpy as np
 
     import hora.mxnet as hmx
-    from hora.core.compressors import PowerSGD, TopK
+    from hora.kit.compressors import PowerSGD, TopK
 
     hmx.init()
     r = hmx.rank()

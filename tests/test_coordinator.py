@@ -4,9 +4,9 @@ fusion, the response cache, join, process sets and the stall list."""
 import pytest
 
 from hora.base.errors import HoraValueError, MismatchError
-from hora.core import messages as m
-from hora.core.coordinator import Coordinator
-from hora.core.execute import nbytes_of
+from hora.engine import messages as m
+from hora.engine.coordinator import Coordinator
+from hora.engine.execute import nbytes_of
 
 Average, Sum, Max = 0, 1, 4
 pytestmark = pytest.mark.timeout(30)
@@ -429,7 +429,7 @@ def test_a_set_removed_in_a_batch_still_routes_the_work_before_its_removal():
 # --- stalls --------------------------------------------------------------------------------------------
 
 def test_stalled_lists_missing_ranks(monkeypatch):
-    import hora.core.coordinator as coordinator
+    import hora.engine.coordinator as coordinator
 
     now = [100.0]
     monkeypatch.setattr(coordinator.time, "monotonic", lambda: now[0])

@@ -10,7 +10,8 @@ import pytest
 
 import hora
 from hora.base.errors import HostsChanged, InternalError, PeerLostError
-from hora.elastic import ObjectState, protocol, run_fn
+from hora.base import elastic_protocol as protocol
+from hora.elastic import ObjectState, run_fn
 from hora.runner.elastic.blacklist import Blacklist
 from hora.runner.elastic.discovery import DiscoveryError, parse
 

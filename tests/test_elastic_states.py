@@ -17,7 +17,7 @@ from harness import run, spawn_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hora.core.frontend_elastic import ElasticIndices, SamplerHandler, internal_error
+from hora.elastic.handlers import ElasticIndices, SamplerHandler, internal_error
 
 ENV = {"TF_CPP_MIN_LOG_LEVEL": "2", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false", "OMP_NUM_THREADS": "1"}
 

@@ -500,8 +500,8 @@ def test_mismatch_in_a_grouped_op_fails_the_group():
 @contextlib.contextmanager
 def _no_safety_net():
     """The baton's timed waits made an hour long: a lost wake-up hangs the test instead of costing
-    a second (see hora/core/baton.py)."""
-    from hora.core import baton
+    a second (see hora/engine/baton.py)."""
+    from hora.engine import baton
 
     saved, baton.SAFETY_NET_S = baton.SAFETY_NET_S, 3600.0
     try:
@@ -589,7 +589,7 @@ def _sync_calls_cross_threads(hvd):
     t = threading.Thread(target=lambda: out.setdefault("x", hvd.allreduce(np.ones(2, np.float32), op=hvd.Sum,
                                                                            name="x")))
     t.start()
-    from hora.core.baton import CALLER
+    from hora.engine.baton import CALLER
     from hora.core.basics import state
 
     while state().engine.baton.holder is not CALLER:  # the thread drives 'x', asleep until rank 0 answers
@@ -685,13 +685,14 @@ def test_threads_mixing_synchronous_collectives(n):
 # --- structure ------------------------------------------------------------------------------------
 
 def test_only_the_control_module_touches_the_communicators_control_plane():
-    """The engine reaches the transport's control plane through hora/core/control.py alone, so that a
+    """The engine reaches the transport's control plane through hora/engine/control.py alone, so that a
     change of that interface is one edit there."""
     import re
     from pathlib import Path
 
-    core = Path(__file__).resolve().parent.parent / "hora" / "core"
+    hora = Path(__file__).resolve().parent.parent / "hora"
     calls = re.compile(r"\.(ctrl)\b")  # comm.ctrl, the transport's ControlPlane
-    found = {p.name: sorted(set(calls.findall(p.read_text()))) for p in core.glob("*.py")}
+    found = {p.name: sorted(set(calls.findall(p.read_text())))
+             for package in ("engine", "core", "kit") for p in (hora / package).glob("*.py")}
     assert {name: c for name, c in found.items() if c and name != "control.py"} == {}
     assert found["control.py"]

@@ -1,4 +1,4 @@
-"""Inline allreduce (hora.core.inline): small tensors reduced by rank 0 from the inputs sent with the
+"""Inline allreduce (hora.engine.inline): small tensors reduced by rank 0 from the inputs sent with the
 requests. Every case runs twice on the same ranks, inline (the default) and through the plain TCP ring
 (``HORA_INLINE_THRESHOLD=0``), and the results are compared: the same bits on every rank; exactly the
 ring's for integers, Min/Max and at np=2; within float tolerance of it otherwise."""

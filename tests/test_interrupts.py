@@ -170,8 +170,8 @@ def test_a_peer_frozen_in_the_data_phase_is_named_and_fails_the_job(transport, n
 
 @pytest.mark.timeout(30)
 def test_the_gate_runs_handlers_only_at_safe_points():
-    """In-process: what the engine's main-thread driver relies on (hora.core.interrupts.InterruptGate)."""
-    from hora.core.interrupts import GATE
+    """In-process: what the engine's main-thread driver relies on (hora.engine.interrupts.InterruptGate)."""
+    from hora.engine.interrupts import GATE
 
     calls = []
     old = signal.signal(signal.SIGUSR1, lambda s, f: calls.append(s))

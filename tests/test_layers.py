@@ -1,6 +1,6 @@
-"""The layers import only downward: base < transport < collectives < core < bindings; the runner stands on base
-and transport only; no layer below the bindings imports a framework; ``import hora`` loads NumPy and nothing
-heavy (design.md, "Layers").
+"""The layers import only downward: base < transport < collectives < engine < core < elastic < kit < bindings;
+the runner stands on base and transport only; no layer below the bindings imports a framework; ``import hora``
+loads NumPy and nothing heavy (design.md, "Layers").
 
 Two checks per layer, because each misses what the other sees:
 
@@ -30,16 +30,21 @@ HORA = ROOT / "hora"
 FRAMEWORKS = ("torch", "tensorflow", "keras", "jax", "mxnet")
 BINDINGS = ("hora.torch", "hora.tensorflow", "hora.keras", "hora.mxnet", "hora.jax")
 FACADE = "hora"  # hora/__init__.py: the public API, which loads the engine; no layer below the bindings uses it
+# the engine and everything that stands on it: what the transports, the collectives and the launchers never load
+ENGINE_AND_ABOVE = ("hora.engine", "hora.core", "hora.elastic", "hora.kit", *BINDINGS, FACADE)
 
 # layer -> the hora packages it must not load (a package stands for all its modules)
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "hora.transport": ("hora.collectives", "hora.core", "hora.runner", *BINDINGS, FACADE),
-    "hora.collectives": ("hora.core", "hora.runner", *BINDINGS, FACADE),
-    "hora.core": ("hora.runner", *BINDINGS, FACADE),
-    "hora.elastic": ("hora.runner", *BINDINGS, FACADE),  # framework-free: the bindings' states build on it
-    "hora.runner": ("hora.core", "hora.collectives", *BINDINGS, FACADE),
-    "hora.ray": ("hora.core", "hora.collectives", *BINDINGS, FACADE),  # a launcher, on the runner
-    "hora.spark": ("hora.core", "hora.collectives", *BINDINGS, FACADE),  # a launcher, on the runner
+    "hora.transport": ("hora.collectives", "hora.runner", *ENGINE_AND_ABOVE),
+    "hora.collectives": ("hora.runner", *ENGINE_AND_ABOVE),
+    "hora.engine": ("hora.core", "hora.elastic", "hora.kit", "hora.runner", *BINDINGS, FACADE),  # private
+    "hora.core": ("hora.kit", "hora.runner", *BINDINGS, FACADE),
+    "hora.elastic": ("hora.kit", "hora.runner", *BINDINGS, FACADE),  # framework-free: the bindings' states build on it
+    "hora.kit": ("hora.runner", *BINDINGS, FACADE),  # what the bindings share, on the public core API
+    "hora.runner": ("hora.collectives", *ENGINE_AND_ABOVE),
+    # launchers, on the runner; Ray's elastic workers still reach hora.elastic's worker state (issue 23)
+    "hora.ray": ("hora.collectives", "hora.engine", "hora.core", "hora.kit", *BINDINGS, FACADE),
+    "hora.spark": ("hora.collectives", *ENGINE_AND_ABOVE),
 }
 # Horovod's Spark Estimators for each framework: integrations above the bindings (they import the framework
 # and hora.torch / hora.keras), kept inside the launcher's package for Horovod's import paths
@@ -90,7 +95,7 @@ def _fresh_python(code: str, *args: str) -> str:
 
 
 def _package_of(module: str, packages: tuple[str, ...]) -> str | None:
-    """The entry of ``packages`` that ``module`` belongs to (``hora.core.engine`` -> ``hora.core``), if any."""
+    """The entry of ``packages`` that ``module`` belongs to (``hora.core.ops`` -> ``hora.core``), if any."""
     for p in packages:
         if p == FACADE:
             if module == FACADE:

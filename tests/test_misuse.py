@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from harness import run_hora
 
-from hora.core import messages as m
-from hora.core.coordinator import Coordinator
+from hora.engine import messages as m
+from hora.engine.coordinator import Coordinator
 
 INLINE = {"HORA_TRANSPORT": "tcp", "HORA_CYCLE_TIME": "5"}
 RING = {"HORA_TRANSPORT": "tcp", "HORA_CYCLE_TIME": "5", "HORA_INLINE_THRESHOLD": "0"}
@@ -318,7 +318,7 @@ def _group_sizes_differ(hvd, case):
     import re
 
     from hora.base.errors import HoraValueError
-    from hora.core.compressors import PowerSGD
+    from hora.kit.compressors import PowerSGD
 
     r, n = hvd.rank(), hvd.size()
     count = 1 if r == 1 else 2

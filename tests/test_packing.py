@@ -1,10 +1,10 @@
-"""hora.core.packing: the one plan by which the bindings pack a step's arrays into a host call."""
+"""hora.kit.packing: the one plan by which the bindings pack a step's arrays into a host call."""
 
 import numpy as np
 import pytest
 from harness import run_hora
 
-from hora.core.packing import PACK_LIMIT, Packing, slices
+from hora.kit.packing import PACK_LIMIT, Packing, slices
 
 
 def test_small_arrays_share_a_buffer_per_dtype_large_and_unknown_ones_travel_alone():

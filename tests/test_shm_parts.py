@@ -116,7 +116,7 @@ def _fused(hvd, cases):
     """Each case through the engine twice, parts path and fusion-buffer path; what this rank saw."""
     from workers import digest, transport_class
 
-    from hora.core import execute
+    from hora.engine import execute
     from hora.transport import shm
 
     assert transport_class() == "ShmCommunicator" and shm.CHUNK_BYTES == CHUNK

@@ -1,4 +1,4 @@
-"""The small-allreduce fast path (hora.core.fastpath, HORA_SMALL_FASTPATH): np=2 on one host, a
+"""The small-allreduce fast path (hora.engine.fastpath, HORA_SMALL_FASTPATH): np=2 on one host, a
 synchronous cached allreduce meets the peer's in the shared segment's mailbox (hora.transport.mailbox).
 
 Real np=2 jobs over shared memory. The contract: the same bits on both ranks, and the same bits as the

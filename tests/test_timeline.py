@@ -153,7 +153,7 @@ def test_a_reader_never_sees_a_torn_file(tmp_path, monkeypatch):
     """Whatever a reader catches while a write extends the file must load, with a ``]`` added at most.
     Linux makes such a write visible page by page; to make the race deterministic, every write is split
     at each 4 KiB boundary of the file and the file is loaded in between."""
-    import hora.core.timeline as timeline
+    import hora.engine.timeline as timeline
 
     monkeypatch.setattr(timeline, "FLUSH_EVERY", 3600.0)  # only our flush() calls write
     path = tmp_path / "torn.json"

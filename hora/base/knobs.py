@@ -98,7 +98,7 @@ KNOBS = [
          1, _nonneg, ">= 0"),
     Knob("small_fastpath", bool, True, "SMALL_FASTPATH", None,
          "np=2 on one host: a synchronous allreduce of a cached tensor meets the other rank's in the shared "
-         "segment's mailbox, with no negotiation message (hora.core.fastpath): up to the inline threshold "
+         "segment's mailbox, with no negotiation message (hora.engine.fastpath): up to the inline threshold "
          "(16 KiB at most) both ranks reduce it there; past it the mailbox carries only the agreement and "
          "both run the segment's allreduce at once; anything else, or a peer that does not post the same "
          "tensor within the shared-memory spin, is negotiated as usual; 0 turns it off (every call is then "
@@ -118,7 +118,7 @@ KNOBS = [
          "in benchmarks/mpi_allreduce.py) or native (MPI's own Iallreduce)", **_one_of("ring", "native")),
     Knob("dynamic_process_sets", bool, False, "DYNAMIC_PROCESS_SETS", None,
          "allow add_process_set/remove_process_set after init"),
-    # autotune (hora.core.autotune): rank 0 tunes fusion_threshold, cycle_time and the response cache while
+    # autotune (hora.engine.autotune): rank 0 tunes fusion_threshold, cycle_time and the response cache while
     # training, leaving alone those the user set
     Knob("autotune", bool, False, "AUTOTUNE", "--autotune",
          "tune fusion threshold, cycle time and the response cache while training (rank 0 searches; the knobs "

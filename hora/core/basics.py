@@ -29,10 +29,10 @@ class _State:
         self.dynamic = self.cfg["dynamic_process_sets"]
         timeline = None
         if self.cfg["timeline"] and self.cfg["timeline"] != "DYNAMIC" and topo.rank == 0:
-            from hora.core.timeline import Timeline
+            from hora.engine.timeline import Timeline
 
             timeline = Timeline(self.cfg["timeline"], self.cfg["timeline_mark_cycles"])
-        from hora.core.engine import Engine
+        from hora.engine.engine import Engine
 
         self.engine = Engine(comm, topo, self.cfg, timeline)  # holds the timeline from now on
         self.groups: dict[int, list[int]] = {}  # grouped handles
@@ -173,9 +173,9 @@ def shutdown() -> None:
     if st is None or st.forked:
         return
     st.close()
-    from hora.core.interrupts import GATE
+    from hora.engine.interrupts import GATE
 
-    GATE.restore()  # the users' own signal handlers, unwrapped (see hora.core.interrupts)
+    GATE.restore()  # the users' own signal handlers, unwrapped (see hora.engine.interrupts)
 
 
 def _after_fork_in_child() -> None:
@@ -250,7 +250,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     st = state()
     if st.topo.rank != 0:
         return
-    from hora.core.timeline import Timeline
+    from hora.engine.timeline import Timeline
 
     stop_timeline()
     st.engine.timeline = Timeline(file_path, mark_cycles)

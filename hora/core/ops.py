@@ -20,10 +20,10 @@ import numpy as np
 from hora.base.errors import HoraError, HoraValueError, NotSupportedError
 from hora.collectives.adasum import check_dtype as adasum_dtype
 from hora.collectives.reduce import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, check_dtype
-from hora.core import messages as m
+from hora.engine import messages as m
 from hora.core.basics import state
-from hora.core.execute import Pending
-from hora.core.handles import Handle
+from hora.engine.execute import Pending
+from hora.engine.handles import Handle
 from hora.core.process_sets import ProcessSet, global_process_set
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "allreduce_", "allreduce_async",
@@ -425,7 +425,7 @@ def grouped_allreduce_async_(arrays, op: int = Average, prescale_factor: float =
 def grouped_allreduce(arrays, op: int = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       name: str | None = None, process_set: ProcessSet = global_process_set, *,
                       layout: int = 0) -> list:
-    """``layout``: the digest of what a binding packed into these buffers (:attr:`hora.core.packing.Packing.
+    """``layout``: the digest of what a binding packed into these buffers (:attr:`hora.kit.packing.Packing.
     layout`), compared across ranks as a shape is, so that ranks whose packed tensors differ get a
     MismatchError rather than reduce unrelated numbers together."""
     return synchronize(_grouped(m.ALLREDUCE, arrays, name, True, process_set,

@@ -78,7 +78,8 @@ global_process_set = _GlobalProcessSet()
 
 def register(ps: ProcessSet, at_init: bool = False) -> ProcessSet:
     """Register ``ps`` on every rank (a collective through the engine); sets its id."""
-    from hora.core import basics, messages as m, ops
+    from hora.core import basics, ops
+    from hora.engine import messages as m
 
     st = basics.state()
     if not (at_init or st.dynamic):
@@ -102,7 +103,8 @@ def add_process_set(process_set) -> ProcessSet:
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` (collective). Returns False if it was not registered."""
-    from hora.core import basics, messages as m, ops
+    from hora.core import basics, ops
+    from hora.engine import messages as m
 
     st = basics.state()
     if not st.dynamic:

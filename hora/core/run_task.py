@@ -34,9 +34,10 @@ def _put_elastic(store, result: bytes) -> None:
     from one generation to the next, and a worker that failed in an earlier one left its own result): it
     goes under ``result/g<gen>/<rank>``, and an entry ``"<gen> <rank> <size>"`` under ``result/entry/<i>``
     (``i`` counted by ``result/count``) lets the caller find the last generation's ranks
-    (:func:`hora.elastic.protocol.elastic_results`)."""
+    (:func:`hora.base.elastic_protocol.elastic_results`)."""
     from hora.core import basics
-    from hora.elastic import protocol, worker
+    from hora.base import elastic_protocol as protocol
+    from hora.elastic import worker
 
     plan = worker.current_plan()
     gen = plan.gen if plan is not None else 0

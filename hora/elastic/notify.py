@@ -1,7 +1,7 @@
 """How host changes reach a worker's states: read from the rendezvous store at each commit.
 
 The elastic driver writes the latest host change (a growing timestamp and a :class:`HostUpdateResult`) under
-one store key (:mod:`hora.elastic.protocol`); :func:`poll` hands a state the change when this worker's
+one store key (:mod:`hora.base.elastic_protocol`); :func:`poll` hands a state the change when this worker's
 generation does not include it yet. Every rank may read it, but :meth:`State.check_host_updates` acts on rank
 0's reading (broadcast), so all ranks leave together. Outside an elastic job nothing ever changes, so
 :func:`poll` has nothing to deliver.

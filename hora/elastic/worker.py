@@ -1,4 +1,4 @@
-"""The worker's half of the elastic protocol (:mod:`hora.elastic.protocol`): ask the driver for a place at
+"""The worker's half of the elastic protocol (:mod:`hora.base.elastic_protocol`): ask the driver for a place at
 each ``init()``, and read host updates for :mod:`hora.elastic.notify`.
 
 A worker started by the elastic driver has ``HORA_ELASTIC=1``, ``HORA_ELASTIC_ID`` (its slot's stable id), the
@@ -16,7 +16,7 @@ import threading
 
 from hora.base import env
 from hora.base.errors import HoraError
-from hora.elastic import protocol
+from hora.base import elastic_protocol as protocol
 
 log = logging.getLogger("hora")
 

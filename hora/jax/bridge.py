@@ -5,7 +5,7 @@ XLA keeps it and runs it in program order, so every rank submits its collectives
 the core's automatic names need). Each costs ~0.2 ms, so a whole gradient pytree goes out in one callback;
 and since a callback's cost also grows with its number of arguments (50 small arrays cost ~4x one array of
 their total size), arrays under 1 MiB travel packed, one flat buffer per dtype, unpacked into views on the
-host and packed again for the trip back (:class:`hora.core.packing.Packing`).
+host and packed again for the trip back (:class:`hora.kit.packing.Packing`).
 Outside ``jit`` the host function runs at once on NumPy views of the arrays, after
 ``jax.effects_barrier()`` so that an eager collective cannot overtake one still queued by a jitted call
 (which would give the ranks different orders).
@@ -25,8 +25,8 @@ from jax.experimental import io_callback
 
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
-from hora.core.frontend_adasum import pack_limit
-from hora.core.packing import PACK_LIMIT, Packing, slices
+from hora.kit.adasum import pack_limit
+from hora.kit.packing import PACK_LIMIT, Packing, slices
 from hora.core.process_sets import ProcessSet, global_process_set
 
 __all__ = ["host_call", "grouped_allreduce", "packed_allreduce", "traced", "settle", "packing", "pack", "unpack"]
@@ -111,7 +111,7 @@ def grouped_allreduce(arrays: list, op: int, prescale_factor: float = 1.0, posts
                       layout: int = 0) -> list:
     """Allreduce ``arrays`` (jax arrays or tracers) as one group in one host call; not differentiable
     (``hora.jax.grouped_allreduce`` is). ``layout``: a packing plan's digest
-    (:attr:`hora.core.packing.Packing.layout`), compared across ranks."""
+    (:attr:`hora.kit.packing.Packing.layout`), compared across ranks."""
     arrays = [a if isinstance(a, jax.core.Tracer) else jnp.asarray(a) for a in arrays]
     if not arrays:
         return []

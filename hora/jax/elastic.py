@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 
 import hora.core.basics as _basics
-from hora.core import frontend as _frontend
-from hora.core.compressors import compressor_handler
-from hora.core.frontend_elastic import HandledState, raising_internal
+from hora.kit import frontend as _frontend
+from hora.kit.compressors import compressor_handler
+from hora.elastic.handlers import HandledState, raising_internal
 from hora.elastic import ObjectState, run_fn
 from hora.jax.functions import broadcast_object, broadcast_parameters
 

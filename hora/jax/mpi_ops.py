@@ -3,7 +3,7 @@
 Every synchronous op works eagerly and inside ``jax.jit``: it is one host call (:mod:`hora.jax.bridge`) for
 the whole pytree, a grouped collective when the pytree has several leaves (negotiated and fused as one
 unit). Each is differentiable through ``jax.custom_vjp``, with the gradient rules hora.torch uses
-(:mod:`hora.core.frontend`), themselves one host call per pytree.
+(:mod:`hora.kit.frontend`), themselves one host call per pytree.
 
 Inside ``jit`` a result's shape is fixed at trace time: ``allgather`` then expects every rank's first
 dimension to be the same, and ``alltoall`` takes no ``splits`` (both are unrestricted outside ``jit``).
@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import hora.core.frontend as _fe
+import hora.kit.frontend as _fe
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError, NotSupportedError
 from hora.collectives.reduce import check_dtype
-from hora.core.frontend import init, shutdown
+from hora.kit.frontend import init, shutdown
 from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.jax.bridge import host_call, settle

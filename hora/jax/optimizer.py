@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from hora.base import knobs
-from hora.core.compressors import check_compression_op, is_stateful
-from hora.core.frontend import check_optimizer_args, predivide
+from hora.kit.compressors import check_compression_op, is_stateful
+from hora.kit.frontend import check_optimizer_args, predivide
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.jax import bridge

@@ -1,6 +1,6 @@
 """Horovod's Keras callbacks for Keras 3, on the TensorFlow, JAX and torch backends alike.
 
-The arithmetic (schedules, the metric average) is framework-free, in :mod:`hora.core.schedules`; this
+The arithmetic (schedules, the metric average) is framework-free, in :mod:`hora.kit.schedules`; this
 module reads and writes the model through Keras. On JAX, ``model.fit`` keeps the training state outside the
 variables between steps; a callback that reads or writes variables mid-epoch first asks the trainer to write
 that state back (``model.jax_state_sync()``), which is also how it makes the trainer pick up a new rate.
@@ -16,7 +16,7 @@ import keras
 
 import hora.core.basics as _basics
 from hora.base.errors import HoraValueError
-from hora.core import schedules as _fk
+from hora.kit import schedules as _fk
 from hora.keras.functions import broadcast_variables
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",

@@ -1,18 +1,18 @@
 """Gradient compression for Keras values, as ``horovod.tensorflow.keras.Compression``, on any Keras backend.
 
 The casts go through ``keras.ops``, so one set of compressors serves TensorFlow, JAX and torch tensors alike;
-the classes are made by :func:`hora.core.frontend.cast_compressors`, shared by every binding.
+the classes are made by :func:`hora.kit.frontend.cast_compressors`, shared by every binding.
 
 ``Compression.topk(ratio)`` and ``Compression.powersgd(rank)`` (hora only) are the stateful compressors of
-:mod:`hora.core.compressors` (``docs/compression.md``), for this binding's optimizer wrapper.
+:mod:`hora.kit.compressors` (``docs/compression.md``), for this binding's optimizer wrapper.
 """
 
 from __future__ import annotations
 
 import keras
 
-from hora.core.compressors import PowerSGD, TopK
-from hora.core.frontend import Compressor, NoneCompressor, cast_compressors
+from hora.kit.compressors import PowerSGD, TopK
+from hora.kit.frontend import Compressor, NoneCompressor, cast_compressors
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression", "TopK", "PowerSGD"]
 

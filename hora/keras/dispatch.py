@@ -15,10 +15,10 @@ import keras
 import numpy as np
 
 from hora.base.errors import NotSupportedError
-from hora.core.gradients import SPARSE_OPS, step_collectives
+from hora.kit.gradients import SPARSE_OPS, step_collectives
 from hora.core.ops import Average, Sum
-from hora.core.frontend_adasum import pack_limit
-from hora.core.packing import Packing
+from hora.kit.adasum import pack_limit
+from hora.kit.packing import Packing
 from hora.core.process_sets import ProcessSet, global_process_set
 
 __all__ = ["backend", "grouped_allreduce", "packed_allreduce", "packed_allreduces", "is_sparse", "densify"]
@@ -39,7 +39,7 @@ def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, post
                       name: str | None = None, process_set: ProcessSet = global_process_set, *,
                       layout: int = 0) -> list:
     """Allreduce ``tensors`` (native tensors of the Keras backend) in one grouped host call; ``layout``: a
-    packing plan's digest, compared across ranks (:attr:`hora.core.packing.Packing.layout`)."""
+    packing plan's digest, compared across ranks (:attr:`hora.kit.packing.Packing.layout`)."""
     which = backend()
     if which == "tensorflow":
         _refuse_xla()
@@ -62,7 +62,7 @@ def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, post
 def packed_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      name: str | None = None, process_set: ProcessSet = global_process_set) -> list:
     """:func:`grouped_allreduce` with the small tensors packed into one flat tensor per dtype
-    (:class:`hora.core.packing.Packing`) by ``keras.ops`` inside the step, and unpacked after."""
+    (:class:`hora.kit.packing.Packing`) by ``keras.ops`` inside the step, and unpacked after."""
     plan = _packing(tensors, op)
     ins = plan.pack(tensors, lambda t: keras.ops.reshape(t, (-1,)), keras.ops.concatenate)
     outs = grouped_allreduce(ins, op, prescale_factor, postscale_factor, name, process_set, layout=plan.layout)
@@ -76,7 +76,7 @@ def packed_allreduces(groups: list[list], op: int, prescale_factor: float, posts
     ``DistributedOptimizer``), each packed as by :func:`packed_allreduce` and allreduced as its own core
     group, and each sparse gradient (``tf.IndexedSlices``) gathered (Horovod's treatment: every rank's rows, divided
     by the size for Average; ``prescale``/``postscale`` apply to the dense ones only); all
-    started before any is waited for (:func:`hora.core.gradients.step_collectives`). Returns the groups'
+    started before any is waited for (:func:`hora.kit.gradients.step_collectives`). Returns the groups'
     results and the sparse ones."""
     sparse = list(sparse)
     if len(groups) == 1 and not sparse:
@@ -138,7 +138,7 @@ def _host_call(fn, tensors: list, shapes: list | None = None) -> list:
 
 def _packing(tensors: list, op: int) -> Packing:
     """The packing plan of Keras tensors (shapes, dtype names, item sizes); none under Adasum (each tensor
-    keeps its own coefficients, :func:`hora.core.frontend_adasum.pack_limit`)."""
+    keeps its own coefficients, :func:`hora.kit.adasum.pack_limit`)."""
     dtypes = [keras.backend.standardize_dtype(t.dtype) for t in tensors]
     return Packing([tuple(t.shape) for t in tensors], dtypes, [_itemsize(dt) for dt in dtypes], pack_limit(op))
 

@@ -23,10 +23,10 @@ from typing import Any, Callable
 import keras
 
 import hora.core.basics as _basics
-from hora.core import frontend as _frontend
+from hora.kit import frontend as _frontend
 from hora.core import ops as _core
-from hora.core.compressors import compressor_handler
-from hora.core.frontend_elastic import HandledState, keras_handlers, raising_internal
+from hora.kit.compressors import compressor_handler
+from hora.elastic.handlers import HandledState, keras_handlers, raising_internal
 from hora.elastic import ObjectState, run_fn
 from hora.keras.callbacks import _sync
 from hora.keras.functions import broadcast_variables

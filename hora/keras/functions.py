@@ -13,7 +13,7 @@ import numpy as np
 
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError, NotSupportedError
-from hora.core.frontend import grouped_viewed, resolve_op, viewed
+from hora.kit.frontend import grouped_viewed, resolve_op, viewed
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.keras.compression import Compression

@@ -38,8 +38,8 @@ import keras
 
 from hora.base import knobs
 from hora.base.errors import HoraValueError, NotSupportedError
-from hora.core.compressors import check_compression_op, is_stateful
-from hora.core.frontend import check_optimizer_args, predivide, split_groups
+from hora.kit.compressors import check_compression_op, is_stateful
+from hora.kit.frontend import check_optimizer_args, predivide, split_groups
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.keras import dispatch

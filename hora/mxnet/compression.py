@@ -1,10 +1,10 @@
-"""``Compression.none`` / ``fp16`` / ``bf16`` for NDArrays, made by :func:`hora.core.frontend.cast_compressors`.
+"""``Compression.none`` / ``fp16`` / ``bf16`` for NDArrays, made by :func:`hora.kit.frontend.cast_compressors`.
 
 MXNet 1.9's Python API cannot hold bfloat16 data (NumPy has no such type and MXNet's own is not exposed to
 it), so ``Compression.bf16`` is refused when used, not silently turned into fp16.
 
 ``Compression.topk(ratio)`` and ``Compression.powersgd(rank)`` (hora only) are the stateful compressors of
-:mod:`hora.core.compressors` (``docs/compression.md``), for this binding's optimizer wrapper.
+:mod:`hora.kit.compressors` (``docs/compression.md``), for this binding's optimizer wrapper.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from hora.base.errors import NotSupportedError
-from hora.core.compressors import PowerSGD, TopK
-from hora.core.frontend import Compressor, NoneCompressor, cast_compressors
+from hora.kit.compressors import PowerSGD, TopK
+from hora.kit.frontend import Compressor, NoneCompressor, cast_compressors
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "TopK", "PowerSGD"]
 

@@ -10,7 +10,7 @@ import mxnet as mx
 import hora.core.basics as _basics
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
-from hora.core.gradients import start_then_wait
+from hora.kit.gradients import start_then_wait
 from hora.core.process_sets import global_process_set
 from hora.mxnet import mpi_ops
 

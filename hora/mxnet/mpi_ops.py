@@ -26,8 +26,8 @@ import mxnet as mx
 import numpy as np
 from mxnet.base import _LIB, MXNetError, check_call
 
-import hora.core.frontend as _fe
-from hora.core.frontend import init, shutdown
+import hora.kit.frontend as _fe
+from hora.kit.frontend import init, shutdown
 import hora.core.ops as _core
 from hora.base.errors import HoraError, HoraValueError
 from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
@@ -126,7 +126,7 @@ def _fill(tensor: mx.nd.NDArray, host: mx.nd.NDArray | None) -> mx.nd.NDArray:
 
 
 def _array(tensor, what: str, name=None, process_set: ProcessSet = global_process_set, write: bool = False):
-    """:func:`_view`; a refused input tells the peers (:func:`hora.core.frontend.viewed`)."""
+    """:func:`_view`; a refused input tells the peers (:func:`hora.kit.frontend.viewed`)."""
     return _fe.viewed(lambda t, w: _view(t, w, write), tensor, what, name, process_set)
 
 
@@ -155,7 +155,7 @@ def _listed(tensors, what: str, name=None, process_set: ProcessSet = global_proc
 
 class _Autograd(mx.autograd.Function):
     """A collective recorded by MXNet's autograd: ``run`` (NDArrays -> NDArray or tuple) forward, and backward
-    ``rule`` (one of :mod:`hora.core.frontend`'s gradient rules, Horovod's) on the output gradients as NumPy."""
+    ``rule`` (one of :mod:`hora.kit.frontend`'s gradient rules, Horovod's) on the output gradients as NumPy."""
 
     def __init__(self, run, rule):
         super().__init__()

@@ -19,9 +19,9 @@ import mxnet as mx
 
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
-from hora.core.compressors import is_stateful
-from hora.core.frontend import check_optimizer_args, predivide, split_groups
-from hora.core.gradients import start_then_wait
+from hora.kit.compressors import is_stateful
+from hora.kit.frontend import check_optimizer_args, predivide, split_groups
+from hora.kit.gradients import start_then_wait
 from hora.core.ops import Average, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.mxnet import mpi_ops
@@ -167,7 +167,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._process_set = process_set
 
     def _stateful_step(self, params) -> None:
-        """The gradients summed through ``Compression.topk/powersgd`` (:mod:`hora.core.compressors`), its state
+        """The gradients summed through ``Compression.topk/powersgd`` (:mod:`hora.kit.compressors`), its state
         keyed by the gradients' names; the results are written back into the gradients."""
         grads = [p.list_grad()[0] for _, p in params]
         views = [mpi_ops._view(g, "DistributedTrainer", write=True) for g in grads]

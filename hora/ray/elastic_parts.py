@@ -133,7 +133,8 @@ class ElasticActor:
 def elastic_place() -> tuple[int, int | None]:
     """This elastic worker's (generation, rank) in its current generation; (0, None) before it has one (a late
     joiner that has not been placed yet is no rank, rank 0 least of all)."""
-    from hora.elastic import protocol, worker
+    from hora.base import elastic_protocol as protocol
+    from hora.elastic import worker
 
     plan = worker.current_plan()
     if plan is None:

@@ -16,7 +16,7 @@ from hora.core.basics import (cross_rank, cross_size, is_homogeneous, is_initial
 from hora.core.build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
                              mpi_threads_supported, nccl_built, rocm_built)
 from hora.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from hora.core.frontend import init, shutdown
+from hora.kit.frontend import init, shutdown
 from hora.tensorflow.bridge import host_call
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank",

@@ -177,7 +177,7 @@ def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, post
                       layout: int = 0) -> list:
     """Allreduce ``tensors`` as one group in one host call; new tensors of the same dtypes and shapes.
     Not differentiable (a wrapper's gradients are its input); :func:`hora.tensorflow.grouped_allreduce` is.
-    ``layout``: a packing plan's digest (:attr:`hora.core.packing.Packing.layout`), compared across ranks."""
+    ``layout``: a packing plan's digest (:attr:`hora.kit.packing.Packing.layout`), compared across ranks."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []

@@ -2,19 +2,19 @@
 
 A compressor has two static methods: ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx)``.
 ``Compression.fp16`` and ``Compression.bf16`` (hora only) halve the bytes of float32/float64 tensors and leave
-other dtypes alone. The classes are made by :func:`hora.core.frontend.cast_compressors`, shared by every
+other dtypes alone. The classes are made by :func:`hora.kit.frontend.cast_compressors`, shared by every
 binding; here they cast with ``tf.cast``.
 
 ``Compression.topk(ratio)`` and ``Compression.powersgd(rank)`` (hora only) are the stateful compressors of
-:mod:`hora.core.compressors` (``docs/compression.md``), for this binding's optimizer wrapper.
+:mod:`hora.kit.compressors` (``docs/compression.md``), for this binding's optimizer wrapper.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from hora.core.compressors import PowerSGD, TopK
-from hora.core.frontend import Compressor, NoneCompressor, cast_compressors
+from hora.kit.compressors import PowerSGD, TopK
+from hora.kit.frontend import Compressor, NoneCompressor, cast_compressors
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression", "TopK", "PowerSGD"]
 

@@ -16,9 +16,9 @@ import tensorflow as tf
 
 import hora.core.basics as _basics
 from hora.base.errors import HoraValueError, NotSupportedError
-from hora.core import frontend as _frontend
-from hora.core.compressors import compressor_handler
-from hora.core.frontend_elastic import HandledState, VariablesHandler, keras_handlers, raising_internal
+from hora.kit import frontend as _frontend
+from hora.kit.compressors import compressor_handler
+from hora.elastic.handlers import HandledState, VariablesHandler, keras_handlers, raising_internal
 from hora.elastic import ObjectState, run_fn
 from hora.tensorflow.functions import broadcast_variables
 from hora.tensorflow.objects import broadcast_object

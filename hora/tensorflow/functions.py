@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
-from hora.core.gradients import broadcast_all
+from hora.kit.gradients import broadcast_all
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow import bridge
 

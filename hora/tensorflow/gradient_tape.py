@@ -7,7 +7,7 @@ unless ``sparse_as_dense``), one allgather of values and indices each, before wa
 gradient stays ``None`` (as Horovod). Names are taken when the function is traced, by position, so the
 ranks agree on them, each group hits the response cache, and ranks whose gradients differ get a mismatch
 error rather than a hang: the core compares the shapes, or, for gradients packed into one buffer per dtype,
-the packing's layout digest (:mod:`hora.core.packing`).
+the packing's layout digest (:mod:`hora.kit.packing`).
 
 As in Horovod the wrapped tape is an instance of a dynamic subclass of the tape's own class, sharing
 its recording, so ``isinstance(tape, tf.GradientTape)`` holds.
@@ -21,12 +21,12 @@ import tensorflow as tf
 
 from hora.base import knobs
 from hora.base.errors import HoraValueError, NotSupportedError
-from hora.core import gradients as _g
-from hora.core.compressors import check_compression_op, is_stateful
-from hora.core.frontend import check_optimizer_args, predivide
+from hora.kit import gradients as _g
+from hora.kit.compressors import check_compression_op, is_stateful
+from hora.kit.frontend import check_optimizer_args, predivide
 from hora.core.ops import Average, Sum
-from hora.core.frontend_adasum import pack_limit
-from hora.core.packing import Packing
+from hora.kit.adasum import pack_limit
+from hora.kit.packing import Packing
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow import bridge
 from hora.tensorflow.compression import Compression
@@ -121,8 +121,8 @@ class GradientReducer:
     def _host_step(self, grads: list, sources: list, sparse: list, stateful: list[str] | None = None
                    ) -> tuple[list, list]:
         """The step's ONE host call: the dense gradients allreduced in their groups (entering as one flat
-        buffer per dtype, see :class:`hora.core.packing.Packing`), each sparse one's indices and values gathered.
-        ``stateful``: the dense gradients' names for a stateful compressor (:mod:`hora.core.compressors`),
+        buffer per dtype, see :class:`hora.kit.packing.Packing`), each sparse one's indices and values gathered.
+        ``stateful``: the dense gradients' names for a stateful compressor (:mod:`hora.kit.compressors`),
         which reduces them instead (its own collectives, then the sparse ones').
 
         Not chained to the graph's other host calls (``bridge.host_call``'s ``chain``): that would make every
@@ -192,7 +192,7 @@ class _DistributedGradientTape:
     def gradient(self, target, sources, output_gradients=None, use_generic_names: bool = False):
         """The gradients of ``target`` with respect to ``sources``, reduced over the ranks (local sources
         excepted). ``use_generic_names``: accepted, no effect: the wire names are positional on every
-        rank anyway (:func:`hora.core.gradients.group_names`)."""
+        rank anyway (:func:`hora.kit.gradients.group_names`)."""
         grads = super().gradient(target, sources, output_gradients)
         out = self._hora_reducer(tf.nest.flatten(grads), tf.nest.flatten(sources))
         return tf.nest.pack_sequence_as(grads, out)

@@ -3,7 +3,7 @@ families over hora's NumPy core (alltoall, reducescatter, join and barrier are i
 
 Each op is one host call (:mod:`hora.tensorflow.bridge`): run at once in eager mode, a stateful
 ``tf.numpy_function`` inside ``tf.function`` and in v1 graphs. Each is differentiable through
-``tf.custom_gradient`` with Horovod's gradient rules, which are :mod:`hora.core.frontend`'s on NumPy. Inputs
+``tf.custom_gradient`` with Horovod's gradient rules, which are :mod:`hora.kit.frontend`'s on NumPy. Inputs
 are checked when the op is built (traced), and a refused one tells the peers (:func:`frontend.viewed`).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-import hora.core.frontend as _fe
+import hora.kit.frontend as _fe
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError, NotSupportedError
 from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
@@ -79,7 +79,7 @@ def differentiable(run, inputs: list, touts: list, shapes: list | None, grad) ->
 
 
 def rule_call(rule, grads: list, like: list, extra: list = ()) -> list:
-    """A gradient rule of :mod:`hora.core.frontend` (``rule(arrays, *extra_arrays) -> arrays``) in one host
+    """A gradient rule of :mod:`hora.kit.frontend` (``rule(arrays, *extra_arrays) -> arrays``) in one host
     call on ``grads``; results shaped as ``like`` (the op's inputs)."""
     n = len(grads)
     return host_call(lambda *a: rule(list(a[:n]), *a[n:]), list(grads) + list(extra), [g.dtype for g in grads],

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-import hora.core.frontend as _fe
+import hora.kit.frontend as _fe
 import hora.core.ops as _core
 from hora.core.ops import Average
 from hora.core.process_sets import global_process_set

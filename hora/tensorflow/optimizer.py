@@ -13,7 +13,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from hora.base.errors import HoraValueError
-from hora.core.frontend import check_optimizer_args
+from hora.kit.frontend import check_optimizer_args
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.tensorflow.compression import Compression

@@ -3,10 +3,10 @@
 A casting compressor has two static methods: ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor,
 ctx)``. ``Compression.fp16`` and ``Compression.bf16`` (hora only) halve the bytes of float32/float64 tensors
 and leave other dtypes alone; bf16 keeps float32's range, fp16 keeps more mantissa bits. The classes are made
-by :func:`hora.core.frontend.cast_compressors`, shared by every binding.
+by :func:`hora.kit.frontend.cast_compressors`, shared by every binding.
 
 ``Compression.topk(ratio=0.01)`` and ``Compression.powersgd(rank=1)`` (hora only) make *stateful* compressors
-with error feedback (:mod:`hora.core.compressors`, ``docs/compression.md``): give one instance to one
+with error feedback (:mod:`hora.kit.compressors`, ``docs/compression.md``): give one instance to one
 ``DistributedOptimizer``, which hands them the whole step's gradients (:func:`reduce_step`) and saves their
 state in its ``state_dict`` (:func:`state_to_torch`).
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from hora.core.compressors import PowerSGD, StatefulCompressor, TopK
-from hora.core.frontend import Compressor, NoneCompressor, cast_compressors
+from hora.kit.compressors import PowerSGD, StatefulCompressor, TopK
+from hora.kit.frontend import Compressor, NoneCompressor, cast_compressors
 from hora.core.process_sets import ProcessSet
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression", "TopK", "PowerSGD",

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import hora.core.frontend as _fe
-from hora.core.frontend import init, shutdown
+import hora.kit.frontend as _fe
+from hora.kit.frontend import init, shutdown
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
 from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
@@ -43,7 +43,7 @@ _posts = _fe.posts  # handle -> function turning the core's result into what syn
 def _array(tensor: torch.Tensor, what: str, name: str | None = None,
            process_set: ProcessSet = global_process_set) -> tuple[np.ndarray, torch.Tensor | None]:
     """A NumPy view of ``tensor``'s memory, and the host copy when the tensor lives on another device; a
-    refused input tells the peers (:func:`hora.core.frontend.viewed`), except for a grouped op (``what``
+    refused input tells the peers (:func:`hora.kit.frontend.viewed`), except for a grouped op (``what``
     starts with ``grouped_``), where :func:`_grouped_arrays` tells them."""
     if what.startswith("grouped_"):
         return _view(tensor, what)
@@ -317,7 +317,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
 
 
 def _grads(rule, grads, *args) -> list:
-    """``rule`` (a gradient rule of :mod:`hora.core.frontend`) applied to torch gradients."""
+    """``rule`` (a gradient rule of :mod:`hora.kit.frontend`) applied to torch gradients."""
     out = rule([_view(g.contiguous(), "gradient")[0] for g in grads], *args)
     return [_tensor(a, g.device) for a, g in zip(out, grads)]
 

@@ -17,8 +17,8 @@ import torch
 
 from hora.base import knobs
 from hora.base.errors import HoraValueError
-from hora.core.compressors import check_compression_op, is_stateful
-from hora.core.frontend import check_optimizer_args, predivide, split_groups
+from hora.kit.compressors import check_compression_op, is_stateful
+from hora.kit.frontend import check_optimizer_args, predivide, split_groups
 from hora.core.ops import Adasum, Average
 from hora.core.process_sets import global_process_set
 from hora.torch import compression as _compression, hooks, mpi_ops

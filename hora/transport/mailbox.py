@@ -3,7 +3,7 @@
 Why: a synchronous 4 KiB allreduce through the engine costs a round trip to rank 0 and Python on both
 ranks in series (pickling, the coordinator, the inline answer; ~140 us at np=2). When both ranks call
 the same cached tensor with nothing else in flight, the two inputs need only meet: each rank posts its
-input here and, once both posts are known to match, reduces both itself (:mod:`hora.core.fastpath`).
+input here and, once both posts are known to match, reduces both itself (:mod:`hora.engine.fastpath`).
 
 Each rank posts an *attempt*: a number (counting up from 1), a position (which tensor: a response-cache
 bit, the same on both ranks for the same signature) and its input, into one of ``SLOTS`` slots of its

@@ -175,7 +175,7 @@ class ShmGroup:
         self._pidfds: dict[int, int] = {}
         self._poll = select.poll()
         self._watch: dict[int, int] = {}  # fd -> group rank whose end it shows
-        # a pair's rendezvous for small allreduces (hora.core.fastpath), after the data areas
+        # a pair's rendezvous for small allreduces (hora.engine.fastpath), after the data areas
         self.mailbox = mailbox.Mailbox(mm, data_off + SLOTS * (n + 1) * chunk, index, self.spin) if n == 2 else None
 
     # -- what the algorithms use ---------------------------------------------------------------

@@ -8,7 +8,7 @@ import numpy as np
 import keras
 
 import hora.keras as hvd
-from hora.core.compressors import PowerSGD, TopK
+from hora.kit.compressors import PowerSGD, TopK
 
 hvd.init()
 r = hvd.rank()

@@ -3,7 +3,7 @@
 A small state machine, one thread (this one) deciding everything, polled every 50 ms; the discovery script
 runs in a thread of its own (:mod:`hora.runner.elastic.discovery`) and only ever hands over a host list, so
 a failing or hanging script cannot block a decision. The control plane is the job's store (keys:
-:mod:`hora.elastic.protocol`), served in this process.
+:mod:`hora.base.elastic_protocol`), served in this process.
 
 Workers. One process per slot (``host:index``, the worker id, stable across respawns), started with
 ``HORA_ELASTIC=1``, ``HORA_ELASTIC_ID``, ``HORA_ELASTIC_WORKER`` (the process's number k, its output tag
@@ -13,7 +13,7 @@ the mesh of g rendezvouses under ``<scope>/e<g>/1``), ``exit`` (its slot is no l
 over: it exits 0), ``fail`` (the job failed: it raises ``JobFailed``), or ``solo`` (its first init() while a
 job is running: a world of one until it enters ``hora.elastic.run``, Horovod #2189). Host updates go to
 ``update``; when a member of g dies the driver writes ``<scope>/e<g>/1/abort`` so that ranks still connecting
-g's mesh give up at once. (Keys: :mod:`hora.elastic.protocol`.)
+g's mesh give up at once. (Keys: :mod:`hora.base.elastic_protocol`.)
 
 States of the current generation g:
 
@@ -71,7 +71,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from hora.elastic import protocol
+from hora.base import elastic_protocol as protocol
 from hora.runner.elastic.blacklist import Blacklist
 from hora.runner.elastic.discovery import Discovery
 from hora.runner.elastic.workers import Pool, Proc

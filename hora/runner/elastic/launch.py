@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-from hora.elastic import protocol
+from hora.base import elastic_protocol as protocol
 from hora.runner import hosts as hostlib
 from hora.runner import ssh
 from hora.runner.elastic.driver import Driver, new_scope, settings_from
@@ -27,7 +27,7 @@ def is_elastic(values: dict[str, Any]) -> bool:
 
 
 def elastic_results(get: Callable[[str], bytes | None]) -> dict[int, bytes | None]:
-    """``hora.run()``'s results in elastic mode (keys: :mod:`hora.elastic.protocol`), by rank: those of the
+    """``hora.run()``'s results in elastic mode (keys: :mod:`hora.base.elastic_protocol`), by rank: those of the
     last generation that put any (``get``: the caller's store read); a rank of that generation that put none
     maps to None. Empty when no worker put a result."""
     count = int(get(protocol.RESULT_COUNT) or b"0")

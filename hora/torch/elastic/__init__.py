@@ -25,7 +25,7 @@ __all__ = ["run", "TorchState", "ElasticSampler", "get_handler_registry", "set_h
 
 def _reset() -> None:
     """Shut down (forgetting this binding's pending handles) and join the job's next membership."""
-    from hora.core import frontend
+    from hora.kit import frontend
     from hora.elastic.run import _reset as join_next  # the module, not hora.elastic's run()
 
     frontend.shutdown()

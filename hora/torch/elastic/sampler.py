@@ -1,12 +1,12 @@
 """``ElasticSampler``: a ``torch.utils.data.Sampler`` that shards a dataset over the ranks and keeps the
 epoch's progress, so that no sample is lost or repeated when the ranks change (the arithmetic is the
-core's :class:`hora.core.frontend_elastic.ElasticIndices`)."""
+core's :class:`hora.elastic.handlers.ElasticIndices`)."""
 
 from __future__ import annotations
 
 import torch.utils.data
 
-from hora.core.frontend_elastic import ElasticIndices
+from hora.elastic.handlers import ElasticIndices
 
 __all__ = ["ElasticSampler"]
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 import hora.core.basics as _basics
-from hora.core.frontend_elastic import HandledState, SamplerHandler, StateHandler, handler_for
+from hora.elastic.handlers import HandledState, SamplerHandler, StateHandler, handler_for
 from hora.elastic import ObjectState
 from hora.torch.elastic.sampler import ElasticSampler
 from hora.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters

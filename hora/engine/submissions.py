@@ -19,8 +19,8 @@ import time
 from typing import Callable
 
 from hora.base.errors import HoraValueError, ShutdownError
-from hora.core.execute import Pending
-from hora.core.messages import Refusal
+from hora.engine.execute import Pending
+from hora.engine.messages import Refusal
 
 
 class Submissions:

@@ -27,11 +27,11 @@ import traceback
 from typing import TYPE_CHECKING, Callable
 
 from hora.base.errors import StallError
-from hora.core import messages as m
+from hora.engine import messages as m
 
 if TYPE_CHECKING:
-    from hora.core.control import Control
-    from hora.core.coordinator import Coordinator
+    from hora.engine.control import Control
+    from hora.engine.coordinator import Coordinator
 
 log = logging.getLogger("hora")
 

@@ -2,7 +2,7 @@
 :class:`hora.transport.control.ControlPlane` (``comm.ctrl``), so that a change of that interface is one
 edit here.
 
-Messages go out as tuples (:mod:`hora.core.messages`) and come back decoded. A goodbye (``BYE``) is
+Messages go out as tuples (:mod:`hora.engine.messages`) and come back decoded. A goodbye (``BYE``) is
 acted on as it is read, wherever that happens (in the engine loop or in the middle of a collective):
 the peer's connection closes next, and that close must not be taken for a crash.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 from hora.base.errors import HoraError
-from hora.core import messages as m
+from hora.engine import messages as m
 
 
 class Control:
@@ -65,7 +65,7 @@ class Control:
 
     def watch_data_waits(self, fn: Callable[[int, object, Callable[[], str]], None]) -> None:
         """Have every transport's data wait call ``fn(peer, progress, describe)`` as it goes (the
-        stall watch over the data phase, :class:`hora.core.stall.DataWatch`)."""
+        stall watch over the data phase, :class:`hora.engine.stall.DataWatch`)."""
         self._ctrl.on_wait = fn
 
     def close_in_child(self) -> None:

@@ -4,11 +4,11 @@ The caller's thread only enqueues a request and returns a handle. A cycle takes 
 requests, sends them to the coordinator (rank 0), receives the agreed responses and runs them in
 that order, so that every rank runs the same collectives in the same order whatever order it
 submitted them in. Cycles run on the engine thread, or on a caller blocked in ``synchronize()``
-(:mod:`hora.core.baton` says which). Rank 0's engine is also the coordinator
-(:mod:`hora.core.coordinator`, :mod:`hora.core.inline`) and the stall inspector (:mod:`hora.core.stall`).
+(:mod:`hora.engine.baton` says which). Rank 0's engine is also the coordinator
+(:mod:`hora.engine.coordinator`, :mod:`hora.engine.inline`) and the stall inspector (:mod:`hora.engine.stall`).
 
 Waking: the engine thread sleeps in epoll on the submission queue's wake pipe
-(:mod:`hora.core.submissions`) and on the control connections, and wakes for its timers (the cycle
+(:mod:`hora.engine.submissions`) and on the control connections, and wakes for its timers (the cycle
 time of queued or unsent requests, the stall inspector's next look); nothing polls.
 
 Failure: a lost peer, found on a data or control socket, fails every pending handle on this rank
@@ -19,8 +19,8 @@ engine is gone while its process lives on. Sockets stay open until ``shutdown`` 
 rank mistakes a failing one for a dead one.
 
 Interrupts: an exception a signal handler raises in the main thread while it drives (Ctrl-C) is the
-caller's, never the engine's; see :mod:`hora.core.baton`. A peer frozen inside a collective's data
-phase is watched by :class:`hora.core.stall.DataWatch`, whichever thread runs the engine; one frozen
+caller's, never the engine's; see :mod:`hora.engine.baton`. A peer frozen inside a collective's data
+phase is watched by :class:`hora.engine.stall.DataWatch`, whichever thread runs the engine; one frozen
 before it answers negotiation is rank 0's stall inspector's, and a frozen rank 0 is noticed by the
 ranks waiting for its answer (``_quiet_s``).
 """
@@ -33,16 +33,16 @@ import threading
 import time
 
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
-from hora.core import autotune, fastpath, inline
-from hora.core import messages as m
-from hora.core.baton import CALLER, NOBODY, Baton
-from hora.core.interrupts import GATE
-from hora.core.control import Control
-from hora.core.coordinator import Coordinator, ResponseCache
-from hora.core.execute import Executor, Pending, nbytes_of
-from hora.core.handles import Handle, HandleTable
-from hora.core.stall import LONE_GRACE, DataWatch, StallInspector, main_stack
-from hora.core.submissions import Submissions
+from hora.engine import autotune, fastpath, inline
+from hora.engine import messages as m
+from hora.engine.baton import CALLER, NOBODY, Baton
+from hora.engine.interrupts import GATE
+from hora.engine.control import Control
+from hora.engine.coordinator import Coordinator, ResponseCache
+from hora.engine.execute import Executor, Pending, nbytes_of
+from hora.engine.handles import Handle, HandleTable
+from hora.engine.stall import LONE_GRACE, DataWatch, StallInspector, main_stack
+from hora.engine.submissions import Submissions
 
 _SPIN_S = 500e-6  # a driving caller's busy look for its response before sleeping (see Engine._spin)
 _NO_RANKS: tuple[int, ...] = ()
@@ -104,7 +104,7 @@ class Engine:
             self.process_sets: dict[int, tuple[int, ...]] = {0: tuple(range(self.size))}
         self._cycle_s = cfg["cycle_time"] / 1000
         self.subs = Submissions(self._cycle_s)
-        # autotune: rank 0 searches (hora.core.autotune); every rank records the settings it applied, with
+        # autotune: rank 0 searches (hora.engine.autotune); every rank records the settings it applied, with
         # the number of tensors it had run by then (the same on every rank of a global-set job)
         self.tuner = autotune.create(cfg, self.size) if self.rank == 0 else None
         self.tuned: list[tuple[int, tuple]] = []
@@ -236,7 +236,7 @@ class Engine:
 
     def _drive(self, handle: Handle) -> None:
         """Wait for ``handle``, running the engine in the calling thread when the baton allows. In the
-        main thread, signal handlers are deferred meanwhile (:class:`hora.core.interrupts.InterruptGate`):
+        main thread, signal handlers are deferred meanwhile (:class:`hora.engine.interrupts.InterruptGate`):
         one that raises does so at a safe point, and the caller gets its exception while the engine
         thread carries on with the work."""
         if handle.done:
@@ -571,7 +571,7 @@ class Engine:
 
     # -- running responses ---------------------------------------------------------------------
     def _tune(self, value: tuple) -> None:
-        """Autotune's settings (:mod:`hora.core.autotune`), at the same point of the stream on every rank:
+        """Autotune's settings (:mod:`hora.engine.autotune`), at the same point of the stream on every rank:
         the cycle time everywhere; fusion and the response cache are rank 0's coordinator's."""
         fusion, cycle_ms, cache = value
         self._cycle_s = cycle_ms / 1000

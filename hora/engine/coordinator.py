@@ -19,7 +19,7 @@ import time
 
 from hora.base.errors import HoraError, HoraValueError, InternalError, MismatchError
 from hora.collectives.reduce import OP_NAMES
-from hora.core.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
+from hora.engine.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                                 REDUCESCATTER, REMOVE_PS, TUNE, Refusal, Request, Response, error)
 
 _COMPARED = {  # fields that must agree across ranks, by op kind
@@ -192,7 +192,7 @@ class Coordinator:
 
     def idle(self) -> bool:
         """Nothing waits here: no request, response, join, group or process-set removal in flight (the
-        small-allreduce fast path, :mod:`hora.core.fastpath`, may then pair two ranks' calls itself)."""
+        small-allreduce fast path, :mod:`hora.engine.fastpath`, may then pair two ranks' calls itself)."""
         return not (self.table or self.ready or self.joined or self._groups or self._removing or self._forms
                     or self._failed)
 

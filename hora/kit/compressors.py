@@ -45,8 +45,8 @@ import numpy as np
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError, MismatchError, NotSupportedError
 from hora.collectives.reduce import OP_NAMES
-from hora.core.frontend_elastic import StateHandler
-from hora.core.gradients import start_then_wait
+from hora.elastic.handlers import StateHandler
+from hora.kit.gradients import start_then_wait
 from hora.core.ops import Average, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
 

@@ -24,7 +24,7 @@ ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, JOIN, ADD_PS,
     "add_process_set", "remove_process_set")
 ERROR = "error"  # a response kind: the request failed negotiation; ``Response.error`` says how
 # a response kind: autotune's new settings, ``value`` = (fusion threshold, cycle time ms, response cache on);
-# sent to every rank, each applies it at this point of the stream (hora.core.autotune)
+# sent to every rank, each applies it at this point of the stream (hora.engine.autotune)
 TUNE = "tune"
 UNCACHED = {ALLTOALL, BARRIER, JOIN, ADD_PS, REMOVE_PS}  # their requests vary call to call
 
@@ -55,7 +55,7 @@ class Request(NamedTuple):
     ps: int = 0
     splits: tuple | None = None
     group: tuple | None = None  # (group id, number of tensors) for grouped ops
-    # a packed buffer's layout (hora.core.packing): the digest of the shapes and dtypes packed into it, which
+    # a packed buffer's layout (hora.kit.packing): the digest of the shapes and dtypes packed into it, which
     # the buffer's own shape no longer shows; compared across ranks like the shape (0: not packed)
     layout: int = 0
 

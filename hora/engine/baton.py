@@ -35,7 +35,7 @@ the holder itself (who knows it) or by a submitter (see ``Submissions.add`` for 
 Every timed wait below uses ``SAFETY_NET_S``, a safety net for a flaw in this reasoning only; the
 tests set it to an hour, so that a lost wake-up shows up as a hang rather than as latency.
 
-Interrupts: a caller's sleeps here are safe points of :mod:`hora.core.interrupts` (why the baton has a
+Interrupts: a caller's sleeps here are safe points of :mod:`hora.engine.interrupts` (why the baton has a
 condition variable of its own).
 """
 

@@ -26,8 +26,8 @@ import numpy as np
 
 from hora.collectives import adasum
 from hora.collectives.reduce import Adasum, Average, fill_identity, reducer, scale
-from hora.core import messages as m
-from hora.core.execute import Pending, dtype_of
+from hora.engine import messages as m
+from hora.engine.execute import Pending, dtype_of
 
 
 def payload(pend: Pending, threshold: int) -> bytes | None:

@@ -13,8 +13,8 @@ import numpy as np
 
 from hora.collectives import adasum, exchange, ring
 from hora.collectives.reduce import Adasum, Average, fill_identity, reducer, scale
-from hora.core import messages as m
-from hora.core.handles import Handle
+from hora.engine import messages as m
+from hora.engine.handles import Handle
 from hora.transport.base import SubCommunicator
 
 # A fused allreduce goes to the transport's ``native_allreduce_parts`` where it has one (shared memory:
@@ -155,7 +155,7 @@ class Executor:
         getattr(self, "_" + kind)(resp, pends, comm, op_name)
 
     def inline_result(self, resp, pends) -> None:
-        """Copy out the result the coordinator computed (:mod:`hora.core.inline`)."""
+        """Copy out the result the coordinator computed (:mod:`hora.engine.inline`)."""
         names = resp.names
         self.stats.collectives += 1
         self.stats.tensors += len(names)

@@ -3,10 +3,10 @@
 Why: a synchronous allreduce of a few KiB costs ~140 us at np=2, nearly all of it Python on both
 ranks in series around one round trip to rank 0 (benchmarks/README.md, "Round 2: small tensors").
 When both ranks call the same tensor with nothing else in flight, negotiation can only pair these
-two calls, and the inline answer (:mod:`hora.core.inline`) only sums two inputs; the shared
+two calls, and the inline answer (:mod:`hora.engine.inline`) only sums two inputs; the shared
 segment's mailbox (:mod:`hora.transport.mailbox`) lets the inputs meet directly instead.
 
-When: a caller drives the engine (a synchronous call, :mod:`hora.core.baton`) and its cycle takes
+When: a caller drives the engine (a synchronous call, :mod:`hora.engine.baton`) and its cycle takes
 exactly one request, an allreduce of the global set that hits the response cache (the same
 signature as an earlier agreed response: both ranks hold the same bit for it), and this rank's
 engine has nothing else in flight: no other local request, no unread message, on rank 0 an empty
@@ -16,7 +16,7 @@ joined ranks waiting at rank 0. Everything else takes the normal path.
 How: the rank posts (the bit, its input) and looks for the peer's post of the same bit; the
 mailbox's protocol makes both ranks complete through it or both negotiate the call. On a match each
 rank reduces the two inputs in rank order itself, with the inline path's numerics (those of
-:func:`hora.core.inline.reduce`), so both get the same bits, and the same bits as the inline path.
+:func:`hora.engine.inline.reduce`), so both get the same bits, and the same bits as the inline path.
 Past the inline threshold (and 16 KiB) the post carries no data, only the agreement: on a match both
 ranks run the response negotiation would have given them (the executor's allreduce over the
 segment), without the round trip to rank 0 (64 KiB: 136 -> ~45 us through the engine).
@@ -32,9 +32,9 @@ import time
 import numpy as np
 
 from hora.collectives.reduce import _UFUNC, Adasum, Average, scale
-from hora.core import messages as m
-from hora.core.execute import Pending
-from hora.core.interrupts import GATE
+from hora.engine import messages as m
+from hora.engine.execute import Pending
+from hora.engine.interrupts import GATE
 from hora.transport import mailbox
 
 _POLL_S = 50e-6  # how often a rank looking for the peer's post looks at its control connections
@@ -134,7 +134,7 @@ class FastPath:
 
 
 def _reduce(req: m.Request, p: Pending, theirs: np.ndarray, me: int) -> np.ndarray:
-    """The result of ``p`` from both inputs, with :func:`hora.core.inline.reduce`'s numerics (each input
+    """The result of ``p`` from both inputs, with :func:`hora.engine.inline.reduce`'s numerics (each input
     prescaled in its dtype, rank 0's (op) rank 1's, then postscaled, ``1/2`` folded in for Average), so the
     same bits on both ranks and as the inline path; written into ``p``'s array when in place."""
     mine = p.array.reshape(-1)

@@ -29,7 +29,7 @@ only between steps, at the end of a sample.
 **The search**, each phase a number of samples: ``warmup_samples`` under the starting settings,
 discarded; ``bayes_opt_max_samples`` over fusion threshold (0-64 MiB) x cycle time (1-100 ms),
 seeded with Horovod's four points (4 MiB, 5 ms), (32, 50), (16, 25), (8, 10) and then the point of
-most expected improvement of a Gaussian process (:mod:`hora.core.gp`); the best 3 measured again,
+most expected improvement of a Gaussian process (:mod:`hora.engine.gp`); the best 3 measured again,
 and the starting settings twice (``recheck``: the search never settles on settings that measured worse
 than where it started; twice, since the warmup's samples are discarded and one sample is noisy),
 the chosen one the best median of its samples; then, if the response cache is not fixed,
@@ -53,7 +53,7 @@ Hierarchical allreduce and allgather are not tuned: the hierarchical transport i
 ranks connect (:mod:`hora.transport.registry`) and cannot switch to a flat ring in the middle of a job.
 
 Every rank switches at the same point: the new settings travel as a ``tune`` response in rank 0's
-response stream (:data:`hora.core.messages.TUNE`), which every rank runs in the same order as the
+response stream (:data:`hora.engine.messages.TUNE`), which every rank runs in the same order as the
 collectives around it.
 """
 
@@ -69,8 +69,8 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from hora.base import knobs
-from hora.core import gp
-from hora.core.execute import nbytes_of
+from hora.engine import gp
+from hora.engine.execute import nbytes_of
 
 log = logging.getLogger("hora.autotune")
 

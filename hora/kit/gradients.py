@@ -13,7 +13,7 @@ and turns the results back into its tensors.
   host call.
 
 How the gradients cross into that host call (small ones packed into one flat buffer per dtype, whose layout
-digest the core compares across ranks as it compares shapes) is :mod:`hora.core.packing`.
+digest the core compares across ranks as it compares shapes) is :mod:`hora.kit.packing`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError, NotSupportedError
-from hora.core.frontend import pack_sparse, split_groups, unpack_sparse
+from hora.kit.frontend import pack_sparse, split_groups, unpack_sparse
 from hora.core.ops import Average, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
 
@@ -93,7 +93,7 @@ def step_collectives(arrays: Sequence[np.ndarray], plan: list[list[int]], op: in
     """A step's collectives, all started before any is waited for (:func:`start_then_wait`): ``arrays``
     allreduced in the groups of ``plan``, and each sparse gradient ``(indices, values)`` gathered from every
     rank in one allgather (:func:`pack_sparse`; Horovod's treatment of ``IndexedSlices``), its values divided
-    by the set's size for Average. ``layout``: packed buffers' digest (:attr:`hora.core.packing.Packing.layout`),
+    by the set's size for Average. ``layout``: packed buffers' digest (:attr:`hora.kit.packing.Packing.layout`),
     compared across ranks. Returns ``(reduced arrays in order, [(indices, values)])``."""
     if sparse and op not in (Average, Sum):
         raise NotSupportedError(SPARSE_OPS)
