@@ -44,6 +44,11 @@ class StateHandler:
     def __init__(self, value: Any):
         self.value = value
 
+    def prepare(self) -> None:
+        """Before any handler's :meth:`save`: the collectives a commit needs (a sharded optimizer's copy of
+        its neighbour's slice), so that a peer lost during them leaves every handler at the last commit
+        rather than some at the new one. Nothing by default."""
+
     def save(self) -> None:
         raise NotImplementedError
 
@@ -94,6 +99,8 @@ class HandledState:
         return rest
 
     def save(self) -> None:
+        for handler in self._handlers.values():  # every collective first: a failure leaves nothing half-saved
+            handler.prepare()
         for handler in self._handlers.values():
             handler.save()
         super().save()

@@ -21,6 +21,7 @@ from hora.kit.compressors import check_compression_op, is_stateful
 from hora.kit.frontend import check_optimizer_args, predivide, split_groups
 from hora.core.ops import Adasum, Average
 from hora.core.process_sets import global_process_set
+from hora.kit.sharding import check_shardable, check_stage
 from hora.torch import compression as _compression, hooks, mpi_ops
 from hora.torch.compression import Compression
 
@@ -272,9 +273,11 @@ def _make_groups(groups, params) -> list[tuple]:
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         sparse_as_dense=False, process_set=global_process_set):
+                         sparse_as_dense=False, process_set=global_process_set, zero_stage=0):
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged (``op``) over the ranks; with
     ``op=hvd.Adasum``, the Adasum of each rank's own optimizer step instead (:mod:`hora.torch.adasum`).
+    ``zero_stage=1`` keeps each rank's optimizer state for its slice of the parameters only, ``2`` the
+    reduced gradients too (:mod:`hora.torch.sharded`, docs/sharded_optimizer.md).
 
     >>> opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
     ...                                named_parameters=model.named_parameters())
@@ -285,6 +288,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         warnings.warn("DistributedOptimizer(num_groups=...) is deprecated; use groups=", DeprecationWarning,
                       stacklevel=2)
         groups = num_groups if groups is None else groups
+    stage = check_stage(zero_stage, "DistributedOptimizer")
+    if stage:  # a third variant (hora.torch.sharded), as Adasum's is a second
+        from hora.torch import sharded
+
+        check_shardable(op, "DistributedOptimizer")
+        return sharded.make(optimizer, _names(named_parameters, optimizer.param_groups), compression,
+                            backward_passes_per_step, op, gradient_predivide_factor, groups, sparse_as_dense,
+                            process_set, stage)
     base = type(optimizer)
     namespace = {k: v for k, v in vars(_DistributedOptimizer).items() if k not in ("__dict__", "__weakref__")}
     if op == Adasum:  # Horovod's delta semantics: the change of the weights is reduced (hora.torch.adasum)
