@@ -22,7 +22,7 @@ STAMP := $(VENV)/.hora-setup-stamp
 TORCH_PIN := torch==2.13.0
 # The framework stack the suite tests against, pinned to what resolves together on Python 3.11
 # (jax 0.12 needs Python >= 3.12; tensorflow-cpu 2.21's tf.keras is Keras 3). hora's extras stay open.
-FRAMEWORK_PINS := tensorflow-cpu==2.21.0 keras==3.15.1 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8
+FRAMEWORK_PINS := tensorflow-cpu==2.21.0 tf-keras==2.21.0 keras==3.15.1 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8
 # hora.spark's tests: PySpark 4 (needs Java 17/21: openjdk-17-jre-headless in SYSTEM_PACKAGES)
 FRAMEWORK_PINS += pyspark==4.3.0
 # hora.spark's Estimators read Parquet with pyarrow (pandas 2: PySpark 4.3 warns on pandas 3); hora.lightning: Lightning 2.x
