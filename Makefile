@@ -22,12 +22,16 @@ STAMP := $(VENV)/.hora-setup-stamp
 TORCH_PIN := torch==2.13.0
 # The framework stack the suite tests against, pinned to what resolves together on Python 3.11
 # (jax 0.12 needs Python >= 3.12; tensorflow-cpu 2.21's tf.keras is Keras 3). hora's extras stay open.
-FRAMEWORK_PINS := tensorflow-cpu==2.21.0 tf-keras==2.21.0 keras==3.15.1 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8
+FRAMEWORK_PINS := tensorflow-cpu==2.21.0 keras==3.15.1 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8
 # hora.spark's tests: PySpark 4 (needs Java 17/21: openjdk-17-jre-headless in SYSTEM_PACKAGES)
 FRAMEWORK_PINS += pyspark==4.3.0
 # hora.spark's Estimators read Parquet with pyarrow (pandas 2: PySpark 4.3 warns on pandas 3); hora.lightning: Lightning 2.x
 FRAMEWORK_PINS += pyarrow==26.0.1 pandas==2.3.3 pytorch-lightning==2.6.6
 FW_STAMP := $(VENV)/.hora-frameworks-stamp
+# Keras 2 for TF_USE_LEGACY_KERAS=1 (hora.keras's tf_keras path), pinned to TensorFlow's minor. Installed with
+# --no-deps: tf-keras requires the `tensorflow` distribution, which would install a second copy of the same
+# files beside tensorflow-cpu.
+TF_KERAS_PIN := tf-keras==2.21.0
 MXVENV := .venv-mxnet
 MXPY := $(MXVENV)/bin/python
 MX_STAMP := $(MXVENV)/.hora-setup-stamp
@@ -61,6 +65,7 @@ setup-frameworks: setup $(FW_STAMP)
 
 $(FW_STAMP): $(STAMP)
 	$(PIP) install -q $(TORCH_PIN) $(FRAMEWORK_PINS)
+	$(PIP) install -q --no-deps $(TF_KERAS_PIN)
 	touch $@
 
 # hora without torch: its core on NumPy 1.23, and the mxnet binding (the same checkout check as setup's)
