@@ -4,7 +4,7 @@ that computes for minutes between collectives, holding the GIL in a C loop or wi
 never called frozen.
 
 The 5-minute test (np=4: rank 0, the watcher of every other rank, holds the GIL in one C call; rank 3
-computes with it released; ranks 1 and 2 wait in an allreduce) is the long one of the suite (~5.5 min);
+computes with it released; ranks 1 and 2 wait in an allreduce) takes ~5.5 min and runs with HORA_LONG_TESTS=1;
 the shorter variants run the same ranks for 40 s at np=2 and np=4. Figures are printed (run with -s).
 """
 
@@ -184,5 +184,7 @@ def test_busy_ranks_are_never_frozen_short(tmp_path, n, held, free):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.skipif(os.environ.get("HORA_LONG_TESTS") != "1",
+                    reason="5.5 minutes; HORA_LONG_TESTS=1 runs it (the 40 s variants above cover the same ranks)")
 def test_busy_ranks_are_never_frozen_five_minutes(tmp_path):
     _busy(tmp_path, 4, "0", "3", 300.0)
