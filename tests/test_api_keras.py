@@ -39,7 +39,8 @@ CALLBACKS = {
                                   "verbose=0",
     "BestModelCheckpoint": "monitor='val_loss', verbose=0, save_weights_only=False, mode='auto', save_freq='epoch'",
 }
-EXTRA = {"BestModelCheckpoint": "filepath=None"}  # Horovod's estimators set the path; a script gives it
+EXTRA = {"BestModelCheckpoint": "filepath=None",  # Horovod's estimators set the path; a script gives it
+         "DistributedOptimizer": "zero_stage=0"}  # sharded optimizer state (docs/sharded_optimizer.md)
 HORA_ONLY = {"broadcast_variables"}  # what the broadcast callback does, for scripts
 LATER: set = set()
 OTHER_NAMES = {"Average": 0, "Sum": 1, "Adasum": 2}
