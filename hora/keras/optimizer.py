@@ -273,6 +273,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
 
     >>> model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size())), loss=...)
     """
+    if zero_stage and not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise NotSupportedError("DistributedOptimizer(zero_stage=...): not supported yet: sharding the state of "
+                                f"a {type(optimizer).__module__}.{type(optimizer).__name__}; hora.keras shards "
+                                "Keras 3 optimizers only")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise HoraValueError(f"DistributedOptimizer: expected a Keras 3 optimizer, got {type(optimizer).__name__}; "
                              "for a tf.compat.v1.train.Optimizer use hora.tensorflow.DistributedOptimizer")
