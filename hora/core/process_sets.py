@@ -14,14 +14,14 @@ class ProcessSet:
     """A sorted list of global ranks; ``process_set_id`` is None until registered."""
 
     def __init__(self, ranks_or_comm):
-        if hasattr(ranks_or_comm, "Get_group"):
-            raise HoraValueError("ProcessSet(mpi_comm) needs the MPI transport, which is not supported yet; "
-                                 "pass a list of ranks")
+        self.process_set_id: int | None = None
+        self.mpi_comm = None
+        if hasattr(ranks_or_comm, "Get_group"):  # an mpi4py communicator: its ranks are known at init()
+            self.ranks, self.mpi_comm = None, ranks_or_comm
+            return
         self.ranks = sorted(int(r) for r in ranks_or_comm)
         if len(set(self.ranks)) != len(self.ranks):
             raise HoraValueError(f"ProcessSet({ranks_or_comm!r}) lists a rank twice")
-        self.process_set_id: int | None = None
-        self.mpi_comm = None
 
     def _require(self):
         from hora.core import basics
@@ -61,16 +61,27 @@ class ProcessSet:
 
 
 class _GlobalProcessSet(ProcessSet):
-    """The set of all ranks, id 0; its ranks are filled in by ``init()``."""
+    """The set of all ranks, id 0: ``ranks`` lists every rank of the job once ``init()`` has run (``[]``
+    before it, and after ``shutdown()``)."""
 
     def __init__(self):
         super().__init__([])
         self.process_set_id = 0
 
+    @property
+    def ranks(self) -> list[int]:
+        from hora.core import basics
+
+        return list(range(basics.size())) if basics.is_initialized() else []
+
+    @ranks.setter
+    def ranks(self, value) -> None:  # ProcessSet.__init__ assigns it; the job's size decides
+        pass
+
     def _require(self):
         from hora.core import basics
 
-        self.ranks = list(range(basics.size()))
+        basics.state()
 
 
 global_process_set = _GlobalProcessSet()
@@ -96,8 +107,45 @@ def register(ps: ProcessSet, at_init: bool = False) -> ProcessSet:
     return ps
 
 
+def register_at_init(sets: list) -> None:
+    """``init(process_sets=[...])``: the sets made from MPI communicators first, then those from ranks, each
+    in the order given, as Horovod numbers them; a set that repeats another (or the global set) is an error
+    on every rank. Each rank may pass a different communicator for a set (``comm.Split``): the sets are
+    those the ranks' communicators form together, numbered by their lowest rank."""
+    from hora.core import ops
+
+    sets = [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in sets]
+    from_comm = [ps for ps in sets if ps.ranks is None]
+    if from_comm:
+        from hora.transport.mpi import load_mpi
+        from hora.transport.mpi_world import ranks_of, world
+
+        MPI = load_mpi()
+        global_process_set.mpi_comm = world(MPI)
+        mine = [ranks_of(ps.mpi_comm, MPI) for ps in from_comm]
+        listed = [tuple(r) for r in mine if r is not None] + [tuple(ps.ranks) for ps in sets if ps.mpi_comm is None]
+        dup = len(set(listed)) < len(listed)  # on this rank; every rank learns of it (no rank may run ahead)
+        every = ops.allgather_object(([None if r is None else tuple(r) for r in mine], dup),
+                                     name="hora.init.comm_sets")
+        bad = [rank for rank, (_, d) in enumerate(every) if d]
+        if bad:
+            raise HoraValueError(f"init(process_sets=...): ranks {bad} pass the same set twice (communicators or "
+                                 "ranks that name the same processes)")
+        formed = sorted({r for rows, _ in every for r in rows if r is not None}, key=lambda r: (r[0], r))
+        found = {ranks: register(ProcessSet(ranks), at_init=True).process_set_id for ranks in formed}
+        for ps, ranks in zip(from_comm, mine):
+            ps.ranks = None if ranks is None else list(ranks)
+            ps.process_set_id = None if ranks is None else found[tuple(ranks)]
+    for ps in sets:
+        if ps.mpi_comm is None:
+            register(ps, at_init=True)
+
+
 def add_process_set(process_set) -> ProcessSet:
     """Register a new process set (collective: same calls in the same order on every rank)."""
+    if isinstance(process_set, ProcessSet) and process_set.ranks is None:
+        raise NotImplementedError("add_process_set(ProcessSet(mpi_comm)): a set from an MPI communicator is "
+                                  "registered at init(process_sets=[...]) only, as in Horovod; pass its ranks")
     return register(process_set)
 
 

@@ -31,7 +31,7 @@ from hora.runner.config_file import load as load_config
 from hora.runner.flags import env_for
 from hora.runner.spawn import HOST_LOST_CODE, LocalJob
 
-SUBCOMMANDS = ("run",)
+SUBCOMMANDS = ("run", "horovod-alias")
 
 
 def _say(msg: str) -> None:
@@ -123,10 +123,13 @@ def run_cli(args: list[str]) -> int:
     return run_job(values, parsed.command)
 
 
-def run_job(values: dict[str, Any], command: list[str], extra_env: dict[str, str] | None = None) -> int:
+def run_job(values: dict[str, Any], command: list[str], extra_env: dict[str, str] | None = None,
+            failures: list | None = None) -> int:
     """Run ``command`` as a job configured by ``values`` (flag dest -> value, as :func:`parse` gives them;
     knobs in their own unit) and return the exit status. ``extra_env`` goes into every rank's environment
-    as it is: ``hora.run()`` hands its ranks the function store this way, not through ours."""
+    as it is: ``hora.run()`` hands its ranks the function store this way, not through ours. ``failures``
+    receives the root cause of a failed job (a :class:`hora.base.outcome.RankOutcome`) when the launcher
+    saw one (``hora run``'s own and the elastic driver; not under mpirun)."""
     ignored, warnings = no_effect(values)
     for w in warnings:
         _say(w)
@@ -144,16 +147,16 @@ def run_job(values: dict[str, Any], command: list[str], extra_env: dict[str, str
             if values.get(name):
                 raise UsageError(f"--{name.replace('_', '-')} only works with --mpi")
         if is_elastic(values):  # the elastic driver: hora.runner.elastic.driver
-            return run_elastic(values, command, ignored, extra_env)
+            return run_elastic(values, command, ignored, extra_env, failures)
         slots = hostlib.plan_job(values)
     except (UsageError, hostlib.HostError) as e:
         _say(str(e))
         return 2
-    return _launch(slots, values, command, ignored, extra_env)
+    return _launch(slots, values, command, ignored, extra_env, failures)
 
 
 def _launch(slots: list[hostlib.Slot], values: dict[str, Any], command: list[str], noops: list[str],
-            extra_env: dict[str, str] | None) -> int:
+            extra_env: dict[str, str] | None, failures: list | None = None) -> int:
     from hora.transport.auth import new_secret  # here, not at the top: --help and -cb stay light
     from hora.transport.store import StoreServer
 
@@ -188,6 +191,8 @@ def _launch(slots: list[hostlib.Slot], values: dict[str, Any], command: list[str
         store.close()
     if result.report:
         _say(result.report)
+    if result.root is not None and failures is not None:
+        failures.append(result.root)
     return result.code
 
 
@@ -205,14 +210,20 @@ def _remote(hosts: list[str], slots: list[hostlib.Slot], values: dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``hora SUBCOMMAND ...``; today the one subcommand is ``run``."""
+    """``hora SUBCOMMAND ...``: ``run`` (the launcher) or ``horovod-alias`` (the opt-in step for Horovod scripts)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: hora run [flags] command [args...]\n\nhora run --help lists the flags.")
+        print("usage: hora run [flags] command [args...]\n       hora horovod-alias install|uninstall|status\n\n"
+              "hora run --help lists the flags; hora horovod-alias install makes `import horovod` and "
+              "`horovodrun` run hora in this environment (docs/migrating_from_horovod.md).")
         return 0 if argv else 2
     if argv[0] in ("-v", "--version"):
         print(version())
         return 0
+    if argv[0] == "horovod-alias":
+        from hora._alias.__main__ import main as alias_main
+
+        return alias_main(argv[1:])
     if argv[0] != "run":
         hint = suggest(argv[0], list(SUBCOMMANDS))
         if argv[0].startswith("-"):

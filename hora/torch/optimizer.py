@@ -51,6 +51,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.op, self.process_set, self.sparse_as_dense = op, process_set, sparse_as_dense
         self._sparse_dims: dict = {}  # parameter -> sparse_dim of its last sparse gradient
+        self._densified: dict = {}  # sparse_as_dense: parameter -> sparse_dim to restore after the reduction
         self._compression = compression
         # Compression.topk/powersgd: the whole step's dense gradients go to it at synchronize (no comm hook)
         self._stateful = compression if is_stateful(compression) else None
@@ -101,7 +102,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             if p.grad is None:
                 p.grad = self._zeros(p)
+                if self.sparse_as_dense and (p in self._sparse_dims or isinstance(self, torch.optim.SparseAdam)):
+                    self._densified[p] = self._sparse_dims.get(p, 1)
             if p.grad.is_sparse and self.sparse_as_dense:
+                # as Horovod: reduce dense, and give the optimizer a sparse gradient again (SparseAdam needs one)
+                self._sparse_dims[p] = self._densified[p] = p.grad.sparse_dim()
                 p.grad = _densify(p.grad)
             if p.grad.is_sparse:
                 self._sparse_dims[p] = p.grad.sparse_dim()
@@ -157,6 +162,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                          self.process_set)
             except Exception as e:  # noqa: BLE001 - raised below, after the reset
                 error = e
+        for p, sparse_dim in self._densified.items():
+            p.grad = p.grad.to_sparse(sparse_dim)
+        self._densified.clear()
         self._reset()
         if error is not None:
             raise error

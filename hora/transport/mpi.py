@@ -327,10 +327,12 @@ def factory(tcp_comm, info: dict):
             raise HoraValueError("transport 'mpi' needs a job started by mpirun (or `hora run --mpi`); "
                                  f"this one was started by {getattr(job, 'launcher', 'nothing')}")
         return None
+    from hora.transport.mpi_world import world as mpi_world
+
     MPI = load_mpi()
-    world = MPI.COMM_WORLD
+    world = mpi_world(MPI)  # COMM_WORLD, or the communicator init(comm=...) chose
     if world.Get_size() != tcp_comm.size or world.Get_rank() != tcp_comm.rank:
-        raise HoraError(f"MPI's COMM_WORLD (rank {world.Get_rank()} of {world.Get_size()}) does not match "
+        raise HoraError(f"MPI's world communicator (rank {world.Get_rank()} of {world.Get_size()}) does not match "
                         f"hora's rank {tcp_comm.rank} of {tcp_comm.size}")
     if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
         msg = ("MPI was initialised without thread support (hora's engine thread calls MPI): "
