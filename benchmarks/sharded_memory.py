@@ -138,7 +138,7 @@ def main() -> None:
     res["bucket_mb"] = args.bucket_mb
     res["keras_memory"] = {n: hora.run(_keras_memory, num_proc=n) for n in (1, 2, 4)}
     if args.keras_only:
-        print(finish(res, _keras_markdown, Path(__file__).resolve().parent / "results", "sharded_keras"))
+        finish(res, _keras_markdown, Path(__file__).resolve().parent / "results", "sharded_keras")
         return
     res["memory"] = {n: hora.run(_memory, args=("mlp",), num_proc=n, **knobs) for n in (1, 2, 4)}
     models = [] if args.models == "none" else args.models.split(",")
