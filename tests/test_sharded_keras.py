@@ -71,6 +71,31 @@ def _compare() -> None:
             assert mine[:, 0].max() <= full / n * 1.1, (backend, label, mine, full)  # ~1/N each
             assert mine[:, 1].sum() == 83 * 4, (backend, mine)  # the pieces: 1/N of the parameters each
 
+    # -- AdamW with an exclusion by name (the pieces carry their variable's name); on TensorFlow, an embedding's
+    # sparse gradient (densified)
+    def adamw(stage):
+        opt = hvd.DistributedOptimizer(keras.optimizers.AdamW(0.01, weight_decay=0.1), zero_stage=stage)
+        opt.exclude_from_weight_decay(var_names=["kernel"])  # kernels: far from 0, decay would show
+        return opt
+    cases = [(model, adamw, x, y)]
+    if backend == "tensorflow":
+        def embedding():
+            keras.utils.set_random_seed(0)
+            return keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(10, 4),
+                                     keras.layers.Flatten(), keras.layers.Dense(3)])
+        ids = rng.integers(0, 10, (steps * batch, 2)).astype("int32")
+        cases.append((embedding, lambda stage: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                                                         zero_stage=stage), ids, y))
+    for build, make_opt, xs, ys in cases:
+        weights = []
+        for stage in (0, 1):
+            m = build()
+            m.compile(optimizer=make_opt(stage), loss="mse")
+            m.fit(xs, ys, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+            weights.append(m.get_weights())
+        for a, b in zip(*weights):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=f"{backend} np={n} rank {r}: {build}")
+
     # -- what cannot combine is refused at construction, with the reason
     def refused(kind, words, **kw):
         opt = kw.pop("opt", None) or keras.optimizers.SGD(0.1)

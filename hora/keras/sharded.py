@@ -178,6 +178,12 @@ class _ShardedOptimizer(_DistributedOptimizer):
     def _clip_gradients(self, grads):
         return super(_DistributedOptimizer, self)._clip_gradients(grads)
 
+    def _apply_weight_decay(self, variables):
+        # a rank whose pieces are all excluded from weight decay: Keras's torch optimizer would hand
+        # torch._foreach_mul_ an empty list, which it refuses
+        if self.weight_decay is not None and any(self._use_weight_decay(v) for v in variables):
+            super()._apply_weight_decay(variables)
+
     def register_local_var(self, var) -> None:
         raise NotSupportedError(f"DistributedOptimizer(zero_stage=...): {_NOT_YET}: local variables "
                                 "(PartialDistributedOptimizer); every gradient is reduce-scattered to its owner")
