@@ -3,11 +3,15 @@ throughput and traffic per step.
 
     python benchmarks/sharded_memory.py            # memory at np=1,2,4; throughput at np=2 on train.py's models
     python benchmarks/sharded_memory.py --quick    # shorter windows (about 3 minutes on 2 busy CPUs)
+    python benchmarks/sharded_memory.py --keras-only   # the Keras row alone (results/sharded_keras.{md,json})
 
 **Memory** (train.py's ``mlp``, 784-2048-2048-10, 5.8 M float32 parameters, Adam, two steps): per rank, the
 bytes of the optimizer state (``nbytes`` of every tensor in ``optimizer.state``) and of the gradients the
 rank holds after a step (every ``p.grad`` plus, at stage 2, the slice-sized buffer of reduced gradients).
-Counted from the tensors themselves: tracemalloc does not see torch's allocator.
+Counted from the tensors themselves: tracemalloc does not see torch's allocator. **Keras** (``hora.keras``,
+TensorFlow backend, the same MLP built with ``keras.layers.Dense``, Adam, ``model.fit`` for two steps): the
+bytes of the optimizer's variables that have a shape (its slots), and of the sharded optimizer's piece
+variables (the slice of the parameters it updates; :func:`hora.keras.sharded.optimizer_bytes`).
 
 **Throughput** (np=2, SGD with momentum as train.py): the unsharded optimizer and stages 1 and 2 trained in
 the same two processes, their timed windows taking turns (train.py's ``train_interleaved``), samples/s over
@@ -60,6 +64,34 @@ def _memory(model_name: str) -> dict:
     return out
 
 
+def _keras_memory() -> dict:
+    import os
+
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+    import numpy as np
+
+    import hora.keras as hvd
+    from hora.keras.sharded import optimizer_bytes
+
+    hvd.init()
+    rng = np.random.default_rng(hvd.rank())
+    x, y = rng.standard_normal((32, 784)).astype("float32"), rng.integers(0, 10, 32)
+    out = {}
+    for mode, stage in MODES.items():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(2048, activation="relu"),
+                                  keras.layers.Dense(2048, activation="relu"), keras.layers.Dense(10)])
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3), zero_stage=stage),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+        out[mode] = {**optimizer_bytes(model.optimizer),
+                     "params": sum(int(np.prod(w.shape)) * 4 for w in model.trainable_weights)}
+    hvd.shutdown()
+    return out
+
+
 def _throughput(model_name: str, steps: int, windows: int, warmup: int) -> dict:
     import hora.torch as hvd
 
@@ -96,6 +128,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", default="cnn,mlp,mlp1k", help="train.py's models to time; 'none': memory only "
                     "(written to results/sharded_memory.{md,json})")
+    ap.add_argument("--keras-only", action="store_true", help="the Keras memory row alone")
     ap.add_argument("--bucket-mb", type=float, default=None, help="the fusion threshold (bucket cap) in MiB")
     args = ap.parse_args()
     import hora
@@ -103,6 +136,10 @@ def main() -> None:
     res = {"conditions": start(args.wait_quiet)}
     knobs = {} if args.bucket_mb is None else {"fusion_threshold": int(args.bucket_mb * 2**20)}
     res["bucket_mb"] = args.bucket_mb
+    res["keras_memory"] = {n: hora.run(_keras_memory, num_proc=n) for n in (1, 2, 4)}
+    if args.keras_only:
+        finish(res, _keras_markdown, Path(__file__).resolve().parent / "results", "sharded_keras")
+        return
     res["memory"] = {n: hora.run(_memory, args=("mlp",), num_proc=n, **knobs) for n in (1, 2, 4)}
     models = [] if args.models == "none" else args.models.split(",")
     steps, windows, warmup = (10, 3, 3) if args.quick else (20, 5, 5)
@@ -111,6 +148,21 @@ def main() -> None:
     res["traffic"] = {m: traffic(m, 2) for m in models}
     stem = "sharded" if models else "sharded_memory"
     print(finish(res, _markdown, Path(__file__).resolve().parent / "results", stem))
+
+
+def _keras_markdown(res: dict) -> str:
+    lines = ["Keras (hora.keras, TensorFlow backend; mlp, Adam, model.fit; MiB per rank, worst rank; % of the "
+             "unsharded state):", "",
+             "| np | state unsharded | state zero1 | state zero2 | pieces zero1 (slice of the parameters) |",
+             "|---|---|---|---|---|"]
+    for n, ranks in res["keras_memory"].items():
+        worst = {m: max(r[m]["state"] for r in ranks) for m in MODES}
+        base = worst["unsharded"]
+        cells = [f"{worst[m] / 2**20:.2f} ({100 * worst[m] / base:.1f}%)" for m in MODES]
+        pieces = max(r["zero1"]["pieces"] for r in ranks)
+        cells.append(f"{pieces / 2**20:.2f} ({100 * pieces / ranks[0]['zero1']['params']:.1f}% of the parameters)")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _markdown(res: dict) -> str:
@@ -127,6 +179,7 @@ def _markdown(res: dict) -> str:
             cells += [f"{worst[m][k] / 2**20:.2f} ({100 * worst[m][k] / base:.1f}%)" for m in MODES]
         peak = max(r["zero2"]["peak_in_flight"] for r in ranks)
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {peak / 2**20:.2f} |")
+    lines += ["", _keras_markdown(res)]
     if not res["throughput"]:
         return "\n".join(lines)
     lines += ["", "Throughput at np=2 (samples/s, median window) and bytes sent per rank per step:", "",

@@ -39,7 +39,8 @@ CALLBACKS = {
                                   "verbose=0",
     "BestModelCheckpoint": "monitor='val_loss', verbose=0, save_weights_only=False, mode='auto', save_freq='epoch'",
 }
-EXTRA = {"BestModelCheckpoint": "filepath=None"}  # Horovod's estimators set the path; a script gives it
+EXTRA = {"BestModelCheckpoint": "filepath=None",  # Horovod's estimators set the path; a script gives it
+         "DistributedOptimizer": "zero_stage=0"}  # sharded optimizer state (docs/sharded_optimizer.md)
 # horovod.keras's own orders (hora.keras), where they differ from horovod.tensorflow.keras's (the tables above,
 # hora.tensorflow.keras): the arguments horovod.keras lacks are hora's, by keyword
 KERAS_ORDER = {

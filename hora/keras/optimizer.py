@@ -40,6 +40,7 @@ from hora.base import knobs
 from hora.base.errors import HoraValueError, NotSupportedError
 from hora.kit.compressors import check_compression_op, is_stateful
 from hora.kit.frontend import check_optimizer_args, predivide, split_groups
+from hora.kit.sharding import check_stage
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.keras import dispatch
@@ -263,27 +264,33 @@ def _wrap(optimizer, settings: _Settings):
 def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='', compression=Compression.none,
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, num_groups=0, groups=None,
                          *, backward_passes_per_step=1, average_aggregated_gradients=False,
-                         process_set=global_process_set, scale_local_gradients=True):
+                         process_set=global_process_set, scale_local_gradients=True, zero_stage=0):
     """Wrap a Keras 3 optimizer (or a ``tf_keras`` one: :mod:`hora.keras.legacy`) so that each step applies
     gradients reduced (``op``) over the ranks. The positional order is ``horovod.keras``'s (``num_groups``
     after ``op``); the arguments Horovod has only in ``horovod.tensorflow.keras`` are keywords here, and
     ``hora.tensorflow.keras.DistributedOptimizer`` takes them in that module's order.
 
     ``device_dense``/``device_sparse``: accepted, no effect (hora reduces on the host). ``name``: the prefix
-    of the collectives' names (default ``Distributed<Class>``).
+    of the collectives' names (default ``Distributed<Class>``). ``zero_stage=1`` (or 2, which behaves as 1):
+    each rank keeps the optimizer state of its slice of the variables only (:mod:`hora.keras.sharded`,
+    docs/sharded_optimizer.md).
 
     >>> model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size())), loss=...)
     """
     return distributed_optimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
                                  gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
-                                 num_groups, groups, process_set, scale_local_gradients)
+                                 num_groups, groups, process_set, scale_local_gradients, zero_stage)
 
 
 def distributed_optimizer(optimizer, name=None, device_dense='', device_sparse='', compression=Compression.none,
                           sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
                           backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0, groups=None,
-                          process_set=global_process_set, scale_local_gradients=True):
+                          process_set=global_process_set, scale_local_gradients=True, zero_stage=0):
     """:func:`DistributedOptimizer` with every argument, in ``horovod.tensorflow.keras``'s order."""
+    if zero_stage and not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise NotSupportedError("DistributedOptimizer(zero_stage=...): not supported yet: sharding the state of "
+                                f"a {type(optimizer).__module__}.{type(optimizer).__name__}; hora.keras shards "
+                                "Keras 3 optimizers only")
     if is_tf_keras(optimizer):  # Keras 2 code (TF_USE_LEGACY_KERAS=1): Horovod's own way
         from hora.keras import legacy
 
@@ -314,6 +321,11 @@ def distributed_optimizer(optimizer, name=None, device_dense='', device_sparse='
     settings = _Settings(name or f"Distributed{type(optimizer).__name__}", op, pre, post, compression,
                          bool(sparse_as_dense), _variable_ids(groups), process_set, bool(scale_local_gradients),
                          backward_passes_per_step, bool(average_aggregated_gradients))
+    stage = check_stage(zero_stage, "DistributedOptimizer")
+    if stage:
+        from hora.keras import sharded
+
+        return sharded.wrap(optimizer, settings, stage)
     return _wrap(optimizer, settings)
 
 

@@ -8,7 +8,7 @@ per parameter the slice touches, refreshed from the model's variables first, so 
 are seen), then all-gathers the pieces in a second host call and assigns every variable. Eager or inside a
 ``tf.function`` (the pieces and the wrapped optimizer's slots are created at the first call, lifted out of
 the function by ``tf.init_scope``). Not a Keras optimizer itself: ``model.fit`` needs
-``hora.keras.DistributedOptimizer``, which has no sharded mode yet. Stage 2 is accepted and behaves as 1
+``hora.keras.DistributedOptimizer(opt, zero_stage=1)`` (:mod:`hora.keras.sharded`). Stage 2 is accepted and behaves as 1
 (the gradients are the tape's tensors, which TensorFlow owns).
 """
 

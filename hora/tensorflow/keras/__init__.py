@@ -23,9 +23,10 @@ elastic = importlib.import_module("hora.tensorflow.keras.elastic")
 def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='', compression=Compression.none,
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
                          backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0, groups=None,
-                         process_set=global_process_set, scale_local_gradients=True):
+                         process_set=global_process_set, scale_local_gradients=True, zero_stage=0):
     """Wrap a Keras 3 or a ``tf_keras`` optimizer so that its gradients are reduced (``op``) over the ranks;
     ``horovod.tensorflow.keras``'s signature (see :func:`hora.keras.DistributedOptimizer`)."""
     return distributed_optimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
                                  gradient_predivide_factor, op, backward_passes_per_step,
-                                 average_aggregated_gradients, num_groups, groups, process_set, scale_local_gradients)
+                                 average_aggregated_gradients, num_groups, groups, process_set, scale_local_gradients,
+                                 zero_stage)
