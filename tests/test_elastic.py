@@ -135,13 +135,11 @@ def test_under_torchrun_max_restarts_the_loop_raises_and_the_restart_trains(tmp_
 def test_the_state_is_synced_after_every_reset_even_when_hosts_were_only_removed(monkeypatch):
     """Ranks must agree on the sync: some may see the interrupt (skip_sync=True), others a lost peer when
     a removed host dies in the commit's broadcast; a rank that skipped would leave the others waiting."""
-    import sys
-
-    run_mod = sys.modules["hora.elastic.run"]  # the package's ``run`` is the decorator
-    from hora.elastic import worker
+    from hora.core.session import rendezvous
+    from hora.elastic import retry as run_mod
 
     monkeypatch.setattr(run_mod, "_elastic", lambda: True)
-    monkeypatch.setattr(worker, "_why", "")
+    monkeypatch.setattr(rendezvous, "_why", "")
     synced, calls = [], []
     state = ObjectState(bcast_object=lambda x: synced.append(1) or x, get_rank=lambda: 0, step=0)
 
@@ -155,7 +153,7 @@ def test_the_state_is_synced_after_every_reset_even_when_hosts_were_only_removed
 
     run_fn(train, lambda: None)(state)
     assert len(synced) == 3 and len(calls) == 3  # one sync per round, the first one included
-    assert worker._why == "fail PeerLostError: lost rank 1"  # the next request says the reset follows a failure
+    assert rendezvous._why == "fail PeerLostError: lost rank 1"  # the next request says the reset follows a failure
     raw = protocol.ready_value(4, "fail", 7, "MismatchError: x\n y")
     assert protocol.parse_ready(raw) == (4, "MismatchError: x y", 7)
     assert protocol.parse_ready(protocol.ready_value(1, "", 0)) == (1, "", 0)
@@ -163,9 +161,7 @@ def test_the_state_is_synced_after_every_reset_even_when_hosts_were_only_removed
 
 
 def test_a_late_joiner_runs_the_reset_callbacks_after_it_joins(monkeypatch):
-    import sys
-
-    run_mod = sys.modules["hora.elastic.run"]  # the package's ``run`` is the decorator
+    from hora.elastic import retry as run_mod
 
     monkeypatch.setattr(run_mod, "_provisional", lambda: True)
     events = []

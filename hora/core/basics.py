@@ -13,43 +13,12 @@ import os
 import threading
 
 from hora.base import knobs
-from hora.base.errors import ForkedChildError, HoraValueError, NotInitializedError
-from hora.core import launchers
-from hora.core.launchers import Topology
+from hora.base.errors import HoraValueError
+from hora.core import launchers, session
+from hora.core.session import State, is_initialized, state  # noqa: F401 - state(): what every caller reads
 from hora.transport.base import LocalCommunicator
 
 
-class _State:
-    """Everything one initialisation owns; replaced wholesale by the next ``init()``."""
-
-    def __init__(self, topo: Topology, comm, store, prefix: str, cfg: dict):
-        self.topo, self.comm, self.store, self.prefix = topo, comm, store, prefix
-        self.forked = False
-        self.cfg = cfg
-        self.dynamic = self.cfg["dynamic_process_sets"]
-        timeline = None
-        if self.cfg["timeline"] and self.cfg["timeline"] != "DYNAMIC" and topo.rank == 0:
-            from hora.engine.timeline import Timeline
-
-            timeline = Timeline(self.cfg["timeline"], self.cfg["timeline_mark_cycles"])
-        from hora.engine.engine import Engine
-
-        self.engine = Engine(comm, topo, self.cfg, timeline)  # holds the timeline from now on
-        self.groups: dict[int, list[int]] = {}  # grouped handles
-        self.barriers: dict[int, int] = {}  # barrier count per process set (names them)
-        self.ps_calls = 0  # add/remove_process_set calls (names them)
-        self.names: dict = {}  # process set id -> counter naming unnamed ops (noname.N)
-
-    def close(self) -> None:
-        self.engine.shutdown()
-        self.comm.close()
-        if self.store is not None:
-            self.store.close()
-        if self.engine.timeline is not None:
-            self.engine.timeline.close()
-
-
-_state: _State | None = None
 _generations: dict[str, int] = {}
 _atexit_registered = False
 _init_lock = threading.Lock()
@@ -61,9 +30,10 @@ def init(comm=None, process_sets=None) -> None:
     >>> import hora; hora.init(); hora.rank(), hora.size()
     (0, 1)
     """
-    global _state, _atexit_registered
+    global _atexit_registered
     with _init_lock:
-        if _state is not None and not _state.forked:
+        current = session.current()
+        if current is not None and not current.forked:
             return
         if comm is not None:
             raise HoraValueError("init(comm=...) needs the MPI transport, which is not supported yet; "
@@ -77,25 +47,25 @@ def init(comm=None, process_sets=None) -> None:
         knobs.apply_log_level()
         job = launchers.detect()
         if job.topo.size == 1:
-            _state = _State(job.topo, LocalCommunicator(), None, "", cfg)
+            session.install(State(job.topo, LocalCommunicator(), None, "", cfg))
         else:
-            _state = _connect(job, cfg)
+            session.install(_connect(job, cfg))
         if not _atexit_registered:
             atexit.register(shutdown)
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _atexit_registered = True
     if isinstance(process_sets, (list, tuple)):
-        from hora.core.process_sets import register
+        from hora.core.ops import register_process_set
 
         try:
             for ps in process_sets:
-                register(ps, at_init=True)
+                register_process_set(ps, at_init=True)
         except BaseException:
             shutdown()
             raise
 
 
-def _connect(job: launchers.Job, cfg: dict) -> _State:
+def _connect(job: launchers.Job, cfg: dict) -> State:
     from hora.transport import addresses, net
     from hora.transport.store import StoreClient
     job = launchers.rendezvous(job)  # mpirun/srun/torchrun: rank 0 serves the store, MPI shares the secret
@@ -118,7 +88,7 @@ def _connect(job: launchers.Job, cfg: dict) -> _State:
         comm.close()
         store.close()
         raise
-    return _State(job.topo, comm, store, prefix, cfg)
+    return State(job.topo, comm, store, prefix, cfg)
 
 
 def _mesh(job: launchers.Job, store, prefix: str, bind: str, advertise: str, timeout: float):
@@ -133,7 +103,6 @@ def _mesh(job: launchers.Job, store, prefix: str, bind: str, advertise: str, tim
     if job.launcher != launchers.ELASTIC:
         return connect_mesh(*args, **kw)
     from hora.base.errors import PeerLostError
-    from hora.elastic import worker
 
     box: dict = {}
     lock = threading.Lock()
@@ -153,7 +122,7 @@ def _mesh(job: launchers.Job, store, prefix: str, bind: str, advertise: str, tim
 
     threading.Thread(target=attempt, name="hora-elastic-connect", daemon=True).start()
     while not done.wait(0.1):
-        note = worker.abort_note(prefix)
+        note = session.rendezvous.abort_note(prefix)
         if note:
             with lock:
                 box["abandoned"] = True
@@ -167,9 +136,8 @@ def _mesh(job: launchers.Job, store, prefix: str, bind: str, advertise: str, tim
 
 def shutdown() -> None:
     """Close this rank's connections. Safe to call twice, after errors, or with dead peers."""
-    global _state
     with _init_lock:
-        st, _state = _state, None
+        st = session.release()
     if st is None or st.forked:
         return
     st.close()
@@ -180,27 +148,11 @@ def shutdown() -> None:
 
 def _after_fork_in_child() -> None:
     """A forked child (a DataLoader worker, say) must not talk on the parent's sockets."""
-    st = _state
+    st = session.current()
     if st is None:
         return
     st.forked = True
     st.engine.control.close_in_child()
-
-
-def state() -> _State:
-    """The current state, or the error that says what to do."""
-    st = _state
-    if st is None:
-        raise NotInitializedError("hora has not been initialized; call hora.init() first")
-    if st.forked:
-        raise ForkedChildError(f"hora was initialised in process {os.getppid()} and this process is a fork of it "
-                               "(e.g. a DataLoader worker): hora calls are not available here; "
-                               "call hora only from the training process")
-    return st
-
-
-def is_initialized() -> bool:
-    return _state is not None
 
 
 def rank() -> int:

@@ -1,13 +1,15 @@
 """Process sets: collectives among a subset of ranks, each set negotiated on its own.
 
-``ProcessSet(ranks)`` is registered either at ``init(process_sets=[...])`` or, in dynamic mode,
-with ``add_process_set`` — a collective: every rank makes the same calls in the same order. The
-global set has id 0; others get 1, 2, ... in registration order.
+A :class:`ProcessSet` is a value: its sorted ranks and, once registered, its id. Registering one is a
+collective (:func:`hora.core.ops.add_process_set`, or ``init(process_sets=[...])``): every rank makes the same
+calls in the same order. The global set has id 0; others get 1, 2, ... in registration order. The queries
+(``size``, ``rank``, ``included``) read the session (:mod:`hora.core.session`), never the collectives.
 """
 
 from __future__ import annotations
 
 from hora.base.errors import HoraValueError
+from hora.core import session
 
 
 class ProcessSet:
@@ -24,9 +26,7 @@ class ProcessSet:
         self.mpi_comm = None
 
     def _require(self):
-        from hora.core import basics
-
-        basics.state()
+        session.state()
         if self.process_set_id is None:
             raise HoraValueError(f"{self} is not registered; pass it to hora.init(process_sets=[...]) "
                                  "or hora.add_process_set()")
@@ -37,17 +37,13 @@ class ProcessSet:
 
     def rank(self) -> int:
         """This process's rank within the set (-1 when not included)."""
-        from hora.core import basics
-
         self._require()
-        r = basics.rank()
+        r = session.state().topo.rank
         return self.ranks.index(r) if r in self.ranks else -1
 
     def included(self) -> bool:
-        from hora.core import basics
-
         self._require()
-        return basics.rank() in self.ranks
+        return session.state().topo.rank in self.ranks
 
     def __str__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
@@ -68,51 +64,7 @@ class _GlobalProcessSet(ProcessSet):
         self.process_set_id = 0
 
     def _require(self):
-        from hora.core import basics
-
-        self.ranks = list(range(basics.size()))
+        self.ranks = list(range(session.state().topo.size))
 
 
 global_process_set = _GlobalProcessSet()
-
-
-def register(ps: ProcessSet, at_init: bool = False) -> ProcessSet:
-    """Register ``ps`` on every rank (a collective through the engine); sets its id."""
-    from hora.core import basics, ops
-    from hora.engine import messages as m
-
-    st = basics.state()
-    if not (at_init or st.dynamic):
-        raise HoraValueError("add_process_set needs dynamic process sets: hora.init(process_sets='dynamic') "
-                             "or HORA_DYNAMIC_PROCESS_SETS=1")
-    if not isinstance(ps, ProcessSet):
-        ps = ProcessSet(ps)
-    bad = [r for r in ps.ranks if not 0 <= r < st.topo.size]
-    if bad or not ps.ranks:
-        raise HoraValueError(f"{ps}: ranks {bad or '[]'} are not ranks of this job (size {st.topo.size})")
-    pid = ops.synchronize(ops._submit(m.ADD_PS, None, ops._auto_name(None, 0, "process_set"), global_process_set,
-                                      flush=True, ranks=tuple(ps.ranks)))
-    ps.process_set_id = pid
-    return ps
-
-
-def add_process_set(process_set) -> ProcessSet:
-    """Register a new process set (collective: same calls in the same order on every rank)."""
-    return register(process_set)
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregister ``process_set`` (collective). Returns False if it was not registered."""
-    from hora.core import basics, ops
-    from hora.engine import messages as m
-
-    st = basics.state()
-    if not st.dynamic:
-        raise HoraValueError("remove_process_set needs dynamic process sets: hora.init(process_sets='dynamic')")
-    pid = process_set.process_set_id
-    if pid is None or pid == 0 or pid not in st.engine.process_sets:
-        return False
-    ops.synchronize(ops._submit(m.REMOVE_PS, None, ops._auto_name(None, 0, "process_set"), global_process_set,
-                                flush=True, set_id=pid))
-    process_set.process_set_id = None
-    return True

@@ -78,10 +78,10 @@ class State:
         """Save the state (what a failure rolls back to), then raise ``HostsUpdatedInterrupt`` on every
         rank if the hosts changed. Costs a copy of the state and one small broadcast: commit every few
         batches rather than every one when the state is large."""
-        from hora.elastic import worker
+        from hora.core.session import rendezvous
 
         self.save()
-        worker.committed()
+        rendezvous.committed()
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
