@@ -6,7 +6,7 @@ coordinator reads a name's structure back when a group's size differs between ra
 functions below, so the format is defined once:
 
 * an unnamed op is ``noname.<n>``, numbered per process set in submission order, and ``noname.<e>.<n>``
-  after the ``e``-th completed ``join()`` (the numbering restarts there; see :func:`hora.core.ops._auto_name`);
+  after the ``e``-th completed ``join()`` (the numbering restarts there; see :func:`take`);
   barriers and process-set calls have their own sequences (``barrier.<n>``, ``process_set.<n>``);
 * a grouped op's id is ``(its name, its number of members)``; an unnamed group is named ``group.`` + the
   automatic name it takes, so a group takes one number of the sequence whatever its size;
@@ -20,9 +20,49 @@ Automatic names never repeat, so they are never put in the response cache (:func
 
 from __future__ import annotations
 
+import itertools
+import threading
+
 UNNAMED = "noname"  # the automatic sequence of ordinary ops
 GROUP = "group."  # what an unnamed group's name starts with
 _AUTO = (UNNAMED + ".", GROUP + UNNAMED + ".")
+_lock = threading.Lock()
+
+
+def take(counters: dict, name: str | None, ps: int = 0, prefix: str = UNNAMED) -> str:
+    """``name``, or the next automatic name of sequence ``prefix`` in process set ``ps``, from ``counters``
+    (the session's: every rank starts from 0 at ``init()``).
+
+    Unnamed ops are numbered in submission order within their process set, so the ranks of a
+    set match them by that order (an unnamed op on a subset does not shift the global numbering).
+
+    The numbers restart at every completed ``join()``, under a new epoch (``noname.<epoch>.<n>``):
+    while a rank has joined, the others run unnamed allreduces and barriers that it never submits
+    (and allgathers that fail) and so take numbers it does not, and without the restart the ranks'
+    numbering would disagree for good after the join, a hang on the next unnamed op. A join's
+    completion is the one point that every rank passes with all of its own earlier submissions
+    numbered, so that is where the numbering is made equal again (:func:`new_epoch`)."""
+    if name is not None:
+        return str(name)
+    with _lock:
+        counter = counters.setdefault((prefix, ps), itertools.count())
+        epoch = counters.get("epoch", 0)
+        n = next(counter)
+    return auto(prefix, epoch, n)
+
+
+def new_epoch(counters: dict) -> None:
+    """Every rank has passed a join: the automatic names restart (see :func:`take`)."""
+    with _lock:
+        epoch = counters.get("epoch", 0) + 1
+        counters.clear()
+        counters["epoch"] = epoch
+
+
+def group_id(counters: dict, name: str | None, ps: int, n: int) -> tuple[str, int]:
+    """A grouped op's id: its name, or the next automatic one as an unnamed group's, and its number of
+    members."""
+    return (str(name) if name is not None else unnamed_group(take(counters, None, ps)), n)
 
 
 def auto(prefix: str, epoch: int, n: int) -> str:
