@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from typing import Callable
 
 from hora.base import knobs
 from hora.base.errors import HoraValueError
@@ -155,34 +156,21 @@ def _after_fork_in_child() -> None:
     st.engine.control.close_in_child()
 
 
-def rank() -> int:
-    """This process's rank in the job, 0 .. size()-1."""
-    return state().topo.rank
+def _topology(field: str, doc: str) -> Callable[[], int]:
+    """The query of one field of this rank's place in the job (:class:`hora.core.launchers.Topology`)."""
+    def query() -> int:
+        return getattr(state().topo, field)
+    query.__name__ = query.__qualname__ = field
+    query.__doc__ = doc
+    return query
 
 
-def size() -> int:
-    """Number of ranks in the job."""
-    return state().topo.size
-
-
-def local_rank() -> int:
-    """Rank among the ranks on this host."""
-    return state().topo.local_rank
-
-
-def local_size() -> int:
-    """Number of ranks on this host."""
-    return state().topo.local_size
-
-
-def cross_rank() -> int:
-    """Index of this host among the hosts that have a rank with this local rank."""
-    return state().topo.cross_rank
-
-
-def cross_size() -> int:
-    """Number of hosts that have a rank with this local rank."""
-    return state().topo.cross_size
+rank = _topology("rank", "This process's rank in the job, 0 .. size()-1.")
+size = _topology("size", "Number of ranks in the job.")
+local_rank = _topology("local_rank", "Rank among the ranks on this host.")
+local_size = _topology("local_size", "Number of ranks on this host.")
+cross_rank = _topology("cross_rank", "Index of this host among the hosts that have a rank with this local rank.")
+cross_size = _topology("cross_size", "Number of hosts that have a rank with this local rank.")
 
 
 def is_homogeneous() -> bool:

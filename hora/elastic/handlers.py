@@ -31,30 +31,20 @@ from typing import Any
 import numpy as np
 
 from hora.base.errors import HostsChanged, InternalError
+from hora.elastic.state import Committed
 
 __all__ = ["StateHandler", "HandledState", "VariablesHandler", "keras_handlers", "ElasticIndices", "SamplerHandler",
            "internal_error", "raising_internal", "handler_for"]
 
 
 # -- handlers ---------------------------------------------------------------------------------------
-class StateHandler:
+class StateHandler(Committed):
     """One tracked value of a state: ``save`` copies it, ``restore`` puts the copy back, ``sync`` makes it
-    rank 0's on every rank, ``reset`` follows a new membership (after the job re-formed)."""
+    rank 0's on every rank, ``reset`` follows a new membership (after the job re-formed; nothing by
+    default: most values do not depend on the number of ranks)."""
 
     def __init__(self, value: Any):
         self.value = value
-
-    def save(self) -> None:
-        raise NotImplementedError
-
-    def restore(self) -> None:
-        raise NotImplementedError
-
-    def sync(self) -> None:
-        raise NotImplementedError
-
-    def reset(self) -> None:
-        """Nothing by default: most values do not depend on the number of ranks."""
 
     def set_value(self, value: Any) -> None:
         """``state.model = other``: track ``other`` from now on (saved at once, as Horovod does)."""
@@ -93,14 +83,16 @@ class HandledState:
             object.__setattr__(self, name, handler.value)
         return rest
 
-    def save(self) -> None:
+    def _each(self, what: str) -> None:
         for handler in self._handlers.values():
-            handler.save()
+            getattr(handler, what)()
+
+    def save(self) -> None:
+        self._each("save")
         super().save()
 
     def restore(self) -> None:
-        for handler in self._handlers.values():
-            handler.restore()
+        self._each("restore")
         super().restore()
 
     def sync(self) -> None:
@@ -113,8 +105,7 @@ class HandledState:
         super().sync()
 
     def reset(self) -> None:
-        for handler in self._handlers.values():
-            handler.reset()
+        self._each("reset")
         super().reset()
 
     def __setattr__(self, name: str, value: Any) -> None:
