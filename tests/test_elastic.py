@@ -220,3 +220,24 @@ def test_hora_run_in_elastic_mode_returns_the_last_generation_not_a_stale_error(
     out = hora.run(_fails_once_then_leaves, args=(str(tmp_path / "gone"),), num_proc=3, min_num_proc=2,
                    host_discovery_script=str(script))
     assert out == [(0, 2, 40), (1, 2, 40)]
+
+
+def test_the_public_reset_runs_the_bindings_shutdown_then_joins_again():
+    """``hora.elastic.reset(shutdown)``, what a binding's elastic.run passes to run_fn: its own shutdown,
+    then init(); outside the elastic driver init() gives a world of one again, and place() says no place."""
+    from hora.core import basics
+
+    hora.init()
+    calls = []
+
+    def shutdown():
+        calls.append(basics.is_initialized())
+        basics.shutdown()
+
+    try:
+        hora.elastic.reset(shutdown)
+        assert calls == [True] and basics.is_initialized() and hora.size() == 1
+        hora.elastic.reset()  # the core's shutdown by default
+        assert basics.is_initialized() and hora.elastic.place() == (0, None)
+    finally:
+        hora.shutdown()
