@@ -40,6 +40,7 @@ from hora.engine.interrupts import GATE
 from hora.engine.control import Control
 from hora.engine.execute import Executor, Pending
 from hora.engine.roles import CoordinatorRole, WorkerRole
+from hora.engine.stats import Stats
 from hora.engine.handles import Handle, HandleTable
 from hora.engine.stall import LONE_GRACE, DataWatch, main_stack
 from hora.engine.submissions import Submissions
@@ -56,21 +57,6 @@ def _told(e: BaseException) -> BaseException:
     """Mark ``e`` as news that peers have (or are being) told: the failure it causes is not spread again."""
     e._hora_told = True
     return e
-
-
-class Stats:
-    """Counters for ``hora.statistics()``: users and tests see fusion and the cache at work."""
-
-    __slots__ = ("cycles", "coordination_messages_sent", "coordination_messages_received",
-                 "collectives", "tensors", "tensors_fused", "bytes_fused", "tensors_inline", "cache_hits",
-                 "tensors_mailbox")
-
-    def __init__(self) -> None:
-        for f in self.__slots__:
-            setattr(self, f, 0)
-
-    def as_dict(self) -> dict[str, int]:
-        return {f: getattr(self, f) for f in self.__slots__}
 
 
 class Engine:
