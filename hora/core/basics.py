@@ -56,7 +56,7 @@ def init(comm=None, process_sets=None) -> None:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _atexit_registered = True
     if isinstance(process_sets, (list, tuple)):
-        from hora.core.ops import register_process_set
+        from hora.core.sets import register_process_set
 
         try:
             for ps in process_sets:

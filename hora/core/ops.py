@@ -46,7 +46,7 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "al
            "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
            "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
            "grouped_reducescatter_async", "barrier", "join", "poll", "synchronize", "broadcast_object",
-           "allgather_object", "add_process_set", "remove_process_set"]
+           "allgather_object"]
 
 _groups = itertools.count()
 
@@ -420,44 +420,7 @@ def join(device: int = -1) -> int:
     return last
 
 
-# -- process sets --------------------------------------------------------------------------------
-def register_process_set(ps, at_init: bool = False) -> ProcessSet:
-    """Register ``ps`` (a :class:`ProcessSet` or a list of ranks) on every rank, a collective through the
-    engine, and set its id; ``init(process_sets=[...])`` calls it with ``at_init``."""
-    st = state()
-    if not (at_init or st.dynamic):
-        raise HoraValueError("add_process_set needs dynamic process sets: hora.init(process_sets='dynamic') "
-                             "or HORA_DYNAMIC_PROCESS_SETS=1")
-    if not isinstance(ps, ProcessSet):
-        ps = ProcessSet(ps)
-    bad = [r for r in ps.ranks if not 0 <= r < st.topo.size]
-    if bad or not ps.ranks:
-        raise HoraValueError(f"{ps}: ranks {bad or '[]'} are not ranks of this job (size {st.topo.size})")
-    pid = synchronize(_submit(m.ADD_PS, None, _auto_name(None, 0, "process_set"), global_process_set,
-                              flush=True, ranks=tuple(ps.ranks)))
-    ps.process_set_id = pid
-    return ps
-
-
-def add_process_set(process_set) -> ProcessSet:
-    """Register a new process set (collective: same calls in the same order on every rank)."""
-    return register_process_set(process_set)
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregister ``process_set`` (collective). Returns False if it was not registered."""
-    st = state()
-    if not st.dynamic:
-        raise HoraValueError("remove_process_set needs dynamic process sets: hora.init(process_sets='dynamic')")
-    pid = process_set.process_set_id
-    if pid is None or pid == 0 or pid not in st.engine.process_sets:
-        return False
-    synchronize(_submit(m.REMOVE_PS, None, _auto_name(None, 0, "process_set"), global_process_set, flush=True,
-                        set_id=pid))
-    process_set.process_set_id = None
-    return True
-
-
+# -- objects -------------------------------------------------------------------------------------
 def _agree(what: str, err: Exception | None, text: bytes, name: str | None, process_set: ProcessSet,
            ranks: tuple[int, ...]) -> None:
     """After unpickling: raise on every rank if it failed on any (``err``, described by ``text``, is this

@@ -377,7 +377,6 @@ def _reduce_stateful(compressor: StatefulCompressor, grads: list[torch.Tensor], 
             g.copy_(mpi_ops._tensor(a, g.device))
 
 
-
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=global_process_set):
