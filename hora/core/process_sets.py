@@ -1,7 +1,7 @@
 """Process sets: collectives among a subset of ranks, each set negotiated on its own.
 
 A :class:`ProcessSet` is a value: its sorted ranks and, once registered, its id. Registering one is a
-collective (:func:`hora.core.ops.add_process_set`, or ``init(process_sets=[...])``): every rank makes the same
+collective (:func:`hora.core.sets.add_process_set`, or ``init(process_sets=[...])``): every rank makes the same
 calls in the same order. The global set has id 0; others get 1, 2, ... in registration order. The queries
 (``size``, ``rank``, ``included``) read the session (:mod:`hora.core.session`), never the collectives.
 """
