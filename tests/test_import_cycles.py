@@ -79,12 +79,20 @@ def _describe(component: list[str], graph: dict[str, set[str]]) -> str:
     return "\n".join(f"  {m} imports {', '.join(sorted(graph[m] & members))}" for m in component)
 
 
+# Cycles known and owned, each with who breaks it: CI fails on any cycle not listed here, and on a listed one
+# that is gone (so the list only shrinks). Empty is the goal (issue 23's done-when).
+KNOWN: dict[frozenset[str], str] = {}
+
+
 def test_no_import_cycle_under_hora():
     graph = _graph(HORA)
     assert len(graph) > 100, f"the reader found only {len(graph)} modules under {HORA}"
     cycles = _cycles(graph)
-    assert not cycles, "import cycles under hora/ (each must be broken: move what both sides need below them):\n" \
-        + "\n".join(_describe(c, graph) for c in cycles)
+    new = [c for c in cycles if frozenset(c) not in KNOWN]
+    assert not new, "import cycles under hora/ (each must be broken: move what both sides need below them):\n" \
+        + "\n".join(_describe(c, graph) for c in new)
+    gone = sorted(sorted(k) for k in KNOWN if sorted(k) not in cycles)
+    assert not gone, f"these cycles are broken now: take them off KNOWN: {gone}"
 
 
 def test_the_cycle_check_sees_a_cycle_closed_inside_a_function(tmp_path, monkeypatch):
