@@ -72,6 +72,7 @@ SIGNATURES = {
 EXTRA = {
     "allgather_object": "process_set=global_process_set",  # Horovod's broadcast_object has it; so does this
     "SyncBatchNorm": "process_set=global_process_set",
+    "DistributedOptimizer": "zero_stage=0",  # sharded optimizer state (docs/sharded_optimizer.md)
 }
 
 # exported by horovod.torch but not by hora.torch yet, each planned for a later issue

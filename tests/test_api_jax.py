@@ -32,7 +32,7 @@ DIFFERENT = {
     # wraps an optax GradientTransformation: no parameters to name, group or densify
     "DistributedOptimizer": "optimizer, op=Average, compression=Compression.none, backward_passes_per_step=1, "
                             "gradient_predivide_factor=1.0, process_set=global_process_set, "
-                            "average_aggregated_gradients=False",
+                            "average_aggregated_gradients=False, zero_stage=0",
 }
 
 

@@ -62,6 +62,7 @@ SIGNATURES = {
 # hora's additions, appended after Horovod's parameters
 EXTRA = {
     "grouped_reducescatter": "name=None, ignore_name_scope=False",  # as grouped_allreduce has them
+    "DistributedOptimizer": "zero_stage=0",  # sharded optimizer state (docs/sharded_optimizer.md)
 }
 
 # exported by horovod.tensorflow but not by hora.tensorflow: Horovod's

@@ -1,8 +1,11 @@
-"""``python -m hora._alias``: print the alias directory (for PYTHONPATH), or install/uninstall the hook.
+"""``hora horovod-alias`` (also ``python -m hora._alias``): the opt-in step that lets Horovod scripts run.
 
-    python -m hora._alias                       # prints the directory
-    python -m hora._alias install-hook [DIR]    # HORA_HOROVOD_ALIAS=1 then works without PYTHONPATH
-    python -m hora._alias uninstall-hook [DIR]
+    hora horovod-alias install      # `import horovod...` loads hora and `horovodrun` exists, in this environment
+    hora horovod-alias uninstall    # removes both again
+    hora horovod-alias status
+    hora horovod-alias path         # the alias directory, for PYTHONPATH (no install)
+    hora horovod-alias install-hook [DIR]    # only HORA_HOROVOD_ALIAS=1 switches the alias on
+    hora horovod-alias uninstall-hook [DIR]
 """
 
 import sys
@@ -11,12 +14,31 @@ from hora import _alias
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
+    from hora._alias import install as inst
+
+    if not argv or argv == ["path"]:
         print(_alias.path())
         return 0
-    if argv[0] in ("install-hook", "uninstall-hook") and len(argv) <= 2:
-        directory = argv[1] if len(argv) == 2 else None
-        if argv[0] == "install-hook":
+    cmd, rest = argv[0], argv[1:]
+    if cmd in ("install", "uninstall", "status") and not rest:
+        try:
+            if cmd == "install":
+                pth, script = inst.install()
+                print(f"wrote {pth} and {script}: in this environment `import horovod.torch as hvd` loads hora "
+                      "and `horovodrun -np 2 python train.py` runs hora's launcher; `hora horovod-alias "
+                      "uninstall` undoes it")
+            elif cmd == "uninstall":
+                removed = inst.uninstall()
+                print("removed " + ", ".join(map(str, removed)) if removed else "the horovod alias was not installed")
+            else:
+                print(inst.status())
+        except (inst.AliasError, OSError) as e:
+            print(f"hora horovod-alias {cmd}: {e}", file=sys.stderr)
+            return 1
+        return 0
+    if cmd in ("install-hook", "uninstall-hook") and len(rest) <= 1:
+        directory = rest[0] if rest else None
+        if cmd == "install-hook":
             print(f"wrote {_alias.install_hook(directory)}; HORA_HOROVOD_ALIAS=1 now makes `import horovod` "
                   "load hora in this environment")
         else:

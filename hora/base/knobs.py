@@ -27,7 +27,8 @@ class Knob:
     """One setting. ``flag`` lists its ``hora run`` spellings, the first shown in ``--help`` and later ones
     still accepted with a deprecation warning; ``flag_unit``: flag value x unit = knob value (MiB ->
     bytes). A ``switch`` flag takes no value: it sets ``switch[0]``, and ``off_flag`` sets ``switch[1]``
-    (booleans: True and False). ``config`` is ``section.key`` in ``--config-file``, ``config_invert``
+    (booleans: True and False; of several off spellings the later ones are deprecated). ``config`` is
+    ``section.key`` in ``--config-file``, ``config_invert``
     flips a YAML boolean (``stall_check: {enabled: false}`` disables the stall check)."""
 
     name: str
@@ -47,11 +48,12 @@ class Knob:
     group: str = "tuning"
     metavar: str = ""
     side: str = "worker"  # or "launcher"
+    also: str = ""  # other Horovod variables (no prefix) read, in order, when HORA_/HOROVOD_<env> are unset
 
     @property
     def flags(self) -> tuple[str, ...]:
-        """Every ``hora run`` spelling, the off switch included."""
-        return tuple((self.flag or "").split()) + ((self.off_flag,) if self.off_flag else ())
+        """Every ``hora run`` spelling, the off switch(es) included."""
+        return tuple((self.flag or "").split()) + tuple((self.off_flag or "").split())
 
     @property
     def is_switch(self) -> bool:
@@ -122,8 +124,8 @@ KNOBS = [
     # training, leaving alone those the user set
     Knob("autotune", bool, False, "AUTOTUNE", "--autotune",
          "tune fusion threshold, cycle time and the response cache while training (rank 0 searches; the knobs "
-         "set by flag or environment are left as set); docs/autotune.md", config="autotune.enabled",
-         group="autotune"),
+         "set by flag or environment are left as set); docs/autotune.md", off_flag="--no-autotune",
+         config="autotune.enabled", group="autotune"),
     Knob("autotune_log", str, "", "AUTOTUNE_LOG", "--autotune-log-file",
          "CSV written by rank 0 as each autotune sample ends, closed by the chosen values and a 'use these' line "
          "('' = no file; the choice is logged anyway)", config="autotune.log_file", group="autotune",
@@ -151,7 +153,8 @@ KNOBS = [
          "seconds ranks wait for each other at init", 1, _positive, "> 0", group="basic"),
     Knob("network_interfaces", str, "", "NETWORK_INTERFACES", "--network-interfaces --network-interface",
          "comma-separated network interfaces the ranks use for data and the store, e.g. eth0,ib0 ('' = the one "
-         "that reaches the store); with --mpi also mpirun's btl_tcp_if_include", group="basic", metavar="NICS"),
+         "that reaches the store); with --mpi also mpirun's btl_tcp_if_include; HOROVOD_GLOO_IFACE is read too",
+         group="basic", metavar="NICS", also="GLOO_IFACE"),
     Knob("store_port", int, 0, "STORE_PORT", None,
          "TCP port rank 0 serves the rendezvous store on under torchrun/srun (0 = derived: torchrun's "
          "MASTER_PORT+1, srun's job and step ids)", 1, lambda v: 0 <= v <= 65535, "0-65535"),
@@ -162,10 +165,11 @@ KNOBS = [
          "Chrome-trace file written by rank 0 ('' = off; DYNAMIC = only start_timeline())",
          config="timeline.filename", group="timeline", metavar="FILE"),
     Knob("timeline_mark_cycles", bool, False, "TIMELINE_MARK_CYCLES", "--timeline-mark-cycles",
-         "mark each engine cycle in the timeline", config="timeline.mark_cycles", group="timeline"),
+         "mark each engine cycle in the timeline", off_flag="--no-timeline-mark-cycles", config="timeline.mark_cycles",
+         group="timeline"),
     # stall
     Knob("stall_check_disable", bool, False, "STALL_CHECK_DISABLE", "--no-stall-check",
-         "turn the stall inspector off (no warning about tensors some ranks never submit)",
+         "turn the stall inspector off (no warning about tensors some ranks never submit)", off_flag="--stall-check",
          config="stall_check.enabled", config_invert=True, group="stall"),
     Knob("stall_check_time", float, 60.0, "STALL_CHECK_TIME_SECONDS", "--stall-check-warning-time-seconds",
          "seconds a tensor may wait for missing ranks before rank 0 warns", 1, _positive, "> 0",
@@ -178,12 +182,13 @@ KNOBS = [
     # library
     Knob("mpi_threads_disable", bool, False, "MPI_THREADS_DISABLE", "--mpi-threads-disable",
          "ask MPI for MPI_THREAD_SERIALIZED, not MULTIPLE (the least hora's engine thread can use)",
-         config="library_options.mpi_threads_disable", group="library"),
+         off_flag="--no-mpi-threads-disable", config="library_options.mpi_threads_disable", group="library"),
     # logging
     Knob("log_level", str, "WARNING", "LOG_LEVEL", "--log-level", "hora's log level on the workers",
          **_one_of(*LOG_LEVELS), config="logging.level", group="logging"),
     Knob("log_hide_time", bool, False, "LOG_HIDE_TIME", "--log-without-timestamp --log-hide-timestamp",
-         "no timestamps in hora's log lines", off_flag="--log-with-timestamp", config="logging.with_timestamp",
+         "no timestamps in hora's log lines", off_flag="--log-with-timestamp --no-log-hide-timestamp",
+         config="logging.with_timestamp",
          config_invert=True, group="logging"),
     # read by hora run itself (ssh to other hosts), never exported to the workers
     Knob("ssh_args", str, "", "SSH_ARGS", None,
@@ -218,6 +223,52 @@ KNOBS = [
          "elastic: seconds one run of the host discovery script may take before it counts as failed", 1,
          _positive, "> 0", group="elastic", side="launcher"),
 ]
+_GPU = "hora has no GPU (NCCL/CUDA) data path yet: collectives run on the host, GPU tensors are copied"
+_ALGO = "hora has no {} yet; allreduce runs as a ring, or hierarchically (HORA_HIERARCHICAL_ALLREDUCE)"
+_TRANSPORT = ("hora picks its data path from how the job was started (mpirun: MPI; otherwise its own TCP mesh "
+              "and shared memory); HORA_TRANSPORT chooses one explicitly")
+
+# Horovod's variables that hora reads and ignores: rank 0 says once, at init, that each one that is set has
+# no effect and why (no_effect_warnings). Those that map onto a knob are that knob's ``also`` instead.
+NO_EFFECT: dict[str, str] = {
+    "CONTROLLER": _TRANSPORT,
+    "CPU_OPERATIONS": _TRANSPORT,
+    "HIERARCHICAL_ALLGATHER": _ALGO.format("hierarchical allgather"),
+    "TORUS_ALLREDUCE": _ALGO.format("torus allreduce"),
+    "THREAD_AFFINITY": "hora does not pin its engine thread yet",
+    "GLOO_TIMEOUT_SECONDS": "hora has no Gloo; its start-up wait is HORA_START_TIMEOUT and a lost peer is noticed "
+                            "by the transport",
+    "DISABLE_GROUP_FUSION": "hora fuses a group's tensors as it fuses any others, within HORA_FUSION_THRESHOLD",
+    "ENABLE_XLA_OPS": "hora's TensorFlow ops are Python functions, not XLA ops; XLA-compiled functions cannot "
+                      "call them (jit_compile=False)",
+    "ENABLE_ASYNC_COMPLETION": _GPU,
+    "NUM_NCCL_STREAMS": _GPU,
+    "BATCH_D2D_MEMCOPIES": _GPU,
+    "DISABLE_NVTX_RANGES": _GPU,
+    "CCL_CACHE": "hora has no oneCCL data path",
+    "ADASUM_MPI_CHUNK_SIZE": "hora's Adasum runs over its own transport, not MPI's, and has no chunk size",
+    "GPU_OPERATIONS": _GPU,
+    "GPU_ALLREDUCE": _GPU,
+    "GPU_ALLGATHER": _GPU,
+    "GPU_BROADCAST": _GPU,
+    "GPU_ALLTOALL": _GPU,
+    "GPU_REDUCESCATTER": _GPU,
+}
+_said: set[str] = set()
+
+
+def no_effect_warnings() -> list[str]:
+    """A line for each :data:`NO_EFFECT` variable set in the environment (``HOROVOD_`` or ``HORA_``), once per
+    process: the engine's rank 0 logs them at ``init()``."""
+    out = []
+    for name, why in NO_EFFECT.items():
+        given = [p + name for p in ("HORA_", "HOROVOD_") if env.raw(p + name) is not None]
+        if given and name not in _said:
+            _said.add(name)
+            out.append(f"{given[0]}={env.raw(given[0])!r} has no effect in hora: {why}")
+    return out
+
+
 BY_NAME = {k.name: k for k in KNOBS}
 _overrides: dict[str, Any] = {}
 
@@ -255,7 +306,7 @@ def value(name: str) -> Any:
     if name in _overrides:
         v = _overrides[name]
     else:
-        raw = env.get(knob.env)
+        raw = _raw(knob)
         v = knob.default if raw is None else _parse(knob, raw)
     if not knob.check(v):
         where = "override" if name in _overrides else env.source(knob.env)
@@ -266,7 +317,17 @@ def value(name: str) -> Any:
 def is_set(name: str) -> bool:
     """Whether the user chose this knob (an override, or its ``HORA_``/``HOROVOD_`` variable; ``hora run``'s
     flags and config file set the variable): autotune leaves such a knob alone."""
-    return name in _overrides or env.get(BY_NAME[name].env) is not None
+    return name in _overrides or _raw(BY_NAME[name]) is not None
+
+
+def _raw(knob: Knob) -> str | None:
+    """The knob's text from the environment: HORA_/HOROVOD_<env>, else the first of its ``also`` variables."""
+    raw = env.get(knob.env)
+    for other in knob.also.split():
+        if raw is not None:
+            break
+        raw = env.raw("HOROVOD_" + other)
+    return raw
 
 
 def current() -> dict[str, Any]:
@@ -301,7 +362,8 @@ def _flag_cell(k: Knob) -> str:
     names = k.flag.split()
     cell = names[0] + (" (MiB)" if k.flag_unit == 1 << 20 else f" (x{k.flag_unit:g})" if k.flag_unit != 1 else "")
     if k.off_flag:
-        cell += f" / {k.off_flag}"
+        off = k.off_flag.split()
+        cell += f" / {off[0]}" + (f" (deprecated: {', '.join(off[1:])})" if off[1:] else "")
     if len(names) > 1:
         cell += f" (deprecated: {', '.join(names[1:])})"
     return cell
@@ -322,8 +384,15 @@ def reference() -> str:
     for k in KNOBS:
         config = k.config + (" (inverted)" if k.config_invert else "")
         side = " (launcher)" if k.side == "launcher" else ""
-        rows.append(f"| {k.name}{side} | HORA_{k.env} (HOROVOD_{k.env}) | {_flag_cell(k)} | {config} | "
+        aliases = ", ".join(f"HOROVOD_{a}" for a in [k.env, *k.also.split()])
+        rows.append(f"| {k.name}{side} | HORA_{k.env} ({aliases}) | {_flag_cell(k)} | {config} | "
                     f"{k.default!r} | {k.allowed or k.type.__name__} | {k.help} |")
+    rows += ["", "## Horovod variables with no effect", "",
+             "hora reads these and does nothing with them; when one is set, rank 0 says so once at `init()`, "
+             "with the reason. Horovod variables that map onto a setting above are read as that setting "
+             "(`HOROVOD_GLOO_IFACE` as `network_interfaces`).", "",
+             "| variable | why it has no effect |", "|---|---|"]
+    rows += [f"| HOROVOD_{name} (HORA_{name}) | {why} |" for name, why in NO_EFFECT.items()]
     return "\n".join(rows)
 
 

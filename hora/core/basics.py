@@ -36,9 +36,12 @@ def init(comm=None, process_sets=None) -> None:
         current = session.current()
         if current is not None and not current.forked:
             return
-        if comm is not None:
-            raise HoraValueError("init(comm=...) needs the MPI transport, which is not supported yet; "
-                                 "start the job with `hora run` instead")
+        from hora.transport import mpi_world
+
+        if comm is not None and not mpi_world.started_by_mpirun():
+            raise HoraValueError("init(comm=...) runs the job on MPI ranks: start it with mpirun (or `hora run "
+                                 "--mpi`); hora's own launcher gives every process its place already")
+        mpi_world.choose(comm)  # None: COMM_WORLD
         if process_sets is not None and process_sets != "dynamic" and not isinstance(process_sets, (list, tuple)):
             raise HoraValueError(f"init(process_sets=...) takes a list of ProcessSet or 'dynamic', "
                                  f"not {process_sets!r}")
@@ -51,16 +54,18 @@ def init(comm=None, process_sets=None) -> None:
             session.install(State(job.topo, LocalCommunicator(), None, "", cfg))
         else:
             session.install(_connect(job, cfg))
+        if session.current().topo.rank == 0:
+            for line in knobs.no_effect_warnings():  # HOROVOD_ variables hora ignores: said once, by rank 0
+                launchers.log.warning("%s", line)
         if not _atexit_registered:
             atexit.register(shutdown)
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _atexit_registered = True
     if isinstance(process_sets, (list, tuple)):
-        from hora.core.sets import register_process_set
+        from hora.core.sets import register_at_init
 
         try:
-            for ps in process_sets:
-                register_process_set(ps, at_init=True)
+            register_at_init(list(process_sets))
         except BaseException:
             shutdown()
             raise

@@ -1,8 +1,8 @@
 """What this installation was "built" with, answered truthfully in Horovod's terms.
 
 hora has no compiled extension: its TCP transport plays the part of Horovod's Gloo, there is no NCCL, CUDA,
-ROCm, DDL or oneCCL code, and MPI is not used as a transport (mpi4py being importable is all
-``mpi_built()`` reports).
+ROCm, DDL or oneCCL code; MPI (through mpi4py) carries the collectives of jobs started by mpirun when the
+MPI transport is chosen (``mpi_enabled()``).
 """
 
 from __future__ import annotations
@@ -26,12 +26,31 @@ def mpi_built() -> bool:
 
 
 def mpi_enabled() -> bool:
+    """True when this initialised job runs its collectives over MPI (mpirun and the MPI transport)."""
+    from hora.core import basics
+
+    if not basics.is_initialized():
+        return False
+    comm = basics.state().comm
+    while comm is not None:  # the MPI communicator, possibly inside another transport's wrapper
+        if type(comm).__name__ == "MpiCommunicator":
+            return True
+        comm = getattr(comm, "inner", None) or getattr(comm, "_inner", None)
     return False
 
 
 def mpi_threads_supported() -> bool:
-    raise HoraValueError("mpi_threads_supported: MPI is not in use (hora's TCP transport plays Gloo's part), "
-                         "so there is no MPI thread level to report")
+    """Whether MPI runs with ``MPI_THREAD_MULTIPLE``, so that the script may call mpi4py itself beside hora's
+    engine thread (Horovod's docs tell users to assert this first). Raises ``ValueError`` unless
+    :func:`mpi_enabled`."""
+    if not mpi_enabled():
+        raise HoraValueError("mpi_threads_supported: MPI is not enabled in this job (it was not started by "
+                             "mpirun with the MPI transport, or hora is not initialised), so there is no MPI "
+                             "thread level to report")
+    from hora.transport.mpi import load_mpi
+
+    MPI = load_mpi()
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 def gloo_built() -> bool:

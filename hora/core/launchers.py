@@ -34,6 +34,7 @@ import ipaddress
 import logging
 import re
 import socket
+import uuid
 
 from hora.base import contract, env, knobs
 from hora.base.errors import HoraError, HoraValueError
@@ -269,9 +270,10 @@ def _mpirun() -> Job | None:
     if "OMPI_COMM_WORLD_RANK" not in e and not ("PMI_RANK" in e and "PMI_SIZE" in e and "MPI_LOCALRANKID" in e):
         return None
     from hora.transport.mpi import load_mpi
+    from hora.transport.mpi_world import world as mpi_world
 
     MPI = load_mpi()
-    world = MPI.COMM_WORLD
+    world = mpi_world(MPI)  # COMM_WORLD, or the communicator init(comm=...) chose
     rank, size = world.Get_rank(), world.Get_size()
     local = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)  # MPI's own notion of "same node"
     try:
@@ -357,8 +359,13 @@ def rendezvous(job: Job) -> Job:
         addr = _serve(job, addr, secret)
     if job.launcher == "mpirun":
         from hora.transport.mpi import load_mpi
+        from hora.transport.mpi_world import world as mpi_world
 
-        addr, secret = load_mpi().COMM_WORLD.bcast((addr, secret) if job.topo.rank == 0 else None, root=0)
+        # a fresh scope from rank 0: processes of one MPI world may have joined different jobs before (init(comm=
+        # ...) on sub-communicators), so their per-scope counts of initialisations need not agree
+        mine = (addr, secret, f"mpi-{uuid.uuid4().hex[:16]}") if job.topo.rank == 0 else None
+        addr, secret, scope = mpi_world(load_mpi()).bcast(mine, root=0)
+        return dataclasses.replace(job, store_addr=addr, secret=secret, scope=scope, serve_store=False)
     return dataclasses.replace(job, store_addr=addr, secret=secret, serve_store=False)
 
 

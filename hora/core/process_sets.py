@@ -16,14 +16,14 @@ class ProcessSet:
     """A sorted list of global ranks; ``process_set_id`` is None until registered."""
 
     def __init__(self, ranks_or_comm):
-        if hasattr(ranks_or_comm, "Get_group"):
-            raise HoraValueError("ProcessSet(mpi_comm) needs the MPI transport, which is not supported yet; "
-                                 "pass a list of ranks")
+        self.process_set_id: int | None = None
+        self.mpi_comm = None
+        if hasattr(ranks_or_comm, "Get_group"):  # an mpi4py communicator: its ranks are known at init()
+            self.ranks, self.mpi_comm = None, ranks_or_comm
+            return
         self.ranks = sorted(int(r) for r in ranks_or_comm)
         if len(set(self.ranks)) != len(self.ranks):
             raise HoraValueError(f"ProcessSet({ranks_or_comm!r}) lists a rank twice")
-        self.process_set_id: int | None = None
-        self.mpi_comm = None
 
     def _require(self):
         session.state()
@@ -57,14 +57,23 @@ class ProcessSet:
 
 
 class _GlobalProcessSet(ProcessSet):
-    """The set of all ranks, id 0; its ranks are filled in by ``init()``."""
+    """The set of all ranks, id 0: ``ranks`` lists every rank of the job once ``init()`` has run (``[]``
+    before it, and after ``shutdown()``)."""
 
     def __init__(self):
         super().__init__([])
         self.process_set_id = 0
 
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(session.state().topo.size)) if session.is_initialized() else []
+
+    @ranks.setter
+    def ranks(self, value) -> None:  # ProcessSet.__init__ assigns it; the job's size decides
+        pass
+
     def _require(self):
-        self.ranks = list(range(session.state().topo.size))
+        session.state()
 
 
 global_process_set = _GlobalProcessSet()

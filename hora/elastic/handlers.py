@@ -46,6 +46,11 @@ class StateHandler(Committed):
     def __init__(self, value: Any):
         self.value = value
 
+    def prepare(self) -> None:
+        """Before any handler's :meth:`save`: the collectives a commit needs (a sharded optimizer's copy of
+        its neighbour's slice), so that a peer lost during them leaves every handler at the last commit
+        rather than some at the new one. Nothing by default."""
+
     def set_value(self, value: Any) -> None:
         """``state.model = other``: track ``other`` from now on (saved at once, as Horovod does)."""
         self.value = value
@@ -88,6 +93,7 @@ class HandledState:
             getattr(handler, what)()
 
     def save(self) -> None:
+        self._each("prepare")  # every collective first: a failure leaves nothing half-saved
         self._each("save")
         super().save()
 

@@ -140,6 +140,7 @@ class Coordinator:
         self._removing: dict[int, tuple[int, ...]] = {}  # removals agreed since the last take()
         self._removed: dict[int, tuple[int, ...]] = {}  # removals in the batch the last take() returned
         self._next_ps = 1
+        self._free_ps: list[int] = []  # ids of removed sets, reused first and oldest first, as Horovod does
         self.table: dict[tuple[int, str], Entry] = {}
         self.ready: list[Response] = []
         self.additions: list[tuple[int, Request]] = []  # cache bits assigned since last take()
@@ -369,8 +370,13 @@ class Coordinator:
             for pid, existing in self.process_sets.items():
                 if existing == first.ranks:
                     return self._error(ps, name, f"process set {list(first.ranks)} already exists (id {pid})", first)
-            pid = self._next_ps
-            self._next_ps += 1
+            reusable = [p for p in self._free_ps if p not in self._removing]  # not in this very batch
+            if reusable:
+                pid = reusable[0]
+                self._free_ps.remove(pid)
+            else:
+                pid = self._next_ps
+                self._next_ps += 1
             self.process_sets[pid] = first.ranks
             return Response(kind, ps, (name,), value=pid)
         if kind == REMOVE_PS:
@@ -378,6 +384,7 @@ class Coordinator:
             if pid not in self.process_sets or pid == 0:
                 return self._error(ps, name, f"process set id {pid} is not registered (or is the global set)", first)
             self._removing[pid] = self.process_sets.pop(pid)
+            self._free_ps.append(pid)
             return Response(kind, ps, (name,), value=pid)
         # the ranks that contribute the op's neutral element: those joined that never submitted this
         # tensor. A rank that submitted it before joining contributes its data, like any other (its

@@ -25,6 +25,7 @@ from hora.kit.compressors import check_compression_op, is_stateful
 from hora.kit.frontend import check_optimizer_args, predivide
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
+from hora.kit.sharding import check_stage
 from hora.jax import bridge
 from hora.jax.compression import Compression
 
@@ -47,10 +48,13 @@ class AccumulationState(NamedTuple):
 def DistributedOptimizer(optimizer, op: int = Average, compression=Compression.none,  # noqa: N802 - Horovod's name
                          backward_passes_per_step: int = 1, gradient_predivide_factor: float = 1.0,
                          process_set: ProcessSet = global_process_set,
-                         average_aggregated_gradients: bool = False) -> optax.GradientTransformationExtraArgs:
+                         average_aggregated_gradients: bool = False,
+                         zero_stage: int = 0) -> optax.GradientTransformationExtraArgs:
     """Wrap the optax transformation ``optimizer`` so that its ``update`` gets the gradients reduced over the
     ranks of ``process_set`` (``op``: Average or Sum; ``compression``: how they travel;
-    ``gradient_predivide_factor``: divide before the sum and by size/factor after it).
+    ``gradient_predivide_factor``: divide before the sum and by size/factor after it). ``zero_stage=1``: the
+    wrapped state covers this rank's slice of the parameters only (:mod:`hora.jax.sharded`,
+    docs/sharded_optimizer.md).
 
     >>> tx = hvd.DistributedOptimizer(optax.adam(1e-3))
     >>> updates, opt_state = tx.update(grads, opt_state, params)   # inside a jitted step
@@ -59,6 +63,12 @@ def DistributedOptimizer(optimizer, op: int = Average, compression=Compression.n
 
     check_optimizer_args("DistributedOptimizer", op, gradient_predivide_factor, backward_passes_per_step)
     check_compression_op(compression, op, "DistributedOptimizer")
+    stage = check_stage(zero_stage, "DistributedOptimizer")
+    if stage:
+        from hora.jax import sharded
+
+        return sharded.make(optimizer, op, compression, backward_passes_per_step, gradient_predivide_factor,
+                            process_set, stage)
     inner = optax.with_extra_args_support(optimizer)
     pre, post = predivide(op, gradient_predivide_factor)
     name = f"jax.DistributedOptimizer.{next(_ids)}"

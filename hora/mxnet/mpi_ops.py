@@ -281,7 +281,11 @@ def broadcast_(tensor, root_rank, name=None, priority=0, process_set=global_proc
 def _splits(splits):
     """Splits as the core takes them: an NDArray's values, or what was given (the core explains what is wrong)."""
     if isinstance(splits, mx.nd.NDArray):
-        return splits.asnumpy()
+        values = splits.asnumpy()
+        if not np.issubdtype(values.dtype, np.integer):  # Horovod requires 32-bit integers here, and raises
+            raise HoraValueError(f"alltoall: splits must hold integers (int32), got an NDArray of {values.dtype}; "
+                                 "pass e.g. mx.nd.array(splits, dtype='int32')")
+        return values
     return splits
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from hora.runner.cli_args import UsageError, convert, suggest
-from hora.runner.flags import BY_CONFIG
+from hora.runner.flags import BY_CONFIG, BY_NAME
 
-_CONTROLLERS = {"gloo": None, "mpi": "--mpi", "jsrun": "--jsrun"}
+_CONTROLLERS = ("gloo", "mpi", "jsrun")
 
 
 def load(path: str) -> tuple[dict[str, Any], list[str]]:
@@ -40,7 +40,7 @@ def load(path: str) -> tuple[dict[str, Any], list[str]]:
     warnings: list[str] = []
     for section, body in doc.items():
         if section == "controller":
-            _controller(path, body)
+            values.update(_controller(path, body))
             continue
         if section not in sections:
             warnings.append(f"config file {path}: unknown section {section!r} ignored"
@@ -67,12 +67,15 @@ def load(path: str) -> tuple[dict[str, Any], list[str]]:
     return values, warnings
 
 
-def _controller(path: str, body: Any) -> None:
-    # `controller: gloo`, or a mapping like `{mpi: false, gloo: true}`
+def _controller(path: str, body: Any) -> dict[str, Any]:
+    """``controller: mpi`` (or a mapping like ``{mpi: true}``) is ``--mpi``; ``gloo`` is hora's own launcher,
+    the default; ``jsrun`` is refused as ``--jsrun`` is."""
     chosen = [body] if isinstance(body, str) else [k for k, v in (body or {}).items() if v]
     for name in chosen:
         if name not in _CONTROLLERS:
-            raise UsageError(f"config file {path}: unknown controller {name!r}; choose gloo")
-        if _CONTROLLERS[name]:
-            raise UsageError(f"config file {path}: controller {name} ({_CONTROLLERS[name]}) is not "
-                             "supported yet; hora starts its workers itself, as with gloo")
+            raise UsageError(f"config file {path}: unknown controller {name!r}; choose gloo or mpi")
+    if "jsrun" in chosen:
+        raise UsageError(f"config file {path}: controller jsrun is not supported yet: {BY_NAME['--jsrun'].why}")
+    if "mpi" in chosen and "gloo" in chosen:
+        raise UsageError(f"config file {path}: choose one controller, mpi or gloo")
+    return {"mpi": True} if "mpi" in chosen else {}

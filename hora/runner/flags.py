@@ -84,7 +84,8 @@ def from_knob(knob: knobs.Knob) -> list[Flag]:
                      deprecated=names[1:], **common)]
         if knob.off_flag:
             # the off switch has no keyword of its own: hora.run(knob=False) is the on switch's row
-            rows.append(Flag((knob.off_flag,), help=f"the opposite of {names[0]}", const=off, off=on,
+            off_names = tuple(knob.off_flag.split())
+            rows.append(Flag(off_names, help=f"the opposite of {names[0]}", const=off, off=on, deprecated=off_names[1:],
                              **{**common, "kwarg": ""}))
         return rows
     kind = float if knob.flag_unit != 1 else knob.type

@@ -29,7 +29,7 @@ from hora.runner.envs import worker_envs  # noqa: F401 - also imported from here
 from hora.runner.flags import env_for
 from hora.runner.spawn import HOST_LOST_CODE, LocalJob
 
-SUBCOMMANDS = ("run",)
+SUBCOMMANDS = ("run", "horovod-alias")
 
 
 def _say(msg: str) -> None:
@@ -174,14 +174,20 @@ def _remote(hosts: list[str], slots: list[hostlib.Slot], values: dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``hora SUBCOMMAND ...``; today the one subcommand is ``run``."""
+    """``hora SUBCOMMAND ...``: ``run`` (the launcher) or ``horovod-alias`` (the opt-in step for Horovod scripts)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: hora run [flags] command [args...]\n\nhora run --help lists the flags.")
+        print("usage: hora run [flags] command [args...]\n       hora horovod-alias install|uninstall|status\n\n"
+              "hora run --help lists the flags; hora horovod-alias install makes `import horovod` and "
+              "`horovodrun` run hora in this environment (docs/migrating_from_horovod.md).")
         return 0 if argv else 2
     if argv[0] in ("-v", "--version"):
         print(version())
         return 0
+    if argv[0] == "horovod-alias":
+        from hora._alias.__main__ import main as alias_main
+
+        return alias_main(argv[1:])
     if argv[0] != "run":
         hint = suggest(argv[0], list(SUBCOMMANDS))
         if argv[0].startswith("-"):

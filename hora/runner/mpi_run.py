@@ -185,7 +185,7 @@ def run_mpi(values: dict[str, Any], command: list[str], noops: list[str],
         _say(f"{np} ranks through mpirun: {shlex.join(cmd)}")
         for n in noops:
             _say(f"  ignored {n}")
-    output = Output(values.get("output_filename"), bool(values.get("prefix_timestamp")))
+    output = Output(values.get("output_filename"), bool(values.get("prefix_timestamp")), np)
     # mpirun stops the ranks; what they started outside their groups is ours (hora.runner.reaper): the ranks
     # on this host inherit the mark from mpirun, and the keeper sweeps it should we die
     mark = reaper.new_mark()

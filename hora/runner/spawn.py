@@ -166,10 +166,12 @@ def pump_lines(pipe: IO[bytes], on_line: Callable[[bytes], None]) -> None:
 
 class Output:
     """Relays worker output line by line, prefixed like horovodrun (``[1]<stdout>:``), to our own
-    stdout/stderr, and optionally unprefixed to ``DIR/rank.N/{stdout,stderr}``."""
+    stdout/stderr, and optionally unprefixed to ``DIR/rank.N/{stdout,stderr}``, N zero-padded to the width of
+    the largest rank of ``size`` ranks as horovodrun pads it (``rank.07`` of 12)."""
 
-    def __init__(self, directory: str | None, timestamps: bool):
+    def __init__(self, directory: str | None, timestamps: bool, size: int | None = None):
         self._dir = Path(directory) if directory else None
+        self._width = len(str(size - 1)) if size and size > 1 else 1
         self._timestamps = timestamps
         self._lock = threading.Lock()
         self._files: dict[tuple[int, str], IO[bytes]] = {}
@@ -180,7 +182,7 @@ class Output:
             return None
         f = self._files.get((rank, stream))
         if f is None:
-            d = self._dir / f"rank.{rank}"
+            d = self._dir / f"rank.{str(rank).zfill(self._width)}"
             d.mkdir(parents=True, exist_ok=True)
             f = self._files[(rank, stream)] = open(d / stream, "wb")  # noqa: SIM115 - closed in close()
         return f
@@ -243,7 +245,7 @@ class LocalJob:
         self.command = command
         self.slots = slots
         self.envs = envs
-        self.output = Output(output_dir, timestamps)
+        self.output = Output(output_dir, timestamps, len(slots))
         self.remote = remote
         self.workers: list[Worker] = []
         self.sessions: list[Any] = []

@@ -67,11 +67,14 @@ def run(fn: Callable[..., Any], args: tuple = (), kwargs: Mapping[str, Any] | No
     n = sc.defaultParallelism if num_proc is None else num_proc
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise HoraValueError(f"hora.spark.run(num_proc={num_proc!r}): expected a positive int")
+    from hora.spark import python
+
     spec_args = dict(knobs=_knobs(nics), env={str(k): str(v) for k, v in (env or {}).items()} or None,
-                     executable=executable)
+                     executable=executable, driver=python.interpreter())
     job = driver.Job(sc, n, spec_args, driver.start_timeout(start_timeout), stdout, stderr,
                      prefix_output_with_timestamp, verbose)
-    return job.run(fn, tuple(args), dict(kwargs or {}))
+    with python.driver_python_for_local_workers(sc), python.explained():  # hora.spark.python says why
+        return job.run(fn, tuple(args), dict(kwargs or {}))
 
 
 def _knobs(nics: list[str] | set[str] | None) -> dict[str, str]:

@@ -25,10 +25,11 @@ import time
 from typing import Iterator
 
 from hora.base import contract
-from hora.base.errors import HoraError
+from hora.base.errors import HoraError, LaunchError
 from hora.runner.envs import worker_envs
 from hora.spark import supervise
 from hora.spark.layout import layout
+from hora.spark.python import mismatch
 from hora.transport.store import StoreClient
 
 POLL_S = 0.2  # how often a task looks for the driver's abort while its rank runs
@@ -46,6 +47,7 @@ class Spec:
     knobs: dict[str, str]
     env: dict[str, str] | None
     executable: str | None
+    driver: tuple[str, str, str] | None = None  # the driver's interpreter (hora.spark.python.interpreter)
 
 
 def main(spec: Spec, _partition: Iterator) -> Iterator[tuple[int, int]]:
@@ -64,11 +66,22 @@ def main(spec: Spec, _partition: Iterator) -> Iterator[tuple[int, int]]:
             return
         slots, ranks = layout([info.address for info in ctx.getTaskInfos()])
         rank = ranks[partition]
-        code = _run_rank(spec, slots, rank, partition, store)
+        problem = None if spec.executable else mismatch(spec.driver)
+        code = _refuse(store, rank, problem) if problem else _run_rank(spec, slots, rank, partition, store)
         store.set(f"exit/{rank}", str(code).encode())
         yield partition, code
     finally:
         store.close()
+
+
+def _refuse(store: StoreClient, rank: int, problem: str) -> int:
+    """Fail ``rank`` without starting it, as a rank that raised :class:`LaunchError` (the driver re-raises it)."""
+    import pickle
+
+    error = LaunchError(problem)
+    store.set(f"result/{rank}", pickle.dumps(("err", (pickle.dumps(error), "", f"LaunchError: {problem}",
+                                                      time.time(), False))))
+    return 1
 
 
 def _run_rank(spec: Spec, slots: list, rank: int, partition: int, store: StoreClient) -> int:

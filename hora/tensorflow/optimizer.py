@@ -16,6 +16,7 @@ from hora.base.errors import HoraValueError
 from hora.kit.frontend import check_optimizer_args
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
+from hora.kit.sharding import check_stage
 from hora.tensorflow.compression import Compression
 from hora.tensorflow.gradient_tape import GradientReducer
 
@@ -139,17 +140,31 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
                          device_sparse: str = "", compression=Compression.none, sparse_as_dense: bool = False,
                          backward_passes_per_step: int = 1, op: int = Average, gradient_predivide_factor: float = 1.0,
                          average_aggregated_gradients: bool = False, num_groups: int = 0, groups=None,
-                         process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True):
+                         process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True,
+                         zero_stage: int = 0):
     """Wrap ``optimizer`` so that the gradients it applies are reduced (``op``) over the ranks.
 
     A ``tf.compat.v1.train.Optimizer`` gets a v1 wrapper (``compute_gradients``, ``apply_gradients``,
     ``minimize``, ``get_slot``, ``get_slot_names``, ``variables``, ``register_local_var``); a Keras optimizer
     is wrapped by ``hora.keras.DistributedOptimizer``. ``use_locking`` goes to the v1 base class.
 
+    ``zero_stage=1`` (a Keras optimizer, custom loops): each rank keeps the optimizer state of its slice of the
+    variables only; give it the local gradients of a plain ``tf.GradientTape`` (:mod:`hora.tensorflow.sharded`,
+    docs/sharded_optimizer.md).
+
     >>> opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1 * hvd.size()))
     >>> train_op = opt.minimize(loss, global_step=tf.compat.v1.train.get_or_create_global_step())
     """
     check_optimizer_args("DistributedOptimizer", op, gradient_predivide_factor, backward_passes_per_step)
+    stage = check_stage(zero_stage, "DistributedOptimizer")
+    if stage:
+        if not _is_keras_optimizer(optimizer) or backward_passes_per_step != 1:
+            raise HoraValueError("DistributedOptimizer(zero_stage=...): hora.tensorflow shards a Keras optimizer's "
+                                 "state with backward_passes_per_step=1; not supported yet: v1 optimizers, "
+                                 "accumulation")
+        from hora.tensorflow.sharded import ShardedOptimizer
+
+        return ShardedOptimizer(optimizer, op, compression, gradient_predivide_factor, process_set, stage)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         reducer = GradientReducer("DistributedOptimizer", compression, sparse_as_dense, op, gradient_predivide_factor,
                                   num_groups, groups, process_set, device_dense, device_sparse, scale_local_gradients)

@@ -105,11 +105,15 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None) -> None:
 
     Works for every ``torch.optim`` optimizer except LBFGS (``ValueError``), wrapped or not. An optimizer
     without state gets it first (one step on zero gradients; parameters are restored afterwards).
-    ``model`` is accepted for Horovod's signature and not needed.
+    ``model`` is accepted for Horovod's signature and not needed. A sharded optimizer
+    (``DistributedOptimizer(zero_stage=...)``) gets the root's options only: each rank's state is its own slice.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise HoraValueError("broadcast_optimizer_state: torch.optim.LBFGS is not supported (as in Horovod): its "
                              "state is a history of closures' results; broadcast the model and start LBFGS afresh")
+    if getattr(optimizer, "_hora_sharded", False):  # each rank's state is its own slice: only the options travel
+        optimizer.broadcast_options(root_rank)
+        return
     if not optimizer.state:
         _initialise_state(optimizer)
     tensors: list = []

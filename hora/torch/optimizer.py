@@ -21,15 +21,14 @@ from hora.kit.compressors import StatefulCompressor, check_compression_op, is_st
 from hora.kit.frontend import check_optimizer_args, predivide, split_groups
 from hora.core.ops import Adasum, Average
 from hora.core.process_sets import ProcessSet, global_process_set
+from hora.kit.sharding import check_shardable, check_stage
 from hora.torch import compression as _compression, hooks, mpi_ops
 from hora.torch.compression import Compression
+from hora.torch.hooks import ZERO_GRAD_MSG
 
 __all__ = ["DistributedOptimizer"]
 
-# The leading words of these two messages are Horovod's: user code and searches depend on them.
-ZERO_GRAD_MSG = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-                 "optimizer.synchronize(). Gradients of that backward pass are still being reduced; clearing them "
-                 "now would race with the reduction. Call step() (or synchronize()) first.")
+# The leading words of this message (and of hooks.ZERO_GRAD_MSG) are Horovod's: user code and searches depend on them.
 STEP_MSG = ("optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). "
             "The gradients are reduced a second time, which costs a full round of communication; wrap step() in "
             "`with optimizer.skip_synchronize():` after calling synchronize() yourself.")
@@ -50,6 +49,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.op, self.process_set, self.sparse_as_dense = op, process_set, sparse_as_dense
         self._sparse_dims: dict = {}  # parameter -> sparse_dim of its last sparse gradient
+        self._densified: dict = {}  # sparse_as_dense: parameter -> sparse_dim to restore after the reduction
         self._compression = compression
         # Compression.topk/powersgd: the whole step's dense gradients go to it at synchronize (no comm hook)
         self._stateful = compression if is_stateful(compression) else None
@@ -100,7 +100,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             if p.grad is None:
                 p.grad = self._zeros(p)
+                if self.sparse_as_dense and (p in self._sparse_dims or isinstance(self, torch.optim.SparseAdam)):
+                    self._densified[p] = self._sparse_dims.get(p, 1)
             if p.grad.is_sparse and self.sparse_as_dense:
+                # as Horovod: reduce dense, and give the optimizer a sparse gradient again (SparseAdam needs one)
+                self._sparse_dims[p] = self._densified[p] = p.grad.sparse_dim()
                 p.grad = _densify(p.grad)
             if p.grad.is_sparse:
                 self._sparse_dims[p] = p.grad.sparse_dim()
@@ -156,6 +160,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                  self.process_set)
             except Exception as e:  # noqa: BLE001 - raised below, after the reset
                 error = e
+        for p, sparse_dim in self._densified.items():
+            p.grad = p.grad.to_sparse(sparse_dim)
+        self._densified.clear()
         self._reset()
         if error is not None:
             raise error
@@ -379,9 +386,11 @@ def _reduce_stateful(compressor: StatefulCompressor, grads: list[torch.Tensor], 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         sparse_as_dense=False, process_set=global_process_set):
+                         sparse_as_dense=False, process_set=global_process_set, zero_stage=0):
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged (``op``) over the ranks; with
     ``op=hvd.Adasum``, the Adasum of each rank's own optimizer step instead (:class:`_DistributedAdasumOptimizer`).
+    ``zero_stage=1`` keeps each rank's optimizer state for its slice of the parameters only, ``2`` the
+    reduced gradients too (:mod:`hora.torch.sharded`, docs/sharded_optimizer.md).
 
     >>> opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
     ...                                named_parameters=model.named_parameters())
@@ -392,6 +401,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         warnings.warn("DistributedOptimizer(num_groups=...) is deprecated; use groups=", DeprecationWarning,
                       stacklevel=2)
         groups = num_groups if groups is None else groups
+    stage = check_stage(zero_stage, "DistributedOptimizer")
+    if stage:  # a third variant (hora.torch.sharded), as Adasum's is a second
+        from hora.torch import sharded
+
+        check_shardable(op, "DistributedOptimizer")
+        return sharded.make(optimizer, _names(named_parameters, optimizer.param_groups), compression,
+                            backward_passes_per_step, op, gradient_predivide_factor, groups, sparse_as_dense,
+                            process_set, stage)
     base = type(optimizer)
     # Adasum: Horovod's delta semantics, the change of the weights is reduced
     source = _DistributedAdasumOptimizer if op == Adasum else _DistributedOptimizer

@@ -105,7 +105,7 @@ def run_elastic(values: dict[str, Any], command: list[str], noops: list[str],
             _say(f"  {k}={v}")
         for n in noops:
             _say(f"  ignored {n}")
-    output = Output(values.get("output_filename"), bool(values.get("prefix_timestamp")))
+    output = Output(values.get("output_filename"), bool(values.get("prefix_timestamp")), settings["max_np"])
     try:
         return Driver(command, settings, common, store, store_addr, output, remote).run()
     finally:

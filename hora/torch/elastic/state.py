@@ -17,6 +17,8 @@ import hora.core.basics as _basics
 from hora.elastic.handlers import HandledState, SamplerHandler, StateHandler, handler_for
 from hora.elastic import ObjectState
 from hora.torch.elastic.sampler import ElasticSampler
+from hora.torch.elastic.sharded_state import ShardedOptimizerStateHandler
+from hora.torch.sharded import ShardedOptimizer
 from hora.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["TorchState", "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler",
@@ -65,6 +67,7 @@ def SamplerStateHandler(sampler: ElasticSampler) -> StateHandler:  # noqa: N802 
 
 _registry: list[tuple[type, Callable[[Any], StateHandler]]] = [
     (torch.nn.Module, ModelStateHandler),
+    (ShardedOptimizer, ShardedOptimizerStateHandler),  # DistributedOptimizer(zero_stage=...): resharded at a sync
     (torch.optim.Optimizer, OptimizerStateHandler),
     (ElasticSampler, SamplerStateHandler),
 ]

@@ -1,1 +1,1 @@
-"""``horovod.common``: hora's errors and process sets under Horovod's module names."""
+"""``horovod.common``: hora's errors, process sets and helpers under Horovod's module names."""
