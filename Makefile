@@ -1,5 +1,5 @@
 # hora's build: a virtualenv in .venv, set up once and reused.
-#   make setup   create .venv and install hora (editable) with its pytorch, test and mpi extras
+#   make setup   create .venv and install hora (editable) with its pytorch, test, mpi and nccl-cu12 extras
 #   make setup-frameworks   add TensorFlow, Keras 3, JAX (flax, optax) to .venv (what the suite needs)
 #   make setup-mxnet        .venv-mxnet: MXNet 1.9.1 needs numpy<1.24, so it gets its own virtualenv
 #   make test    run the test suite (PYTEST_ARGS='-k ring' to pass arguments to pytest; the MXNet part
@@ -53,7 +53,7 @@ $(PY):
 
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e '.[pytorch,test,mpi]'
+	$(PIP) install -q -e '.[pytorch,test,mpi,nccl-cu12]'
 	touch $@
 
 setup-frameworks: setup $(FW_STAMP)

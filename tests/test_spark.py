@@ -207,7 +207,10 @@ def _result(kind: str, secondary: bool = False, t: float = 0.0) -> bytes:
 
     if kind == "ok":
         return pickle.dumps(("ok", pickle.dumps(1)))
-    return pickle.dumps(("err", (pickle.dumps(ValueError("x")), "tb", "ValueError: x", t, secondary)))
+    from hora.base.outcome import RankOutcome
+
+    return pickle.dumps(("err", RankOutcome(None, exc_type="ValueError", exc_message="x", traceback="tb",
+                                            exception=pickle.dumps(ValueError("x")), time=t, consequence=secondary)))
 
 
 PY4J_DYNAMIC = """An error occurred while calling o57.collectAndServe.
@@ -243,7 +246,7 @@ def test_conf_checks_addresses_failure_order_and_messages_without_spark():
     # the abort note names the rank that raised, not a lower rank that only lost it as a peer
     job = driver.Job(None, 3, {}, 600.0, None, None, False, 1)
     store = _Store({"result/0": _result("err", secondary=True), "exit/0": b"1", "result/2": _result("err")})
-    assert job._failure(store, time.monotonic()) == "rank 2 raised"
+    assert job._failure(store, time.monotonic()) == "rank 2 raised ValueError: x"
     job = driver.Job(None, 3, {}, 600.0, None, None, False, 1)
     store = _Store({"result/0": _result("err", secondary=True), "exit/0": b"1", "exit/1": b"-9"})
     assert job._failure(store, time.monotonic()).startswith("rank 1 was killed by signal 9")
@@ -331,6 +334,20 @@ def test_a_rank_that_raises_fails_the_run_naming_it(spark, tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_the_root_cause_reads_as_under_hora_run(spark, how):
+    """tests/root_cause_check.py's failure: the same root-cause line as hora run's, hora.run()'s, the elastic
+    driver's and Ray's."""
+    import root_cause_check as rc
+
+    import hora.spark
+
+    with pytest.raises(ValueError if how == "raise" else LaunchError) as info:
+        hora.spark.run(rc.rank_one_fails, args=(how,), num_proc=2, stderr=io.StringIO())
+    rc.check(how, "\n".join([str(info.value), *getattr(info.value, "__notes__", [])]))
+
+
+@pytest.mark.timeout(120)
 def test_a_rank_killed_mid_collective_fails_the_run_naming_it(spark, tmp_path):
     import hora.spark
 
@@ -368,7 +385,7 @@ def _kill_own_task(directory):
 def test_a_lost_spark_task_fails_the_run_naming_its_rank(spark, tmp_path):
     import hora.spark
 
-    with pytest.raises(LaunchError, match=r"rank 1 \(on \S+\) lost its Spark task.*barrier"):
+    with pytest.raises(LaunchError, match=r"rank 1 \(host \S+, pid \d+\) lost its Spark task.*barrier"):
         hora.spark.run(_kill_own_task, args=(str(tmp_path),), num_proc=2, stderr=io.StringIO())
     pids = _pids(tmp_path)
     assert len(pids) == 3 and _wait_gone(pids) == []  # both ranks and the sleep rank 1 started

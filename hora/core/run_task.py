@@ -3,17 +3,18 @@
 The worker side of :mod:`hora.runner.api`: ``python -m hora.core.run_task`` with ``HORA_RUNFUNC_ADDR`` /
 ``HORA_RUNFUNC_SECRET`` in the environment (:mod:`hora.base.contract`; they are removed from it before the
 function runs, so its children do not inherit the secret). The result under ``result/<rank>`` is a pickled
-``("ok", pickled value)`` or ``("err", (pickled exception or None, formatted traceback, summary, time,
-secondary))`` (secondary: it failed because another rank did, e.g. a lost peer); an elastic worker's goes
+``("ok", pickled value)`` or ``("err", RankOutcome)`` (:mod:`hora.base.outcome`: the exception's type,
+message, traceback and pickled self, the time, and whether it is only a consequence of another rank's
+failure, e.g. a lost peer); an elastic worker's goes
 under its last generation (:func:`_put_elastic`). The exit status is 0 or 1 accordingly, so the launcher
 stops the other ranks when one raises.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
-import time
 import traceback
 
 from hora.base import contract, env
@@ -79,11 +80,10 @@ def main() -> int:
                 pickle.loads(exc)  # must come back in the caller too
             except Exception:  # noqa: BLE001
                 exc = None
-            # a rank that failed because another one did (lost peer, shutdown) is not the root cause
-            from hora.base.errors import PeerLostError, ShutdownError
+            from hora.base.outcome import from_exception  # the record every launcher reports through
 
-            secondary = isinstance(e, (PeerLostError, ShutdownError))
-            result = ("err", (exc, tb, f"{type(e).__name__}: {e}", time.time(), secondary))
+            result = ("err", from_exception(rank if rank is not None else 0, e, tb, exception=exc,
+                                            host=env.get("HOSTNAME") or os.uname().nodename, pid=os.getpid()))
             sys.stderr.write(tb)
             code = 1
         if elastic:

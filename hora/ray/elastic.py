@@ -118,7 +118,8 @@ class ElasticRayExecutor:
         import ray
 
         from hora.ray import elastic_parts as parts
-        from hora.runner.elastic.driver import Driver, new_scope
+        from hora.runner.elastic.driver import Driver
+        from hora.runner.elastic.settings import new_scope
 
         if self._store is None:
             raise LaunchError("ElasticRayExecutor.run: not started; call start() first")

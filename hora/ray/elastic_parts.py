@@ -20,7 +20,7 @@ _STOP_WAIT_S = 10.0  # how long stop_all() waits for a killed actor's end to be 
 
 
 def driver_settings(s: Any) -> dict[str, Any]:
-    """The driver's settings (:func:`hora.runner.elastic.driver.settings_from`'s keys) from ElasticSettings;
+    """The driver's settings (:func:`hora.runner.elastic.settings.settings_from`'s keys) from ElasticSettings;
     the first generation has as many workers as the nodes offer, up to ``max_np``."""
     from hora.base import knobs
 
@@ -29,7 +29,8 @@ def driver_settings(s: Any) -> dict[str, Any]:
             "blacklist_after": knobs.value("elastic_blacklist_after"),
             "slot_failures": knobs.value("elastic_slot_failures"),
             "failure_resets": knobs.value("elastic_failure_resets"),
-            "restart_on_loss": knobs.value("elastic_restart_on_loss")}
+            "restart_on_loss": knobs.value("elastic_restart_on_loss"),
+            "discovery_grace": knobs.value("elastic_discovery_grace")}
 
 
 class RayDiscovery:

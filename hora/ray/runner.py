@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from hora.base import outcome
 from hora.base.errors import HoraTimeoutError, HoraValueError, LaunchError, NotSupportedError
 from hora.ray import placement
 from hora.ray.placement import refuse_ray_client
@@ -346,7 +347,7 @@ class RayExecutor:
         if failed:
             if late:
                 self.shutdown()
-            _raise_task_error(failed, late, self.settings.timeout_s + FAILURE_GRACE_S)
+            _raise_task_error(failed, late, self.settings.timeout_s + FAILURE_GRACE_S, self.places)
         if late:
             self.shutdown()
             raise LaunchError(f"RayExecutor: ranks {late} did not {'start' if what == 'start' else 'answer'} within "
@@ -354,14 +355,14 @@ class RayExecutor:
         return results
 
     def _wait(self, refs: list, timeout: float | None) -> tuple[list, list, list[int], tuple | None]:
-        """Wait for ``refs``: (results, [(rank, RayTaskError)], ranks that had not answered, (rank, RayActorError)
+        """Wait for ``refs``: (results, [(rank, RayTaskError, when)], ranks that had not answered, (rank, RayActorError)
         of a dead actor or None). After one rank raised, the others get ``settings.timeout_s`` + the grace."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
         rank_of = {ref: r for r, ref in enumerate(refs)}
         results: list = [None] * len(refs)
-        failed: list[tuple[int, RayTaskError]] = []
+        failed: list[tuple[int, RayTaskError, float]] = []
         pending = list(refs)
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
@@ -375,7 +376,7 @@ class RayExecutor:
             except RayActorError as e:
                 return results, failed, [], (rank, e)
             except RayTaskError as e:  # the worker has told the other ranks already (hora.ray.worker)
-                failed.append((rank, e))
+                failed.append((rank, e, time.time()))
                 grace = self.settings.timeout_s + FAILURE_GRACE_S
                 if deadline is None or deadline - time.monotonic() > grace:
                     deadline = time.monotonic() + grace
@@ -394,12 +395,12 @@ class RayExecutor:
 
     def _lost(self, rank: int, error: Exception, what: str) -> None:
         where = self.places[rank] if rank < len(self.places) else None
-        at = f" (pid {where.pid} on node {where.address})" if where else ""
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0].rstrip(".")
+        o = outcome.RankOutcome(rank, host=where.address if where else None, pid=where.pid if where else None,
+                                lost=f"(its worker actor) died during a {what}: {reason}")
         self.shutdown()
-        raise LaunchError(f"RayExecutor: the worker actor of rank {rank}{at} died during a {what}: {reason}. A job "
-                          "cannot go on without one of its ranks, so its other workers were stopped; call start() "
-                          "for a new job") from error
+        raise LaunchError(f"RayExecutor: {outcome.headline(o)}. A job cannot go on without one of its "
+                          "ranks, so its other workers were stopped; call start() for a new job") from error
 
 
 def _clean(tb: str) -> str:
@@ -408,21 +409,26 @@ def _clean(tb: str) -> str:
     return "\n".join(line for line in tb.splitlines() if line.strip().strip("^~") or not line.strip())
 
 
-def _raise_task_error(failed: list, late: list[int], grace: float) -> None:
-    """Re-raise the root cause: the first rank whose error was its own (not a lost peer or a shutdown)."""
-    from hora.base.errors import PeerLostError, ShutdownError
+def _raise_task_error(failed: list, late: list[int], grace: float, places: list) -> None:
+    """Re-raise the root cause (:func:`hora.base.outcome.root_cause`) of the ranks' task errors."""
     from hora.runner.api import RemoteTraceback
 
-    def secondary(e) -> bool:
-        return isinstance(getattr(e, "cause", None), (PeerLostError, ShutdownError))
-
-    rank, err = next(((r, e) for r, e in failed if not secondary(e)), failed[0])
-    exc = getattr(err, "cause", None)
-    tb = _clean(getattr(err, "traceback_str", "") or str(err))
+    outcomes, errors = [], {}
+    for rank, err, when in failed:
+        exc = getattr(err, "cause", None)
+        where = places[rank] if rank < len(places) else None
+        o = outcome.from_exception(rank, exc if isinstance(exc, BaseException) else err,
+                                   _clean(getattr(err, "traceback_str", "") or str(err)),
+                                   host=where.address if where else None, pid=where.pid if where else None)
+        o.time, errors[rank] = when, exc
+        outcomes.append(o)
+    root = outcome.root_cause(outcomes)
+    exc = errors[root.rank]
     if not isinstance(exc, BaseException):
-        exc = LaunchError(f"RayExecutor: rank {rank} raised {type(err).__name__}")
+        exc = LaunchError(f"RayExecutor: {outcome.headline(root)}")
     if hasattr(exc, "add_note"):  # Python >= 3.11
-        exc.add_note(f"(raised on rank {rank} of a RayExecutor job; its traceback is above"
+        exc.add_note(f"RayExecutor: {outcome.report(outcomes, tail=False)}")
+        exc.add_note(f"(raised on rank {root.rank} of a RayExecutor job; its traceback is above"
                      + (f"; ranks {late} had not finished {grace:g} s later and were stopped)" if late
                         else ")"))
-    raise exc.with_traceback(None) from RemoteTraceback(f"\n\nTraceback on rank {rank}:\n{tb}")
+    raise exc.with_traceback(None) from RemoteTraceback(f"\n\nTraceback on rank {root.rank}:\n{root.traceback}")

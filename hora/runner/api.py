@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from hora.base import contract, knobs
 from hora.base.errors import LaunchError
+from hora.base.outcome import RankOutcome, headline, report, root_cause, tail_of
 from hora.runner import hosts as hostlib
 from hora.runner.cli_args import UsageError, convert, suggest
 from hora.runner.flags import BY_KWARG, Flag
@@ -179,24 +180,24 @@ def _run_job(func, args: tuple, kwargs: dict, values: dict[str, Any], command: l
         store.set("func", payload)
         store.set("sys.path", pickle.dumps([p for p in sys.path if isinstance(p, str)]))
         addr = f"{advertise}:{store.address.rpartition(':')[2]}"
-        code = run_job(values, command, {contract.RUNFUNC_ADDR: addr, contract.RUNFUNC_SECRET: secret})
+        seen: list[RankOutcome] = []  # the launcher's root cause, when the job fails
+        code = run_job(values, command, {contract.RUNFUNC_ADDR: addr, contract.RUNFUNC_SECRET: secret}, seen)
         if is_elastic(values):  # as many results as the last generation had ranks
             from hora.runner.elastic import elastic_results
 
             results = elastic_results(store.get) or {0: None}
         else:
             results = {r: store.get(f"result/{r}") for r in range(values["num_proc"])}
-    return _collect(results, code)
+    return collect_results(results, code, seen)
 
 
-def collect_results(results: dict[int, bytes | None], code: int) -> list:
-    """The public name of :func:`_collect` (``hora.run()``'s result handling), for launchers that serve the
-    same result protocol (hora.spark)."""
-    return _collect(results, code)
-
-
-def _collect(results: dict[int, bytes | None], code: int) -> list:
-    failed = []
+def collect_results(results: dict[int, bytes | None], code: int, launcher: list[RankOutcome] | None = None,
+                    job: str = "hora.run") -> list:
+    """The values of a finished ``hora.run()`` job, or its root cause raised: ``results`` are the ranks'
+    stored results (``("ok", value)`` or ``("err", RankOutcome)``, None for a rank that stored nothing),
+    ``launcher`` what the launcher saw of the ranks' ends, ``job`` names the call in the messages (shared by
+    hora.spark, which serves the same result protocol)."""
+    outcomes = list(launcher or []) if code != 0 else []  # a job that succeeded has nobody to blame
     values = []
     for rank in sorted(results):
         raw = results[rank]
@@ -205,27 +206,32 @@ def _collect(results: dict[int, bytes | None], code: int) -> list:
             continue
         kind, body = pickle.loads(raw)
         if kind == "err":
-            failed.append((rank, body))
+            body.rank = rank  # its rank in the job (an elastic worker's in the last generation)
+            outcomes = [o for o in outcomes if o.rank != rank] + [body]
             values.append(None)
         else:
             values.append(_loads(body, rank))
-    if failed:  # the root cause: the earliest failure that was not caused by another rank's
-        rank, (exc_bytes, tb, summary, _t, _secondary) = min(failed, key=lambda f: (f[1][4], f[1][3], f[0]))
+    root = root_cause(outcomes)
+    if root is not None and root.raised is not None:  # a rank raised: re-raise its exception here
         exc = None
-        if exc_bytes is not None:
+        if root.exception is not None:
             try:
-                exc = pickle.loads(exc_bytes)
+                exc = pickle.loads(root.exception)
             except Exception:  # noqa: BLE001 - e.g. its class is not importable here
                 exc = None
         if not isinstance(exc, BaseException):
-            exc = LaunchError(f"hora.run: rank {rank} raised {summary}")
+            exc = LaunchError(f"{job}: {headline(root)}")
         if hasattr(exc, "add_note"):
-            exc.add_note(f"(raised on rank {rank} of hora.run; its traceback is above)")
-        raise exc from RemoteTraceback(f"\n\nTraceback on rank {rank}:\n{tb}")
+            exc.add_note(f"{job}: {report(outcomes, tail=False)}")
+            exc.add_note(f"(raised on rank {root.rank} of {job}; its traceback is above)")
+        raise exc from RemoteTraceback(f"\n\nTraceback on rank {root.rank}:\n{root.traceback}")
     missing = [r for r, raw in results.items() if raw is None]
+    if root is not None:
+        raise LaunchError(f"{job}: the job failed: {report(outcomes, tail=False)}; ranks {missing or 'all'} returned "
+                          f"nothing{tail_of(root)}")
     if code != 0 or missing:
-        raise LaunchError(f"hora.run: the job failed (exit status {code}); ranks {missing or 'all'} returned "
-                           "nothing (the launcher's message above says why)")
+        raise LaunchError(f"{job}: the job failed (exit status {code}); ranks {missing or 'all'} returned "
+                          "nothing (the launcher's message above says why)")
     return values
 
 

@@ -92,10 +92,13 @@ def run_cli(args: list[str]) -> int:
     return run_job(values, parsed.command)
 
 
-def run_job(values: dict[str, Any], command: list[str], extra_env: dict[str, str] | None = None) -> int:
+def run_job(values: dict[str, Any], command: list[str], extra_env: dict[str, str] | None = None,
+            failures: list | None = None) -> int:
     """Run ``command`` as a job configured by ``values`` (flag dest -> value, as :func:`parse` gives them;
     knobs in their own unit) and return the exit status. ``extra_env`` goes into every rank's environment
-    as it is: ``hora.run()`` hands its ranks the function store this way, not through ours."""
+    as it is: ``hora.run()`` hands its ranks the function store this way, not through ours. ``failures``
+    receives the root cause of a failed job (a :class:`hora.base.outcome.RankOutcome`) when the launcher
+    saw one (``hora run``'s own and the elastic driver; not under mpirun)."""
     ignored, warnings = no_effect(values)
     for w in warnings:
         _say(w)
@@ -113,16 +116,16 @@ def run_job(values: dict[str, Any], command: list[str], extra_env: dict[str, str
             if values.get(name):
                 raise UsageError(f"--{name.replace('_', '-')} only works with --mpi")
         if is_elastic(values):  # the elastic driver: hora.runner.elastic.driver
-            return run_elastic(values, command, ignored, extra_env)
+            return run_elastic(values, command, ignored, extra_env, failures)
         slots = hostlib.plan_job(values)
     except (UsageError, hostlib.HostError) as e:
         _say(str(e))
         return 2
-    return _launch(slots, values, command, ignored, extra_env)
+    return _launch(slots, values, command, ignored, extra_env, failures)
 
 
 def _launch(slots: list[hostlib.Slot], values: dict[str, Any], command: list[str], noops: list[str],
-            extra_env: dict[str, str] | None) -> int:
+            extra_env: dict[str, str] | None, failures: list | None = None) -> int:
     from hora.transport.auth import new_secret  # here, not at the top: --help and -cb stay light
     from hora.transport.store import StoreServer
 
@@ -157,6 +160,8 @@ def _launch(slots: list[hostlib.Slot], values: dict[str, Any], command: list[str
         store.close()
     if result.report:
         _say(result.report)
+    if result.root is not None and failures is not None:
+        failures.append(result.root)
     return result.code
 
 

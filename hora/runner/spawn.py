@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from hora.base.outcome import (CONSEQUENCE_WAIT, RankOutcome, exit_status, from_end, headline, report, root_cause,
+                               tail_of)
 from hora.runner import reaper
 from hora.runner.hosts import Slot
 
@@ -52,6 +54,7 @@ class Worker:
     lost: str | None = None  # a remote worker whose host went away: why
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     done: threading.Event = field(default_factory=threading.Event)
+    ended: float | None = None  # when its end was recorded (wall clock)
     threads: list[threading.Thread] = field(default_factory=list)
 
     @property
@@ -67,21 +70,18 @@ class Worker:
 class Result:
     code: int  # what `hora run` exits with
     report: str | None = None  # what went wrong, for stderr; None on success
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by signal {-code} ({name})"
-    return f"exited with code {code}"
+    root: RankOutcome | None = None  # the rank to blame, when one is
 
 
 def exit_code(returncode: int) -> int:
     """A worker's Popen returncode as a shell would report it: 128+N for death by signal N."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def outcome_of(w: Worker, consequence: bool = False) -> RankOutcome:
+    """What the supervisor knows of a worker's end, as the record every launcher reports through."""
+    return from_end(w.slot.rank, w.returncode, w.lost, list(w.tail), host=w.slot.host, pid=w.pid, time=w.ended,
+                    consequence=consequence)
 
 
 def _die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
@@ -336,7 +336,7 @@ class LocalJob:
         with self._finish_lock:
             if w.done.is_set():
                 return
-            w.returncode, w.lost = returncode, lost
+            w.returncode, w.lost, w.ended = returncode, lost, time.time()
             w.done.set()
         self._exits.put(w)
 
@@ -367,12 +367,33 @@ class LocalJob:
                 suspect = None if w.lost else self._silent_host(exclude=w)
                 if suspect is not None:
                     suspect.give_up(suspect.describe_loss())  # no waiting on a host that is gone
+                seen = [outcome_of(w)]
+                if suspect is None and w.lost is None and seen[0].consequence:
+                    seen += self._own_failure(time.monotonic() + CONSEQUENCE_WAIT)
                 stopped = self._stop(signal.SIGTERM)
                 if w.lost is not None or suspect is not None:
-                    return Result(HOST_LOST_CODE, self._host_report(w, suspect, stopped))
-                return Result(exit_code(w.returncode), self._report(w, stopped))
+                    root = outcome_of(w) if suspect is None else RankOutcome(
+                        min(suspect.ranks), host=suspect.host, lost=suspect.describe_loss())
+                    return Result(HOST_LOST_CODE, self._host_report(w, suspect, stopped), root)
+                root = root_cause(seen)
+                return Result(exit_status(root), report(seen, stopped), root)
         self._stop(signal.SIGTERM)  # only reaches children that outlived their finished worker
         return Result(0)
+
+    def _own_failure(self, deadline: float) -> list[RankOutcome]:
+        """The first rank to fail only lost a peer (or saw it shut down): wait a little for the peer's own
+        end, which is the root cause (a rank exiting inside ``hora.shutdown()`` tells its peers first)."""
+        seen: list[RankOutcome] = []
+        while time.monotonic() < deadline:
+            try:
+                w = self._exits.get(timeout=_POLL)
+            except queue.Empty:
+                continue
+            o = outcome_of(w)
+            seen.append(o)
+            if o.failed and not o.consequence:
+                break
+        return seen
 
     def _silent_host(self, exclude: Worker) -> Any:
         """The remote session that has been quiet longest, if quiet enough to be why ``exclude`` failed."""
@@ -422,12 +443,6 @@ class LocalJob:
             s.wait_closed(2 * TERM_GRACE + 3)
         return stopped
 
-    def _report(self, w: Worker, stopped: list[int]) -> str:
-        pid = f", pid {w.pid}" if w.pid is not None else ""
-        head = (f"rank {w.rank} (host {w.slot.host}{pid}) {describe_exit(w.returncode)} "
-                f"first; stopped ranks {_ranks(stopped)}")
-        return head + _tail(w)
-
     def _host_report(self, w: Worker, suspect: Any, stopped: list[int]) -> str:
         """A remote host is the root cause: ``w`` was lost with it, or failed while ``suspect`` was silent."""
         session = suspect if suspect is not None else w.session
@@ -435,15 +450,8 @@ class LocalJob:
         head = f"host {session.host} (ranks {_ranks(session.ranks)}) {why}; stopped ranks {_ranks(stopped)}"
         if suspect is None:
             return head
-        pid = f", pid {w.pid}" if w.pid is not None else ""
-        return (head + f"; rank {w.rank} (host {w.slot.host}{pid}) {describe_exit(w.returncode)} because of it"
-                + _tail(w))
-
-
-def _tail(w: Worker) -> str:
-    if not w.tail:
-        return "; it printed nothing"
-    return f"; last lines of rank {w.rank}:\n" + "\n".join("    " + line for line in w.tail)
+        o = outcome_of(w, consequence=True)
+        return head + f"; {headline(o)} because of it" + tail_of(o)
 
 
 def _ranks(ranks: list[int]) -> str:

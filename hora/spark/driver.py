@@ -23,8 +23,9 @@ import uuid
 from typing import IO, Any, Callable
 
 from hora.base.errors import HoraTimeoutError, LaunchError
+from hora.base import outcome
+from hora.base.outcome import CONSEQUENCE_WAIT, RankOutcome, headline, report, root_cause
 from hora.runner.api import collect_results
-from hora.runner.spawn import describe_exit
 from hora.spark import task
 from hora.transport.store import StoreServer
 
@@ -88,7 +89,9 @@ class Job:
         self.outcome: dict[str, Any] = {}
         self.seq: dict[tuple[int, str], int] = {}
         self.partial: dict[tuple[int, str], bytes] = {}
-        self.kinds: dict[int, str] = {}  # rank -> "ok" / "raised" / "lost a peer", once its result arrived
+        self.kinds: dict[int, RankOutcome | None] = {}  # rank -> its failure (None: a value), once its result arrived
+        self.exited: dict[int, float] = {}  # rank -> when the driver saw it exit without a result
+        self.consequence_at: float | None = None  # when the first failure seen was only a consequence
         self.culprit: int | None = None  # the rank the abort named as the root cause
 
     def run(self, func: Callable, args: tuple, kwargs: dict) -> list:
@@ -175,27 +178,39 @@ class Job:
             self._note(f"rank {r}: host {host}, process group {pgid}, Spark partition {partition}")
         return True
 
-    def _failure(self, store, begun: float) -> str | None:
-        """Why to abort now, if at all, naming the root cause whatever its rank number: a rank that raised (not
-        because a peer failed), else one that died without a result, else one that lost a peer."""
+    def _outcomes(self, store) -> list[RankOutcome]:
+        """The failed ranks so far: a stored exception, or an exit without a result (when the driver saw it)."""
         codes = {r: store.get(f"exit/{r}") for r in range(self.n)}  # before the results: a rank stores its
         for r in range(self.n):                                      # result before it exits
             if r not in self.kinds:
                 raw = store.get(f"result/{r}")
                 if raw is not None:
-                    self.kinds[r] = ("raised" if _is_error(raw, primary=True) else
-                                     "lost a peer" if _is_error(raw) else "ok")
-        raised = [r for r, kind in self.kinds.items() if kind == "raised"]
-        if raised:
-            self.culprit = min(raised)
-            return f"rank {self.culprit} raised"
-        for r, code in codes.items():
-            if code is not None and int(code) != 0 and self.kinds.get(r, "ok") == "ok":
-                self.culprit = r
-                return f"rank {r} {describe_exit(int(code))}"
-        secondary = [r for r, kind in self.kinds.items() if kind == "lost a peer"]
-        if secondary:
-            return f"rank {min(secondary)} lost a peer"
+                    kind, body = pickle.loads(raw)
+                    if kind == "err":
+                        body.rank = r
+                    self.kinds[r] = body if kind == "err" else None
+        out = []
+        for r in range(self.n):
+            if self.kinds.get(r) is not None:
+                out.append(self.kinds[r])
+            elif r not in self.kinds and codes[r] is not None and int(codes[r]) != 0:
+                where = (store.get(f"started/{r}") or b"").decode().split()
+                out.append(RankOutcome(r, host=where[0] if where else None, pid=int(where[1]) if where else None,
+                                       exit_code=int(codes[r]), time=self.exited.setdefault(r, time.time())))
+        return out
+
+    def _failure(self, store, begun: float) -> str | None:
+        """Why to abort now, if at all, naming the root cause (:func:`hora.base.outcome.root_cause`) whatever
+        its rank number."""
+        root = root_cause(self._outcomes(store))
+        if root is not None and root.consequence:  # wait a little for the failure behind it
+            self.consequence_at = self.consequence_at or time.monotonic()
+            if time.monotonic() - self.consequence_at < CONSEQUENCE_WAIT:
+                return None
+        if root is not None:
+            if not root.consequence:
+                self.culprit = root.rank
+            return headline(root)
         started = sum(store.get(f"started/{r}") is not None for r in range(self.n))
         if started < self.n and time.monotonic() - begun > self.start_timeout:
             return (f"only {started} of {self.n} ranks started within start_timeout={self.start_timeout:g} s "
@@ -204,9 +219,9 @@ class Job:
 
     def _results(self, results: dict, codes: dict, started: dict, failure: str | None) -> list:
         error = self.outcome.get("error")
-        primary = [r for r, raw in results.items() if _is_error(raw, primary=True)]
+        primary = [r for r, raw in results.items() if raw is not None and _own_error(raw)]
         if primary:
-            return _reraise(results)
+            return collect_results(results, 0, job="hora.spark.run")
         lost = [r for r, raw in results.items() if raw is None]
         if failure is not None and failure.startswith("only"):
             raise HoraTimeoutError(f"hora.spark.run: {failure}")
@@ -215,19 +230,20 @@ class Job:
                               f"{_first_line(error)}") from error
         if lost:
             r = self.culprit if self.culprit in lost else _failed_task(error, started, lost)
-            host = started[r].decode().split()[0] if started[r] else None
-            where = f"rank {r}" + (f" (on {host})" if host else "")
+            where = started[r].decode().split() if started[r] else []
+            o = RankOutcome(r, host=where[0] if where else None, pid=int(where[1]) if where else None,
+                            exit_code=int(codes[r]) if codes[r] is not None else None)
             if codes[r] is not None:
-                how = f"{describe_exit(int(codes[r]))} without a result"
+                how = f"{report([o], tail=False)}; it returned no result"
             elif started[r] is not None:
-                how = "lost its Spark task (its executor failed or was killed)"
+                how = f"{outcome.who(o)}{outcome.where(o)} lost its Spark task (its executor failed or was killed)"
             else:
-                how = "never started"
+                how = f"rank {r} never started"
             cause = f"; Spark: {_first_line(error)}" if error is not None else ""
-            raise LaunchError(f"hora.spark.run: {where} {how}{cause}") from error
+            raise LaunchError(f"hora.spark.run: {how}{cause}") from error
         if error is not None:
             raise LaunchError(f"hora.spark.run: the Spark job failed: {_first_line(error)}") from error
-        return _reraise(results)
+        return collect_results(results, 0, job="hora.spark.run")
 
     def _relay(self, store: StoreServer, final: bool = False) -> None:
         """Print the chunks of rank output that arrived, whole lines only (the rest at the end)."""
@@ -267,18 +283,6 @@ class Job:
             pass
 
 
-def _reraise(results: dict[int, bytes | None]) -> list:
-    """``hora.run()``'s result handling (the values, or the root-cause rank's exception re-raised), with its
-    note naming this call."""
-    try:
-        return collect_results(results, 0)
-    except BaseException as e:
-        notes = getattr(e, "__notes__", None)
-        if notes:
-            notes[-1] = notes[-1].replace(" of hora.run;", " of hora.spark.run;")
-        raise
-
-
 def _failed_task(error: BaseException | None, started: dict[int, bytes | None], lost: list[int]) -> int:
     """Of the ranks whose task was lost, the one whose task Spark says failed first (its failure reason names
     the barrier task by partition: ``ResultTask(<stage>, <partition>)``); else the first lost rank. When one
@@ -291,12 +295,10 @@ def _failed_task(error: BaseException | None, started: dict[int, bytes | None], 
     return lost[0]
 
 
-def _is_error(raw: bytes | None, primary: bool = False) -> bool:
-    """Whether a rank's stored result is an exception (``primary``: one not caused by another rank's failure)."""
-    if raw is None:
-        return False
+def _own_error(raw: bytes) -> bool:
+    """Whether a rank's stored result is an exception of its own (not caused by another rank's failure)."""
     kind, body = pickle.loads(raw)
-    return kind == "err" and not (primary and body[4])
+    return kind == "err" and not body.consequence
 
 
 def _first_line(error: BaseException) -> str:

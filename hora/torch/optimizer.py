@@ -376,7 +376,7 @@ def _reduce_stateful(compressor: StatefulCompressor, grads: list[torch.Tensor], 
                      pre: float, post: float, process_set: ProcessSet) -> None:
     """Reduce a step's dense gradients through ``compressor``, in place (one call for the whole step); the
     caller hands them in an order every rank shares (the optimizer's parameter order)."""
-    arrays = [mpi_ops._view(g.detach().contiguous(), "DistributedOptimizer")[0] for g in grads]
+    arrays = [mpi_ops._view(g.detach().contiguous(), "DistributedOptimizer", True)[0] for g in grads]
     # a fixed name: one built from the parameters would differ between ranks handing them in another order
     out = compressor.reduce(names, arrays, op, pre, post, process_set, name="DistributedOptimizer.compress")
     with torch.no_grad():

@@ -2,9 +2,10 @@
 
 The script prints one host per line, ``host`` or ``host:slots`` (``--slots-per-host`` gives the slots of a
 bare ``host``; blank lines and ``#`` comments are skipped). Each run has a timeout. A run that fails (non-zero
-exit), hangs past the timeout, or prints something that is not a host list is reported once with the reason
-(and again when the reason changes), and the last good list is kept: the driver's state machine only ever
-reads :attr:`Discovery.hosts`, so a bad script can never block it (Horovod #3014).
+exit), hangs past the timeout, or prints something that is not a host list is reported each time, with the
+reason and how long it has been failing, and the last good list is kept: the driver only ever reads
+:attr:`Discovery.hosts` (and :attr:`Discovery.checked`, when a run last succeeded), so a bad script can never
+block it (Horovod #3014), and a failed run never confirms a suspicious list (:mod:`.policy`).
 """
 
 from __future__ import annotations
@@ -75,7 +76,10 @@ class Discovery:
         self._report = report
         self.hosts: dict[str, int] | None = dict(fixed) if fixed is not None else None
         self.version = 0
+        self.checked = 0.0  # when the last successful run finished (time.monotonic())
         self.problem: str | None = None
+        self.failures = 0  # runs in a row that failed
+        self._failing_since = 0.0
         self._stop = threading.Event()
         self._changed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hora-discovery", daemon=True)
@@ -125,16 +129,21 @@ class Discovery:
             try:
                 hosts = self.run_once()
             except DiscoveryError as e:
-                why = str(e)
-                if why != self.problem:
-                    kept = "no host list yet" if self.hosts is None else "keeping the last good host list"
-                    self._report(f"host discovery script {self.script!r} failed: {why}; {kept}, retrying "
-                                 f"every {self.interval:g} s")
-                self.problem = why
+                self.problem, self.failures = str(e), self.failures + 1
+                now = time.monotonic()
+                if self.failures == 1:
+                    self._failing_since = now
+                listed = ", ".join(f"{h}:{n}" for h, n in (self.hosts or {}).items()) or "empty"
+                kept = "no host list yet" if self.hosts is None else f"keeping the last good host list ({listed})"
+                self._report(f"warning: host discovery script {self.script!r} failed ({self.failures} in a row, "
+                             f"for {now - self._failing_since:.1f} s): {self.problem}; {kept}, retrying in "
+                             f"{self.interval:g} s")
             else:
+                self.checked = time.monotonic()
                 if self.problem is not None:
-                    self._report(f"host discovery script {self.script!r} works again")
-                    self.problem = None
+                    self._report(f"host discovery script {self.script!r} works again (after {self.failures} failed "
+                                 "runs)")
+                    self.problem, self.failures = None, 0
                 if hosts != self.hosts:
                     self.hosts = hosts
                     self.version += 1

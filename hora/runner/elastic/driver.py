@@ -45,15 +45,19 @@ States of the current generation g:
   a warning: the training is complete); otherwise it exits with the first such failure's status. Workers
   still running ``--elastic-timeout`` s after the first one finished are killed, with a warning (exit 0).
 
-Hosts (:mod:`hora.runner.elastic.blacklist`): a host whose workers fail 3 times in a row
-(``HORA_ELASTIC_BLACKLIST_AFTER``; an error exit, a crash, a worker that never came or a lost host count,
-a kill by SIGKILL/SIGTERM/SIGINT/SIGHUP does not) is blacklisted (its workers are stopped, so no survivor
-waits on them), for good or for a growing cooldown within ``--blacklist-cooldown-range``. The count starts
-again whenever a worker of the host comes through the end of a generation alive: a host whose workers crash
-at start is blacklisted, one whose workers are killed now and then while the others there train is not.
-A slot whose workers fail that way ``HORA_ELASTIC_SLOT_FAILURES`` times in a row (its count starts again
-only when one of its own workers comes through a generation) fails the job with the last one's status: the
-survivors on its host keep the host's count at 0, so without it a deterministic crash would loop for ever.
+Discovery results (:class:`hora.runner.elastic.policy.DiscoveryGuard`): one that would remove every running
+worker, or list fewer slots than ``--min-np``, is acted on only once a later successful run still lists it
+``HORA_ELASTIC_DISCOVERY_GRACE`` s after the first; the log says what was seen and decided.
+
+Hosts (:class:`hora.runner.elastic.policy.FailurePolicy`, which owns the counts below): a host whose workers
+fail 3 times in a row (``HORA_ELASTIC_BLACKLIST_AFTER``; an error exit, a crash, a worker that never came or a
+lost host count, a kill by SIGKILL/SIGTERM/SIGINT/SIGHUP does not) is blacklisted (its workers are stopped, so
+no survivor waits on them), for good or for a growing cooldown within ``--blacklist-cooldown-range``. The count
+starts again whenever a worker of the host comes through the end of a generation alive: a host whose workers
+crash at start is blacklisted, one whose workers are killed now and then while the others there train is not. A
+slot whose workers fail that way ``HORA_ELASTIC_SLOT_FAILURES`` times in a row (its count starts again only when
+one of its own workers comes through a generation) fails the job with the last one's status: the survivors on
+its host keep the host's count at 0, so without it a deterministic crash would loop for ever.
 
 Exit status: 0 on success; the failed worker's status (128+N for signal N); 1 when the driver gives up (below
 ``--min-np`` too long, ``--reset-limit``, failure resets with no progress, the committed state lost); 128+N
@@ -62,25 +66,23 @@ when it is interrupted. (The knobs: :mod:`hora.base.knobs`, group "elastic".)
 
 from __future__ import annotations
 
-import math
 import queue
 import signal
 import sys
 import threading
 import time
-import uuid
 from typing import Any, Callable
 
 from hora.base import elastic_protocol as protocol
-from hora.runner.elastic.blacklist import Blacklist
+from hora.base.outcome import RankOutcome, exit_status, from_end, headline, tail_of, what
 from hora.runner.elastic.discovery import Discovery
+from hora.runner.elastic.policy import DiscoveryGuard, FailurePolicy, host_fault, rank_order
 from hora.runner.elastic.workers import Pool, Proc
-from hora.runner.spawn import Output, describe_exit, exit_code
+from hora.runner.spawn import Output
 
 TICK = 0.05
 EXIT_GRACE = 10.0  # s a worker told to exit gets before it is killed
 MESH_TIMEOUT = 10  # s: the workers' --start-timeout unless given (see Driver.__init__)
-RESPAWN_FIRST, RESPAWN_MAX = 0.25, 10.0  # s before a slot that failed again is started again (doubling)
 
 
 def _say(msg: str) -> None:
@@ -99,11 +101,7 @@ class Driver:
         self.np = settings["np"]
         self.min_np, self.max_np = settings["min_np"], settings["max_np"]
         self.timeout, self.start_timeout = settings["elastic_timeout"], settings["start_timeout"]
-        self.reset_limit = settings["reset_limit"]
-        self.slot_limit = settings.get("slot_failures", 10)
-        self.failure_resets = settings.get("failure_resets", 20)
         self.restart_on_loss = settings.get("restart_on_loss", False)
-        self.stalled = 0  # failure resets in a row with no commit in between
         self.finished_at: float | None = None  # when the first worker finished training
         self.base_env, self.store, self.store_addr = dict(envs), store, store_addr
         if "HORA_START_TIMEOUT" not in envs and "HOROVOD_START_TIMEOUT" not in envs:
@@ -115,7 +113,9 @@ class Driver:
         self.discovery = discovery if discovery is not None else Discovery(
             settings["script"], settings["slots"], _say, settings["discovery_interval"],
             settings["discovery_timeout"], fixed=settings.get("fixed"))
-        self.blacklist = Blacklist(settings["blacklist_after"], settings["cooldown"])
+        self.policy = FailurePolicy.from_settings(settings)
+        self.blacklist = self.policy.blacklist
+        self.guard = DiscoveryGuard(settings.get("discovery_grace", 5.0), self.min_np)
         self.slots: dict[str, Proc] = {}  # wid -> its current (or last) process
         self.gen = 0
         self.members: list[str] = []  # wids of generation gen, in rank order
@@ -123,17 +123,14 @@ class Driver:
         self.breaking: float | None = None  # when gen began to break up
         self.failed_member = False  # a member of gen failed: the next generation is a failure reset
         self.first_failure: float | None = None  # for the "resumed after" figure
-        self.resets = 0
         self.update_ts = 0
         self.posted = 0  # the update timestamp already posted for this generation
         self.below: float | None = None
         self.finishing = False
         self.failure: tuple[int, str] | None = None  # (exit status, message): the job failed
         self.member_failure: tuple[int, str] | None = None
+        self.root: RankOutcome | None = None  # the failed worker to blame when the job fails
         self._signal: int | None = None
-        self.slot_failures: dict[str, int] = {}  # failures of a slot's processes since one came through
-        self.slot_faults: dict[str, int] = {}  # of those, the ones that count against the host (no kills)
-        self.respawn_at: dict[str, float] = {}
 
     def stop(self, sig: int) -> None:
         """Ask the loop to stop as on signal ``sig`` (from another thread: a launcher's Ctrl-C, say): it
@@ -200,9 +197,10 @@ class Driver:
             except queue.Empty:
                 return
             rc, lost = p.returncode, p.worker.lost
-            what = lost or describe_exit(rc if rc is not None else 1)
             p.seen = True
             member = p.number in self.member_numbers
+            o = self._outcome(p)
+            how = what(o)
             if p.stopping:
                 continue
             if rc == 0 and lost is None:
@@ -213,41 +211,48 @@ class Driver:
                 self.finishing = True
                 continue
             rank = f", rank {self.member_numbers.index(p.number)}" if member else ""
-            _say(f"worker {p.number} ({p.wid}{rank}) {what}")
+            _say(f"worker {p.number} ({p.wid}{rank}) {how}")
             if member and self.finishing:
                 _say(f"warning: worker {p.wid} failed after another worker had finished training; "
                      "the training is complete, so the job still succeeds")
                 continue
-            self.slot_failures[p.wid] = k = self.slot_failures.get(p.wid, 0) + 1
-            if k > 1:  # a slot that keeps failing is started again more and more slowly
-                self.respawn_at[p.wid] = now + min(RESPAWN_MAX, RESPAWN_FIRST * 2 ** (k - 2))
-            if _host_fault(rc, lost):
-                self.slot_faults[p.wid] = f = self.slot_faults.get(p.wid, 0) + 1
-                if f >= self.slot_limit and self.failure is None:
-                    self.failure = (exit_code(rc) if rc is not None else 1,
-                                    f"the workers of slot {p.wid} failed {f} times in a row (the last one {what}); "
-                                    f"HORA_ELASTIC_SLOT_FAILURES={self.slot_limit} (kills by a signal do not "
-                                    "count)")
+            f = self.policy.worker_failed(p.wid, host_fault(rc, lost), now)
+            if self.policy.slot_exhausted(f) and self.failure is None:
+                self.root = o
+                self.failure = (exit_status(o), f"{headline(o)} first; the workers of slot {p.wid} failed {f} "
+                                                f"times in a row; HORA_ELASTIC_SLOT_FAILURES={self.policy.slot_limit} "
+                                                "(kills by a signal do not count)")
             if member:
                 # ranks still connecting the generation's mesh learn of it (the transport's abort note)
                 self.store.set(f"{self.scope}/{protocol.GENERATION_PREFIX}{self.gen}/1/abort",
-                               f"{self.member_numbers.index(p.number)}|worker {p.wid} {what}".encode())
+                               f"{self.member_numbers.index(p.number)}|worker {p.wid} {how}".encode())
                 self.failed_member = True
                 self.breaking = self.breaking or now
                 self.first_failure = self.first_failure or p.ended
                 if self.member_failure is None:
-                    self.member_failure = (exit_code(rc) if rc is not None else 255,
-                                           f"worker {p.wid} {what}")
-            if _host_fault(rc, lost):
+                    self.member_failure = (exit_status(o), f"{headline(o)} (worker {p.number}, slot {p.wid})")
+                    self.root = self.root or o
+            if host_fault(rc, lost):
                 self._host_failed(p.host, now)
+
+    def _outcome(self, p: Proc) -> RankOutcome:
+        """A worker's end as the record every launcher reports through: its rank in the current generation
+        (None for a worker that holds none), its slot and number, its last output lines."""
+        w = p.worker  # a process's (hora.runner.spawn.Worker) or, under hora.ray, an actor's
+        rank = self.member_numbers.index(p.number) if p.number in self.member_numbers else None
+        o = from_end(rank, p.returncode, w.lost, list(getattr(w, "tail", ())), host=p.host, pid=getattr(w, "pid", None),
+                     time=time.time(), worker=f"{p.number} ({p.wid})")
+        error = getattr(w, "error", None)  # an actor's exception
+        if isinstance(error, BaseException) and o.exc_type is None:
+            o.exc_type, o.exc_message = type(error).__name__, str(error)
+        return o
 
     def _host_failed(self, host: str, now: float) -> None:
         """Count a failure against ``host``; when that blacklists it, stop its other workers (no survivor may
         wait on them) and say so."""
-        wait = self.blacklist.failed(host, now)
-        if wait is not None:
-            until = "for the rest of the job" if math.isinf(wait) else f"for {wait:g} s"
-            _say(f"host {host} is blacklisted {until}: {self.blacklist.limit} worker failures in a row there")
+        line = self.policy.host_failed(host, now)
+        if line is not None:
+            _say(line)
             self._stop([q for q in self.pool.live() if q.host == host], now, kill=True)
 
     def _finish_timeout(self, now: float) -> None:
@@ -264,9 +269,16 @@ class Driver:
     def _hosts(self, now: float) -> dict[str, int] | None:
         for h in self.blacklist.released(now):
             _say(f"host {h} is back from the blacklist")
-        if self.discovery.hosts is None:
+        running: dict[str, int] = {}
+        for p in self.pool.live():
+            if not p.stopping:
+                running[p.host] = running.get(p.host, 0) + 1
+        listed, lines = self.guard.step(self.discovery.hosts, getattr(self.discovery, "checked", now), running)
+        for line in lines:
+            _say(line)
+        if listed is None:
             return None
-        return {h: n for h, n in self.discovery.hosts.items() if h not in self.blacklist}
+        return {h: n for h, n in listed.items() if h not in self.blacklist}
 
     def _wanted(self, hosts: dict[str, int]) -> list[tuple[str, str, int]]:
         """The slots to run: the listed ones, at most -np until the first generation, then --max-np."""
@@ -296,7 +308,7 @@ class Driver:
             p = self.slots.get(wid)
             if p is not None and not p.seen:
                 continue  # running, or its end not handled yet
-            if now < self.respawn_at.get(wid, 0.0):
+            if not self.policy.may_start(wid, now):
                 continue
             env = dict(self.base_env)
             env.update({protocol.ID_VAR: wid, protocol.NUMBER_VAR: str(self.pool.next_number), "HORA_HOSTNAME": host,
@@ -389,8 +401,9 @@ class Driver:
         inside: a deterministic error re-forms the job at every try); False when that fails the job."""
         members = [p for p in waiting if p.number in self.member_numbers]
         failed_inside = [p for p in members if p.failed_req]
+        progress = any(p.commits > p.base_commits for p in members)
         if not (self.failed_member or failed_inside):
-            self.stalled = 0 if any(p.commits > p.base_commits for p in members) else self.stalled
+            self.policy.count_reset(False, progress, "")
             return True
         if self.member_failure is not None:
             why = self.member_failure[1]
@@ -398,18 +411,10 @@ class Driver:
             why = f"worker {failed_inside[0].wid}: {failed_inside[0].failed_req}"
         else:
             why = "a worker failed"
-        if self.reset_limit is not None and self.resets >= self.reset_limit:
-            self.failure = (1, f"--reset-limit {self.reset_limit} reached: the job was reset {self.resets} "
-                               f"times after failures, and failed again ({why})")
+        fail = self.policy.count_reset(True, progress, why)
+        if fail is not None:
+            self.failure = (1, fail)
             return False
-        progress = any(p.commits > p.base_commits for p in members)
-        self.stalled = 0 if progress else self.stalled + 1
-        if self.stalled >= self.failure_resets:
-            self.failure = (1, f"{self.stalled} resets after failures in a row with no commit in between "
-                               f"(HORA_ELASTIC_FAILURE_RESETS={self.failure_resets}): the failure repeats at "
-                               f"every try ({why})")
-            return False
-        self.resets += 1
         return True
 
     def _holder(self, p: Proc) -> bool:
@@ -436,20 +441,16 @@ class Driver:
     def _order(self, waiting: list[Proc]) -> list[Proc]:
         """Holders of the committed state first, members by old rank, then newcomers by slot; each host's
         workers kept together (so the new rank 0 holds the state whenever any worker does)."""
-        old = {n: r for r, n in enumerate(self.member_numbers)}  # the very processes, not their slots
-        first = sorted(waiting, key=lambda p: (not self._holder(p), old.get(p.number, math.inf), p.host, p.index))
-        hosts = list(dict.fromkeys(p.host for p in first))
-        return [p for h in hosts for p in first if p.host == h]
+        return rank_order(waiting, self.member_numbers, self._holder)
 
     def _start_generation(self, chosen: list[Proc], now: float) -> None:
         for p in chosen:
             if p.number in self.member_numbers:  # it came through the end of a generation alive
-                self.blacklist.healthy(p.host)
-                self.slot_failures.pop(p.wid, None)
-                self.slot_faults.pop(p.wid, None)
+                self.policy.came_through(p.wid, p.host)
         fresh = any(p.number not in self.member_numbers for p in chosen)
         self.gen += 1
-        plan = protocol.make_plan(self.gen, self.update_ts, self.resets, [(p.wid, p.host) for p in chosen], fresh)
+        plan = protocol.make_plan(self.gen, self.update_ts, self.policy.resets, [(p.wid, p.host) for p in chosen],
+                                  fresh)
         self.store.set(protocol.plan_key(self.scope, self.gen), plan.encode())
         for p in chosen:
             self._answer(p, f"gen {self.gen}")
@@ -462,7 +463,7 @@ class Driver:
         self.first_failure = None
         names = " ".join(f"{r}={p.wid}[{p.number}]" for r, p in enumerate(chosen))
         _say(f"generation {self.gen}: {len(chosen)} workers (rank=slot[worker]): {names}"
-             f"{'; resets after failures ' + str(self.resets) if self.resets else ''}{took}")
+             f"{'; resets after failures ' + str(self.policy.resets) if self.policy.resets else ''}{took}")
 
     def _check_below(self, now: float, hosts: dict[str, int]) -> None:
         self.below = self.below or now
@@ -471,7 +472,7 @@ class Driver:
         have = [p.wid for p in self.pool.live() if not p.stopping]
         wanted = [w for w, _h, _i in self._wanted(hosts)]
         missing = sorted(set(wanted) - set(have))
-        listed = self.discovery.hosts or {}
+        listed = self.guard.acted or {}
         left = [w for w in self.members if w not in have]
         unlisted = sorted({w.rpartition(":")[0] for w in left} - set(listed))
         black = ", ".join(sorted(self.blacklist.until)) or "none"
@@ -516,70 +517,13 @@ class Driver:
         deadline = time.monotonic() + EXIT_GRACE / 2  # time to say why on their own, before the teardown
         while time.monotonic() < deadline and any(not p.done for p in told):
             time.sleep(TICK)
-        _say(f"elastic job failed: {msg}")
+        _say(f"elastic job failed: {msg}" + (tail_of(self.root) if self.root is not None else ""))
         return code
 
     def _result(self) -> int:
         """Success unless a member of the last generation failed before any worker finished training."""
         if self.member_failure is not None:
             code, msg = self.member_failure
-            _say(f"elastic job failed: {msg}")
+            _say(f"elastic job failed: {msg}" + (tail_of(self.root) if self.root is not None else ""))
             return code
         return 0
-
-
-# signals someone sends (an operator, the OOM killer, a chaos test): they say nothing about the host
-_SENT = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-def _host_fault(rc: int | None, lost: str | None) -> bool:
-    """Whether a worker's failure counts against its host: an error exit, a crash (SIGSEGV, SIGABRT ...), a
-    lost host do; a kill does not (its slot is started again, more slowly each time it fails again)."""
-    return lost is not None or rc is None or rc > 0 or -rc not in _SENT
-
-
-def settings_from(values: dict[str, Any]) -> dict[str, Any]:
-    """The driver's settings from ``hora run``'s flag values (and Horovod's environment knobs)."""
-    from hora.base import knobs
-
-    from hora.runner import hosts as hostlib
-
-    np_ = values.get("num_proc")
-    script = values.get("host_discovery_script")
-    fixed = None
-    if not script:
-        listed = hostlib.listed(values)
-        if listed is None:
-            if np_ is None:
-                raise hostlib.HostError("elastic training needs --host-discovery-script, -H/-hostfile or -np")
-            listed = [hostlib.Host("localhost", np_)]
-        fixed = {h.name: h.slots for h in listed}
-    elif values.get("hosts") or values.get("hostfile"):
-        raise hostlib.HostError("--host-discovery-script lists the hosts: -H/-hostfile cannot be given with it")
-    timeout = values.get("elastic_timeout")
-    max_np = values.get("max_num_proc")
-    if np_ is not None and max_np is not None and np_ > max_np:
-        raise ValueError(f"-np {np_} is more than --max-np {max_np}: the job starts with at most --max-np workers")
-    cooldown = values.get("cooldown_range")
-    return {
-        "np": np_,
-        "min_np": values.get("min_num_proc") or np_ or 1,
-        "max_np": values.get("max_num_proc"),
-        "slots": values.get("slots"),
-        "script": script,
-        "fixed": fixed,
-        "elastic_timeout": float(timeout if timeout is not None else knobs.value("elastic_timeout")),
-        "start_timeout": float(values.get("start_timeout") or knobs.value("start_timeout")),
-        "reset_limit": values.get("reset_limit"),
-        "cooldown": (float(cooldown[0]), float(cooldown[1])) if cooldown else None,
-        "blacklist_after": knobs.value("elastic_blacklist_after"),
-        "slot_failures": knobs.value("elastic_slot_failures"),
-        "failure_resets": knobs.value("elastic_failure_resets"),
-        "restart_on_loss": knobs.value("elastic_restart_on_loss"),
-        "discovery_interval": knobs.value("discovery_interval"),
-        "discovery_timeout": knobs.value("discovery_timeout"),
-    }
-
-
-def new_scope() -> str:
-    return f"job-{uuid.uuid4().hex[:16]}"

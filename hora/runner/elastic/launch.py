@@ -13,7 +13,8 @@ from typing import Any, Callable
 from hora.base import elastic_protocol as protocol
 from hora.runner import hosts as hostlib
 from hora.runner import ssh
-from hora.runner.elastic.driver import Driver, new_scope, settings_from
+from hora.runner.elastic.driver import Driver
+from hora.runner.elastic.settings import new_scope, settings_from
 from hora.runner.flags import env_for
 from hora.runner.spawn import Output
 
@@ -54,8 +55,8 @@ def _first_hosts(settings: dict[str, Any]) -> dict[str, int]:
 
 
 def run_elastic(values: dict[str, Any], command: list[str], noops: list[str],
-                extra_env: dict[str, str] | None = None) -> int:
-    """Run ``command`` as an elastic job; returns the exit status."""
+                extra_env: dict[str, str] | None = None, failures: list | None = None) -> int:
+    """Run ``command`` as an elastic job; returns the exit status (``failures`` receives its root cause)."""
     from hora.runner.envs import worker_envs
     from hora.transport.auth import new_secret
     from hora.transport.store import StoreServer
@@ -107,7 +108,11 @@ def run_elastic(values: dict[str, Any], command: list[str], noops: list[str],
             _say(f"  ignored {n}")
     output = Output(values.get("output_filename"), bool(values.get("prefix_timestamp")), settings["max_np"])
     try:
-        return Driver(command, settings, common, store, store_addr, output, remote).run()
+        driver = Driver(command, settings, common, store, store_addr, output, remote)
+        code = driver.run()
+        if code != 0 and driver.root is not None and failures is not None:
+            failures.append(driver.root)
+        return code
     finally:
         output.close()
         store.close()
