@@ -94,7 +94,17 @@ def _connect(job: launchers.Job, cfg: dict) -> State:
         comm.close()
         store.close()
         raise
-    return State(job.topo, comm, store, prefix, cfg)
+    st = State(job.topo, comm, store, prefix, cfg)
+    if cfg["frozen_timeout"] > 0:
+        from hora.engine.pulse import Pulse
+
+        try:
+            st.pulse = Pulse(job.topo.rank, job.topo.size, store, prefix, job.secret.encode(), bind, advertise,
+                             cfg["frozen_timeout"], st.engine.fail_from_outside, timeout)
+        except BaseException:
+            st.close()
+            raise
+    return st
 
 
 def _mesh(job: launchers.Job, store, prefix: str, bind: str, advertise: str, timeout: float):
@@ -159,6 +169,8 @@ def _after_fork_in_child() -> None:
         return
     st.forked = True
     st.engine.control.close_in_child()
+    if st.pulse is not None:
+        st.pulse.close_in_child()
 
 
 def _topology(field: str, doc: str) -> Callable[[], int]:

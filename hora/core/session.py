@@ -35,6 +35,7 @@ class State:
         from hora.engine.engine import Engine
 
         self.engine = Engine(comm, topo, self.cfg, timeline)  # holds the timeline from now on
+        self.pulse = None  # the frozen-rank watch (hora.engine.pulse), set by basics._connect
         from hora.engine.device_exec import DeviceExecutor  # GPU tensors; loads no CUDA library until one comes
 
         self.engine.executor.gpu = DeviceExecutor(self.engine.executor, store, prefix, topo, self.engine.subs.kick)
@@ -44,6 +45,8 @@ class State:
         self.names: dict = {}  # process set id -> counter naming unnamed ops (noname.N)
 
     def close(self) -> None:
+        if self.pulse is not None:
+            self.pulse.close()  # first: a rank that stops beating while it shuts down is not frozen
         self.engine.shutdown()
         self.comm.close()
         if self.store is not None:
