@@ -3,10 +3,11 @@
 #   make setup-frameworks   add TensorFlow, Keras 3, JAX (flax, optax) to .venv (what the suite needs)
 #   make setup-mxnet        .venv-mxnet: MXNet 1.9.1 needs numpy<1.24, so it gets its own virtualenv
 #   make test    run the test suite (PYTEST_ARGS='-k ring' to pass arguments to pytest; the MXNet part
-#                runs in .venv-mxnet, and only when PYTEST_ARGS is empty)
+#                runs in .venv-mxnet, and only when PYTEST_ARGS is empty); as root on Debian it first
+#                installs the system packages the suite uses (deps-system), so no test skips for want of them
 #   make demo    train on scikit-learn's digits with 2 ranks through `hora run`
 #   make lint    ruff
-#   make sz      code lines per module under hora/
+#   make sz      code lines per module under hora/; fails past 400 in any module
 #   make bench   benchmarks/allreduce.py (and train.py): tables and plots in benchmarks/results/
 #                (BENCH_ARGS=--quick for a short run)
 #   make deps-system   (root, Debian) the system packages later features need: ssh, ip, Open MPI
@@ -82,7 +83,8 @@ $(MX_STAMP): pyproject.toml Makefile
 
 # tests/mxnet_suite.txt lists the test files that run in .venv-mxnet (the mxnet binding, and the core
 # on NumPy 1.23); in .venv those skip themselves where mxnet is missing.
-test: setup-frameworks $(if $(PYTEST_ARGS),,setup-mxnet)
+# deps-system first: mpi4py (installed by setup) loads the Open MPI it installs; not root: it says so and skips
+test: deps-system setup-frameworks $(if $(PYTEST_ARGS),,setup-mxnet)
 	$(PY) -m pytest -q --durations=15 $(if $(PYTEST_ARGS),$(PYTEST_ARGS),tests)
 	$(if $(PYTEST_ARGS),,$(MXPY) -m pytest -q --durations=10 -p no:cacheprovider $$(cat tests/mxnet_suite.txt))
 

@@ -21,8 +21,8 @@ same load; the first job's windows come before them all and are not comparable u
 
 The overhead after convergence: **converged** against **chosen**, in samples/s and in rank 0's CPU time
 per step (``time.process_time``, both of its threads, so other processes' load counts less). The claim
-that it is nil rests on the engine dropping the tuner once it has converged (``Engine._coordinate`` sets
-``self.tuner = None``; what is left per batch is one ``is not None`` test); these figures only check it.
+that it is nil rests on the engine dropping the tuner once it has converged (``CoordinatorRole.coordinate``
+sets ``engine.tuner = None``; what is left per batch is one ``is not None`` test); these figures only check it.
 The gain is **chosen** against **defaults**. Rank 0's median window gives samples/s over both ranks.
 Prints a markdown table and the CSV the search wrote.
 """

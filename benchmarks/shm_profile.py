@@ -9,7 +9,7 @@ out; ``pair``: np=2's path, each rank copies its input in and reduces the whole 
 output), in the same job:
 
 * the time per call, interleaved repetitions (load hits both designs alike);
-* a profiled run: the phase functions of :mod:`hora.collectives.shm_ops` and the group's ``wait``
+* a profiled run: the phase functions of :mod:`hora.collectives.shm_allreduce` and the group's ``wait``
   wrapped with ``time.perf_counter_ns`` (about 1 us per phase, a few per 1 MiB chunk), collected
   after the timing; per rank and phase: time per call, bytes written, the GB/s that implies;
   ``python`` is the native call's time outside the phases (slicing, views, signals), ``engine``
@@ -47,10 +47,10 @@ def _written(mode: str, phase: str, nbytes: int, n: int = 2) -> float:
 
 # --- rank side ---------------------------------------------------------------------------------------
 
-def _instrument(shm_ops, group, log: list):
+def _instrument(shm_allreduce, group, log: list):
     """Wrap the phase functions and ``group.wait``; returns an undo function."""
     now, cpu = time.perf_counter_ns, time.thread_time_ns
-    saved = {name: getattr(shm_ops, name) for name in ("allreduce",) + PHASES["split"] + PHASES["pair"]}
+    saved = {name: getattr(shm_allreduce, name) for name in ("allreduce",) + PHASES["split"] + PHASES["pair"]}
 
     def wrap(name, fn):
         def timed(*a, **k):
@@ -60,17 +60,17 @@ def _instrument(shm_ops, group, log: list):
         return timed
 
     for name, fn in saved.items():
-        setattr(shm_ops, name, wrap(name, fn))
+        setattr(shm_allreduce, name, wrap(name, fn))
     group.wait = wrap("wait", group.wait)
 
     def undo():
         for name, fn in saved.items():
-            setattr(shm_ops, name, fn)
+            setattr(shm_allreduce, name, fn)
         del group.wait
     return undo
 
 
-def _solo(shm_ops, group, buf, mode: str, chunk: int, reps: int = 3) -> float:
+def _solo(shm_allreduce, group, buf, mode: str, chunk: int, reps: int = 3) -> float:
     """Seconds per call of ``mode``'s phase functions over ``buf``, on the segment, no waits."""
     import numpy as np
 
@@ -84,14 +84,14 @@ def _solo(shm_ops, group, buf, mode: str, chunk: int, reps: int = 3) -> float:
             s = j % group.slots
             m = min(per, buf.size - a)
             if mode == "pair":
-                shm_ops._pair_in(group.area(s, r, dt), buf, a, m)
-                shm_ops._pair_fold(np.add, r, buf[a:a + m], group.area(s, 1 - r, dt)[:m], buf[a:a + m])
+                shm_allreduce._pair_in(group.area(s, r, dt), buf, a, m)
+                shm_allreduce._pair_fold(np.add, r, buf[a:a + m], group.area(s, 1 - r, dt)[:m], buf[a:a + m])
             else:
-                lo, hi = shm_ops._split(m, n, r)
-                shm_ops._copy_in(group, raw, buf.itemsize, buf.size, per, a, s)
+                lo, hi = shm_allreduce._split(m, n, r)
+                shm_allreduce._copy_in(group, raw, buf.itemsize, buf.size, per, a, s)
                 srcs = [buf[a + lo:a + hi] if p == r else group.area(s, p, dt)[lo:hi] for p in range(n)]
-                shm_ops._fold(np.add, srcs, group.area(s, n, dt)[lo:hi])
-                shm_ops._copy_out(group, raw, buf.itemsize, buf.size, per, a, s)
+                shm_allreduce._fold(np.add, srcs, group.area(s, n, dt)[lo:hi])
+                shm_allreduce._copy_out(group, raw, buf.itemsize, buf.size, per, a, s)
         best.append(time.perf_counter() - t0)
     return statistics.median(best)
 
@@ -100,7 +100,7 @@ def _worker(sizes: list[int], modes: list[str], reps: int, budget: float, calls:
     import numpy as np
 
     import hora
-    from hora.collectives import shm_ops
+    from hora.collectives import shm_allreduce
     from hora.core import basics
 
     hora.init()
@@ -111,8 +111,10 @@ def _worker(sizes: list[int], modes: list[str], reps: int, budget: float, calls:
     def barrier():
         hora.allreduce(np.zeros(1, np.float32), op=hora.Sum, name="prof.barrier")
 
+    natives = basics.state().comm.native_allreduce.__self__  # the job's ShmCollectives
+
     def set_mode(mode):
-        shm_ops.PAIR = mode == "pair"
+        natives.pair = mode == "pair"
 
     mine = {"rank": hora.rank(), "load": load, "memcpy_gbs": mc, "chunk": group.chunk, "sizes": {}}
     for nbytes in sizes:
@@ -147,7 +149,7 @@ def _worker(sizes: list[int], modes: list[str], reps: int, budget: float, calls:
             log: list = []
             calls_t = []
             barrier()
-            undo = _instrument(shm_ops, group, log)
+            undo = _instrument(shm_allreduce, group, log)
             try:
                 for _ in range(calls):
                     t0 = time.perf_counter_ns()
@@ -169,12 +171,12 @@ def _worker(sizes: list[int], modes: list[str], reps: int, budget: float, calls:
             set_mode(mode)
             per = group.chunk
             if hora.rank() == 0:
-                alone = _solo(shm_ops, group, buf, mode, per)
+                alone = _solo(shm_allreduce, group, buf, mode, per)
             barrier()
             if hora.rank() == 1:
-                alone = _solo(shm_ops, group, buf, mode, per)
+                alone = _solo(shm_allreduce, group, buf, mode, per)
             barrier()
-            both = _solo(shm_ops, group, buf, mode, per)
+            both = _solo(shm_allreduce, group, buf, mode, per)
             n_calls = reps * k
             res[mode] = {"median_s": statistics.median(times[mode]), "min_s": min(times[mode]),
                          "minflt": usage[mode][0] / n_calls, "nvcsw": usage[mode][1] / n_calls,
@@ -187,7 +189,7 @@ def _worker(sizes: list[int], modes: list[str], reps: int, budget: float, calls:
                          "first": first[:40]}
         mine["sizes"][nbytes] = res
         del buf
-    shm_ops.PAIR = True
+    natives.pair = True
     everyone = hora.allgather_object(mine)
     if hora.rank() == 0:
         print("RESULT " + json.dumps({"ranks": everyone, "load": load}), flush=True)

@@ -62,7 +62,7 @@ def worker(model_name: str, steps: int, warmup: int, single: bool = False) -> No
         shm_mod.SPIN_S = engine_mod._SPIN_S = 0.0
     hvd.init()
     torch.set_num_threads(1)
-    engine = basics._state.engine
+    engine = basics.state().engine
     kinds: dict = {}  # (thread, productive) -> cycles, since the warm-up
     orig_cycle = type(engine)._cycle
 

@@ -15,7 +15,8 @@ from hora.core.ops import (Adasum, Average, Max, Min, Product, Sum, allgather, a
                              grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
                              grouped_reducescatter_async, join, poll, reducescatter, reducescatter_async,
                              synchronize)
-from hora.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from hora.core.sets import add_process_set, remove_process_set
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.transport.arena import empty as shared_empty
 
 __version__ = "0.1.0"

@@ -135,13 +135,11 @@ def test_under_torchrun_max_restarts_the_loop_raises_and_the_restart_trains(tmp_
 def test_the_state_is_synced_after_every_reset_even_when_hosts_were_only_removed(monkeypatch):
     """Ranks must agree on the sync: some may see the interrupt (skip_sync=True), others a lost peer when
     a removed host dies in the commit's broadcast; a rank that skipped would leave the others waiting."""
-    import sys
-
-    run_mod = sys.modules["hora.elastic.run"]  # the package's ``run`` is the decorator
-    from hora.elastic import worker
+    from hora.core.session import rendezvous
+    from hora.elastic import retry as run_mod
 
     monkeypatch.setattr(run_mod, "_elastic", lambda: True)
-    monkeypatch.setattr(worker, "_why", "")
+    monkeypatch.setattr(rendezvous, "_why", "")
     synced, calls = [], []
     state = ObjectState(bcast_object=lambda x: synced.append(1) or x, get_rank=lambda: 0, step=0)
 
@@ -155,7 +153,7 @@ def test_the_state_is_synced_after_every_reset_even_when_hosts_were_only_removed
 
     run_fn(train, lambda: None)(state)
     assert len(synced) == 3 and len(calls) == 3  # one sync per round, the first one included
-    assert worker._why == "fail PeerLostError: lost rank 1"  # the next request says the reset follows a failure
+    assert rendezvous._why == "fail PeerLostError: lost rank 1"  # the next request says the reset follows a failure
     raw = protocol.ready_value(4, "fail", 7, "MismatchError: x\n y")
     assert protocol.parse_ready(raw) == (4, "MismatchError: x y", 7)
     assert protocol.parse_ready(protocol.ready_value(1, "", 0)) == (1, "", 0)
@@ -163,9 +161,7 @@ def test_the_state_is_synced_after_every_reset_even_when_hosts_were_only_removed
 
 
 def test_a_late_joiner_runs_the_reset_callbacks_after_it_joins(monkeypatch):
-    import sys
-
-    run_mod = sys.modules["hora.elastic.run"]  # the package's ``run`` is the decorator
+    from hora.elastic import retry as run_mod
 
     monkeypatch.setattr(run_mod, "_provisional", lambda: True)
     events = []
@@ -224,3 +220,24 @@ def test_hora_run_in_elastic_mode_returns_the_last_generation_not_a_stale_error(
     out = hora.run(_fails_once_then_leaves, args=(str(tmp_path / "gone"),), num_proc=3, min_num_proc=2,
                    host_discovery_script=str(script))
     assert out == [(0, 2, 40), (1, 2, 40)]
+
+
+def test_the_public_reset_runs_the_bindings_shutdown_then_joins_again():
+    """``hora.elastic.reset(shutdown)``, what a binding's elastic.run passes to run_fn: its own shutdown,
+    then init(); outside the elastic driver init() gives a world of one again, and place() says no place."""
+    from hora.core import basics
+
+    hora.init()
+    calls = []
+
+    def shutdown():
+        calls.append(basics.is_initialized())
+        basics.shutdown()
+
+    try:
+        hora.elastic.reset(shutdown)
+        assert calls == [True] and basics.is_initialized() and hora.size() == 1
+        hora.elastic.reset()  # the core's shutdown by default
+        assert basics.is_initialized() and hora.elastic.place() == (0, None)
+    finally:
+        hora.shutdown()

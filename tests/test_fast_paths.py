@@ -6,7 +6,7 @@ adds in another order, and MPI may reduce half floats in float32 and round once)
 
 Paths:
 
-* shared memory's one-step small path (up to ``shm_ops.SMALL_BYTES``) and its pipelined large path
+* shared memory's one-step small path (up to ``shm_allreduce.SMALL_BYTES``) and its pipelined large path
   (``shm.CHUNK_BYTES`` per rank and slot), with the default chunk: one element either side of the
   small threshold and of the chunk, several chunks plus a remainder smaller than the rank count, and
   sizes smaller than the rank count. The number of steps each call takes is checked too (one for the
@@ -89,7 +89,7 @@ def check(results: list[dict], n: int, what: str) -> None:
 
 def shm_cases(n: int) -> list[tuple[str, int, int]]:
     """(dtype, count, op): every dtype and op on small sizes; the thresholds' edges on a few dtypes."""
-    from hora.collectives import shm_ops
+    from hora.collectives import shm_allreduce
     from hora.transport import shm
 
     cases = []
@@ -99,7 +99,7 @@ def shm_cases(n: int) -> list[tuple[str, int, int]]:
                 cases.append((dtype, count, op))
     for dtype in ("uint8", "float16", "bfloat16", "float32", "int64"):
         isz = dtype_of(dtype).itemsize
-        small, per = shm_ops.SMALL_BYTES // isz, shm.CHUNK_BYTES // isz
+        small, per = shm_allreduce.SMALL_BYTES // isz, shm.CHUNK_BYTES // isz
         for count in (small, small + 1, per - 1, per + 1, 2 * per + n - 1):
             for op in (Sum, Max):
                 cases.append((dtype, count, op))
@@ -118,7 +118,7 @@ def _direct(hvd):
 
 
 def _shm_vs_ring(hvd, cases):
-    from hora.collectives import ring, shm_ops
+    from hora.collectives import ring, shm_allreduce
     from hora.collectives.reduce import reducer
     from hora.core import basics
     from hora.transport import shm
@@ -142,7 +142,7 @@ def _shm_vs_ring(hvd, cases):
         if digest(out_of_place) != digest(fast) or digest(src) != digest(x):
             res.update(ok=False, detail="out of place (src=) differs from in place, or wrote its src")
         nbytes = x.nbytes
-        if nbytes <= min(shm_ops.SMALL_BYTES, group.chunk):
+        if nbytes <= min(shm_allreduce.SMALL_BYTES, group.chunk):
             want = 1  # one synchronisation, nothing else
         else:  # one step per chunk, and one more to start the split path's pipeline (np=2 has none)
             want = -(-nbytes // (group.chunk // x.itemsize * x.itemsize)) + (n > 2)
@@ -153,7 +153,7 @@ def _shm_vs_ring(hvd, cases):
     comm.ctrl.on_message = hook
     # the engine reaches the same paths: a small and a large allreduce through hora.allreduce (a
     # tensor under the engine's inline threshold is reduced by rank 0 in rank order: the same bits)
-    for count in (shm_ops.SMALL_BYTES >> 2, (shm.CHUNK_BYTES >> 2) + 5):
+    for count in (shm_allreduce.SMALL_BYTES >> 2, (shm.CHUNK_BYTES >> 2) + 5):
         x = make(r, "float32", count, 9, Sum)
         direct = x.copy()
         _direct(hvd).native_allreduce(direct, Sum)
@@ -169,9 +169,9 @@ def _shm_vs_ring(hvd, cases):
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_shm_paths_match_the_ring(n):
     """np=4 is oversubscribed on two cores: the waits sleep instead of spinning (another code path)."""
-    from hora.collectives import shm_ops
+    from hora.collectives import shm_allreduce
 
-    assert shm_ops.SMALL_BYTES >= 4096, "the small path should cover at least a page"
+    assert shm_allreduce.SMALL_BYTES >= 4096, "the small path should cover at least a page"
     check(run_hora(n, _shm_vs_ring, shm_cases(n), env=SHM, timeout=80), n, "shm")
 
 

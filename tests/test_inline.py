@@ -118,7 +118,7 @@ def _mixed_thresholds(hvd):
     from hora.core.basics import state
 
     out = [hvd.allreduce(np.full(8, hvd.rank() + 1, np.float32), op=hvd.Sum).tolist() for _ in range(3)]
-    kept = getattr(state().engine, "_payloads", ())  # rank 0 keeps the inputs sent inline
+    kept = getattr(state().engine.role, "payloads", ())  # rank 0 keeps the inputs sent inline
     return out[0], hvd.statistics()["tensors_inline"], len(kept)
 
 

@@ -38,11 +38,11 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "hora.transport": ("hora.collectives", "hora.runner", *ENGINE_AND_ABOVE),
     "hora.collectives": ("hora.runner", *ENGINE_AND_ABOVE),
     "hora.engine": ("hora.core", "hora.elastic", "hora.kit", "hora.runner", *BINDINGS, FACADE),  # private
-    "hora.core": ("hora.kit", "hora.runner", *BINDINGS, FACADE),
+    "hora.core": ("hora.elastic", "hora.kit", "hora.runner", *BINDINGS, FACADE),  # the rendezvous is the session's
     "hora.elastic": ("hora.kit", "hora.runner", *BINDINGS, FACADE),  # framework-free: the bindings' states build on it
     "hora.kit": ("hora.runner", *BINDINGS, FACADE),  # what the bindings share, on the public core API
     "hora.runner": ("hora.collectives", *ENGINE_AND_ABOVE),
-    # launchers, on the runner; Ray's elastic workers still reach hora.elastic's worker state (issue 23)
+    # launchers, on the runner; Ray's elastic workers ask hora.elastic for their place (hora.elastic.place)
     "hora.ray": ("hora.collectives", "hora.engine", "hora.core", "hora.kit", *BINDINGS, FACADE),
     "hora.spark": ("hora.collectives", *ENGINE_AND_ABOVE),
 }

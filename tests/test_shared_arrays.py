@@ -1,5 +1,5 @@
 """Arrays in shared memory (``hora.shared_empty``, ``hora.torch.shared_empty``) and np=2's zero-copy
-allreduce over them (hora/collectives/shm_ops.py ``_zero_copy``).
+allreduce over them (hora/collectives/shm_allreduce.py ``_zero_copy``).
 
 On real np=2 jobs through the engine: when both ranks reduce shared arrays in place, the call reads
 the peer's where it lies (counted on the group), and each result is bitwise the same on both ranks,
@@ -26,7 +26,7 @@ from test_shm_parts import _inputs as parts_inputs
 Average, Sum, Min, Max, Product = 0, 1, 3, 4, 5
 ENV = {"HORA_TRANSPORT": "shm", "HORA_INLINE_THRESHOLD": "0"}
 CHUNK = 1 << 20  # hora.transport.shm.CHUNK_BYTES (checked on the ranks)
-PIECE = 8 << 20  # shm_ops.ZERO_COPY_BYTES (checked on the ranks)
+PIECE = 8 << 20  # shm_allreduce.ZERO_COPY_BYTES (checked on the ranks)
 
 
 def test_shared_empty_makes_ordinary_arrays():
@@ -62,11 +62,11 @@ def _pairs(hvd, dtype: str, cases: list[tuple]) -> dict:
     rank saw: the bits, whether the zero-copy path ran exactly for the shared one, what went wrong."""
     from workers import comm, digest, transport_class
 
-    from hora.collectives import shm_ops
+    from hora.collectives import shm_allreduce
     from hora.transport import shm
 
     assert transport_class() == "ShmCommunicator" and shm.CHUNK_BYTES == CHUNK
-    assert shm_ops.ZERO_COPY_BYTES == PIECE
+    assert shm_allreduce.ZERO_COPY_BYTES == PIECE
     g, r, out = comm().group, hvd.rank(), {}
     for count, op, pre, post in cases:
         key = f"{dtype} n={count} op={op} pre={pre} post={post}"

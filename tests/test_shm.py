@@ -269,7 +269,7 @@ def test_a_peer_that_shuts_down_mid_collective_is_named_at_once():
 
 
 def _group_departure():
-    from hora.collectives import shm_ops
+    from hora.collectives import shm_allreduce
     from hora.base.errors import PeerLostError
     from hora.transport import shm
 
@@ -277,13 +277,13 @@ def _group_departure():
     g, why = shm.open_group(store_client(), os.environ["HORA_STORE_SCOPE"] + "/group", list(range(n)), r)
     assert g is not None, why
     x = np.ones(10_000, np.float32)
-    shm_ops.allreduce(g, x, Sum)
+    shm_allreduce.allreduce(g, x, Sum)
     assert x[0] == n
     if r == 1:
         g.close()
         return None
     try:
-        shm_ops.allreduce(g, x, Sum)
+        shm_allreduce.allreduce(g, x, Sum)
         return "nothing raised"
     except PeerLostError as e:
         return {"rank": e.rank, "message": str(e)}

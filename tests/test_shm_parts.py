@@ -1,7 +1,7 @@
 """Fused allreduces without a fusion buffer: shared memory's ``native_allreduce_parts``, np=2, 3 and 4.
 
 A response of several tensors goes from the tensors straight into the segment and from the segment
-straight into the outputs (hora/collectives/shm_ops.py ``allreduce_parts``). On real np=2 jobs through
+straight into the outputs (hora/collectives/shm_allreduce.py ``allreduce_parts``). On real np=2 jobs through
 the engine (grouped allreduces, in place and out of place, every op, the dtypes, tensors of size 0, 1,
 odd, spanning chunk boundaries, many tiny with one large, pre- and postscale), each result must be
 bitwise the same on every rank, bitwise what the fusion-buffer path gives (``execute.PARTS = False``)
@@ -77,7 +77,7 @@ def _inputs(rank: int, dtype: str, sizes: list[int], op: int) -> list[np.ndarray
 def _expected(dtype, sizes, op, pre, post, n: int = 2) -> list[np.ndarray]:
     """``((in0 op in1) op in2) ...`` with NumPy, each input prescaled first and the result postscaled after."""
     from hora.collectives.reduce import scale
-    from hora.collectives.shm_ops import UFUNCS
+    from hora.collectives.shm_allreduce import UFUNCS
 
     ins = [_inputs(r, dtype, sizes, op) for r in range(n)]
     outs = []
@@ -95,21 +95,21 @@ def _expected(dtype, sizes, op, pre, post, n: int = 2) -> list[np.ndarray]:
 
 @contextlib.contextmanager
 def _counting_parts():
-    """``shm_ops.allreduce_parts``, the real function, counted while the block runs: the list it
+    """``shm_allreduce.allreduce_parts``, the real function, counted while the block runs: the list it
     yields holds how many calls took it (which path each call took)."""
-    from hora.collectives import shm_ops
+    from hora.collectives import shm_allreduce
 
-    real, calls = shm_ops.allreduce_parts, [0]
+    real, calls = shm_allreduce.allreduce_parts, [0]
 
     def counted(*args):
         calls[0] += 1
         return real(*args)
 
-    shm_ops.allreduce_parts = counted
+    shm_allreduce.allreduce_parts = counted
     try:
         yield calls
     finally:
-        shm_ops.allreduce_parts = real
+        shm_allreduce.allreduce_parts = real
 
 
 def _fused(hvd, cases):

@@ -67,6 +67,10 @@ class HostsChanged(HoraError):
         self.skip_sync = skip_sync
 
 
+class JobFailed(HoraError):
+    """The elastic driver gave up on the job (``--reset-limit``, below ``--min-np`` too long): not retried."""
+
+
 class NotInitializedError(HoraError, ValueError):
     """A hora function that needs ``hora.init()`` was called before it (a ``ValueError``, as in
     Horovod)."""

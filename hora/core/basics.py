@@ -11,51 +11,15 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from typing import Callable
 
 from hora.base import knobs
-from hora.base.errors import ForkedChildError, HoraValueError, NotInitializedError
-from hora.core import launchers
-from hora.core.launchers import Topology
+from hora.base.errors import HoraValueError
+from hora.core import launchers, session
+from hora.core.session import State, is_initialized, state  # noqa: F401 - state(): what every caller reads
 from hora.transport.base import LocalCommunicator
 
 
-class _State:
-    """Everything one initialisation owns; replaced wholesale by the next ``init()``."""
-
-    def __init__(self, topo: Topology, comm, store, prefix: str, cfg: dict):
-        self.topo, self.comm, self.store, self.prefix = topo, comm, store, prefix
-        self.forked = False
-        self.cfg = cfg
-        self.dynamic = self.cfg["dynamic_process_sets"]
-        timeline = None
-        if self.cfg["timeline"] and self.cfg["timeline"] != "DYNAMIC" and topo.rank == 0:
-            from hora.engine.timeline import Timeline
-
-            timeline = Timeline(self.cfg["timeline"], self.cfg["timeline_mark_cycles"])
-        from hora.engine.engine import Engine
-
-        self.engine = Engine(comm, topo, self.cfg, timeline)  # holds the timeline from now on
-        self.pulse = None  # the frozen-rank watch (hora.engine.pulse), set by _connect
-        from hora.engine.device_exec import DeviceExecutor  # GPU tensors; loads no CUDA library until one comes
-
-        self.engine.executor.gpu = DeviceExecutor(self.engine.executor, store, prefix, topo, self.engine.subs.kick)
-        self.groups: dict[int, list[int]] = {}  # grouped handles
-        self.barriers: dict[int, int] = {}  # barrier count per process set (names them)
-        self.ps_calls = 0  # add/remove_process_set calls (names them)
-        self.names: dict = {}  # process set id -> counter naming unnamed ops (noname.N)
-
-    def close(self) -> None:
-        if self.pulse is not None:
-            self.pulse.close()  # first: a rank that stops beating while it shuts down is not frozen
-        self.engine.shutdown()
-        self.comm.close()
-        if self.store is not None:
-            self.store.close()
-        if self.engine.timeline is not None:
-            self.engine.timeline.close()
-
-
-_state: _State | None = None
 _generations: dict[str, int] = {}
 _atexit_registered = False
 _init_lock = threading.Lock()
@@ -67,9 +31,10 @@ def init(comm=None, process_sets=None) -> None:
     >>> import hora; hora.init(); hora.rank(), hora.size()
     (0, 1)
     """
-    global _state, _atexit_registered
+    global _atexit_registered
     with _init_lock:
-        if _state is not None and not _state.forked:
+        current = session.current()
+        if current is not None and not current.forked:
             return
         from hora.transport import mpi_world
 
@@ -86,10 +51,10 @@ def init(comm=None, process_sets=None) -> None:
         knobs.apply_log_level()
         job = launchers.detect()
         if job.topo.size == 1:
-            _state = _State(job.topo, LocalCommunicator(), None, "", cfg)
+            session.install(State(job.topo, LocalCommunicator(), None, "", cfg))
         else:
-            _state = _connect(job, cfg)
-        if _state.topo.rank == 0:
+            session.install(_connect(job, cfg))
+        if session.current().topo.rank == 0:
             for line in knobs.no_effect_warnings():  # HOROVOD_ variables hora ignores: said once, by rank 0
                 launchers.log.warning("%s", line)
         if not _atexit_registered:
@@ -97,7 +62,7 @@ def init(comm=None, process_sets=None) -> None:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _atexit_registered = True
     if isinstance(process_sets, (list, tuple)):
-        from hora.core.process_sets import register_at_init
+        from hora.core.sets import register_at_init
 
         try:
             register_at_init(list(process_sets))
@@ -106,7 +71,7 @@ def init(comm=None, process_sets=None) -> None:
             raise
 
 
-def _connect(job: launchers.Job, cfg: dict) -> _State:
+def _connect(job: launchers.Job, cfg: dict) -> State:
     from hora.transport import addresses, net
     from hora.transport.store import StoreClient
     job = launchers.rendezvous(job)  # mpirun/srun/torchrun: rank 0 serves the store, MPI shares the secret
@@ -129,7 +94,7 @@ def _connect(job: launchers.Job, cfg: dict) -> _State:
         comm.close()
         store.close()
         raise
-    st = _State(job.topo, comm, store, prefix, cfg)
+    st = State(job.topo, comm, store, prefix, cfg)
     if cfg["frozen_timeout"] > 0:
         from hora.engine.pulse import Pulse
 
@@ -154,7 +119,6 @@ def _mesh(job: launchers.Job, store, prefix: str, bind: str, advertise: str, tim
     if job.launcher != launchers.ELASTIC:
         return connect_mesh(*args, **kw)
     from hora.base.errors import PeerLostError
-    from hora.elastic import worker
 
     box: dict = {}
     lock = threading.Lock()
@@ -174,7 +138,7 @@ def _mesh(job: launchers.Job, store, prefix: str, bind: str, advertise: str, tim
 
     threading.Thread(target=attempt, name="hora-elastic-connect", daemon=True).start()
     while not done.wait(0.1):
-        note = worker.abort_note(prefix)
+        note = session.rendezvous.abort_note(prefix)
         if note:
             with lock:
                 box["abandoned"] = True
@@ -188,9 +152,8 @@ def _mesh(job: launchers.Job, store, prefix: str, bind: str, advertise: str, tim
 
 def shutdown() -> None:
     """Close this rank's connections. Safe to call twice, after errors, or with dead peers."""
-    global _state
     with _init_lock:
-        st, _state = _state, None
+        st = session.release()
     if st is None or st.forked:
         return
     st.close()
@@ -201,7 +164,7 @@ def shutdown() -> None:
 
 def _after_fork_in_child() -> None:
     """A forked child (a DataLoader worker, say) must not talk on the parent's sockets."""
-    st = _state
+    st = session.current()
     if st is None:
         return
     st.forked = True
@@ -210,50 +173,21 @@ def _after_fork_in_child() -> None:
         st.pulse.close_in_child()
 
 
-def state() -> _State:
-    """The current state, or the error that says what to do."""
-    st = _state
-    if st is None:
-        raise NotInitializedError("hora has not been initialized; call hora.init() first")
-    if st.forked:
-        raise ForkedChildError(f"hora was initialised in process {os.getppid()} and this process is a fork of it "
-                               "(e.g. a DataLoader worker): hora calls are not available here; "
-                               "call hora only from the training process")
-    return st
+def _topology(field: str, doc: str) -> Callable[[], int]:
+    """The query of one field of this rank's place in the job (:class:`hora.core.launchers.Topology`)."""
+    def query() -> int:
+        return getattr(state().topo, field)
+    query.__name__ = query.__qualname__ = field
+    query.__doc__ = doc
+    return query
 
 
-def is_initialized() -> bool:
-    return _state is not None
-
-
-def rank() -> int:
-    """This process's rank in the job, 0 .. size()-1."""
-    return state().topo.rank
-
-
-def size() -> int:
-    """Number of ranks in the job."""
-    return state().topo.size
-
-
-def local_rank() -> int:
-    """Rank among the ranks on this host."""
-    return state().topo.local_rank
-
-
-def local_size() -> int:
-    """Number of ranks on this host."""
-    return state().topo.local_size
-
-
-def cross_rank() -> int:
-    """Index of this host among the hosts that have a rank with this local rank."""
-    return state().topo.cross_rank
-
-
-def cross_size() -> int:
-    """Number of hosts that have a rank with this local rank."""
-    return state().topo.cross_size
+rank = _topology("rank", "This process's rank in the job, 0 .. size()-1.")
+size = _topology("size", "Number of ranks in the job.")
+local_rank = _topology("local_rank", "Rank among the ranks on this host.")
+local_size = _topology("local_size", "Number of ranks on this host.")
+cross_rank = _topology("cross_rank", "Index of this host among the hosts that have a rank with this local rank.")
+cross_size = _topology("cross_size", "Number of hosts that have a rank with this local rank.")
 
 
 def is_homogeneous() -> bool:

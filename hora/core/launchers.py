@@ -135,12 +135,12 @@ ELASTIC = "hora run (elastic)"
 
 def _elastic() -> Job | None:
     """A worker of ``hora run``'s elastic driver: no fixed rank; each ``init()`` asks the driver for a place in
-    its next generation (:mod:`hora.elastic.worker`), which may differ from the last one."""
-    from hora.elastic import worker
+    its next generation (:mod:`hora.core.rendezvous`), which may differ from the last one."""
+    from hora.core.session import rendezvous
 
-    if not worker.active():
+    if not rendezvous.active():
         return None
-    place, gen_scope, _plan = worker.join()
+    place, gen_scope, _plan = rendezvous.join()
     topo = Topology(place.rank, place.size, place.local_rank, place.local_size, place.cross_rank,
                     place.cross_size, place.hostname).check()
     return Job(topo, env.get("STORE_ADDR"), env.get("SECRET"), gen_scope, ELASTIC)

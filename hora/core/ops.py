@@ -8,24 +8,38 @@ return a new array owned by the caller and never touch their input; in-place for
 
 from __future__ import annotations
 
-import functools
-import inspect
 import itertools
-import math
-import threading
 import time
 
 import numpy as np
 
 from hora.base.device import DeviceArray, as_device_array
-from hora.base.errors import HoraError, HoraValueError, NotSupportedError
+from hora.base.errors import HoraValueError, NotSupportedError
 from hora.collectives.adasum import check_dtype as adasum_dtype
-from hora.collectives.reduce import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, check_dtype
-from hora.engine import messages as m
-from hora.core.basics import state
-from hora.engine.execute import Pending, dtype_of
-from hora.engine.handles import Handle
+from hora.collectives.reduce import Adasum, Average, Max, Min, Product, Sum, check_dtype
+from hora.core.inputs import DATA_KINDS as _DATA_KINDS
+from hora.core.inputs import as_array as _as_array
+from hora.core.inputs import check_copy as _check_copy
+from hora.core.inputs import check_op  # noqa: F401 - the bindings' check, with the core's API
+from hora.core.inputs import copy_back as _copy_back
+from hora.core.inputs import factor as _factor
+from hora.core.inputs import ps_id as _ps_id
+from hora.core.inputs import root as _root
 from hora.core.process_sets import ProcessSet, global_process_set
+from hora.core.records import FAILED as _FAILED
+from hora.core.records import OK as _OK
+from hora.core.records import describe as _describe
+from hora.core.records import failure as _failure
+from hora.core.records import part as _part
+from hora.core.records import pickled as _pickle
+from hora.core.records import record as _record
+from hora.core.records import records as _records
+from hora.core.refusal import refused, refused_group  # noqa: F401 - the bindings call them as the core's
+from hora.core.refusal import refusing as _refusing
+from hora.core.session import state
+from hora.engine import messages as m
+from hora.engine import names
+from hora.engine.execute import Pending, dtype_of
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "allreduce_", "allreduce_async",
            "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
@@ -36,62 +50,19 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "al
            "allgather_object"]
 
 _groups = itertools.count()
-_name_lock = threading.Lock()
 
 
-def _auto_name(name: str | None, ps: int = 0, prefix: str = "noname") -> str:
-    """Unnamed ops are numbered in submission order within their process set, so the ranks of a
-    set match them by that order (an unnamed op on a subset does not shift the global numbering).
-
-    The numbers restart at every completed ``join()``, under a new epoch (``noname.<epoch>.<n>``):
-    while a rank has joined, the others run unnamed allreduces and barriers that it never submits
-    (and allgathers that fail) and so take numbers it does not, and without the restart the ranks'
-    numbering would disagree for good after the join, a hang on the next unnamed op. A join's
-    completion is the one point that every rank passes with all of its own earlier submissions
-    numbered, so that is where the numbering is made equal again."""
-    if name is not None:
-        return str(name)
-    with _name_lock:  # the counters live in the initialisation: every rank starts from 0 at init()
-        names = state().names
-        counter = names.setdefault((prefix, ps), itertools.count())
-        epoch = names.get("epoch", 0)
-        n = next(counter)
-    return f"{prefix}.{n}" if epoch == 0 else f"{prefix}.{epoch}.{n}"
+def _auto_name(name: str | None, ps: int = 0, prefix: str = names.UNNAMED) -> str:
+    """``name``, or the next automatic one (:func:`hora.engine.names.take`, counted in the session)."""
+    return names.take(state().names, name, ps, prefix)
 
 
-def _new_epoch(st) -> None:
-    """Every rank has passed a join: the automatic names restart (see :func:`_auto_name`)."""
-    with _name_lock:
-        epoch = st.names.get("epoch", 0) + 1
-        st.names.clear()
-        st.names["epoch"] = epoch
+def _group_id(name, ps: int, n: int) -> tuple:
+    """A grouped op's id: its name, or the next automatic one, and the number of its members."""
+    return names.group_id(state().names, name, ps, n)
 
 
-def check_op(op: int, what: str) -> int:
-    """``op`` if hora can reduce with it for ``what`` (bindings call it too). Adasum combines whole
-    vectors, so a reducescatter (each rank keeping a slice) cannot use it, as in Horovod."""
-    if op not in OP_NAMES:
-        raise HoraValueError(f"{what}: unknown op {op!r}; use one of "
-                             + ", ".join(f"hora.{n} ({v})" for v, n in OP_NAMES.items()))
-    if op == Adasum and "reducescatter" in what.lower():
-        raise NotSupportedError(f"{what}: op=Adasum is not supported by reducescatter (Adasum combines whole "
-                                "vectors); use op=Sum or Average, or allreduce(op=Adasum)")
-    return op
-
-
-def _ps_id(process_set: ProcessSet, st, what: str) -> int:
-    if not isinstance(process_set, ProcessSet):
-        raise HoraValueError(f"{what}: process_set must be a hora.ProcessSet, got {type(process_set).__name__}; "
-                             "register one with hora.add_process_set([...]) and pass what it returns")
-    pid = process_set.process_set_id
-    ranks = st.engine.process_sets.get(pid) if pid is not None else None
-    if ranks is None:
-        raise HoraValueError(f"{what}: {process_set} is not registered on this rank; add it with "
-                             "hora.add_process_set() or hora.init(process_sets=[...])")
-    if st.topo.rank not in ranks:
-        raise HoraValueError(f"{what}: rank {st.topo.rank} is not in process set {pid} (ranks {list(ranks)}); "
-                             "only its members may run collectives on it")
-    return pid
+_group_name = names.member  # member i's name in a group of n
 
 
 def _submit(kind: str, array, name, process_set, inplace=False, flush=False, finish=None, **fields) -> int:
@@ -113,63 +84,6 @@ def _submit_or_discard(st, *pends: Pending) -> None:
     except BaseException:
         st.engine.handles.discard(*(p.handle.id for p in pends))
         raise
-
-
-def _refusing(kind: str):
-    """Decorate a public ``*_async`` function: when it refuses its caller's input, the rank's peers are
-    told (:class:`messages.Refusal`) under the name the collective would have had, so that they raise
-    a MismatchError naming this rank at once rather than wait for it until the stall shutdown; the
-    caller gets its HoraValueError unchanged. When every rank refuses, nobody waits for anything."""
-    def deco(fn):
-        sig = inspect.signature(fn)
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            try:
-                return fn(*args, **kwargs)
-            except (HoraValueError, NotSupportedError) as e:
-                if not getattr(e, "hora_named", False):
-                    try:
-                        bound = sig.bind(*args, **kwargs)
-                    except TypeError:
-                        raise e from None
-                    bound.apply_defaults()
-                    refused(kind, e, bound.arguments["name"], bound.arguments["process_set"])
-                raise
-        return wrapper
-    return deco
-
-
-def refused(kind: str, err: Exception, name: str | None = None,
-            process_set: ProcessSet = global_process_set, group: tuple | None = None) -> None:
-    """Tell this rank's peers that it refused its input for a ``kind`` collective named ``name`` (None:
-    the next automatic name) with ``err``, which the caller then raises. The core's ``*_async``
-    functions call it themselves; a binding that refuses an input before reaching them calls it too
-    (:func:`refused_group` for a grouped op). ``group``: the group id of a grouped op's member."""
-    try:
-        st = state()
-        ps = _ps_id(process_set, st, kind)
-        full = _auto_name(name, ps)
-        req = m.Refusal(full, kind, f"{type(err).__name__}: {err}"[:500], ps, group)
-        # flush=False: nobody will drive this one, so the engine thread must be woken for it
-        st.engine.submit(Pending(req, Handle(0, f"{kind}.{full}"), None))
-    except HoraError:  # not initialised, no such set, the engine failed or the name is in flight:
-        pass  # there is nothing a peer could be waiting for under that name
-
-
-def refused_group(kind: str, err: Exception, n: int, name: str | None = None,
-                  process_set: ProcessSet = global_process_set, *, gid: tuple | None = None,
-                  taken: tuple = ()) -> None:
-    """:func:`refused` for a grouped ``kind`` of ``n`` tensors: every member is refused under the name it
-    would have had and the group's id, so that the coordinator releases the group whole, as an error on
-    every rank, and this rank takes the automatic names its peers take. ``gid`` and ``taken`` (the names
-    of the first members) are given when they were already taken."""
-    try:
-        gid = gid or _group_id(name, _ps_id(process_set, state(), kind), n)
-    except HoraError:
-        return
-    for i in range(n):
-        refused(kind, err, taken[i] if i < len(taken) else _group_name(gid[0], i, n), process_set, gid)
 
 
 def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False, finish=None,
@@ -214,72 +128,6 @@ def _device_input(st, a: DeviceArray, kind: str, fields: dict) -> DeviceArray:
     fields.update(dtype=dtype, shape=tuple(a.shape), device=True)
     st.engine.executor.gpu.submitted(a)
     return a
-
-
-_DATA_KINDS = frozenset({m.ALLREDUCE, m.ALLGATHER, m.BROADCAST, m.ALLTOALL, m.REDUCESCATTER})
-# A view with a zero stride (np.broadcast_to, torch's expand) is copied to contiguous memory before
-# it is sent. Up to this size that copy is harmless; past it a few bytes of data would turn into a
-# huge allocation (a 16 GiB copy of a 4-byte array), so such views are refused with the way out.
-_EXPAND_LIMIT = 256 << 20
-
-
-def _as_array(array, kind: str, inplace: bool) -> np.ndarray:
-    """``array`` as a NumPy array, or a HoraValueError that says what to pass instead."""
-    if array is None:
-        raise HoraValueError(f"{kind}: got None; pass a NumPy array (or a number or list NumPy can convert)")
-    if inplace and not isinstance(array, np.ndarray):
-        raise HoraValueError(f"{kind}_: got {type(array).__name__}; the in-place form writes its result into a "
-                             f"NumPy array, so pass one (or use the out-of-place {kind}(), which returns it)")
-    try:
-        a = np.asarray(array)
-    except Exception as e:  # noqa: BLE001 - whatever NumPy refuses, the caller learns why
-        raise HoraValueError(f"{kind}: cannot make a NumPy array of the {type(array).__name__} given: {e}") from e
-    if a.dtype.kind == "O":
-        raise HoraValueError(f"{kind}: a {type(array).__name__} is not an array of numbers (NumPy makes it an "
-                             "array of Python objects); pass a NumPy array of a numeric dtype, or use "
-                             "broadcast_object / allgather_object for Python objects")
-    return a
-
-
-def _check_copy(a: np.ndarray, kind: str) -> None:
-    """Refuse a zero-stride view whose contiguous copy would be huge (see ``_EXPAND_LIMIT``)."""
-    if a.nbytes <= _EXPAND_LIMIT or not any(st == 0 and d > 1 for st, d in zip(a.strides, a.shape)):
-        return
-    held = a.itemsize * math.prod(d for st, d in zip(a.strides, a.shape) if st != 0)
-    raise HoraValueError(f"{kind}: the array is a broadcast view (a zero stride, as np.broadcast_to or "
-                         f"torch.expand make) of shape {a.shape}: {held} bytes of data that hora would have to "
-                         f"copy into {a.nbytes / (1 << 30):.1f} GiB; hora refuses such copies over "
-                         f"{_EXPAND_LIMIT >> 20} MiB. Run the collective on the small array and broadcast its "
-                         "result (e.g. np.broadcast_to(hora.allreduce(x), shape)), or pass a real array")
-
-
-def _factor(value, label: str, what: str) -> float:
-    """A scale factor as a float; NaN and infinities are refused here, since they make every element
-    NaN or infinite (and NaN, being unequal to itself, cannot be checked across ranks)."""
-    try:
-        f = float(value)
-    except (TypeError, ValueError) as e:
-        raise HoraValueError(f"{what}: {label} {value!r} is not a number") from e
-    if not math.isfinite(f):
-        raise HoraValueError(f"{what}: {label} is {f}; scale factors must be finite numbers")
-    return f
-
-
-def _copy_back(user: np.ndarray, finish):
-    def done(result):
-        user[...] = result
-        return finish(user) if finish else user
-    return done
-
-
-def _root(root_rank, process_set, what) -> int:
-    st = state()
-    ranks = st.engine.process_sets[_ps_id(process_set, st, what)]
-    if isinstance(root_rank, (bool, np.bool_)) or not isinstance(root_rank, (int, np.integer)) \
-            or int(root_rank) not in ranks:
-        raise HoraValueError(f"{what}: root_rank {root_rank!r} is not a rank of the process set (ranks "
-                             f"{list(ranks)}); root_rank is a global rank")
-    return int(root_rank)
 
 
 # -- handles -------------------------------------------------------------------------------------
@@ -329,19 +177,6 @@ def _group(handles: list[int]) -> int:
     gid = -1 - next(_groups)  # negative: never collides with a single handle
     st.groups[gid] = handles
     return gid
-
-
-def _group_id(name, ps: int, n: int) -> tuple:
-    """A grouped op's id: its name, or the next automatic one, and the number of its members."""
-    return (str(name) if name is not None else f"group.{_auto_name(None, ps)}", n)
-
-
-def _group_name(group: str, i: int, n: int) -> str:
-    """Member ``i``'s name in group ``group`` of ``n``: the group's name for a group of one. An unnamed
-    group's members are named from its one automatic name too, so that a group takes one number of the
-    automatic sequence whatever its size, and ranks whose groups differ in size (an error every rank
-    hears) still agree on the names of the ops that follow."""
-    return f"{group}.{i}" if n > 1 else group
 
 
 # -- allreduce -----------------------------------------------------------------------------------
@@ -597,60 +432,11 @@ def join(device: int = -1) -> int:
     Max and Product the result is then the reduction over the ranks that did not join). Returns the
     last rank to join, the same on every rank."""
     last = synchronize(_submit(m.JOIN, None, "join", global_process_set, flush=True))
-    _new_epoch(state())
+    names.new_epoch(state().names)
     return last
 
 
 # -- objects -------------------------------------------------------------------------------------
-# An object travels as a record: a status byte, its length (8 bytes) and the pickled bytes, or, when
-# pickling failed, the error's text. Every rank takes part in every collective below whatever happened
-# on it, so a rank that cannot pickle or unpickle raises its own exception, its peers raise an
-# InternalError naming it and its cause, and the next collective finds every rank in step.
-_OK, _FAILED = 0, 1
-_HEADER = 9
-_ERROR_TEXT = 500  # characters of a failing rank's error sent to its peers
-
-
-def _record(status: int, body: bytes) -> np.ndarray:
-    return np.frombuffer(bytes([status]) + len(body).to_bytes(8, "little") + body, np.uint8)
-
-
-def _records(data: np.ndarray) -> list[tuple[int, memoryview]]:
-    """The records of an allgather of records, in rank order (views into ``data``, not copies)."""
-    raw, out, i = memoryview(data), [], 0
-    while i < len(raw):
-        n = int.from_bytes(raw[i + 1:i + _HEADER], "little")
-        out.append((raw[i], raw[i + _HEADER:i + _HEADER + n]))
-        i += _HEADER + n
-    return out
-
-
-def _describe(doing: str, e: BaseException) -> bytes:
-    return f"{doing}: {type(e).__name__}: {e}"[:_ERROR_TEXT].encode("utf-8", "replace")
-
-
-def _pickle(obj) -> tuple[bytes, Exception | None]:
-    """(the pickled bytes, None), or (the error's text, the error) when ``obj`` cannot be pickled."""
-    import cloudpickle
-
-    try:
-        return cloudpickle.dumps(obj), None
-    except Exception as e:  # whatever __reduce__ or a member's pickling raised; BaseException goes by
-        return _describe("pickle its object", e), e
-
-
-def _part(name: str | None, part: str) -> str | None:
-    return None if name is None else f"{name}.{part}"
-
-
-def _failure(what: str, failed: dict):
-    """The error for a rank whose peers ``failed`` (global rank -> what went wrong there)."""
-    from hora.base.errors import InternalError
-
-    named = "; ".join(f"rank {r} could not {bytes(t).decode('utf-8', 'replace')}" for r, t in failed.items())
-    return InternalError(f"{what}: {named} (that rank raised the error itself; hora is still usable)")
-
-
 def _agree(what: str, err: Exception | None, text: bytes, name: str | None, process_set: ProcessSet,
            ranks: tuple[int, ...]) -> None:
     """After unpickling: raise on every rank if it failed on any (``err``, described by ``text``, is this

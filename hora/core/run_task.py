@@ -25,9 +25,9 @@ RANK_VARS = ("HORA_RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "R
 
 
 def _elastic() -> bool:
-    from hora.elastic import worker
+    from hora.core.session import rendezvous
 
-    return worker.active()
+    return rendezvous.active()
 
 
 def _put_elastic(store, result: bytes) -> None:
@@ -36,11 +36,11 @@ def _put_elastic(store, result: bytes) -> None:
     goes under ``result/g<gen>/<rank>``, and an entry ``"<gen> <rank> <size>"`` under ``result/entry/<i>``
     (``i`` counted by ``result/count``) lets the caller find the last generation's ranks
     (:func:`hora.base.elastic_protocol.elastic_results`)."""
-    from hora.core import basics
     from hora.base import elastic_protocol as protocol
-    from hora.elastic import worker
+    from hora.core import basics
+    from hora.core.session import rendezvous
 
-    plan = worker.current_plan()
+    plan = rendezvous.current_plan()
     gen = plan.gen if plan is not None else 0
     rank, size = (basics.rank(), basics.size()) if basics.is_initialized() else (0, 1)
     store.set(protocol.result_key(gen, rank), result)

@@ -31,15 +31,17 @@ from typing import Any
 import numpy as np
 
 from hora.base.errors import HostsChanged, InternalError
+from hora.elastic.state import Committed
 
 __all__ = ["StateHandler", "HandledState", "VariablesHandler", "keras_handlers", "ElasticIndices", "SamplerHandler",
            "internal_error", "raising_internal", "handler_for"]
 
 
 # -- handlers ---------------------------------------------------------------------------------------
-class StateHandler:
+class StateHandler(Committed):
     """One tracked value of a state: ``save`` copies it, ``restore`` puts the copy back, ``sync`` makes it
-    rank 0's on every rank, ``reset`` follows a new membership (after the job re-formed)."""
+    rank 0's on every rank, ``reset`` follows a new membership (after the job re-formed; nothing by
+    default: most values do not depend on the number of ranks)."""
 
     def __init__(self, value: Any):
         self.value = value
@@ -48,18 +50,6 @@ class StateHandler:
         """Before any handler's :meth:`save`: the collectives a commit needs (a sharded optimizer's copy of
         its neighbour's slice), so that a peer lost during them leaves every handler at the last commit
         rather than some at the new one. Nothing by default."""
-
-    def save(self) -> None:
-        raise NotImplementedError
-
-    def restore(self) -> None:
-        raise NotImplementedError
-
-    def sync(self) -> None:
-        raise NotImplementedError
-
-    def reset(self) -> None:
-        """Nothing by default: most values do not depend on the number of ranks."""
 
     def set_value(self, value: Any) -> None:
         """``state.model = other``: track ``other`` from now on (saved at once, as Horovod does)."""
@@ -98,16 +88,17 @@ class HandledState:
             object.__setattr__(self, name, handler.value)
         return rest
 
-    def save(self) -> None:
-        for handler in self._handlers.values():  # every collective first: a failure leaves nothing half-saved
-            handler.prepare()
+    def _each(self, what: str) -> None:
         for handler in self._handlers.values():
-            handler.save()
+            getattr(handler, what)()
+
+    def save(self) -> None:
+        self._each("prepare")  # every collective first: a failure leaves nothing half-saved
+        self._each("save")
         super().save()
 
     def restore(self) -> None:
-        for handler in self._handlers.values():
-            handler.restore()
+        self._each("restore")
         super().restore()
 
     def sync(self) -> None:
@@ -120,8 +111,7 @@ class HandledState:
         super().sync()
 
     def reset(self) -> None:
-        for handler in self._handlers.values():
-            handler.reset()
+        self._each("reset")
         super().reset()
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -14,10 +14,10 @@ from typing import Any
 
 def poll(state: Any) -> None:
     """Hand ``state`` (``state.on_hosts_updated(timestamp, result)``) the host update it has not seen."""
-    from hora.elastic import worker
+    from hora.core.session import rendezvous
 
-    if not worker.active():
+    if not rendezvous.active():
         return
-    timestamp, result = worker.host_update()
+    timestamp, result = rendezvous.host_update()
     if timestamp and timestamp > getattr(state, "_last_updated_timestamp", 0):
         state.on_hosts_updated(timestamp, result)

@@ -45,7 +45,26 @@ def _core_rank() -> int:
     return basics.rank()
 
 
-class State:
+class Committed:
+    """What a state and each value it tracks do (:class:`State`, :class:`hora.elastic.handlers.StateHandler`)."""
+
+    def save(self) -> None:
+        """Copy the live value to the committed one."""
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        """Roll the live value back to the last commit."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Make every rank's value rank 0's (after a reset; new workers get it here)."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Called after the job re-formed (before a state's reset callbacks); nothing by default."""
+
+
+class State(Committed):
     """Base of every elastic state: commit, restore, sync and the reset callbacks.
 
     Subclasses implement :meth:`save`, :meth:`restore` and :meth:`sync` (and may extend :meth:`reset`).
@@ -78,10 +97,10 @@ class State:
         """Save the state (what a failure rolls back to), then raise ``HostsUpdatedInterrupt`` on every
         rank if the hosts changed. Costs a copy of the state and one small broadcast: commit every few
         batches rather than every one when the state is large."""
-        from hora.elastic import worker
+        from hora.core.session import rendezvous
 
         self.save()
-        worker.committed()
+        rendezvous.committed()
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -106,21 +125,6 @@ class State:
         prev, self._last_updated_timestamp, result = self._bcast_object((prev, newest, int(result)))
         if self._last_updated_timestamp > prev:
             raise HostsChanged(skip_sync=result == HostUpdateResult.removed)
-
-    def save(self) -> None:
-        """Copy the live state to the committed one."""
-        raise NotImplementedError
-
-    def restore(self) -> None:
-        """Roll the live state back to the last commit."""
-        raise NotImplementedError
-
-    def sync(self) -> None:
-        """Make every rank's state rank 0's (after a reset; new workers get it here)."""
-        raise NotImplementedError
-
-    def reset(self) -> None:
-        """Called after the job re-formed, before the reset callbacks; nothing by default."""
 
 
 class ObjectState(State):

@@ -19,6 +19,7 @@ import time
 
 from hora.base.errors import HoraError, HoraValueError, InternalError, MismatchError
 from hora.collectives.reduce import OP_NAMES
+from hora.engine import names as naming
 from hora.engine.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                                 REDUCESCATTER, REMOVE_PS, TUNE, Refusal, Request, Response, error)
 
@@ -53,28 +54,6 @@ def _show(field: str, value) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-_AUTO = ("noname.", "group.noname.")  # automatic names' prefixes (hora.core.ops): an unnamed op's, an unnamed group's
-
-
-def _plain_form(name: str) -> tuple[str, int]:
-    """(group name, form) of a single, ungrouped op named ``name``: where it stands in for a group, the
-    group it stands for. A named op is a group of one (the member of group ``g`` of one is named ``g``:
-    the two match). An unnamed op takes the automatic name ``noname.N`` that an unnamed group in its place
-    takes as ``group.noname.N``; they never match, so a single op is a form of its own there (0: no
-    group has 0 members, since a group of none submits nothing)."""
-    return ("group." + name, 0) if name.startswith("noname.") else (name, 1)
-
-
-def _members(group: str, form: int) -> list[str]:
-    """The names of a rank's part in group ``group`` of form ``form`` (hora.core.ops._group_name)."""
-    return [_plain_name(group)] if form == 0 else [group] if form == 1 else [f"{group}.{i}" for i in range(form)]
-
-
-def _plain_name(group: str) -> str:
-    """The name a single op in group ``group``'s place takes (the inverse of :func:`_plain_form`)."""
-    return group[6:] if group.startswith("group.noname.") else group
-
-
 @dataclasses.dataclass
 class _Failed:
     """A group that ranks submitted with different numbers of members, failed: who sent what (for the
@@ -99,7 +78,7 @@ class _Failed:
             said.append(f"rank {r} submitted {forms}" + (f" (refused at submission: {self.refused[r]})"
                                                          if r in self.refused else ""))
         unnamed = " (an unnamed group: unnamed ops are matched by their order on each rank)" \
-            if self.group.startswith("group.noname.") else ""
+            if naming.is_unnamed_group(self.group) else ""
         return (f"grouped {self.kind} '{self.group}'{unnamed}: " + ", ".join(said)
                 + "; every rank must pass the same number of tensors")
 
@@ -251,7 +230,7 @@ class Coordinator:
         name and different sizes in flight at once, in another order than its peers, is taken for a
         mismatch too (one name, one group at a time)."""
         ps, group = req.ps, req.group
-        g, n = group if group is not None else _plain_form(req.name)
+        g, n = group if group is not None else naming.plain_form(req.name)
         gk = (ps, g)
         if self._failed:
             failed = self._failed.get(gk)
@@ -269,7 +248,7 @@ class Coordinator:
                 seen[rank] = k + 1
                 return False
             seen[rank] = 1
-            if len(forms) == 1 and (ps, _plain_name(g)) not in self.table:  # all alike, no single op
+            if len(forms) == 1 and (ps, naming.plain_name(g)) not in self.table:  # all alike, no single op
                 return False
         elif forms is None:
             return False
@@ -288,9 +267,9 @@ class Coordinator:
         for n, seen in forms.items():
             for r in seen:
                 have.setdefault(r, []).append(n)
-        entry = self.table.get((ps, _plain_name(g)))
+        entry = self.table.get((ps, naming.plain_name(g)))
         if entry is not None:
-            form = _plain_form(_plain_name(g))[1]
+            form = naming.plain_form(naming.plain_name(g))[1]
             for r, q in entry.requests.items():
                 if q.group is None:
                     have.setdefault(r, []).append(form)
@@ -305,8 +284,8 @@ class Coordinator:
         forms = self._forms.pop(gk, {})
         left = {(r, n): n - k for n, seen in forms.items() for r, k in seen.items() if k < n}
         failed = _Failed(req.kind, g, have, left, self._required(ps) - set(have))
-        names = [nm for n in dict.fromkeys(n for f in have.values() for n in f) for nm in _members(g, n)]
-        plain = _plain_name(g)
+        names = [nm for n in dict.fromkeys(n for f in have.values() for n in f) for nm in naming.members(g, n)]
+        plain = naming.plain_name(g)
         for (kps, name), entry in self.table.items():  # the members waiting (and why a rank refused its own)
             if kps == ps and any(q.group[0] == g if q.group is not None else name == plain
                                  for q in entry.requests.values()):
@@ -339,7 +318,7 @@ class Coordinator:
             if type(req) is Refusal:
                 failed.refused[rank] = req.reason
             text = failed.text()
-            for name in _members(gk[1], n):
+            for name in naming.members(gk[1], n):
                 self._fail_name(gk[0], name, text)
         else:
             return False
@@ -427,7 +406,7 @@ class Coordinator:
         (``noname.N``, an unnamed group's ``group.noname.N[.i]``) are never seen twice, so they are not
         cached at all."""
         cache = self.cache
-        if not req.cacheable or cache.capacity == 0 or not self.cache_on or req.name.startswith(_AUTO):
+        if not req.cacheable or cache.capacity == 0 or not self.cache_on or naming.is_auto(req.name):
             return
         if req in cache.bit_of:
             cache.touch(req)

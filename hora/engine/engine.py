@@ -35,29 +35,24 @@ import time
 import numpy as np
 
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
-from hora.engine import autotune, fastpath, inline
+from hora.engine import fastpath
 from hora.engine import messages as m
 from hora.engine.baton import CALLER, NOBODY, Baton
 from hora.engine.interrupts import GATE
 from hora.engine.control import Control
-from hora.engine.coordinator import Coordinator, ResponseCache
-from hora.engine.execute import Executor, Pending, nbytes_of
+from hora.engine.execute import Executor, Pending
+from hora.engine.roles import CoordinatorRole, WorkerRole
+from hora.engine.stats import Stats
 from hora.engine.handles import Handle, HandleTable
-from hora.engine.stall import LONE_GRACE, DataWatch, StallInspector, main_stack
+from hora.engine.stall import LONE_GRACE, DataWatch, main_stack
 from hora.engine.submissions import Submissions
 
 _SPIN_S = 500e-6  # a driving caller's busy look for its response before sleeping (see Engine._spin)
-_NO_RANKS: tuple[int, ...] = ()
 _MAIN = threading.main_thread()  # the only thread whose engine work a signal handler can interrupt
 
 
 class _Stop(Exception):
     pass
-
-
-def _bye_text(rank: int) -> str:
-    return (f"rank {rank} has shut down (hora.shutdown() or the end of its script) while this rank still had "
-            "collectives for it; every rank must run the same collectives")
 
 
 def _told(e: BaseException) -> BaseException:
@@ -66,25 +61,11 @@ def _told(e: BaseException) -> BaseException:
     return e
 
 
-class Stats:
-    """Counters for ``hora.statistics()``: users and tests see fusion and the cache at work."""
-
-    __slots__ = ("cycles", "coordination_messages_sent", "coordination_messages_received",
-                 "collectives", "tensors", "tensors_fused", "bytes_fused", "tensors_inline", "cache_hits",
-                 "tensors_mailbox")
-
-    def __init__(self) -> None:
-        for f in self.__slots__:
-            setattr(self, f, 0)
-
-    def as_dict(self) -> dict[str, int]:
-        return {f: getattr(self, f) for f in self.__slots__}
-
-
 class Engine:
     """One rank's engine. Its parts: the submission queue (``subs``), the baton (``baton``), the control
-    plane (``control``, with one handler per tag in ``_handlers``), on rank 0 the coordinator
-    (``coord``) and the stall inspector (``stall``), and the executor that runs agreed responses."""
+    plane (``control``, with one handler per tag in ``_handlers``), its role (``role``: on rank 0 the
+    coordinator ``coord`` and the stall inspector ``stall``, :mod:`hora.engine.roles`), and the executor
+    that runs agreed responses."""
 
     def __init__(self, comm, topo, cfg: dict, timeline=None):
         self.rank, self.size = topo.rank, topo.size
@@ -93,22 +74,16 @@ class Engine:
         self.stats = Stats()
         self.control = Control(comm, self.size)
         self.executor = Executor(comm, self.rank, self.size, self.stats, timeline)
-        if self.rank == 0:
-            self.coord: Coordinator | None = Coordinator(self.size, cfg["fusion_threshold"], cfg["cache_capacity"])
-            self.cache: ResponseCache | None = None  # the coordinator's cache is rank 0's
-            self.process_sets = self.coord.process_sets  # one table: the coordinator's (see Coordinator)
-            self.stall = None if cfg["stall_check_disable"] else StallInspector(
-                self.coord, self.control, self.rank, self.size, cfg["stall_check_time"], cfg["stall_shutdown_time"])
-            self._payloads: dict[tuple[int, str], dict[int, bytes]] = {}  # inline inputs of other ranks
-        else:
-            self.coord, self.stall = None, None
-            self.cache = ResponseCache(cfg["cache_capacity"])
-            self.process_sets: dict[int, tuple[int, ...]] = {0: tuple(range(self.size))}
+        # rank 0 coordinates, every other rank follows it: the two roles' differences live in hora.engine.roles
+        self.role = (CoordinatorRole if self.rank == 0 else WorkerRole)(self, cfg)
+        self.coord, self.stall = self.role.coord, self.role.stall  # (None on a worker)
+        self.cache = self.role.cache  # a worker's copy of the response cache (None on rank 0: the coordinator's)
+        self.process_sets: dict[int, tuple[int, ...]] = self.role.process_sets
         self._cycle_s = cfg["cycle_time"] / 1000
         self.subs = Submissions(self._cycle_s)
         # autotune: rank 0 searches (hora.engine.autotune); every rank records the settings it applied, with
         # the number of tensors it had run by then (the same on every rank of a global-set job)
-        self.tuner = autotune.create(cfg, self.size) if self.rank == 0 else None
+        self.tuner = self.role.tuner(cfg)
         self.tuned: list[tuple[int, tuple]] = []
         self._unsent: list[Pending] = []  # taken from the queue, not yet sent to the coordinator
         self._batch_start = 0.0
@@ -122,9 +97,10 @@ class Engine:
         # the rank it waits for
         self._spin_ok = getattr(topo, "local_size", self.size) <= len(os.sched_getaffinity(0))
         # one handler per control message tag; those in m.URGENT also run in the middle of a collective
-        self._handlers = {m.REQUESTS: self._on_requests, m.RESPONSES: self._on_responses, m.ABORT: self._on_abort,
-                          m.STACK_QUERY: self._on_stack_query, m.STACK_REPLY: self._on_stack_reply,
-                          m.STALL_FATAL: self._on_stall_fatal, m.BYE: self._on_bye, m.DATA_STALL: self._on_data_stall}
+        self._handlers = {m.REQUESTS: self.role.on_requests, m.RESPONSES: self.role.on_responses,
+                          m.ABORT: self._on_abort, m.STACK_QUERY: self._on_stack_query,
+                          m.STACK_REPLY: self._on_stack_reply, m.STALL_FATAL: self._on_stall_fatal,
+                          m.BYE: self._on_bye, m.DATA_STALL: self._on_data_stall}
         self.handles.drive = self._drive
         # The engine thread sleeps in epoll on the wake pipe and on a nested epoll holding the control
         # connections. A driving caller switches the nested one off for its session: otherwise every
@@ -406,10 +382,7 @@ class Engine:
             raise StallError(f"stall shutdown: rank {self.rank} has waited {self._quiet_s:g} s for rank 0 (the "
                              "coordinator) to answer, which would have shut a stall down by now; is rank 0 "
                              "frozen (stopped, swapping, stuck in a system call)?")
-        if self.coord is not None:
-            if self.stall is not None:
-                self.stall.check()
-            responses = self._coordinate()
+        responses = self.role.responses(responses)
         for resp in responses:
             self._execute(resp)
         if responses and self._quiet_s:  # time this rank spent running them is no silence of rank 0's
@@ -442,55 +415,15 @@ class Engine:
         if not flush and time.monotonic() < self._batch_start + self._cycle_s:
             return
         batch, self._unsent = self._unsent, []
-        if self.coord is not None:
-            for p in batch:
-                self._tl_negotiate(p.req, self.rank)
-                self.coord.submit(self.rank, p.req)
-            return
-        full, bits, payloads = [], [], {}
-        thr = self.cfg["inline_threshold"]
-        for p in batch:
-            data = inline.payload(p, thr)
-            if data is not None:
-                payloads[(p.req.ps, p.req.name)] = data
-            bit = self.cache.bit_of.get(p.req) if p.req.cacheable else None
-            if bit is None:
-                full.append(p.req)
-            else:
-                bits.append(bit)
-                self.stats.cache_hits += 1
-        self.control.send(0, (m.REQUESTS, self.rank, full, bits, payloads))
-        self.stats.coordination_messages_sent += 1
+        self.role.send(batch)
 
     # -- control messages: one handler per tag (self._handlers) --------------------------------
     def _on_unknown(self, peer: int, msg) -> None:
         raise InternalError(f"rank {self.rank}: unknown control message {msg[0]!r} from rank {peer}")
 
-    def _on_requests(self, peer: int, msg) -> None:
-        self.stats.coordination_messages_received += 1
-        _, rank, full, bits, payloads = msg
-        for key, data in payloads.items():
-            self._payloads.setdefault(key, {})[rank] = data
-        for req in full:
-            self._tl_negotiate(req, rank)
-            self.coord.submit(rank, req)
-        for bit in bits:
-            self._tl_negotiate(self.coord.cache.lookup(bit), rank)
-            self.coord.submit_bit(rank, bit)
-
-    def _on_responses(self, peer: int, msg) -> list[m.Response]:
-        self.stats.coordination_messages_received += 1
-        _, responses, additions, evictions = msg
-        for bit, req in additions:  # additions first: a bit may be added and evicted in one batch
-            self.cache.add(bit, req)
-        for bit in evictions:
-            self.cache.evict(bit)
-        return responses
-
     def _on_abort(self, peer: int, msg) -> None:
         _, dead, text = msg[:3]
-        if self.coord is not None:  # rank 0 passes the news on to everyone else
-            self._spread_abort(PeerLostError(text, rank=dead))
+        self.role.relay_abort(PeerLostError(text, rank=dead))  # rank 0 passes the news on to everyone else
         raise _told(PeerLostError(f"rank {self.rank}: {text.split(': ', 1)[-1]}", rank=dead))
 
     def _on_stack_query(self, peer: int, msg) -> None:
@@ -503,8 +436,7 @@ class Engine:
     def _on_stall_fatal(self, peer: int, msg) -> None:
         """The stall shutdown: from rank 0's inspector, or (to rank 0, which passes it on) from a rank
         that waited too long for a peer's data."""
-        if self.coord is not None:
-            self.control.tell([p for p in self.control.peers if p != peer], msg)
+        self.role.relay(peer, msg)
         raise _told(StallError(msg[1]))
 
     def _on_data_stall(self, peer: int, msg) -> None:
@@ -533,21 +465,7 @@ class Engine:
         """Rank ``msg[1]`` shut down on purpose (its connection's close is already expected, see
         :class:`Control`). Work that still needs it fails with a ShutdownError: on rank 0 the tensors
         waiting for it; elsewhere everything, since rank 0 coordinates."""
-        rank = msg[1]
-        if self.coord is None:  # ends this engine once the responses already received have run
-            self._leaving = ShutdownError(_bye_text(rank))
-            return
-        self._fail_departed()
-
-    def _fail_departed(self) -> None:
-        """Rank 0: fail at once every request, waiting now or submitted later, of a process set that holds
-        a rank which has shut down (``control.departed``); it will never submit its part."""
-        coord, departed = self.coord, self.control.departed
-        for (ps, name), _entry in list(coord.table.items()):
-            gone = departed.intersection(coord.process_sets.get(ps, ()))
-            if gone:
-                del coord.table[(ps, name)]
-                coord.ready.append(m.error(ps, name, ShutdownError, f"'{name}': {_bye_text(min(gone))}"))
+        self.role.on_bye(msg[1])
 
     def _on_ctrl_during_data(self, peer: int, msg) -> None:
         """A message read while a collective waits for data: urgent ones are handled at once (they may
@@ -557,40 +475,6 @@ class Engine:
             self._handlers[msg[0]](peer, msg)
         else:
             self._inbox.append((peer, msg))
-
-    # -- rank 0: coordination ------------------------------------------------------------------
-    def _coordinate(self) -> list[m.Response]:
-        coord = self.coord
-        if self.control.departed and coord.table:
-            self._fail_departed()  # requests that came after a rank's goodbye
-        responses, additions, evictions = coord.take(nbytes_of)
-        if responses:
-            responses = inline.answer(responses, self._payloads, self.subs.local, coord.ranks_of, self.rank,
-                                      self.cfg["inline_threshold"])
-            if self.tuner is not None:
-                switch = self.tuner.observe(responses, time.monotonic())
-                if switch is not None:  # every rank applies it after this batch's collectives
-                    responses.append(m.Response(m.TUNE, 0, (), value=tuple(switch)))
-                if self.tuner.done:
-                    self.tuner = None  # the settings stay fixed: no more cost per batch
-        if not responses and not evictions:
-            return []
-        tl = self.executor.timeline
-        if tl is not None:
-            for resp in responses:
-                for name in resp.names:
-                    tl.negotiate_end(name)
-        departed = self.control.departed
-        for peer in range(1, self.size):
-            if peer in departed:  # it shut down: the errors for it have nobody to go to
-                continue
-            mine, adds, evicts = coord.share(peer, responses, additions, evictions)
-            if mine or adds or evicts:
-                self.control.send(peer, (m.RESPONSES, mine, adds, evicts))
-                self.stats.coordination_messages_sent += 1
-        # rank 0 also gets every error: an error on a set it is not in completes nothing here
-        return [r for r in responses if self.rank in coord.ranks_of(r.ps)
-                or r.kind in (m.ADD_PS, m.REMOVE_PS, m.ERROR)]
 
     def _tl_negotiate(self, req, rank: int) -> None:
         tl = self.executor.timeline
@@ -604,9 +488,7 @@ class Engine:
         fusion, cycle_ms, cache = value
         self._cycle_s = cycle_ms / 1000
         self.subs.set_cycle(self._cycle_s)
-        if self.coord is not None:
-            self.coord.fusion_threshold = fusion
-            self.coord.set_cache(cache)
+        self.role.tune(fusion, cache)
         self.tuned.append((self.stats.tensors, value))
 
     def _execute(self, resp: m.Response) -> None:
@@ -630,13 +512,11 @@ class Engine:
             if self.subs.deferred:
                 self.subs.release((resp.ps, resp.names[0]))
             return
-        if kind == m.ADD_PS and self.coord is None:  # rank 0's table is the coordinator's, already updated
-            self.process_sets[resp.value] = tuple(pends[0].req.ranks) if pends[0] else ()
-        elif kind == m.REMOVE_PS:
-            if self.coord is None:
-                self.process_sets.pop(resp.value, None)
-            self.executor.forget(resp.value)
-        ranks = self.coord.ranks_of(resp.ps) if self.coord is not None else self.process_sets.get(resp.ps, _NO_RANKS)
+        if kind in (m.ADD_PS, m.REMOVE_PS):
+            self.role.set_changed(kind, resp.value, pends[0])
+            if kind == m.REMOVE_PS:
+                self.executor.forget(resp.value)
+        ranks = self.role.ranks_of(resp.ps)
         if kind not in (m.ADD_PS, m.REMOVE_PS, m.JOIN) and self.rank not in ranks:
             return
         self._running = resp

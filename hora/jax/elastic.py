@@ -17,6 +17,7 @@ carrying hora's in its text; :func:`run` recognises it, as the TensorFlow bindin
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -26,23 +27,16 @@ import hora.core.basics as _basics
 from hora.kit import frontend as _frontend
 from hora.kit.compressors import compressor_handler
 from hora.elastic.handlers import HandledState, raising_internal
-from hora.elastic import ObjectState, run_fn
+from hora.elastic import ObjectState, reset, run_fn
 from hora.jax.functions import broadcast_object, broadcast_parameters
 
 __all__ = ["run", "JaxState"]
 
 
-def _reset() -> None:
-    from hora.elastic.run import _reset as join_next  # the module, not hora.elastic's run()
-
-    _frontend.shutdown()
-    join_next()
-
-
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate ``func(state, ...)``: roll back on a lost peer (also one raised inside ``jax.jit``), keep the
     state on a change of hosts, re-form the job, sync from rank 0 and call ``func`` again."""
-    return run_fn(raising_internal(func), _reset)
+    return run_fn(raising_internal(func), functools.partial(reset, _frontend.shutdown))
 
 
 class JaxState(HandledState, ObjectState):

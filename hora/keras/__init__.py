@@ -14,7 +14,8 @@ from hora.core.basics import (cross_rank, cross_size, init, is_homogeneous, is_i
 from hora.core.build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
                                mpi_threads_supported, nccl_built, rocm_built)
 from hora.core.ops import Adasum, Average, Sum
-from hora.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from hora.core.sets import add_process_set, remove_process_set
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.keras import callbacks
 from hora.keras.compression import Compression
 from hora.keras.functions import (allgather, allreduce, broadcast, broadcast_global_variables, broadcast_variables,

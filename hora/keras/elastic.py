@@ -18,6 +18,7 @@ Keras 3 cannot shorten an epoch from a callback, so a ``fit`` resumed mid-epoch 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import keras
@@ -27,7 +28,7 @@ from hora.kit import frontend as _frontend
 from hora.core import ops as _core
 from hora.kit.compressors import compressor_handler
 from hora.elastic.handlers import HandledState, keras_handlers, raising_internal
-from hora.elastic import ObjectState, run_fn
+from hora.elastic import ObjectState, reset, run_fn
 from hora.keras.callbacks import _sync
 from hora.keras.flavour import Flavoured, is_tf_keras
 from hora.keras.functions import broadcast_variables
@@ -35,17 +36,10 @@ from hora.keras.functions import broadcast_variables
 __all__ = ["run", "KerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
 
 
-def _reset() -> None:
-    from hora.elastic.run import _reset as join_next  # the module, not hora.elastic's run()
-
-    _frontend.shutdown()
-    join_next()
-
-
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate ``func(state, ...)`` (which calls ``fit``): roll back on a lost peer, keep the state on a
     change of hosts, re-form the job, sync from rank 0 and call ``func`` again."""
-    return run_fn(raising_internal(func), _reset)
+    return run_fn(raising_internal(func), functools.partial(reset, _frontend.shutdown))
 
 
 def _bcast_object(obj):

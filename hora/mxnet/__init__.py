@@ -17,7 +17,8 @@ from hora.core.basics import (cross_rank, cross_size, is_homogeneous, is_initial
                               rank, size, start_timeline, statistics, stop_timeline)
 from hora.core.build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
                              mpi_threads_supported, nccl_built, rocm_built)
-from hora.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from hora.core.sets import add_process_set, remove_process_set
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.mxnet.compression import Compression
 from hora.mxnet.functions import allgather_object, broadcast_object, broadcast_parameters
 from hora.mxnet.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce, allreduce_,

@@ -101,7 +101,7 @@ class ElasticRayExecutor:
         from hora.transport.auth import new_secret
         from hora.transport.store import StoreServer
 
-        from hora.ray.runner import refuse_ray_client
+        from hora.ray.placement import refuse_ray_client
 
         if not ray.is_initialized():
             raise LaunchError("ElasticRayExecutor.start: Ray is not initialised (call ray.init() first)")
@@ -161,7 +161,7 @@ class ElasticRayExecutor:
     def _env(self, scope: str) -> dict[str, str]:
         """Every worker's environment but its own variables (as ``hora run``'s elastic driver gives it)."""
         from hora.runner.elastic.launch import _common_env
-        from hora.runner.launch import worker_envs
+        from hora.runner.envs import worker_envs
 
         knobs: dict[str, str] = {}  # the driver sets the generations' mesh timeout (HORA_START_TIMEOUT)
         if self.settings.nics:

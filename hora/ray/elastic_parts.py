@@ -134,13 +134,9 @@ class ElasticActor:
 def elastic_place() -> tuple[int, int | None]:
     """This elastic worker's (generation, rank) in its current generation; (0, None) before it has one (a late
     joiner that has not been placed yet is no rank, rank 0 least of all)."""
-    from hora.base import elastic_protocol as protocol
-    from hora.elastic import worker
+    from hora.elastic import place
 
-    plan = worker.current_plan()
-    if plan is None:
-        return 0, None
-    return plan.gen, plan.places[os.environ.get(protocol.ID_VAR, "")].rank
+    return place()
 
 
 class _ActorEnd:
@@ -280,7 +276,7 @@ class ActorPool:
             last = max(g for g, _r, _v in values)
             ranks = sorted(((r, v) for g, r, v in values if g == last), key=lambda t: t[0])
             return [v for _r, v in ranks]
-        from hora.elastic.worker import JobFailed
+        from hora.base.errors import JobFailed
 
         # the last worker that failed of itself (not one told by the driver that the job failed): when
         # worker_fn raised there, that is the job's failure; else (a kill, a reset limit) the driver's reason is

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hora.base.errors import HoraTimeoutError, HoraValueError
+from hora.base.errors import HoraTimeoutError, HoraValueError, NotSupportedError
 from hora.runner import hosts as hostlib
 
 
@@ -109,3 +109,14 @@ def reserve(bundle_list: list[dict[str, float]], strategy: str, timeout_s: float
             f"within placement_group_timeout_s={timeout_s:g}; the cluster has {have} available. Lower "
             "num_workers / cpus_per_worker, or add nodes")
     return pg
+
+
+def refuse_ray_client(who: str) -> None:
+    """Raise NotSupportedError under Ray Client (``ray://``): the store is served by the driver, which the
+    workers may not reach (shared by RayExecutor and ElasticRayExecutor)."""
+    import ray
+
+    if ray.util.client.ray.is_connected():
+        raise NotSupportedError(f"not supported yet: {who} through Ray Client (ray://): the store is served by "
+                                "the driver, which the workers may not reach; run the driver on a node of the "
+                                "cluster (e.g. as a Ray job)")

@@ -42,9 +42,9 @@ def log(info_dict: Any, chief_only: bool = True) -> None:
 
     rank = _rank
     if rank is None:
-        from hora.ray.elastic_parts import elastic_place
+        from hora.elastic import place
 
-        rank = elastic_place()[1]
+        rank = place()[1]
     if chief_only and rank != 0:
         return
     with _lock:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 from hora.base import outcome
 from hora.base.errors import HoraTimeoutError, HoraValueError, LaunchError, NotSupportedError
 from hora.ray import placement
+from hora.ray.placement import refuse_ray_client
 from hora.ray.worker import RayWorker, _Failures
 
 # After one rank raised, how long the others get to finish or fail in turn before they are stopped: they are
@@ -39,17 +40,6 @@ FAILURE_GRACE_S = 15.0
 INLINE_MAX = 100 * 1024
 ELASTIC_ONLY_RUN = ("not supported yet: {what} in an elastic RayExecutor (min_workers): its workers live for one "
                     "run(); use run(), or num_workers for a fixed-size job")
-
-
-def refuse_ray_client(who: str) -> None:
-    """Raise NotSupportedError under Ray Client (``ray://``): the store is served by the driver, which the
-    workers may not reach (shared by RayExecutor and ElasticRayExecutor)."""
-    import ray
-
-    if ray.util.client.ray.is_connected():
-        raise NotSupportedError(f"not supported yet: {who} through Ray Client (ray://): the store is served by "
-                                "the driver, which the workers may not reach; run the driver on a node of the "
-                                "cluster (e.g. as a Ray job)")
 
 
 class Timeout:
@@ -220,7 +210,7 @@ class RayExecutor:
         unless ``extra_env_vars`` names ``CUDA_VISIBLE_DEVICES``."""
         import ray
 
-        from hora.runner.launch import worker_envs
+        from hora.runner.envs import worker_envs
         from hora.transport.auth import new_secret
         from hora.transport.store import StoreServer
 

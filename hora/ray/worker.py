@@ -2,7 +2,7 @@
 
 The driver (:class:`hora.ray.RayExecutor`) makes this class a Ray actor, asks each instance where it runs
 (:meth:`place`), then hands it its rank's environment (:meth:`setup`: the ``HORA_*`` contract of
-:func:`hora.runner.launch.worker_envs`, the job secret included). The environment arrives as an actor-method
+:func:`hora.runner.envs.worker_envs`, the job secret included). The environment arrives as an actor-method
 argument, so the secret travels inside Ray's own channels (token-authenticated; encrypted only with Ray's TLS
 on, see docs/ray.md) and never on a command line; it goes into this process's ``os.environ`` after the process
 started, which ``/proc/<pid>/environ`` does not show. hora reads it when the user's function calls

@@ -17,17 +17,15 @@ a remote host cannot be reached, or is lost during the job (see docs/multihost.m
 from __future__ import annotations
 
 import importlib.metadata
-import os
-from pathlib import Path
 import sys
 import uuid
 from typing import Any
 
-from hora.base import contract
 from hora.runner import hosts as hostlib
 from hora.runner import reaper, ssh
 from hora.runner.cli_args import UsageError, format_help, no_effect, parse, suggest
 from hora.runner.config_file import load as load_config
+from hora.runner.envs import worker_envs  # noqa: F401 - also imported from here by the launchers
 from hora.runner.flags import env_for
 from hora.runner.spawn import HOST_LOST_CODE, LocalJob
 
@@ -51,35 +49,6 @@ def check_build() -> str:
     from hora.check import table
 
     return table()
-
-
-def worker_envs(slots: list[hostlib.Slot], knobs: dict[str, str], store_addr: str, secret: str,
-                scope: str, base: dict[str, str] | None = None, extra: dict[str, str] | None = None
-                ) -> list[dict[str, str]]:
-    """One environment per rank: ours (or ``base``), minus stale aliases, plus the knobs, ``extra`` (what
-    the caller hands every rank, e.g. ``hora.run()``'s store) and the contract. This is where the
-    launcher builds its children's environment, which is what the runner reads ``os.environ`` for."""
-    common = dict(os.environ if base is None else base)
-    for name in contract.TOPOLOGY:
-        common.pop("HOROVOD_" + name, None)
-    for name in knobs:  # a flag beats an inherited HOROVOD_ alias, without a both-are-set warning
-        if name.startswith("HORA_"):
-            common.pop("HOROVOD_" + name[5:], None)
-    common.update(knobs)
-    common.update(extra or {})
-    if common.get(contract.HOROVOD_ALIAS) == "1":  # the shim `horovod` package goes first on the path
-        alias = str(Path(__file__).resolve().parents[1] / "_alias" / "site")
-        common["PYTHONPATH"] = os.pathsep.join(p for p in (alias, common.get("PYTHONPATH", "")) if p)
-    common.update(HORA_SIZE=str(len(slots)), HORA_STORE_ADDR=store_addr, HORA_STORE_SCOPE=scope,
-                  HORA_SECRET=secret, PYTHONUNBUFFERED="1")
-    envs = []
-    for s in slots:
-        env = dict(common)
-        env.update(HORA_RANK=str(s.rank), HORA_LOCAL_RANK=str(s.local_rank),
-                   HORA_LOCAL_SIZE=str(s.local_size), HORA_CROSS_RANK=str(s.cross_rank),
-                   HORA_CROSS_SIZE=str(s.cross_size), HORA_HOSTNAME=s.host)
-        envs.append(env)
-    return envs
 
 
 def _verbose(slots: list[hostlib.Slot], knobs: dict[str, str], store: str, scope: str, noops: list[str],

@@ -70,7 +70,7 @@ def flavour(mpirun: str) -> str:
 def worker_env(values: dict[str, Any], base: dict[str, str] | None = None, extra: dict[str, str] | None = None
                ) -> tuple[dict[str, str], list[str]]:
     """mpirun's environment (ours or ``base``, minus the contract, plus the flags' settings and ``extra``)
-    and the names to forward. Like :func:`hora.runner.launch.worker_envs`, a child's environment built."""
+    and the names to forward. Like :func:`hora.runner.envs.worker_envs`, a child's environment built."""
     env = dict(os.environ if base is None else base)
     for name in contract.ALL:
         env.pop("HORA_" + name, None)

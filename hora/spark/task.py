@@ -26,7 +26,7 @@ from typing import Iterator
 
 from hora.base import contract
 from hora.base.errors import HoraError, LaunchError
-from hora.runner.launch import worker_envs
+from hora.runner.envs import worker_envs
 from hora.spark import supervise
 from hora.spark.layout import layout
 from hora.spark.python import mismatch

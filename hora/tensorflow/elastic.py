@@ -10,6 +10,7 @@ Horovod's does for its own ops' errors.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import tensorflow as tf
@@ -19,24 +20,17 @@ from hora.base.errors import HoraValueError, NotSupportedError
 from hora.kit import frontend as _frontend
 from hora.kit.compressors import compressor_handler
 from hora.elastic.handlers import HandledState, VariablesHandler, keras_handlers, raising_internal
-from hora.elastic import ObjectState, run_fn
+from hora.elastic import ObjectState, reset, run_fn
 from hora.tensorflow.functions import broadcast_variables
 from hora.tensorflow.objects import broadcast_object
 
 __all__ = ["run", "TensorFlowKerasState", "TensorFlowState"]
 
 
-def _reset() -> None:
-    from hora.elastic.run import _reset as join_next  # the module, not hora.elastic's run()
-
-    _frontend.shutdown()
-    join_next()
-
-
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate ``func(state, ...)``: roll back on a lost peer (also one raised inside a ``tf.function``),
     keep the state on a change of hosts, re-form the job, sync from rank 0 and call ``func`` again."""
-    return run_fn(raising_internal(func), _reset)
+    return run_fn(raising_internal(func), functools.partial(reset, _frontend.shutdown))
 
 
 def _eager_only(what: str, session) -> None:

@@ -8,7 +8,8 @@ from hora.core.basics import (cross_rank, cross_size, is_homogeneous, is_initial
                                 rank, size, start_timeline, statistics, stop_timeline)
 from hora.base.errors import (HoraError, HorovodInternalError, HostsUpdatedInterrupt, InternalError,
                                 MismatchError, NotInitializedError, PeerLostError, ShutdownError, StallError)
-from hora.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from hora.core.sets import add_process_set, remove_process_set
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.torch import elastic, hooks
 from hora.core.build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
                                mpi_threads_supported, nccl_built, rocm_built)

@@ -25,6 +25,11 @@ from hora.torch.compression import Compression
 
 __all__ = ["AllreduceState", "allreduce_hook", "compressed", "fp16", "bf16", "check_hook"]
 
+# The leading words are Horovod's: user code and searches depend on them (the optimizers raise it).
+ZERO_GRAD_MSG = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                 "optimizer.synchronize(). Gradients of that backward pass are still being reduced; clearing them "
+                 "now would race with the reduction. Call step() (or synchronize()) first.")
+
 
 class AllreduceState:
     """What :func:`allreduce_hook` needs besides the tensors."""

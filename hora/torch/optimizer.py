@@ -17,20 +17,18 @@ import torch
 
 from hora.base import knobs
 from hora.base.errors import HoraValueError
-from hora.kit.compressors import check_compression_op, is_stateful
+from hora.kit.compressors import StatefulCompressor, check_compression_op, is_stateful
 from hora.kit.frontend import check_optimizer_args, predivide, split_groups
 from hora.core.ops import Adasum, Average
-from hora.core.process_sets import global_process_set
+from hora.core.process_sets import ProcessSet, global_process_set
 from hora.kit.sharding import check_shardable, check_stage
 from hora.torch import compression as _compression, hooks, mpi_ops
 from hora.torch.compression import Compression
+from hora.torch.hooks import ZERO_GRAD_MSG
 
 __all__ = ["DistributedOptimizer"]
 
-# The leading words of these two messages are Horovod's: user code and searches depend on them.
-ZERO_GRAD_MSG = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-                 "optimizer.synchronize(). Gradients of that backward pass are still being reduced; clearing them "
-                 "now would race with the reduction. Call step() (or synchronize()) first.")
+# The leading words of this message (and of hooks.ZERO_GRAD_MSG) are Horovod's: user code and searches depend on them.
 STEP_MSG = ("optimizer.step() called without optimizer.skip_synchronize() context after optimizer.synchronize(). "
             "The gradients are reduced a second time, which costs a full round of communication; wrap step() in "
             "`with optimizer.skip_synchronize():` after calling synchronize() yourself.")
@@ -157,9 +155,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             order = {p: k for k, p in enumerate(self._requires_update)}
             stateful.sort(key=order.__getitem__)
             try:
-                _compression.reduce_step(self._stateful, [p.grad for p in stateful],
-                                         [self._parameter_names[p] for p in stateful], self.op, *self._scales,
-                                         self.process_set)
+                _reduce_stateful(self._stateful, [p.grad for p in stateful],
+                                 [self._parameter_names[p] for p in stateful], self.op, *self._scales,
+                                 self.process_set)
             except Exception as e:  # noqa: BLE001 - raised below, after the reset
                 error = e
         for p, sparse_dim in self._densified.items():
@@ -279,11 +277,118 @@ def _make_groups(groups, params) -> list[tuple]:
     return [g for g in out if g]
 
 
+class _DistributedAdasumOptimizer(_DistributedOptimizer):
+    """``DistributedOptimizer(op=Adasum)``: Horovod's delta semantics.
+
+    Adasum is meant to combine what each rank's optimizer *would do* with its own gradient, so (as Horovod's
+    Adasum optimizer does) the reduction is of the change of the weights, not of the gradient. When a
+    parameter's gradient is ready (after ``backward_passes_per_step`` passes, in the same hook as the gradient
+    path), this rank
+
+    1. remembers the parameter (``start``) and runs the wrapped optimizer's ``step()`` on that parameter alone
+       (its own state: momentum, Adam's moments, ...);
+    2. turns the parameter into its delta, ``new - start``, in place, and starts an Adasum allreduce of it
+       (through the communication hook, so ``compression=`` applies to the delta);
+
+    and ``synchronize()`` (which ``step()`` calls) waits for every delta and sets each parameter to
+    ``start + Adasum(deltas)``; on an error it puts ``start`` back, so a failed step leaves the weights as they
+    were. Between the hook and ``synchronize()`` a parameter holds its delta, as in Horovod. ``step()`` runs the
+    closure, if any, and never steps the optimizer again (the steps ran in the hooks); after
+    ``synchronize()`` it only returns. A parameter without a gradient takes no local step (its delta is zero).
+    ``skip_synchronize()`` is refused, as in Horovod (a gradient changed after ``synchronize()`` would change
+    nothing).
+
+    Its methods, like its base's, are copied into the dynamic subclass of the wrapped optimizer's class that
+    ``DistributedOptimizer`` makes, so they call the base's by name, not through ``super()``.
+    """
+
+    def _submit(self, params):
+        """Step ``params`` locally, each on its own, and start the Adasum of their deltas (one bucket)."""
+        starts = self.__dict__.setdefault("_adasum_start", {})
+        pending = self.__dict__.setdefault("_adasum_pending", [])
+        with torch.no_grad():
+            for p in params:
+                start = starts.get(p)
+                if start is None or start.shape != p.shape or start.dtype != p.dtype:
+                    starts[p] = p.detach().clone()
+                else:
+                    start.copy_(p)
+            _local_step(self, params)
+            for p in params:
+                p.sub_(starts[p])  # p holds its delta until synchronize()
+                pending.append(p)
+        bucket = [(self._parameter_names[p], p.data) for p in params]
+        return [("dense", None, self._comm_hook(self._comm_state, bucket))]
+
+    def synchronize(self) -> None:
+        """Wait for every delta (submitting those whose hooks have not fired) and apply ``start + Adasum``."""
+        if not self._active:
+            return _DistributedOptimizer.synchronize(self)
+        error = None
+        try:
+            _DistributedOptimizer.synchronize(self)
+        except Exception as e:  # noqa: BLE001 - re-raised below, once every parameter is whole again
+            error = e
+        starts, pending = self.__dict__.get("_adasum_start", {}), self.__dict__.get("_adasum_pending", [])
+        with torch.no_grad():
+            for p in pending:
+                (p.copy_ if error is not None else p.add_)(starts[p])
+        pending.clear()
+        if error is not None:
+            raise error
+
+    def step(self, closure=None):
+        """Run ``closure``; then, unless ``synchronize()`` already did, finish the step (see the class)."""
+        if not self._active:
+            return _DistributedOptimizer.step(self, closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._should_synchronize and not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
+        return loss
+
+    def skip_synchronize(self):
+        """Refused, as in Horovod: the local steps already ran during backward, so gradients changed between
+        ``synchronize()`` and ``step()`` (clipping, say) would change nothing."""
+        raise AssertionError("optimizer.skip_synchronize() is not supported with op=hvd.Adasum: the optimizer steps "
+                             "each parameter during backward and reduces the change, so synchronize() already applies "
+                             "the update and gradients changed after it (clipping) would have no effect; call step() "
+                             "alone, or use op=hvd.Average to clip between synchronize() and step()")
+
+
+def _local_step(self, params) -> None:
+    """The wrapped optimizer's step on ``params`` only: every param group keeps just those of its own."""
+    keep = {id(p) for p in params}
+    stashed = [g["params"] for g in self.param_groups]
+    try:
+        for g in self.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) in keep]
+        type(self)._hora_base_step(self)
+    finally:
+        for g, ps in zip(self.param_groups, stashed):
+            g["params"] = ps
+
+
+def _reduce_stateful(compressor: StatefulCompressor, grads: list[torch.Tensor], names: list[str], op: int,
+                     pre: float, post: float, process_set: ProcessSet) -> None:
+    """Reduce a step's dense gradients through ``compressor``, in place (one call for the whole step); the
+    caller hands them in an order every rank shares (the optimizer's parameter order)."""
+    arrays = [mpi_ops._view(g.detach().contiguous(), "DistributedOptimizer", True)[0] for g in grads]
+    # a fixed name: one built from the parameters would differ between ranks handing them in another order
+    out = compressor.reduce(names, arrays, op, pre, post, process_set, name="DistributedOptimizer.compress")
+    with torch.no_grad():
+        for g, a in zip(grads, out):
+            g.copy_(mpi_ops._tensor(a, g.device))
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
                          sparse_as_dense=False, process_set=global_process_set, zero_stage=0):
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged (``op``) over the ranks; with
-    ``op=hvd.Adasum``, the Adasum of each rank's own optimizer step instead (:mod:`hora.torch.adasum`).
+    ``op=hvd.Adasum``, the Adasum of each rank's own optimizer step instead (:class:`_DistributedAdasumOptimizer`).
     ``zero_stage=1`` keeps each rank's optimizer state for its slice of the parameters only, ``2`` the
     reduced gradients too (:mod:`hora.torch.sharded`, docs/sharded_optimizer.md).
 
@@ -305,11 +410,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                             backward_passes_per_step, op, gradient_predivide_factor, groups, sparse_as_dense,
                             process_set, stage)
     base = type(optimizer)
-    namespace = {k: v for k, v in vars(_DistributedOptimizer).items() if k not in ("__dict__", "__weakref__")}
-    if op == Adasum:  # Horovod's delta semantics: the change of the weights is reduced (hora.torch.adasum)
-        from hora.torch.adasum import METHODS
-
-        namespace.update(METHODS)
+    # Adasum: Horovod's delta semantics, the change of the weights is reduced
+    source = _DistributedAdasumOptimizer if op == Adasum else _DistributedOptimizer
+    namespace = {k: v for klass in reversed(source.__mro__[:source.__mro__.index(torch.optim.Optimizer)])
+                 for k, v in vars(klass).items() if k not in ("__dict__", "__weakref__")}
     # torch wraps each optimizer class's step() once to run step hooks; ours is wrapped in turn, so call the
     # base's unwrapped step() or every hook would run twice
     base_step = base.step.__wrapped__ if getattr(base.step, "hooked", False) else base.step

@@ -260,7 +260,7 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._handles:
-            from hora.torch.optimizer import ZERO_GRAD_MSG
+            from hora.torch.hooks import ZERO_GRAD_MSG
 
             raise AssertionError(ZERO_GRAD_MSG)
         for p in self._params:

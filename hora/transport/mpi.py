@@ -41,7 +41,6 @@ import logging
 import os
 import select
 import socket
-import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -52,6 +51,7 @@ from hora.base.errors import CommunicatorClosedError, HoraError, HoraValueError,
 from hora.transport import base
 from hora.transport.base import CommunicatorBase, PendingRequest, timed_out
 from hora.transport.control import CTRL_GRACE
+from hora.transport.mpi_world import load_mpi  # noqa: F401 - where the others import it from
 
 if TYPE_CHECKING:
     from hora.transport.tcp import TcpCommunicator
@@ -62,24 +62,6 @@ _SPIN = 0.05  # s of busy polling after the last completion before waits back of
 _CTRL_EVERY = 0.002  # s between looks at the control plane while spinning
 _MAX_PIECE = 1 << 30  # MPI counts are C ints
 LEFT_GRACE = CTRL_GRACE  # s a wait involving a peer that left goes on: its last messages may be in flight
-
-
-def load_mpi():
-    """``mpi4py.MPI``, initialising MPI on first use, or a clear error when mpi4py is missing."""
-    if "mpi4py.MPI" not in sys.modules:
-        try:
-            import mpi4py
-        except ImportError as e:
-            raise HoraError(
-                "this process was started by mpirun (OMPI_COMM_WORLD_RANK / PMI_RANK is set), and hora then "
-                "takes its ranks, the store address and the job secret from MPI, which needs mpi4py: "
-                "pip install 'hora[mpi]' (or pip install mpi4py; Debian: apt-get install openmpi-bin "
-                "libopenmpi-dev first). Or start the job with `hora run` instead of mpirun") from e
-        if knobs.value("mpi_threads_disable"):
-            mpi4py.rc.thread_level = "serialized"
-    from mpi4py import MPI
-
-    return MPI
 
 
 def pieces(buf: np.ndarray, chunk_bytes: int | None = None) -> list[memoryview]:

@@ -2,14 +2,17 @@
 
 Horovod's ``init(comm=[ranks])`` runs the job on those ranks of ``MPI_COMM_WORLD`` (renumbered 0..n-1 in
 that order), and ``init(comm=<mpi4py communicator>)`` on that communicator's ranks. The launcher detection
-(ranks, hosts, the store's address broadcast) and the MPI transport read the world from here.
+(ranks, hosts, the store's address broadcast) and the MPI transport read the world from here, and
+:func:`load_mpi` is how everything loads mpi4py.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-from hora.base.errors import HoraValueError
+from hora.base import knobs
+from hora.base.errors import HoraError, HoraValueError
 
 _world: list[Any] = []  # the communicator set by init(comm=...), for this initialisation only
 
@@ -25,8 +28,6 @@ def choose(comm: Any) -> None:
     _world.clear()
     if comm is None:
         return
-    from hora.transport.mpi import load_mpi
-
     MPI = load_mpi()
     if isinstance(comm, MPI.Comm):
         if comm == MPI.COMM_NULL:
@@ -75,3 +76,21 @@ def started_by_mpirun() -> bool:
     from hora.base import env
 
     return env.raw("OMPI_COMM_WORLD_RANK") is not None or env.raw("PMI_RANK") is not None
+
+
+def load_mpi():
+    """``mpi4py.MPI``, initialising MPI on first use, or a clear error when mpi4py is missing."""
+    if "mpi4py.MPI" not in sys.modules:
+        try:
+            import mpi4py
+        except ImportError as e:
+            raise HoraError(
+                "this process was started by mpirun (OMPI_COMM_WORLD_RANK / PMI_RANK is set), and hora then "
+                "takes its ranks, the store address and the job secret from MPI, which needs mpi4py: "
+                "pip install 'hora[mpi]' (or pip install mpi4py; Debian: apt-get install openmpi-bin "
+                "libopenmpi-dev first). Or start the job with `hora run` instead of mpirun") from e
+        if knobs.value("mpi_threads_disable"):
+            mpi4py.rc.thread_level = "serialized"
+    from mpi4py import MPI
+
+    return MPI

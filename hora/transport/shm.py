@@ -49,7 +49,7 @@ log = logging.getLogger("hora.transport")
 
 CHUNK_BYTES = 1 << 20  # per rank and slot: 3 MiB per slot at np=2 stays in L2/L3; see benchmarks/allreduce.py
 DESC = 8  # int64 words per rank describing its buffer in shared memory (hora.collectives.shm_ops)
-SLOTS = 3  # a rank fills the next slot while slower ones still read the last (shm_ops.allreduce needs 3)
+SLOTS = 3  # a rank fills the next slot while slower ones still read the last (shm_allreduce.allreduce needs 3)
 # Busy-wait (yielding the core) before sleeping. Waking a futex sleeper costs 100-300 us on the 2-vCPU
 # VMs we measure on, not the 10-50 us of bare metal: an idle vCPU halts and its wake-up goes through
 # the hypervisor. Measured with a 4 KiB allreduce whose second rank arrives late by delta, time after

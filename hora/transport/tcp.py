@@ -69,23 +69,20 @@ class TcpCommunicator(CommunicatorBase):
 
     # -- public point-to-point -------------------------------------------------------------
     def isend(self, peer: int, buf: np.ndarray) -> TcpRequest:
+        return self._queue(peer, buf, self._sendq, self._pump_send)
+
+    def irecv_into(self, peer: int, buf: np.ndarray) -> TcpRequest:
+        return self._queue(peer, buf, self._recvq, self._pump_recv)
+
+    def _queue(self, peer: int, buf: np.ndarray, queues, pump) -> TcpRequest:
+        """A request on ``peer``'s send or receive queue, started at once when the queue was empty."""
         req = self._make(peer, buf)
         if req.done:  # zero bytes: nothing to move (and recv_into would read as EOF)
             return req
-        q = self._sendq[peer]
+        q = queues[peer]
         q.append(req)
         if len(q) == 1:
-            self._pump_send(peer)
-        return req
-
-    def irecv_into(self, peer: int, buf: np.ndarray) -> TcpRequest:
-        req = self._make(peer, buf)
-        if req.done:
-            return req
-        q = self._recvq[peer]
-        q.append(req)
-        if len(q) == 1:
-            self._pump_recv(peer)
+            pump(peer)
         return req
 
     def links(self) -> dict[int, socket.socket]:

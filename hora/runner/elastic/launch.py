@@ -57,7 +57,7 @@ def _first_hosts(settings: dict[str, Any]) -> dict[str, int]:
 def run_elastic(values: dict[str, Any], command: list[str], noops: list[str],
                 extra_env: dict[str, str] | None = None, failures: list | None = None) -> int:
     """Run ``command`` as an elastic job; returns the exit status (``failures`` receives its root cause)."""
-    from hora.runner.launch import worker_envs
+    from hora.runner.envs import worker_envs
     from hora.transport.auth import new_secret
     from hora.transport.store import StoreServer
 

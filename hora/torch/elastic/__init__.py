@@ -14,25 +14,18 @@ docs/elastic.md says how to write an elastic script.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
-from hora.elastic import run_fn
+from hora.elastic import reset, run_fn
+from hora.kit import frontend
 from hora.torch.elastic.sampler import ElasticSampler
 from hora.torch.elastic.state import TorchState, get_handler_registry, set_handler_registry
 
 __all__ = ["run", "TorchState", "ElasticSampler", "get_handler_registry", "set_handler_registry"]
 
 
-def _reset() -> None:
-    """Shut down (forgetting this binding's pending handles) and join the job's next membership."""
-    from hora.kit import frontend
-    from hora.elastic.run import _reset as join_next  # the module, not hora.elastic's run()
-
-    frontend.shutdown()
-    join_next()
-
-
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate ``func(state, ...)``: on a lost peer roll back to the last commit, on a change of hosts keep
     the state; then re-form the job, sync the state from rank 0 and call ``func`` again."""
-    return run_fn(func, _reset)
+    return run_fn(func, functools.partial(reset, frontend.shutdown))

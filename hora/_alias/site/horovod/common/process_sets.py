@@ -1,7 +1,7 @@
 """``horovod.common.process_sets``: hora's process sets under Horovod's names."""
 
-from hora.core.process_sets import (ProcessSet, add_process_set, global_process_set,  # noqa: F401
-                                      remove_process_set)
+from hora.core.process_sets import ProcessSet, global_process_set  # noqa: F401
+from hora.core.sets import add_process_set, remove_process_set  # noqa: F401
 from horovod import _shim
 from horovod.common.util import is_iterable  # noqa: F401
 

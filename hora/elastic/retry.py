@@ -1,4 +1,4 @@
-"""``hora.elastic.run``: the retry loop around a training function.
+"""The retry loop around a training function (``hora.elastic.run``), and :func:`reset`, which bindings call.
 
 Each round: sync the state from rank 0, call the function; on an ``InternalError`` (a lost peer, a failed
 collective) roll back to the last commit and tell the driver the reset follows a failure (it counts those
@@ -12,7 +12,7 @@ ranks that disagreed about syncing would wait on each other for ever. One broadc
 per reset is the price of never hanging and never training on different states.
 
 A worker that joins a running job (a late joiner) runs its code before ``hora.elastic.run`` in a world of
-one (see :func:`hora.elastic.worker.provisional`); entering the loop it joins the job, then runs the state's
+one (see :meth:`hora.core.rendezvous.Rendezvous.provisional`); entering the loop it joins the job, then runs the state's
 reset callbacks, as after any reset.
 
 Only the elastic driver (``hora run --host-discovery-script ...``) can replace a lost peer. Under any other
@@ -29,7 +29,7 @@ import functools
 import logging
 from typing import Any, Callable
 
-from hora.base.errors import HoraError, HoraValueError, HostsChanged, InternalError
+from hora.base.errors import HoraError, HoraValueError, HostsChanged, InternalError, JobFailed
 
 log = logging.getLogger("hora")
 
@@ -41,30 +41,40 @@ NOT_ELASTIC = ("a peer was lost and this job cannot replace it: it was not start
 REJOIN_TRIES = 20  # failed joins in a row before the error is raised (the driver or its store is gone)
 
 
-def _reset() -> None:
+def reset(shutdown: Callable[[], None] | None = None) -> None:
+    """Leave this generation and join the job's next membership: ``shutdown`` (a binding's own, which also
+    forgets its pending handles; the core's by default), then ``init()``, which asks the elastic driver for
+    this worker's next place. What a binding's ``elastic.run`` passes to :func:`run_fn`."""
     from hora.core import basics
 
-    basics.shutdown()
+    (shutdown or basics.shutdown)()
     basics.init()
 
 
-def _elastic() -> bool:
-    from hora.elastic import worker
+def _rendezvous():
+    from hora.core.session import rendezvous
 
-    return worker.active()
+    return rendezvous
+
+
+def place() -> tuple[int, int | None]:
+    """This worker's (generation, rank) in its elastic job's current generation; (0, None) before it has one
+    (a late joiner not placed yet), and outside an elastic job."""
+    return _rendezvous().place()
+
+
+def _elastic() -> bool:
+    return _rendezvous().active()
 
 
 def _provisional() -> bool:
-    from hora.elastic import worker
-
-    return worker.provisional()
+    return _rendezvous().provisional()
 
 
 def _rejoin(reset: Callable[[], None]) -> None:
     """``reset`` until it works: a peer lost while the next generation connects (a timeout, or a connection
     closed in the middle of its handshake) makes the driver form another one, which this worker then joins.
-    Only the driver's own verdict (:class:`hora.elastic.worker.JobFailed`) ends the loop."""
-    from hora.elastic.worker import JobFailed
+    Only the driver's own verdict (:class:`hora.base.errors.JobFailed`) ends the loop."""
 
     for attempt in range(1, REJOIN_TRIES + 1):
         try:
@@ -84,8 +94,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
 
     @functools.wraps(func)
     def wrapper(state, *args: Any, **kwargs: Any) -> Any:
-        from hora.elastic import worker
-
+        worker = _rendezvous()
         if _provisional():
             _rejoin(reset)  # leave the world of one this late joiner started in, join the job
             state.on_reset()  # its pre-run code saw a world of one: the callbacks see the job
@@ -117,4 +126,4 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     ...         ...
     ...         state.commit()
     """
-    return run_fn(func, _reset)
+    return run_fn(func, reset)
