@@ -84,11 +84,12 @@ def _describe(component: list[str], graph: dict[str, set[str]]) -> str:
 KNOWN: dict[frozenset[str], str] = {
     # issue 24 (tf_keras beside Keras 3), merged with this test: the Keras flavour's runtime twin lookup
     # (flavour -> legacy_callbacks -> elastic -> flavour) and hora.keras.functions <-> hora.tensorflow through the
-    # packages' __init__ (functions -> hora.tensorflow -> tensorflow.optimizer -> hora.keras -> functions); the
-    # sharded Keras optimizer joined it (optimizer's factory imports sharded, which subclasses optimizer's class)
+    # packages' __init__ (functions -> hora.tensorflow -> tensorflow.optimizer -> hora.keras -> functions);
+    # the sharded Keras optimizer joined it (the factory imports sharded, which subclasses optimizer's class)
     frozenset({"hora.keras", "hora.keras.callbacks", "hora.keras.elastic", "hora.keras.flavour",
                "hora.keras.functions", "hora.keras.legacy", "hora.keras.legacy_callbacks", "hora.keras.optimizer",
-               "hora.keras.sharded", "hora.tensorflow", "hora.tensorflow.optimizer", "hora.tensorflow.sync_batch_norm"}):
+               "hora.keras.sharded", "hora.tensorflow", "hora.tensorflow.optimizer",
+               "hora.tensorflow.sync_batch_norm"}):
         "issue 24's tf_keras work (branch tfkeras): to be broken by its owner",
 }
 
