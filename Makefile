@@ -1,5 +1,5 @@
 # hora's build: a virtualenv in .venv, set up once and reused.
-#   make setup   create .venv and install hora (editable) with its pytorch, test and mpi extras
+#   make setup   create .venv and install hora (editable) with its pytorch, test, mpi and nccl-cu12 extras
 #   make setup-frameworks   add TensorFlow, Keras 3, JAX (flax, optax) to .venv (what the suite needs)
 #   make setup-mxnet        .venv-mxnet: MXNet 1.9.1 needs numpy<1.24, so it gets its own virtualenv
 #   make test    run the test suite (PYTEST_ARGS='-k ring' to pass arguments to pytest; the MXNet part
@@ -26,6 +26,10 @@ FRAMEWORK_PINS := tensorflow-cpu==2.21.0 keras==3.15.1 jax==0.10.2 jaxlib==0.10.
 # hora.spark's tests: PySpark 4 (needs Java 17/21: openjdk-17-jre-headless in SYSTEM_PACKAGES)
 FRAMEWORK_PINS += pyspark==4.3.0
 FW_STAMP := $(VENV)/.hora-frameworks-stamp
+# Keras 2 for TF_USE_LEGACY_KERAS=1 (hora.keras's tf_keras path), pinned to TensorFlow's minor. Installed with
+# --no-deps: tf-keras requires the `tensorflow` distribution, which would install a second copy of the same
+# files beside tensorflow-cpu.
+TF_KERAS_PIN := tf-keras==2.21.0
 MXVENV := .venv-mxnet
 MXPY := $(MXVENV)/bin/python
 MX_STAMP := $(MXVENV)/.hora-setup-stamp
@@ -52,13 +56,14 @@ $(PY):
 
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e '.[pytorch,test,mpi]'
+	$(PIP) install -q -e '.[pytorch,test,mpi,nccl-cu12]'
 	touch $@
 
 setup-frameworks: setup $(FW_STAMP)
 
 $(FW_STAMP): $(STAMP)
 	$(PIP) install -q $(TORCH_PIN) $(FRAMEWORK_PINS)
+	$(PIP) install -q --no-deps $(TF_KERAS_PIN)
 	touch $@
 
 # hora without torch: its core on NumPy 1.23, and the mxnet binding (the same checkout check as setup's)

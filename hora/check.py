@@ -85,8 +85,36 @@ def transports() -> list[tuple[str, bool, str]]:
         ("MPI", bool(mpi4py), mpi_detail),
         ("hierarchical (shared memory + TCP)", shm_ok and _found("hora.transport.hierarchical"),
          "several hosts with the same number (>1) of ranks each; HORA_HIERARCHICAL_ALLREDUCE=0 turns it off"),
-        ("NCCL", False, "not yet: GPU collectives"),
+        _nccl_row(),
+        _cuda_row(),
     ]
+
+
+def _nccl_row() -> tuple[str, bool, str]:
+    from hora.base import knobs
+    from hora.base.errors import HoraError
+    from hora.transport import nccl_lib
+    try:
+        lib = nccl_lib.load(knobs.value("nccl_library"))
+    except HoraError as e:
+        return ("NCCL (GPU tensors)", False, f"GPU tensors take the staged path: {str(e)[:300]}")
+    missing = [f for f, ok in lib.features().items() if not ok]
+    return ("NCCL (GPU tensors)", True, f"NCCL {lib.version_text} from the {lib.origin} ({lib.path})"
+            + (f"; without {', '.join(missing)}" if missing else ""))
+
+
+def _cuda_row() -> tuple[str, bool, str]:
+    from hora.base import knobs
+    from hora.base.errors import HoraError
+    from hora.transport import cuda
+    try:
+        rt = cuda.load(knobs.value("nccl_library"))
+        n = rt.device_count()
+        runtime, driver = rt.versions()
+    except HoraError as e:
+        return ("CUDA devices", False, str(e)[:200])
+    buses = ", ".join(rt.pci_bus_id(d) for d in range(min(n, 8)))
+    return ("CUDA devices", n > 0, f"{n} device(s) {buses}; runtime {runtime}, driver {driver} ({rt.path})")
 
 
 def launchers() -> list[tuple[str, bool, str]]:

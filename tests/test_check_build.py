@@ -30,7 +30,12 @@ def test_python_m_hora_check_and_hora_run_cb_print_the_same_table():
     out = a.stdout
     for title in ("Available Frameworks:", "Available Transports:", "Available Launchers:", "Available Features:"):
         assert title in out
-    assert "[X] TCP" in out and "[ ] NCCL" in out and "JAX" in out and "[X] torchrun" in out
+    assert "[X] TCP" in out and "JAX" in out and "[X] torchrun" in out
+    from hora.transport import nccl_lib
+    if nccl_lib.wheel_candidates():  # make setup installs nvidia-nccl-cu12: its version and where it lies
+        lib = nccl_lib.load()
+        assert f"[X] NCCL (GPU tensors)                  NCCL {lib.version_text} from the wheel ({lib.path})" in out
+    assert "CUDA devices" in out
     if importlib.util.find_spec("torch"):
         assert f"[X] PyTorch     {importlib.metadata.version('torch')}" in out
     if importlib.util.find_spec("mpi4py"):

@@ -3,6 +3,10 @@ script is (``import horovod.torch as hvd`` would be the only change).
 
     hora run -np 2 python examples/pytorch/train_digits.py      # two workers (`make demo`)
     python examples/pytorch/train_digits.py                     # one worker, no launcher needed
+    hora run -np 2 python examples/pytorch/train_digits.py --cuda   # one GPU per local rank
+
+With ``--cuda`` each rank trains on GPU ``local_rank`` (modulo the GPUs it sees) and the gradients are
+reduced on the GPU through NCCL; ranks that share a GPU take hora's staged path instead (one warning says so).
 
 Each rank trains on its own shard of the training set (DistributedSampler). DistributedOptimizer averages
 the gradients over the ranks during backward; broadcast_parameters and broadcast_optimizer_state start all
@@ -10,6 +14,7 @@ ranks from rank 0's model. Loss and accuracy are averaged over the ranks, so eve
 rank 0 prints.
 """
 
+import argparse
 import os
 import time
 
@@ -49,7 +54,17 @@ def metric_average(value, name):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cuda", action="store_true", help="train on GPU local_rank (NCCL reduces the gradients)")
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
+    args = parser.parse_args()
     hvd.init()
+    device = torch.device("cpu")
+    if args.cuda:
+        if not torch.cuda.is_available():
+            raise SystemExit("--cuda: torch sees no CUDA device (a CPU build of torch, or no driver)")
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(SEED)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))  # ranks share this host's cores
     start = time.perf_counter()
@@ -61,9 +76,9 @@ def main():
     train = TensorDataset(x_train, y_train)
     sampler = DistributedSampler(train, num_replicas=hvd.size(), rank=hvd.rank(), seed=SEED)
     loader = DataLoader(train, batch_size=BATCH, sampler=sampler)
-    x_test_mine, y_test_mine = x_test[hvd.rank()::hvd.size()], y_test[hvd.rank()::hvd.size()]
+    x_test_mine, y_test_mine = x_test[hvd.rank()::hvd.size()].to(device), y_test[hvd.rank()::hvd.size()].to(device)
 
-    model = Net()
+    model = Net().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR * hvd.size())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -71,12 +86,13 @@ def main():
 
     if hvd.rank() == 0:
         print(f"training on {len(train)} digits with {hvd.size()} rank(s): {len(loader)} steps of "
-              f"{BATCH * hvd.size()} each")
-    for epoch in range(1, EPOCHS + 1):
+              f"{BATCH * hvd.size()} each on {device}")
+    for epoch in range(1, args.epochs + 1):
         model.train()
         sampler.set_epoch(epoch)  # a different shuffle each epoch, the same on every rank
         total = 0.0
         for data, target in loader:
+            data, target = data.to(device), target.to(device)
             optimizer.zero_grad()
             loss = F.cross_entropy(model(data), target)
             loss.backward()
@@ -89,7 +105,7 @@ def main():
         counts = hvd.allreduce(torch.tensor([float(correct), float(len(y_test_mine))]), op=hvd.Sum, name="test")
         accuracy = (counts[0] / counts[1]).item()
         if hvd.rank() == 0:
-            print(f"epoch {epoch:2d}/{EPOCHS}  loss {train_loss:.4f}  test accuracy {accuracy:.4f}")
+            print(f"epoch {epoch:2d}/{args.epochs}  loss {train_loss:.4f}  test accuracy {accuracy:.4f}")
 
     if hvd.rank() == 0:
         print(f"final test accuracy {accuracy:.4f} ({time.perf_counter() - start:.1f} s)")

@@ -79,6 +79,7 @@ def _one_of(*values: str) -> dict[str, Any]:
 
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+_GPU_OPS = ("auto", "NCCL", "MPI", "GLOO", "STAGED")
 TRANSPORTS = ("auto", "tcp", "shm", "mpi", "hierarchical")  # as hora/transport/registry.py names them
 
 
@@ -160,6 +161,20 @@ KNOBS = [
          "MASTER_PORT+1, srun's job and step ids)", 1, lambda v: 0 <= v <= 65535, "0-65535"),
     Knob("elastic", bool, False, "ELASTIC", None,
          "set by the elastic driver: the job may change size, so collectives run even at size 1"),
+    # GPU tensors (hora.engine.device_exec, docs/gpu.md): Horovod reads its GPU_* names when it is built; hora at
+    # run time, so they act here
+    Knob("gpu_operations", str, "auto", "GPU_OPERATIONS", None,
+         "GPU tensors' collectives: auto or NCCL (NCCL where it can serve, else the staged path with a warning "
+         "saying why), or MPI, GLOO or STAGED (always the staged path: device -> pinned host -> hora's host "
+         "collectives -> device)", **_one_of(*_GPU_OPS), group="library"),
+    *[Knob(f"gpu_{op}", str, "", f"GPU_{op.upper()}", None,
+           f"GPU {op}s only: as gpu_operations ('' = follow it)",
+           check=lambda v: str(v).lower() in {x.lower() for x in ("",) + _GPU_OPS},
+           allowed="empty, " + ", ".join(_GPU_OPS), group="library")
+      for op in ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")],
+    Knob("nccl_library", str, "", "NCCL_LIBRARY", None,
+         "the libnccl.so.2 to load ('' = the nvidia-nccl-cu12/cu13 wheel's, then the system's); "
+         "python:MODULE loads a stand-in written in Python (the tests' CPU-backed one)", group="library"),
     # timeline
     Knob("timeline", str, "", "TIMELINE", "--timeline-filename",
          "Chrome-trace file written by rank 0 ('' = off; DYNAMIC = only start_timeline())",

@@ -35,6 +35,9 @@ class _State:
         from hora.engine.engine import Engine
 
         self.engine = Engine(comm, topo, self.cfg, timeline)  # holds the timeline from now on
+        from hora.engine.device_exec import DeviceExecutor  # GPU tensors; loads no CUDA library until one comes
+
+        self.engine.executor.gpu = DeviceExecutor(self.engine.executor, store, prefix, topo, self.engine.subs.kick)
         self.groups: dict[int, list[int]] = {}  # grouped handles
         self.barriers: dict[int, int] = {}  # barrier count per process set (names them)
         self.ps_calls = 0  # add/remove_process_set calls (names them)

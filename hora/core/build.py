@@ -1,8 +1,10 @@
 """What this installation was "built" with, answered truthfully in Horovod's terms.
 
-hora has no compiled extension: its TCP transport plays the part of Horovod's Gloo, there is no NCCL, CUDA,
-ROCm, DDL or oneCCL code; MPI (through mpi4py) carries the collectives of jobs started by mpirun when the
-MPI transport is chosen (``mpi_enabled()``).
+hora has no compiled extension: its TCP transport plays the part of Horovod's Gloo; MPI (through mpi4py)
+carries the collectives of jobs started by mpirun when the MPI transport is chosen (``mpi_enabled()``). NCCL
+and CUDA are loaded at run time through ``ctypes`` (docs/gpu.md): ``nccl_built()`` is the version of the NCCL
+library hora would load (0 when there is none), ``cuda_built()`` says whether a CUDA runtime library works, and
+``gpu_available()`` whether it sees a device. There is no ROCm, DDL or oneCCL code.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import functools
 from hora.base.errors import HoraValueError
 
 __all__ = ["mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled", "nccl_built",
-           "ddl_built", "ccl_built", "cuda_built", "rocm_built"]
+           "ddl_built", "ccl_built", "cuda_built", "rocm_built", "gpu_available"]
 
 
 @functools.cache
@@ -62,8 +64,16 @@ def gloo_enabled() -> bool:
 
 
 def nccl_built() -> int:
-    """The NCCL version hora was built with: 0, none."""
-    return 0
+    """The version code of the NCCL library GPU tensors would go through (``NCCL_VERSION_CODE``: 2.32.3 is
+    23203), found as hora.transport.nccl_lib says; 0 when none loads (GPU tensors then take the staged path)."""
+    from hora.base import knobs
+    from hora.base.errors import HoraError
+    from hora.transport import nccl_lib
+    try:
+        major, minor, patch = nccl_lib.load(knobs.value("nccl_library")).version
+    except HoraError:
+        return 0
+    return major * 10000 + minor * 100 + patch
 
 
 def ddl_built() -> bool:
@@ -75,7 +85,24 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    return False
+    """True when a CUDA runtime library loads (the framework's, a wheel's or the system's) and finds a driver
+    it can work with: hora can then take GPU tensors, through NCCL or the staged path."""
+    from hora.base import knobs
+    from hora.base.errors import HoraError
+    from hora.transport import cuda
+    try:
+        cuda.load(knobs.value("nccl_library")).device_count()
+    except HoraError:
+        return False
+    return True
+
+
+def gpu_available(ext: str | None = None) -> bool:
+    """True when a CUDA device is visible (Horovod's ``horovod.common.util.gpu_available``; ``ext``, the
+    framework's name there, changes nothing: hora has one GPU path for every framework)."""
+    from hora.base import knobs
+    from hora.transport import cuda
+    return cuda.device_count(knobs.value("nccl_library")) > 0
 
 
 def rocm_built() -> bool:

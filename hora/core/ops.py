@@ -17,12 +17,13 @@ import time
 
 import numpy as np
 
+from hora.base.device import DeviceArray, as_device_array
 from hora.base.errors import HoraError, HoraValueError, NotSupportedError
 from hora.collectives.adasum import check_dtype as adasum_dtype
 from hora.collectives.reduce import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, check_dtype
 from hora.engine import messages as m
 from hora.core.basics import state
-from hora.engine.execute import Pending
+from hora.engine.execute import Pending, dtype_of
 from hora.engine.handles import Handle
 from hora.core.process_sets import ProcessSet, global_process_set
 
@@ -178,7 +179,9 @@ def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False
     never reaches the engine (only a notice that it was refused does, see :func:`_refusing`)."""
     ps = _ps_id(process_set, st, kind)
     a = None
-    if kind in _DATA_KINDS:
+    if kind in _DATA_KINDS and type(array) is not np.ndarray and (dev := as_device_array(array, what=kind)):
+        a = _device_input(st, dev, kind, fields)  # a GPU tensor: a DeviceArray, or any DLPack CUDA producer
+    elif kind in _DATA_KINDS:
         a = array if type(array) is np.ndarray else _as_array(array, kind, inplace)
         dtype = check_dtype(a.dtype, kind)
         if fields.get("op") == Adasum:
@@ -199,6 +202,18 @@ def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False
     req = (m.SetRequest if kind in (m.ADD_PS, m.REMOVE_PS) else m.Request)(full, kind, ps=ps, **fields)
     handle = st.engine.handles.new(f"{kind}.{full}", finish)
     return Pending(req, handle, a, inplace, flush)
+
+
+def _device_input(st, a: DeviceArray, kind: str, fields: dict) -> DeviceArray:
+    """A GPU tensor's checks and request fields; its submission is marked on the framework's stream."""
+    dtype = check_dtype(dtype_of(a.dtype), kind)
+    if fields.get("op") == Adasum:
+        adasum_dtype(dtype, kind)
+    if kind in (m.ALLGATHER, m.ALLTOALL, m.REDUCESCATTER) and a.ndim == 0:
+        raise HoraValueError(f"{kind}: a scalar has no first dimension; reshape it to (1,)")
+    fields.update(dtype=dtype, shape=tuple(a.shape), device=True)
+    st.engine.executor.gpu.submitted(a)
+    return a
 
 
 _DATA_KINDS = frozenset({m.ALLREDUCE, m.ALLGATHER, m.BROADCAST, m.ALLTOALL, m.REDUCESCATTER})
@@ -493,7 +508,8 @@ def alltoall_async(array, splits=None, name: str | None = None,
                    process_set: ProcessSet = global_process_set, *, _flush: bool = False) -> int:
     st = state()
     n = len(st.engine.process_sets[_ps_id(process_set, st, m.ALLTOALL)])
-    a = array if type(array) is np.ndarray else _as_array(array, m.ALLTOALL, False)
+    a = array if type(array) in (np.ndarray, DeviceArray) else (as_device_array(array, what=m.ALLTOALL)
+                                                                 or _as_array(array, m.ALLTOALL, False))
     if a.ndim == 0:
         raise HoraValueError("alltoall: a scalar cannot be split; give an array with a first dimension")
     if splits is None:

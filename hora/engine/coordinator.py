@@ -23,11 +23,11 @@ from hora.engine.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIE
                                 REDUCESCATTER, REMOVE_PS, TUNE, Refusal, Request, Response, error)
 
 _COMPARED = {  # fields that must agree across ranks, by op kind
-    ALLREDUCE: ("op", "dtype", "shape", "pre", "post", "layout"),
-    REDUCESCATTER: ("op", "dtype", "shape", "pre", "post"),
-    BROADCAST: ("dtype", "shape", "root"),
-    ALLGATHER: ("dtype", "trailing"),
-    ALLTOALL: ("dtype", "trailing"),
+    ALLREDUCE: ("op", "dtype", "shape", "pre", "post", "layout", "device"),
+    REDUCESCATTER: ("op", "dtype", "shape", "pre", "post", "device"),
+    BROADCAST: ("dtype", "shape", "root", "device"),
+    ALLGATHER: ("dtype", "trailing", "device"),
+    ALLTOALL: ("dtype", "trailing", "device"),
     BARRIER: (),
     JOIN: (),
     ADD_PS: ("ranks",),
@@ -44,6 +44,8 @@ def _field(req: Request, field: str):
 def _show(field: str, value) -> str:
     if field == "op":
         return OP_NAMES.get(value, str(value))
+    if field == "device":
+        return "the GPU" if value else "the host"
     if field == "trailing":
         return f"{value[1]}-d with dimensions after the first {value[3]}"
     if field in ("shape", "ranks"):
@@ -374,6 +376,10 @@ class Coordinator:
                     label = "dimensions" if f == "trailing" else {
                         "pre": "prescale factor", "post": "postscale factor",
                         "layout": "a packed buffer whose tensors' shapes or dtypes differ: layout"}.get(f, f)
+                    if f == "device":
+                        return self._error(ps, name, f"{first.kind} '{name}': rank {r} sent a tensor on {_show(f, a)}, "
+                                                     f"rank {first_rank} one on {_show(f, b)}; every rank must give "
+                                                     "a GPU tensor, or every rank a host one", first)
                     return self._error(ps, name, f"{first.kind} '{name}': rank {r} sent {label} "
                                                  f"{_show(f, a)}, rank {first_rank} sent {_show(f, b)}", first)
         if self.joined and ps == 0 and first.kind not in (ALLREDUCE, BARRIER):
@@ -383,10 +389,12 @@ class Coordinator:
         kind = first.kind
         if kind == ALLGATHER:
             rows = tuple(reqs[r].shape[0] if r in reqs else 0 for r in self.process_sets[ps])
-            return Response(kind, ps, (name,), dtype=first.dtype, shapes=(first.shape,), rows=(rows,))
+            return Response(kind, ps, (name,), dtype=first.dtype, shapes=(first.shape,), rows=(rows,),
+                            device=first.device)
         if kind == ALLTOALL:
             matrix = tuple(reqs[r].splits for r in self.process_sets[ps])
-            return Response(kind, ps, (name,), dtype=first.dtype, shapes=(first.shape,), rows=matrix)
+            return Response(kind, ps, (name,), dtype=first.dtype, shapes=(first.shape,), rows=matrix,
+                            device=first.device)
         if kind == ADD_PS:
             for pid, existing in self.process_sets.items():
                 if existing == first.ranks:
@@ -412,7 +420,7 @@ class Coordinator:
         # handle is still waited on; counting it as joined gave a wrong sum on the inline path)
         joined = tuple(r for r in sorted(self.joined) if r not in reqs) if ps == 0 and kind == ALLREDUCE else ()
         return Response(kind, ps, (name,), op=first.op, dtype=first.dtype, shapes=(first.shape,),
-                        root=first.root, pre=first.pre, post=first.post, joined=joined)
+                        root=first.root, pre=first.pre, post=first.post, joined=joined, device=first.device)
 
     def _cache(self, req: Request) -> None:
         """Give ``req`` a bit (evicting the least recently used entry when full). Auto-named ops
@@ -464,7 +472,7 @@ class Coordinator:
         open_: dict[tuple, int] = {}
         for resp in self.ready:
             if resp.kind == ALLREDUCE and self.fusion_threshold > 0:
-                key = (resp.ps, resp.op, resp.dtype, resp.pre, resp.post, resp.joined)
+                key = (resp.ps, resp.op, resp.dtype, resp.pre, resp.post, resp.joined, resp.device)
                 n = nbytes_of(resp.dtype, resp.shapes[0])
                 i = open_.get(key)
                 if i is not None and sizes[i] + n <= self.fusion_threshold:

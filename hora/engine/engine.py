@@ -179,6 +179,8 @@ class Engine:
         finally:  # whatever happened above, this engine's handles and descriptors are released
             err = ShutdownError("hora was shut down before this collective ran; call hora.init() again")
             self.handles.fail_all(self.subs.broken or err)
+            if self.executor.gpu is not None:
+                self.executor.gpu.close()
             self.baton.poke()
             self.subs.close()
             self._ep.close()
@@ -325,6 +327,8 @@ class Engine:
                 text = (f"rank {self.rank}: the engine of rank {self.rank} failed ({what}); it can run no more "
                         "collectives")
                 self.control.tell(self.control.peers, (m.ABORT, self.rank, text))
+        if self.executor.gpu is not None:  # no rank stays inside NCCL: abort its communicators
+            self.executor.gpu.fail(cause)
         self.handles.fail_all(cause)
 
     def _spread_abort(self, e: PeerLostError) -> None:
@@ -401,6 +405,8 @@ class Engine:
         if responses and self._quiet_s:  # time this rank spent running them is no silence of rank 0's
             self._heard = time.monotonic()
         if self._leaving is not None:  # rank 0 said goodbye: what it sent before has run; nothing more will
+            if self.executor.gpu is not None:  # GPU collectives it took part in have run on its side: ours finish
+                self.executor.gpu.settle()
             self.handles.fail_all(subs.fail(self._leaving, replace=True))
             raise _Stop
 

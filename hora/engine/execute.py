@@ -108,6 +108,7 @@ class Executor:
         self.scratch = ring.Scratch()
         self.fusion = np.empty(0, np.uint8)
         self._subs: dict[int, SubCommunicator] = {}
+        self.gpu = None  # hora.engine.device_exec.DeviceExecutor, set at init
         # shared memory's and hierarchical's collectives, assembled a layer up from what the transport hands
         # out (imported here: `import hora` loads no transport module until init)
         from hora.collectives import native
@@ -152,6 +153,9 @@ class Executor:
         self.stats.collectives += 1
         self.stats.tensors += len(resp.names)
         op_name = self._activity[kind]
+        if resp.device:  # GPU tensors: NCCL or the staged path (hora.engine.device_exec)
+            self.gpu.run(resp, pends, comm, op_name)
+            return
         getattr(self, "_" + kind)(resp, pends, comm, op_name)
 
     def inline_result(self, resp, pends) -> None:

@@ -72,7 +72,7 @@ class FastPath:
         req, e = p.req, self.engine
         a = p.array
         if (type(req) is not m.Request or req.kind != m.ALLREDUCE or req.ps != 0 or req.group is not None
-                or req.op == Adasum or a is None or not self._idle()):
+                or req.op == Adasum or a is None or req.device or not self._idle()):
             return False
         cache = e.cache if e.coord is None else e.coord.cache
         bit = cache.bit_of.get(req)

@@ -33,7 +33,7 @@ from hora.engine.execute import Pending, dtype_of
 def payload(pend: Pending, threshold: int) -> bytes | None:
     """What a rank sends with its request for ``pend``: its input, if it is a small allreduce."""
     a = pend.array
-    if threshold <= 0 or pend.req.kind != m.ALLREDUCE or a is None or a.nbytes > threshold:
+    if threshold <= 0 or pend.req.kind != m.ALLREDUCE or a is None or a.nbytes > threshold or pend.req.device:
         return None
     return a.tobytes()
 
@@ -86,6 +86,8 @@ def _answer_one(resp: m.Response, sent: dict, local: dict, ranks: tuple[int, ...
             return None
         return local[(resp.ps, name)].array if r == me else sent[name][r]
 
+    if resp.device:  # GPU tensors never travel with their negotiation (hora.engine.device_exec runs them)
+        return [resp]
     fast, slow = split(resp, [ready(n) for n in resp.names])
     out = [] if fast is None else [m.with_data(fast, reduce(fast, ranks, inputs))]
     return out if slow is None else out + [slow]

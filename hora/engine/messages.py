@@ -58,6 +58,7 @@ class Request(NamedTuple):
     # a packed buffer's layout (hora.kit.packing): the digest of the shapes and dtypes packed into it, which
     # the buffer's own shape no longer shows; compared across ranks like the shape (0: not packed)
     layout: int = 0
+    device: bool = False  # a GPU tensor (hora.engine.device_exec runs it); every rank must agree
 
     @property
     def cacheable(self) -> bool:
@@ -117,6 +118,7 @@ class Response(NamedTuple):
     rows: tuple = ()  # allgather: per name, dim 0 of every rank; alltoall: the splits matrix
     joined: tuple = ()  # allreduce under join: joined ranks that never submitted it (they send the op's identity)
     value: object = None  # join: last rank to join; add/remove_process_set: the set's id
+    device: bool = False  # GPU tensors: hora.engine.device_exec runs it
     data: bytes | None = None  # allreduce of small tensors: the result, computed by the coordinator (inline)
 
 

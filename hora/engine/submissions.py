@@ -36,9 +36,9 @@ class Submissions:
         self._wakes = 0  # bytes written to the pipe and not yet read
         self.broken: BaseException | None = None  # why the engine failed; later submissions raise it
         self.stopping = False  # shutdown() began: no more submissions
-        # A refusal whose name is still in flight from an earlier refusal (a rank refusing the same input
-        # in a loop, faster than its peers reach the name): its peers will submit that name again, so
-        # it waits here until the first one's error response, then is queued (:meth:`release`).
+        # A submission whose name is still in flight from this rank's refusal (a rank refusing an input and
+        # going on to the same name, faster than its peers reach the name): its peers will submit that name
+        # again, so it waits here until the refusal's error response, then is queued (:meth:`release`).
         self.deferred: dict[tuple[int, str], list[Pending]] = {}
 
     def set_cycle(self, seconds: float) -> None:
@@ -56,8 +56,10 @@ class Submissions:
             seen: set[tuple[int, str]] = set()
             for key, pend in zip(keys, pends):
                 flying = self.local.get(key) or self.pending.get(key)
-                if len(pends) == 1 and type(pend.req) is Refusal and flying is not None \
-                        and type(flying.req) is Refusal:
+                if len(pends) == 1 and flying is not None and type(flying.req) is Refusal:
+                    # this rank's own refusal of the name is still in flight (its peers have not all reached
+                    # the name): what comes next under the name, refused or not, waits for that refusal's
+                    # error response, or it would be matched with the peers' refusals (issue 24's hang)
                     self.deferred.setdefault(key, []).append(pend)  # released by that refusal's error response
                     return
                 if key in self.local or key in self.pending or key in seen:

@@ -8,6 +8,8 @@ that state back (``model.jax_state_sync()``), which is also how it makes the tra
 ``momentum_correction``: accepted, no effect. Horovod rescales the momentum for the one batch whose rate
 changed; a Keras 3 optimizer's ``momentum`` is a Python number read when the train step is traced, so
 changing it later would not reach the compiled step.
+
+Under ``TF_USE_LEGACY_KERAS=1`` each class makes its ``tf_keras`` twin (:mod:`hora.keras.legacy_callbacks`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import keras
 import hora.core.basics as _basics
 from hora.base.errors import HoraValueError
 from hora.kit import schedules as _fk
+from hora.keras.flavour import Flavoured
 from hora.keras.functions import broadcast_variables
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
@@ -30,7 +33,7 @@ def _sync(model) -> None:
         sync()
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class BroadcastGlobalVariablesCallback(Flavoured, keras.callbacks.Callback):
     """Broadcast the model's and the optimizer's variables from ``root_rank`` when training begins, so every
     rank starts from the same weights (random or restored) and optimizer state.
 
@@ -64,7 +67,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = True
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(Flavoured, keras.callbacks.Callback):
     """Average the epoch's metrics over the ranks at the end of each epoch (in one allreduce), so that
     callbacks after it (``ReduceLROnPlateau``, ``ModelCheckpoint``, TensorBoard) see the job's values. Put it
     before them in the list. ``device``: accepted, no effect."""
@@ -78,7 +81,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs.update(_fk.average_logs(logs))
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(Flavoured, keras.callbacks.Callback):
     """Between ``start_epoch`` and ``end_epoch`` (exclusive) set the rate to ``initial_lr * multiplier(epoch)``:
     at each epoch's start with ``staircase``, else at each batch with the fractional epoch
     ``epoch + batch / steps_per_epoch`` (taken from Keras when not given). A constant ``multiplier`` ``c`` is
@@ -142,12 +145,13 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}.")
 
 
-class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+class BestModelCheckpoint(Flavoured, keras.callbacks.ModelCheckpoint):
     """Save the model whenever ``monitor`` improves (``save_best_only``), on rank 0 only. Horovod's estimators
     set the path afterwards; here give it as ``filepath=`` (hora's addition) or set ``.filepath`` before
-    ``fit``."""
+    ``fit``. The positional order is ``horovod.keras``'s (``mode`` third; ``save_weights_only`` is hora's,
+    by keyword); ``hora.tensorflow.keras.callbacks.BestModelCheckpoint`` has ``horovod.tensorflow.keras``'s."""
 
-    def __init__(self, monitor='val_loss', verbose=0, save_weights_only=False, mode='auto', save_freq='epoch',
+    def __init__(self, monitor='val_loss', verbose=0, mode='auto', save_freq='epoch', *, save_weights_only=False,
                  filepath=None):
         path = filepath if filepath is not None else \
             ("best.weights.h5" if save_weights_only else "best.keras")  # replaced by .filepath before fit

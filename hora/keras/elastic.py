@@ -29,6 +29,7 @@ from hora.kit.compressors import compressor_handler
 from hora.elastic.handlers import HandledState, keras_handlers, raising_internal
 from hora.elastic import ObjectState, run_fn
 from hora.keras.callbacks import _sync
+from hora.keras.flavour import Flavoured, is_tf_keras
 from hora.keras.functions import broadcast_variables
 
 __all__ = ["run", "KerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
@@ -54,18 +55,23 @@ def _bcast_object(obj):
 class KerasState(HandledState, ObjectState):
     """``KerasState(model, optimizer=None, **kwargs)``: the model's variables and the optimizer's
     (``model.optimizer`` when not given), plus plain values as attributes; a ``Compression.topk/powersgd``
-    compressor among them keeps its state in place. ``backend``: accepted, no effect (Keras 3 has one
-    backend per process)."""
+    compressor among them keeps its state in place; a ``tf_keras`` (Keras 2) model works too. ``backend``:
+    accepted, no effect (Keras 3 has one backend per process)."""
 
     def __init__(self, model, optimizer=None, backend=None, **kwargs: Any):
         self.backend = backend
-        handlers = keras_handlers(model, optimizer, lambda vs: broadcast_variables(vs, 0, name="KerasState"),
-                                  lambda: _sync(model))
+        if is_tf_keras(model):  # Keras 2: tf.Variables, through hora.tensorflow
+            from hora.tensorflow.functions import broadcast_variables as tf_broadcast
+
+            handlers = keras_handlers(model, optimizer, lambda vs: tf_broadcast(vs, 0))
+        else:
+            handlers = keras_handlers(model, optimizer, lambda vs: broadcast_variables(vs, 0, name="KerasState"),
+                                      lambda: _sync(model))
         rest = self._take_handlers(kwargs, compressor_handler, handlers)
         super().__init__(bcast_object=_bcast_object, get_rank=_basics.rank, **rest)
 
 
-class CommitStateCallback(keras.callbacks.Callback):
+class CommitState:
     """Commit ``state`` after every ``batches_per_commit`` batches (a commit also raises
     ``HostsUpdatedInterrupt`` when the hosts changed, which ends ``fit`` for :func:`run` to re-form).
 
@@ -84,7 +90,7 @@ class CommitStateCallback(keras.callbacks.Callback):
             self.batches_remaining = self.batches_per_commit
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class UpdateBatchState:
     """``state.batch`` = the index of the last batch done in this epoch (Horovod's value); 0 at the end of
     each epoch."""
 
@@ -99,7 +105,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochState:
     """``state.epoch`` = the number of epochs done, counted from the ``state.epoch`` that ``fit`` started
     at: right whether ``fit`` was given ``initial_epoch=state.epoch`` or ``epochs=EPOCHS - state.epoch``."""
 
@@ -117,3 +123,16 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.state.epoch = (self._offset or 0) + epoch + 1
+
+
+# the callbacks: the logic above on Keras 3's Callback (tf_keras's under TF_USE_LEGACY_KERAS=1, Flavoured)
+class CommitStateCallback(Flavoured, CommitState, keras.callbacks.Callback):
+    __doc__ = CommitState.__doc__
+
+
+class UpdateBatchStateCallback(Flavoured, UpdateBatchState, keras.callbacks.Callback):
+    __doc__ = UpdateBatchState.__doc__
+
+
+class UpdateEpochStateCallback(Flavoured, UpdateEpochState, keras.callbacks.Callback):
+    __doc__ = UpdateEpochState.__doc__

@@ -17,6 +17,7 @@ from hora.kit.frontend import grouped_viewed, resolve_op, viewed
 from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.keras.compression import Compression
+from hora.keras.flavour import legacy_requested, tf_keras
 from hora.keras.optimizer import DistributedOptimizer
 
 __all__ = ["allreduce", "allgather", "broadcast", "reducescatter", "broadcast_variables",
@@ -78,7 +79,14 @@ def broadcast_variables(variables, root_rank: int, process_set: ProcessSet = glo
 
 
 def broadcast_global_variables(root_rank):
-    """Horovod's TF1-session call; Keras 3 keeps no global variable collection to broadcast."""
+    """Horovod's TF1-session call. Keras 2 (``TF_USE_LEGACY_KERAS=1``) in graph mode: broadcast the default
+    graph's global variables through Keras's session, as Horovod; in eager mode Horovod's RuntimeError (use
+    the callback or ``broadcast_variables``). Keras 3 keeps no global variable collection to broadcast."""
+    if legacy_requested():
+        import hora.tensorflow as hvd_tf
+
+        op = hvd_tf.broadcast_global_variables(root_rank)  # RuntimeError in eager mode, as Horovod's
+        return tf_keras().backend.get_session().run(op)
     raise NotSupportedError(
         "not supported yet: broadcast_global_variables(root_rank) broadcasts a TF1 session's global variables, "
         "which Keras 3 does not have; use callbacks.BroadcastGlobalVariablesCallback(root_rank) in model.fit, or "
@@ -89,7 +97,13 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
                legacy_opts=False):
     """``keras.models.load_model(filepath)`` with the model's optimizer wrapped in :func:`DistributedOptimizer`
     (state included), so training resumes distributed. ``custom_optimizers``: optimizer classes the file may
-    name; ``legacy_opts``: Keras 3 has no legacy optimizers, so only False is accepted."""
+    name; ``legacy_opts``: Keras 3 has no legacy optimizers, so only False is accepted. With
+    ``TF_USE_LEGACY_KERAS=1`` the model is loaded by ``tf_keras`` (:func:`hora.keras.legacy.load_model`, where
+    ``legacy_opts`` means ``tf_keras.optimizers.legacy``)."""
+    if legacy_requested():
+        from hora.keras import legacy
+
+        return legacy.load_model(filepath, custom_optimizers, custom_objects, compression, legacy_opts)
     if legacy_opts:
         raise NotSupportedError("not supported yet: legacy_opts=True (Keras 3 has no legacy optimizers)")
     objects = dict(custom_objects or {})

@@ -44,6 +44,7 @@ from hora.core.ops import Average
 from hora.core.process_sets import ProcessSet, global_process_set
 from hora.keras import dispatch
 from hora.keras.compression import Compression
+from hora.keras.flavour import is_tf_keras
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
@@ -260,18 +261,39 @@ def _wrap(optimizer, settings: _Settings):
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='', compression=Compression.none,
-                         sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
-                         backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0, groups=None,
+                         sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, num_groups=0, groups=None,
+                         *, backward_passes_per_step=1, average_aggregated_gradients=False,
                          process_set=global_process_set, scale_local_gradients=True):
-    """Wrap a Keras 3 optimizer so that each step applies gradients reduced (``op``) over the ranks.
+    """Wrap a Keras 3 optimizer (or a ``tf_keras`` one: :mod:`hora.keras.legacy`) so that each step applies
+    gradients reduced (``op``) over the ranks. The positional order is ``horovod.keras``'s (``num_groups``
+    after ``op``); the arguments Horovod has only in ``horovod.tensorflow.keras`` are keywords here, and
+    ``hora.tensorflow.keras.DistributedOptimizer`` takes them in that module's order.
 
     ``device_dense``/``device_sparse``: accepted, no effect (hora reduces on the host). ``name``: the prefix
     of the collectives' names (default ``Distributed<Class>``).
 
     >>> model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size())), loss=...)
     """
+    return distributed_optimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                                 gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
+                                 num_groups, groups, process_set, scale_local_gradients)
+
+
+def distributed_optimizer(optimizer, name=None, device_dense='', device_sparse='', compression=Compression.none,
+                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
+                          backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0, groups=None,
+                          process_set=global_process_set, scale_local_gradients=True):
+    """:func:`DistributedOptimizer` with every argument, in ``horovod.tensorflow.keras``'s order."""
+    if is_tf_keras(optimizer):  # Keras 2 code (TF_USE_LEGACY_KERAS=1): Horovod's own way
+        from hora.keras import legacy
+
+        return legacy.DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression,
+                                           sparse_as_dense, gradient_predivide_factor, op, backward_passes_per_step,
+                                           average_aggregated_gradients, num_groups, groups, process_set,
+                                           scale_local_gradients)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise HoraValueError(f"DistributedOptimizer: expected a Keras 3 optimizer, got {type(optimizer).__name__}; "
+        raise HoraValueError(f"DistributedOptimizer: expected a Keras 3 optimizer (or a tf_keras one), got "
+                             f"{type(optimizer).__name__}; "
                              "for a tf.compat.v1.train.Optimizer use hora.tensorflow.DistributedOptimizer")
     if isinstance(optimizer, _DistributedOptimizer):
         raise HoraValueError("DistributedOptimizer: this optimizer is already distributed; wrapping it twice "
@@ -302,7 +324,14 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense='', device_sp
                                 scale_local_gradients=True):
     """:func:`DistributedOptimizer` whose ``local_layers``' (a layer or layers) gradients are not reduced:
     each rank applies its own (divided by the size with ``scale_local_gradients``), for model parallelism."""
-    wrapped = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+    if is_tf_keras(optimizer):
+        from hora.keras import legacy
+
+        return legacy.PartialDistributedOptimizer(
+            optimizer, name, device_dense, device_sparse, compression, sparse_as_dense, gradient_predivide_factor,
+            op, backward_passes_per_step, average_aggregated_gradients, groups, process_set, local_layers,
+            scale_local_gradients)
+    wrapped = distributed_optimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
                                    gradient_predivide_factor, op, backward_passes_per_step,
                                    average_aggregated_gradients, 0, groups, process_set, scale_local_gradients)
     layers = [] if local_layers is None else [local_layers] if isinstance(local_layers, keras.layers.Layer) \

@@ -21,11 +21,20 @@ from hora.tensorflow.objects import allgather_object, broadcast_object, broadcas
 from hora.tensorflow.ops_more import alltoall, barrier, grouped_reducescatter, join, reducescatter
 # the training wrappers (branch tf-train)
 from hora.tensorflow.functions import broadcast_variables
+from hora.tensorflow.gradient_aggregation import LocalGradientAggregationHelper, LocalGradientAggregationHelperEager
 from hora.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from hora.tensorflow.optimizer import DistributedOptimizer
 from hora.tensorflow.sync_batch_norm import SyncBatchNormalization
 from hora.tensorflow.v1 import BroadcastGlobalVariablesHook, broadcast_global_variables
 from hora.tensorflow import elastic
+
+
+def _executing_eagerly() -> bool:
+    """True when TensorFlow runs eagerly here (not tracing a ``tf.function``, not in a v1 graph): Horovod's
+    private helper, which its tests and some scripts call."""
+    import tensorflow as tf
+
+    return tf.executing_eagerly()
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank", "cross_rank",
@@ -40,6 +49,7 @@ __all__ = [
     "broadcast_object", "broadcast_object_fn", "allgather_object", "Compression",
     "broadcast_variables", "broadcast_global_variables", "BroadcastGlobalVariablesHook", "DistributedOptimizer",
     "DistributedGradientTape", "PartialDistributedGradientTape", "SyncBatchNormalization", "elastic",
+    "LocalGradientAggregationHelper", "LocalGradientAggregationHelperEager",
     "HorovodInternalError", "HostsUpdatedInterrupt", "HoraError", "InternalError", "MismatchError",
     "NotInitializedError", "PeerLostError", "ShutdownError", "StallError",
 ]

@@ -4,7 +4,8 @@ In eager mode the host function runs at once on the tensors' NumPy values (no op
 reach the caller as they are: ``HorovodInternalError``, ``MismatchError``...). In a graph (``tf.function`` or a
 v1 ``tf.compat.v1.Graph``) it becomes ``tf.numpy_function(..., stateful=True)``: stateful calls in one
 ``tf.function`` run in program order (the same order on every rank) and are never pruned. That call loses
-the static shape, which is put back here. A step's gradients must go out in one grouped call: each host call
+the static shape, which is put back here. hora's errors are TensorFlow's too (:mod:`.errors`).
+A step's gradients must go out in one grouped call: each host call
 costs ~55 µs inside a ``tf.function``.
 
 Two graph-time rules live here because every op needs them:
@@ -30,6 +31,7 @@ from tensorflow.python.ops import control_flow_util
 import hora.core.ops as _core
 from hora.base.errors import HoraError, NotSupportedError
 from hora.core.process_sets import ProcessSet, global_process_set
+from hora.tensorflow.errors import as_tf_error
 
 __all__ = ["host_call", "grouped_allreduce", "op_name", "in_graph", "traced", "XLA_MESSAGE"]
 
@@ -61,8 +63,9 @@ def traced(fn):
         try:
             return fn(*args, **kwargs)
         except HoraError as e:
-            e.ag_pass_through = True
-            raise
+            out = as_tf_error(e)  # tf.errors' class too (hora.tensorflow.errors)
+            out.ag_pass_through = True
+            raise out from e.__cause__
     return op
 
 
@@ -144,7 +147,10 @@ def host_call(fn, inputs: list, touts: list, shapes: list | None = None, name: s
     Calls that must run alone (``broadcast_`` for a hook, the ``*_op`` queries) pass False."""
     inputs = [tf.convert_to_tensor(t) for t in inputs]
     if not in_graph():
-        outs = fn(*[t.numpy() for t in inputs])
+        try:
+            outs = fn(*[t.numpy() for t in inputs])
+        except HoraError as e:
+            raise as_tf_error(e) from e.__cause__
         return [tf.convert_to_tensor(np.asarray(o), dtype=d) for o, d in zip(outs, touts)]
     graph = tf.compat.v1.get_default_graph()
     _check_xla(graph)

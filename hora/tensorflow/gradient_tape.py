@@ -198,6 +198,21 @@ class _DistributedGradientTape:
         return tf.nest.pack_sequence_as(grads, out)
 
 
+class _PartialDistributedGradientTape(_DistributedGradientTape):
+    """:class:`_DistributedGradientTape` with Horovod's split of the gradients into local and global ones."""
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None,
+                                       use_generic_names: bool = False) -> tuple[list, list]:
+        """``gradient()``'s results as two lists of ``(source, gradient)`` pairs, in the order of
+        ``sources``: those of the registered local sources (kept on this rank) and the rest (reduced)."""
+        sources = list(sources)
+        grads = self.gradient(target, sources, output_gradients, use_generic_names)
+        local, shared = [], []
+        for s, g in zip(sources, grads):
+            (local if id(s) in self._hora_reducer.local else shared).append((s, g))
+        return local, shared
+
+
 def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str = "", compression=Compression.none,
                             sparse_as_dense: bool = False, op: int = Average, gradient_predivide_factor: float = 1.0,
                             num_groups: int = 0, groups=None, process_set: ProcessSet = global_process_set,
@@ -209,10 +224,14 @@ def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str
     >>> tape = hvd.DistributedGradientTape(tape)
     >>> grads = tape.gradient(loss, model.trainable_variables)
     """
-    reducer = GradientReducer("DistributedGradientTape", compression, sparse_as_dense, op, gradient_predivide_factor,
-                              num_groups, groups, process_set, device_dense, device_sparse, scale_local_gradients)
+    return _wrap_tape(gradtape, _DistributedGradientTape, GradientReducer(
+        "DistributedGradientTape", compression, sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
+        process_set, device_dense, device_sparse, scale_local_gradients))
+
+
+def _wrap_tape(gradtape, mixin: type, reducer: GradientReducer):
     base = type(gradtape)
-    cls = type(base.__name__, (_DistributedGradientTape, base), {"__module__": base.__module__})
+    cls = type(base.__name__, (mixin, base), {"__module__": base.__module__})
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)  # the same recording: sources watched so far stay watched
     tape._hora_reducer = reducer
@@ -225,9 +244,11 @@ def PartialDistributedGradientTape(gradtape, device_dense: str = "", device_spar
                                    process_set: ProcessSet = global_process_set, local_layers=None,
                                    scale_local_gradients: bool = True):
     """:func:`DistributedGradientTape` whose ``local_layers`` (a layer or a list of layers, e.g. a model
-    parallel part) keep their trainable weights' gradients local."""
-    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
-                                   gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
+    parallel part) keep their trainable weights' gradients local; ``get_local_and_global_gradients`` returns the
+    two kinds apart, as Horovod's."""
+    tape = _wrap_tape(gradtape, _PartialDistributedGradientTape, GradientReducer(
+        "DistributedGradientTape", compression, sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
+        process_set, device_dense, device_sparse, scale_local_gradients))
     layers = [] if local_layers is None else local_layers if isinstance(local_layers, (list, tuple)) else [local_layers]
     for layer in layers:
         for v in layer.trainable_weights:

@@ -9,6 +9,7 @@ are checked when the op is built (traced), and a refused one tells the peers (:f
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 import hora.kit.frontend as _fe
@@ -24,6 +25,22 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "gr
 
 _DTYPES = (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16, tf.float32, tf.float64,
            tf.bool)
+# uint16 is moved (allgather, broadcast, alltoall: Horovod's dtypes for them), never reduced; the core moves
+# it bit for bit as int16 (:func:`movable`, :func:`restored`)
+_MOVE_ONLY = (tf.uint16,)
+_MOVERS = ("allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall")
+_MOVED_AS = {np.dtype(np.uint16): np.dtype(np.int16)}
+
+
+def movable(array: np.ndarray) -> np.ndarray:
+    """``array`` as the core moves it: a uint16 array viewed as int16 (the same bytes)."""
+    as_ = _MOVED_AS.get(array.dtype)
+    return array if as_ is None else array.view(as_)
+
+
+def restored(out, like: np.ndarray):
+    """The core's result for input ``like`` in ``like``'s dtype again (see :func:`movable`)."""
+    return out.view(like.dtype) if like.dtype in _MOVED_AS else out
 
 
 # -- inputs ---------------------------------------------------------------------------------------
@@ -37,9 +54,10 @@ def _view(tensor, what: str) -> tf.Tensor:
     except (TypeError, ValueError) as e:
         raise HoraValueError(f"{what}: expected a tf.Tensor or tf.Variable, got {type(tensor).__name__} ({e})") \
             from None
-    if t.dtype not in _DTYPES:
+    if t.dtype not in _DTYPES and not (t.dtype in _MOVE_ONLY and what in _MOVERS):
+        moved = ", and uint16 for allgather, broadcast and alltoall" if what not in _MOVERS else " or uint16"
         raise HoraValueError(f"{what}: tensor type {t.dtype.name} is not supported; use uint8, int8, int16, int32, "
-                             "int64, float16, bfloat16, float32, float64 or bool")
+                             f"int64, float16, bfloat16, float32, float64 or bool{moved}")
     return t
 
 
@@ -105,7 +123,8 @@ def _allreduce(tensors: list, op: int, pre: float, post: float, name, process_se
 def _sparse_allreduce(slices: tf.IndexedSlices, op: int, pre: float, post: float, name, process_set,
                       ignore_name_scope: bool) -> tf.IndexedSlices:
     """Horovod's allreduce of IndexedSlices: every rank's indices and values gathered (one allgather, rows
-    packed by :func:`frontend.pack_sparse`), the values divided by the set's size for Average."""
+    packed by :func:`frontend.pack_sparse`), the values divided by the set's size for Average (integer
+    values then become floats, as TensorFlow's division and Horovod's make them)."""
     name = op_name("Allgather", slices.values, name, ignore_name_scope)
     try:
         if op not in (Average, Sum):
@@ -119,13 +138,18 @@ def _sparse_allreduce(slices: tf.IndexedSlices, op: int, pre: float, post: float
         raise
     indices = tf.convert_to_tensor(slices.indices)
 
+    # Average divides as TensorFlow's ``/`` does (Horovod's ``values / size``): integer values become floats
+    # (float32 up to 16 bits, float64 beyond), not rows truncated one by one
+    out_dtype = values.dtype if op != Average or values.dtype.is_floating else \
+        (tf.float32 if values.dtype.size <= 2 else tf.float64)
+
     def run(v, i):
         rows, cols = _fe.pack_sparse(i, v)
         idx, vals = _fe.unpack_sparse(_core.allgather(rows, name, process_set), cols, tuple(v.shape[1:]))
         if op == Average:
-            vals = (vals / process_set.size()).astype(vals.dtype)
+            vals = (vals / process_set.size()).astype(out_dtype.as_numpy_dtype)
         return [vals, idx.reshape(-1).astype(i.dtype)]
-    vals, idx = host_call(run, [values, indices], [values.dtype, indices.dtype],
+    vals, idx = host_call(run, [values, indices], [out_dtype, indices.dtype],
                           [_dims0(values.shape), tf.TensorShape([None])])
     return tf.IndexedSlices(vals, idx, dense_shape=slices.dense_shape)
 
@@ -176,8 +200,9 @@ def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='', 
 
 # -- allgather ------------------------------------------------------------------------------------
 def _allgather(tensors: list, name, process_set: ProcessSet, grouped: bool) -> list:
-    run = pick(grouped, lambda arrays: _core.grouped_allgather(arrays, name, process_set),
-               lambda array: _core.allgather(array, name, process_set))
+    run = pick(grouped, lambda arrays: [restored(o, a) for o, a in zip(
+        _core.grouped_allgather([movable(a) for a in arrays], name, process_set), arrays)],
+        lambda array: restored(_core.allgather(movable(array), name, process_set), array))
 
     def grad(dys, xs, ys):
         rows = tf.stack([tf.shape(x, out_type=tf.int64)[0] for x in xs])
@@ -211,7 +236,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
     t, name = _input(tensor, "broadcast", "Broadcast", name, ignore_name_scope, process_set)
 
     def run(array):
-        return [_core.broadcast(array, root_rank, name, process_set)]
+        return [restored(_core.broadcast(movable(array), root_rank, name, process_set), array)]
 
     def grad(dys, xs, ys):
         return rule_call(lambda gs: [_fe.broadcast_grad(gs[0], root_rank, process_set)], dys, xs)
@@ -237,8 +262,8 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
             raise
 
     def run(*arrays):
-        handles = [_core.broadcast_async(a, root_rank, n, process_set) for a, n in zip(arrays, names)]
-        return [_core.synchronize(h) for h in handles]
+        handles = [_core.broadcast_async(movable(a), root_rank, n, process_set) for a, n in zip(arrays, names)]
+        return [restored(_core.synchronize(h), a) for h, a in zip(handles, arrays)]
     current = [tf.convert_to_tensor(v) for v in vs]
     values = host_call(run, current, [t.dtype for t in current], [t.shape for t in current], chain=False)
     with tf.control_dependencies([v.assign(x) for v, x in zip(vs, values)]):

@@ -14,7 +14,7 @@ from hora.core.ops import Average
 from hora.core.process_sets import global_process_set
 from hora.tensorflow.bridge import host_call, in_graph, traced
 from hora.tensorflow.compression import Compression
-from hora.tensorflow.mpi_ops import _dims0, _input, _inputs, differentiable, pick, rule_call
+from hora.tensorflow.mpi_ops import _dims0, _input, _inputs, differentiable, movable, pick, restored, rule_call
 
 __all__ = ["alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier"]
 
@@ -37,9 +37,9 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     s = tf.convert_to_tensor(splits) if given else tf.zeros([0], tf.int32)
 
     def run(array, sp):
-        out, received = _core.alltoall(array, sp if given else _equal_splits(array, process_set.size()), name,
-                                       process_set)
-        return [out, np.asarray(received, np.int32)]
+        out, received = _core.alltoall(movable(array), sp if given else _equal_splits(array, process_set.size()),
+                                       name, process_set)
+        return [restored(out, array), np.asarray(received, np.int32)]
 
     def grad(dys, xs, ys):
         back = rule_call(lambda gs, r: [_fe.alltoall_grad(gs[0], r, process_set)], dys[:1], xs[:1], [ys[1]])

@@ -34,7 +34,7 @@ def reduce_step(compressor: StatefulCompressor, grads: list[torch.Tensor], names
     caller hands them in an order every rank shares (the optimizer's parameter order)."""
     from hora.torch import mpi_ops  # mpi_ops imports this module
 
-    arrays = [mpi_ops._view(g.detach().contiguous(), "DistributedOptimizer")[0] for g in grads]
+    arrays = [mpi_ops._view(g.detach().contiguous(), "DistributedOptimizer", True)[0] for g in grads]
     # a fixed name: one built from the parameters would differ between ranks handing them in another order
     out = compressor.reduce(names, arrays, op, pre, post, process_set, name="DistributedOptimizer.compress")
     with torch.no_grad():

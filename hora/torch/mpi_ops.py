@@ -2,9 +2,9 @@
 
 Each function converts its tensors and makes one core call. A contiguous CPU tensor becomes a NumPy
 view of the same memory (no copy); bfloat16 is viewed as int16 and then as ``ml_dtypes.bfloat16``. The
-core copies a non-contiguous input (and, for in-place ops, copies the result back). Tensors on another
-device (CUDA) are staged through host memory and copied back at ``synchronize``; that path has not yet
-run on a GPU machine.
+core copies a non-contiguous input (and, for in-place ops, copies the result back). A CUDA tensor stays on
+its GPU (hora.torch.cuda: NCCL or the staged path, docs/gpu.md); a tensor on another device is staged
+through host memory and copied back at ``synchronize``.
 
 ``*_async`` functions return the core's int handle; ``synchronize`` returns what the synchronous form
 returns, as tensors (``_post`` maps a handle to the conversion). As with Horovod, an input must not be
@@ -50,7 +50,8 @@ def _array(tensor: torch.Tensor, what: str, name: str | None = None,
     return _fe.viewed(_view, tensor, what, name, process_set)
 
 
-def _view(tensor, what: str) -> tuple[np.ndarray, torch.Tensor | None]:
+def _view(tensor, what: str, host: bool = False) -> tuple[np.ndarray, torch.Tensor | None]:
+    """``host``: a NumPy array even for a CUDA tensor (staged), for the core's host-only rules."""
     if not isinstance(tensor, torch.Tensor):
         raise HoraValueError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
@@ -58,6 +59,9 @@ def _view(tensor, what: str) -> tuple[np.ndarray, torch.Tensor | None]:
                              "for sparse tensors, or .to_dense()")
     t = tensor.detach()
     host = None
+    if t.device.type == "cuda" and not host:
+        from hora.torch import cuda
+        return cuda.device_array(t)
     if t.device.type != "cpu":
         host = t = t.cpu()  # staged: a GPU transport would reduce on the device instead
     if t.dtype == torch.bfloat16:
@@ -90,6 +94,9 @@ def shared_empty(*size, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def _tensor(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda" and not isinstance(a, np.ndarray):  # a DeviceArray: the result on the GPU
+        from hora.torch import cuda
+        return cuda.tensor(a)
     if a.dtype.name == "bfloat16":
         t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     else:
@@ -271,14 +278,14 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         values = t._values()
         shape = values.shape[1:]
         # on the host: the views (and the packing's dtype check) may refuse too, before anything is submitted
-        rows, index_cols = _fe.pack_sparse(t._indices().t().cpu().numpy(), _view(values, "sparse_allreduce")[0])
+        rows, index_cols = _fe.pack_sparse(t._indices().t().cpu().numpy(), _view(values, "sparse_allreduce", True)[0])
     except HoraValueError as e:  # the peers wait on the allgather under ``name``: they are told, as in _array
         _core.refused("allgather", e, name, process_set)
         raise
     handle = allgather_async(_tensor(rows, t.device), name, process_set)
 
     def wait():
-        idx, vals = _fe.unpack_sparse(_view(synchronize(handle), "sparse_allreduce")[0], index_cols, tuple(shape))
+        idx, vals = _fe.unpack_sparse(_view(synchronize(handle), "sparse_allreduce", True)[0], index_cols, tuple(shape))
         out = torch.sparse_coo_tensor(torch.from_numpy(idx).t().to(t.device), _tensor(vals, t.device), t.size(),
                                       check_invariants=True).coalesce()
         if op == Average:  # the indices of a coalesced tensor: checking them again would only cost (and warn)
@@ -318,7 +325,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
 
 def _grads(rule, grads, *args) -> list:
     """``rule`` (a gradient rule of :mod:`hora.kit.frontend`) applied to torch gradients."""
-    out = rule([_view(g.contiguous(), "gradient")[0] for g in grads], *args)
+    out = rule([_view(g.contiguous(), "gradient", True)[0] for g in grads], *args)
     return [_tensor(a, g.device) for a, g in zip(out, grads)]
 
 

@@ -44,7 +44,8 @@ def check_extension(ext_name: str, ext_env_var: str, pkg_path: str, *args: Any) 
 
 
 def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
-    """Whether the framework sees a GPU; hora's collectives still run on the host (no NCCL)."""
+    """Whether the framework sees a GPU (torch's CUDA tensors then go through NCCL or hora's staged path,
+    docs/gpu.md; hora.core.build.gpu_available asks the CUDA runtime itself)."""
     framework = ext_base_name.rsplit(".", 1)[-1]
     try:
         if framework == "torch":

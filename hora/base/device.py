@@ -1,0 +1,163 @@
+"""A tensor in device memory as the core sees it: (pointer, bytes, dtype, device), and no framework.
+
+A binding turns its framework's GPU tensor into a :class:`DeviceArray` through one of the two exchange
+protocols every GPU framework speaks, so the core never imports one:
+
+* ``__cuda_array_interface__`` (Numba's, versions 2 and 3: CuPy, PyTorch, Numba, JAX): a dict with the
+  data pointer, shape, typestr, strides and the producer's stream;
+* DLPack (``__dlpack__`` / ``__dlpack_device__``: PyTorch, TensorFlow, JAX, CuPy, MXNet): a capsule holding
+  a ``DLManagedTensor``, read here with ``ctypes`` and kept alive (never consumed) as long as the array.
+
+Only C-contiguous CUDA memory is accepted: a binding makes a strided tensor contiguous first (on the
+framework's stream) or refuses it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+from typing import Any, Callable
+
+from hora.base.errors import HoraValueError
+
+# typestr -> NumPy dtype name (bfloat16 has no typestr of its own; DLPack names it by code)
+_TYPESTR = {"i1": "int8", "u1": "uint8", "i2": "int16", "u2": "uint16", "i4": "int32", "u4": "uint32",
+            "i8": "int64", "u8": "uint64", "f2": "float16", "f4": "float32", "f8": "float64", "b1": "bool"}
+_DL_CUDA, _DL_CUDA_MANAGED = 2, 13  # DLDeviceType
+_DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT, _DL_BOOL = 0, 1, 2, 4, 6  # DLDataTypeCode
+ITEMSIZE = {"int8": 1, "uint8": 1, "bool": 1, "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2, "int32": 4,
+            "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8}
+
+
+@dataclasses.dataclass(eq=False)
+class DeviceArray:
+    """C-contiguous memory on CUDA device ``device``. ``owner`` keeps the memory alive (the framework's
+    tensor or capsule); ``stream`` is the producer's stream (0: the legacy default stream), which hora's
+    stream waits on before it reads; ``alloc(shape, dtype) -> DeviceArray`` makes an output the way the
+    framework would (None: hora allocates with the CUDA runtime); ``ready``/``done`` are events hora sets."""
+
+    ptr: int
+    shape: tuple
+    dtype: str
+    device: int
+    owner: Any = None
+    stream: int = 0
+    alloc: Callable[[tuple, str], "DeviceArray"] | None = None
+    ready: Any = None  # the event recorded on ``stream`` at submission
+    done: Any = None  # hora's event: the result is there once it completes
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """So that CuPy, Numba or PyTorch take a result without a copy (``cupy.asarray(out)``); the stream
+        is omitted: hora completes a handle only once its stream is done with the memory."""
+        typestr = {v: k for k, v in _TYPESTR.items()}.get(self.dtype)
+        if typestr is None:
+            raise AttributeError(f"__cuda_array_interface__ has no typestr for {self.dtype}")
+        return {"data": (self.ptr, False), "shape": tuple(self.shape), "typestr": "<" + typestr if typestr[0] != "b"
+                else "|b1", "strides": None, "version": 3}
+
+    def __repr__(self) -> str:
+        return f"DeviceArray(cuda:{self.device}, {self.dtype}{list(self.shape)}, 0x{self.ptr:x})"
+
+
+def _contiguous(shape: tuple, strides: tuple | None, itemsize: int, what: str) -> None:
+    if strides is None:
+        return
+    want, expect = tuple(strides), []
+    step = itemsize
+    for d in reversed(shape):
+        expect.insert(0, step)
+        step *= d
+    if any(s != e and d > 1 for s, e, d in zip(want, expect, shape)):
+        raise HoraValueError(f"{what}: the device tensor is not C-contiguous (strides {want}); make it "
+                             "contiguous first (torch: .contiguous(), cupy: cupy.ascontiguousarray)")
+
+
+def from_cuda_array_interface(obj, device: int, what: str = "collective") -> DeviceArray:
+    """A :class:`DeviceArray` of ``obj.__cuda_array_interface__`` on ``device`` (the interface does not
+    name the device: the binding knows it)."""
+    cai = obj.__cuda_array_interface__
+    typestr = cai["typestr"].lstrip("<>|=")
+    if typestr not in _TYPESTR:
+        raise HoraValueError(f"{what}: device dtype {cai['typestr']!r} is not one hora reduces")
+    dtype = _TYPESTR[typestr]
+    shape = tuple(int(d) for d in cai["shape"])
+    _contiguous(shape, cai.get("strides"), ITEMSIZE[dtype], what)
+    stream = cai.get("stream") or 0
+    return DeviceArray(int(cai["data"][0] or 0), shape, dtype, device, owner=obj,
+                       stream=0 if stream in (1, 2) else int(stream))  # 1, 2: legacy and per-thread default
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_get_pointer.restype, _get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+
+
+def _dl_dtype(t: _DLDataType, what: str) -> str:
+    name = {_DL_INT: "int", _DL_UINT: "uint", _DL_FLOAT: "float", _DL_BFLOAT: "bfloat"}.get(t.code)
+    if t.code == _DL_BOOL or (t.code == _DL_UINT and t.bits == 1):
+        return "bool"
+    dtype = f"{name}{t.bits}" if name else ""
+    if t.lanes != 1 or dtype not in ITEMSIZE:
+        raise HoraValueError(f"{what}: DLPack dtype (code {t.code}, {t.bits} bits, {t.lanes} lanes) is not one "
+                             "hora reduces")
+    return dtype
+
+
+def from_dlpack(obj, what: str = "collective", stream: int | None = None) -> DeviceArray:
+    """A :class:`DeviceArray` of ``obj.__dlpack__()`` (a CUDA tensor). The capsule is kept, not consumed,
+    so the producer's deleter runs when the DeviceArray is dropped. ``stream``: the consumer's stream the
+    producer is asked to order its work before (None: not asked)."""
+    dev_type, dev_id = obj.__dlpack_device__()
+    if dev_type not in (_DL_CUDA, _DL_CUDA_MANAGED):
+        raise HoraValueError(f"{what}: the DLPack tensor is on device type {dev_type}, not CUDA")
+    capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
+    t = _DLTensor.from_address(_get_pointer(capsule, b"dltensor"))  # DLManagedTensor starts with its DLTensor
+    dtype = _dl_dtype(t.dtype, what)
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    strides = None if not t.strides else tuple(t.strides[i] * ITEMSIZE[dtype] for i in range(t.ndim))
+    _contiguous(shape, strides, ITEMSIZE[dtype], what)
+    return DeviceArray((t.data or 0) + t.byte_offset, shape, dtype, int(dev_id), owner=(obj, capsule))
+
+
+def as_device_array(obj, device: int | None = None, what: str = "collective") -> DeviceArray | None:
+    """``obj`` as a DeviceArray when it is a CUDA tensor (``__cuda_array_interface__`` where ``device`` is
+    known, else DLPack), or None when it is not one (a host array goes the usual way)."""
+    if isinstance(obj, DeviceArray):
+        return obj
+    if device is not None and hasattr(obj, "__cuda_array_interface__"):
+        return from_cuda_array_interface(obj, device, what)
+    if hasattr(obj, "__dlpack_device__"):
+        try:
+            dev_type = obj.__dlpack_device__()[0]
+        except Exception:  # noqa: BLE001 - a producer that cannot say is not a device tensor to us
+            return None
+        if dev_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+            return from_dlpack(obj, what)
+    return None

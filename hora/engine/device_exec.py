@@ -1,0 +1,346 @@
+"""Running agreed responses whose tensors are on a GPU: NCCL where it serves, else the staged path.
+
+Negotiation, the response cache, fusion decisions, the timeline and the stall inspector treat a device
+request like a host one (``Request.device`` only keeps device and host tensors apart); this module takes over
+at execution. Per process set, the first device response decides the route, the same on every member: the
+members exchange (host, PCI bus id, NCCL loaded?) over the host communicator, and NCCL is used unless a rank
+has no NCCL library, two ranks share a GPU (NCCL refuses them: "Duplicate GPU detected"), a device is a MIG
+slice, or ``HORA_GPU_OPERATIONS``/``HORA_GPU_<OP>`` asks for the staged path; the reason is warned once.
+
+Streams (no host synchronisation on the hot path): one hora stream per device; it waits on the event each
+submission recorded on the framework's stream, runs the copies and NCCL calls, and records an event. A
+watcher thread completes each handle when its event completes, and polls ``ncclCommGetAsyncError``
+meanwhile: an asynchronous error, or the engine failing (a lost peer seen by the control plane), aborts
+the communicators so no kernel is left waiting, and the handles fail with ``HorovodInternalError``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+
+import numpy as np
+
+from hora.base import knobs
+from hora.base.device import DeviceArray
+from hora.base.errors import HoraError, InternalError, ShutdownError
+from hora.engine import device_ops, messages as m
+from hora.transport import cuda, nccl_lib
+
+log = logging.getLogger("hora.gpu")
+_WARNED: set[str] = set()
+# after NCCL's asynchronous error, how long the handles wait (communicators already aborted) for the control
+# plane to name the lost peer: within hora's peer-loss bound on CPUs (10 s)
+NAME_GRACE_S = 10.0
+# the watcher's first sleep between polls, doubled while nothing completes, up to 2 ms: a small collective is
+# seen done within tens of us, a long one costs a poll per 2 ms (an event query and an async-error query
+# cost ~1 us each on a GPU); a first guess, to be measured by benchmarks/gpu_check.py's per-call figures
+POLL_S = 20e-6
+
+
+def warn_once(text: str) -> None:
+    if text not in _WARNED:
+        _WARNED.add(text)
+        log.warning(text)
+
+
+class Lane:
+    """One device: hora's stream, its events, the device fusion buffer and the pinned staging buffer."""
+
+    def __init__(self, rt: cuda.CudaRuntime, device: int):
+        self.rt, self.device = rt, device
+        with rt.on(device):  # streams and events belong to the device current when they are made
+            self.stream = rt.stream()
+        self._events: list[int] = []
+        self._fusion, self._fusion_n = 0, 0
+        self._pinned, self._pinned_n = 0, 0
+        self.fused: tuple[int, int] | None = None  # (tensors, bytes) of the last fused device allreduce
+
+    def event(self) -> int:
+        try:  # callers' threads, the engine's and the watcher's share the pool: pop is atomic, a check is not
+            return self._events.pop()
+        except IndexError:
+            return self.rt.event()
+
+    def recycle(self, ev: int) -> None:
+        self._events.append(ev)
+
+    def record(self) -> int:
+        ev = self.event()
+        self.rt.record(ev, self.stream)
+        return ev
+
+    def fusion(self, nbytes: int) -> int:
+        """The device fusion buffer, grown (never shrunk) to ``nbytes``; growing waits for the stream."""
+        if nbytes > self._fusion_n:
+            if self._fusion:
+                self.rt.call("cudaStreamSynchronize", self.stream)
+                self.rt.call("cudaFree", self._fusion)
+            self._fusion, self._fusion_n = self.rt.malloc(nbytes), nbytes
+        return self._fusion
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        """Page-locked host memory for the staged path, as bytes (grown like the fusion buffer)."""
+        if nbytes > self._pinned_n:
+            if self._pinned:
+                self.rt.call("cudaStreamSynchronize", self.stream)
+                self.rt.call("cudaFreeHost", self._pinned)
+            self._pinned, self._pinned_n = self.rt.host_alloc(nbytes), nbytes
+        return np.frombuffer((ctypes.c_char * self._pinned_n).from_address(self._pinned), np.uint8)
+
+    def alloc(self, shape: tuple, dtype: str, like: DeviceArray | None) -> DeviceArray:
+        """An output: the framework's allocator where the input brought one, else hora's."""
+        if like is not None and like.alloc is not None:
+            return like.alloc(shape, dtype)
+        out = DeviceArray(0, shape, dtype, self.device)
+        out.ptr = self.rt.malloc(out.nbytes)
+        out.owner = _Freed(self.rt, out.ptr)
+        return out
+
+
+class _Freed:
+    def __init__(self, rt, ptr):
+        self.rt, self.ptr = rt, ptr
+
+    def __del__(self):
+        try:
+            self.rt.call("cudaFree", self.ptr)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class _Watch:
+    __slots__ = ("event", "lane", "comm", "done", "keep", "since", "names")
+
+    def __init__(self, event, lane, comm, done, keep, names):
+        self.event, self.lane, self.comm, self.done, self.keep = event, lane, comm, done, keep
+        self.since, self.names = time.monotonic(), names
+
+
+class DeviceExecutor:
+    """The engine's device half: ``run(resp, pends, comm)`` for responses with ``resp.device``."""
+
+    def __init__(self, host, store, prefix: str, topo, wake=lambda: None):
+        self.host, self.store, self.prefix, self.topo, self.wake = host, store, prefix, topo, wake
+        self.cfg = knobs.current()
+        self.where = self.cfg["nccl_library"]
+        self.device = topo.local_rank  # until a device tensor says otherwise
+        self.lanes: dict[int, Lane] = {}
+        self._lanes_lock = threading.Lock()
+        self.routes: dict[int, str | None] = {}  # process set -> None (NCCL) or the staged path's reason
+        self.comms: dict[int, object] = {}
+        self._made: dict[int, int] = {}
+        self._watch: list[_Watch] = []
+        self._cv = threading.Condition()
+        self._failed: BaseException | None = None
+        self._aborted_at, self._abort_text = 0.0, ""
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # -- the caller's side ----------------------------------------------------------------------------------
+    def runtime(self) -> cuda.CudaRuntime:
+        return cuda.load(self.where)
+
+    def lane(self, device: int) -> Lane:
+        lane = self.lanes.get(device)
+        if lane is None:
+            with self._lanes_lock:  # a caller's thread and the engine's may both come first
+                lane = self.lanes.get(device)
+                if lane is None:
+                    lane = self.lanes[device] = Lane(self.runtime(), device)
+        return lane
+
+    def submitted(self, a: DeviceArray) -> None:
+        """In the caller's thread, at submission: mark where the framework's stream is, so hora's stream
+        starts after the work that produces ``a`` and nothing later."""
+        self.device = a.device
+        lane = self.lane(a.device)
+        with lane.rt.on(a.device):
+            a.ready = lane.event()
+            lane.rt.record(a.ready, a.stream)
+
+    # -- routes ---------------------------------------------------------------------------------------------
+    def _route(self, ps: int, comm) -> str | None:
+        if ps in self.routes:
+            return self.routes[ps]
+        lib, why = None, ""
+        try:
+            lib = nccl_lib.load(self.where)
+        except HoraError as e:
+            why = str(e)
+        mig = _mig()
+        bus = self.lane(self.device).rt.pci_bus_id(self.device)
+        mine = f"{self.topo.hostname}|{bus}|{int(lib is not None)}|{int(mig)}|{why[:200]}"
+        everyone = device_ops.allgather_text(comm, mine)
+        reason = device_ops.route_reason(everyone, self.cfg["gpu_operations"])
+        if reason:
+            warn_once(f"GPU tensors of process set {ps} go through the staged path (device -> pinned host -> "
+                      f"hora's host collectives -> device): {reason}")
+        self.routes[ps] = reason
+        if reason is None:
+            n = self._made[ps] = self._made.get(ps, 0) + 1
+            from hora.transport.nccl import NcclComm
+            self.comms[ps] = NcclComm(lib, self.store, f"{self.prefix}/nccl/{ps}/{n}", comm.rank, comm.size,
+                                      self.device, self.runtime(), self.cfg["start_timeout"])
+        return reason
+
+    def run(self, resp: m.Response, pends: list, comm, op_name: str) -> None:
+        if self._failed is not None:
+            raise self._failed
+        lane = self.lane(next((p.array.device for p in pends if p is not None), self.device))
+        # the engine runs in a waiting caller's thread too (hora.core.baton): its current device is put back
+        with lane.rt.on(lane.device):
+            self._run(resp, pends, comm, op_name, lane)
+
+    def _run(self, resp: m.Response, pends: list, comm, op_name: str, lane: Lane) -> None:
+        reason = self._route(resp.ps, comm)
+        for p in pends:
+            if p is not None and p.array.ready is not None:
+                lane.rt.wait(lane.stream, p.array.ready)
+                lane.recycle(p.array.ready)
+                p.array.ready = None
+        kind_knob = self.cfg.get(f"gpu_{resp.kind}", "")
+        nc = self.comms.get(resp.ps)
+        if reason is None and str(kind_knob).upper() not in ("", "AUTO", "NCCL"):
+            reason = f"HORA_GPU_{resp.kind.upper()}={kind_knob}"
+        if reason is None:
+            reason = device_ops.nccl_refuses(resp, nc.lib)
+        host = self.host
+        host._tl(resp.names, op_name if reason is None else "STAGED_" + op_name, True)
+        if reason is None:
+            root = host.comm_rank_of(resp.root, comm) if resp.kind == m.BROADCAST else -1
+            done, keep = device_ops.run_nccl(resp, pends, nc, lane, comm.size, root)
+        else:
+            done, keep = device_ops.run_staged(resp, pends, comm, lane, host)
+        host._tl(resp.names, op_name if reason is None else "STAGED_" + op_name, False)
+        if lane.fused is not None:
+            host.stats.tensors_fused += lane.fused[0]
+            host.stats.bytes_fused += lane.fused[1]
+            lane.fused = None
+        keep.extend(p.array for p in pends if p is not None)  # the inputs live until hora's stream has read them
+        self._expect(_Watch(lane.record(), lane, nc if reason is None else None, done, keep, resp.names))
+
+    # -- completion -----------------------------------------------------------------------------------------
+    def _expect(self, w: _Watch) -> None:
+        with self._cv:
+            self._watch.append(w)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watcher, name="hora-gpu-watch", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _watcher(self) -> None:
+        idle = 0  # polls in a row that found nothing: the sleep doubles from POLL_S up to 2 ms
+        while True:
+            with self._cv:
+                while not self._watch and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._watch:
+                    return
+                w = self._watch[0]
+            if self._failed is not None:
+                self._drain(self._failed)
+                continue
+            aborted = w.comm is not None and w.comm.aborted
+            if not aborted and w.lane.rt.query(w.event):
+                with self._cv:
+                    self._watch.pop(0)
+                    self._cv.notify_all()
+                w.lane.recycle(w.event)
+                for handle, result in w.done:
+                    handle.complete(result)
+                self.wake()
+                idle = 0
+                continue
+            if aborted:  # the control plane's verdict names the peer; past the grace, fail without it
+                if time.monotonic() - self._aborted_at > NAME_GRACE_S:
+                    self.fail(InternalError(self._abort_text))
+            elif self._stalled(w):
+                continue
+            elif w.comm is not None:
+                code = w.comm.async_error()
+                if code not in (0, nccl_lib.IN_PROGRESS):
+                    self._abort_text = (
+                        f"NCCL reported {nccl_lib.RESULTS.get(code, code)} on rank {self.topo.rank}'s communicator "
+                        f"of {w.comm.size} ranks (a peer was lost or misbehaved, and hora's control plane did not "
+                        f"name one within {NAME_GRACE_S:g} s); hora aborted the communicator; elastic training "
+                        "can recover from this error")
+                    self._aborted_at = time.monotonic()
+                    self._abort_all()  # nobody stays inside NCCL while the control plane decides
+            time.sleep(min(POLL_S * (1 << min(idle, 7)), 0.002))
+            idle += 1
+
+    def _stalled(self, w: _Watch) -> bool:
+        """A collective that NCCL has neither finished nor failed (a frozen peer): a warning after the stall
+        check time, and past the stall shutdown time the communicators are aborted and its handles fail,
+        the bounds the stall inspector keeps on CPUs."""
+        waited = time.monotonic() - w.since
+        limit = self.cfg["stall_shutdown_time"]
+        if self.cfg["stall_check_disable"]:
+            return False
+        if limit > 0 and waited > limit:
+            self.fail(InternalError(
+                f"GPU collective {', '.join(w.names[:3])} has not finished on rank {self.topo.rank} after "
+                f"{waited:.0f} s (HORA_STALL_SHUTDOWN_TIME_SECONDS={limit:g}): a peer is frozen or lost inside "
+                "NCCL; hora aborted its NCCL communicators; elastic training can recover from this error"))
+            return True
+        if waited > self.cfg["stall_check_time"]:
+            warn_once(f"GPU collective {', '.join(w.names[:3])} has waited {waited:.0f} s on rank {self.topo.rank} "
+                      "for NCCL to finish; a peer may be frozen")
+        return False
+
+    def settle(self, timeout: float = NAME_GRACE_S) -> None:
+        """Wait (up to ``timeout`` s) for the collectives already launched to finish: a peer that shut down
+        cleanly has finished its side of them, so they complete rather than fail with its goodbye."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._watch and self._failed is None and time.monotonic() < deadline:
+                self._cv.wait(0.05)
+
+    def _drain(self, err: BaseException) -> None:
+        with self._cv:
+            gone, self._watch = self._watch, []
+        for w in gone:
+            for handle, _ in w.done:
+                handle.complete(error=err)
+        self.wake()
+
+    def fail(self, err: BaseException) -> None:
+        """Abort every communicator (their pending kernels return) and fail what waits, with ``err``."""
+        if self._failed is None:
+            self._failed = err
+        self._abort_all()
+        self._drain(err)
+
+    def _abort_all(self) -> None:
+        for c in list(self.comms.values()):
+            try:
+                c.abort()
+            except HoraError as e:
+                log.warning("ncclCommAbort: %s", e)
+
+    def close(self) -> None:
+        """At shutdown: collectives still in flight are aborted (a destroy would wait for peers that may be
+        gone), the rest destroyed."""
+        with self._cv:
+            self._closed = True
+            pending = bool(self._watch)
+            self._cv.notify()
+        if pending:
+            self.fail(ShutdownError("hora was shut down while this GPU collective was in flight; its "
+                                    "NCCL communicator was aborted"))
+        if self._thread is not None:
+            self._thread.join(5)
+        for c in self.comms.values():
+            try:
+                c.destroy()
+            except HoraError:
+                pass
+        self.comms.clear()
+
+
+def _mig() -> bool:
+    import os
+    return any(v.strip().startswith("MIG-") for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(","))

@@ -1,0 +1,121 @@
+"""One NCCL communicator: created through the authenticated store, driven on a CUDA stream, aborted on failure.
+
+Rank 0 of the communicator asks NCCL for a unique id and publishes it under ``key`` in hora's rendezvous
+store (authenticated with the job's secret, so no unauthenticated peer learns it); the others read it and
+all call ``ncclCommInitRank``. Every collective is enqueued on the stream given and returns at once: NCCL
+runs it on the device in the order of the stream. Calls inside :meth:`group` are launched together at its
+end (NCCL's rule for send/receive pairs that must progress at once).
+
+A failure is not an exception at the call: NCCL reports it through ``ncclCommGetAsyncError`` while the
+kernels wait for a peer that will never come, so the engine polls :meth:`async_error` and the control plane
+and calls :meth:`abort`, which makes every pending kernel of the communicator return.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from typing import Iterator
+
+from hora.base.errors import HoraValueError
+from hora.transport import nccl_lib as n
+
+
+def share_unique_id(lib: n.NcclLibrary, store, key: str, rank: int, timeout: float) -> bytes:
+    """Rank 0 makes NCCL's unique id and publishes it under ``key`` in the authenticated store; the others
+    read it (waiting up to ``timeout`` s). The id holds rank 0's bootstrap address: whoever has it can join."""
+    if rank == 0:
+        uid = lib.unique_id()
+        if store is not None:  # None: a world of one, which has no store and no one to tell
+            store.set(key, uid)
+        return uid
+    uid = store.get(key, timeout=timeout)
+    if len(uid) != n.UNIQUE_ID_BYTES:
+        raise HoraValueError(f"NCCL unique id under {key!r} has {len(uid)} bytes, not {n.UNIQUE_ID_BYTES}")
+    return uid
+
+
+class NcclComm:
+    """A communicator of ``size`` ranks on CUDA device ``device``; ``rank`` is this process's rank in it."""
+
+    def __init__(self, lib: n.NcclLibrary, store, key: str, rank: int, size: int, device: int, rt,
+                 timeout: float = 60.0):
+        self.lib, self.rank, self.size, self.device = lib, rank, size, device
+        uid = share_unique_id(lib, store, key, rank, timeout)
+        handle = ctypes.c_void_p()
+        with rt.on(device):  # the communicator's device; the calling thread's own is put back
+            lib.call("ncclCommInitRank", ctypes.pointer(handle), size, n.UniqueId.from_buffer_copy(uid), rank)
+        self.handle = handle.value
+        self.aborted = False
+        self._premul: dict[tuple[float, str], int] = {}
+
+    @staticmethod
+    def dtype(name: str) -> int:
+        try:
+            return n.DTYPES[name]
+        except KeyError:
+            raise HoraValueError(f"NCCL has no {name} type") from None
+
+    def allreduce(self, send: int, recv: int, count: int, dtype: str, op: int, stream: int) -> None:
+        self.lib.call("ncclAllReduce", send, recv, count, self.dtype(dtype), op, self.handle, stream)
+
+    def broadcast(self, send: int, recv: int, count: int, dtype: str, root: int, stream: int) -> None:
+        self.lib.call("ncclBroadcast", send, recv, count, self.dtype(dtype), root, self.handle, stream)
+
+    def allgather(self, send: int, recv: int, count: int, dtype: str, stream: int) -> None:
+        self.lib.call("ncclAllGather", send, recv, count, self.dtype(dtype), self.handle, stream)
+
+    def reducescatter(self, send: int, recv: int, count: int, dtype: str, op: int, stream: int) -> None:
+        self.lib.call("ncclReduceScatter", send, recv, count, self.dtype(dtype), op, self.handle, stream)
+
+    def send(self, buf: int, count: int, dtype: str, peer: int, stream: int) -> None:
+        self.lib.call("ncclSend", buf, count, self.dtype(dtype), peer, self.handle, stream)
+
+    def recv(self, buf: int, count: int, dtype: str, peer: int, stream: int) -> None:
+        self.lib.call("ncclRecv", buf, count, self.dtype(dtype), peer, self.handle, stream)
+
+    @contextlib.contextmanager
+    def group(self) -> Iterator[None]:
+        """ncclGroupStart ... ncclGroupEnd: the calls inside launch together at the end."""
+        self.lib.call("ncclGroupStart")
+        try:
+            yield
+        finally:
+            self.lib.call("ncclGroupEnd")
+
+    def premul_sum(self, scalar: float, dtype: str) -> int:
+        """A Sum that first multiplies each rank's input by ``scalar`` (ncclRedOpCreatePreMulSum, NCCL 2.11):
+        Horovod's pre- and post-scale factors, and Average, in the one reduction, on the device."""
+        op = self._premul.get((scalar, dtype))
+        if op is None:
+            import numpy as np
+
+            from hora.base.device import ITEMSIZE
+            host = np.array([scalar], np.dtype("float32" if dtype == "bfloat16" else dtype))
+            if dtype == "bfloat16":  # NCCL reads a bfloat16 scalar: the top half of the float32
+                host = (host.view(np.uint32) >> 16).astype(np.uint16)
+            assert host.nbytes == ITEMSIZE[dtype]
+            out = ctypes.c_int()
+            self.lib.call("ncclRedOpCreatePreMulSum", ctypes.pointer(out), host.ctypes.data, self.dtype(dtype),
+                          n.SCALAR_HOST_IMMEDIATE, self.handle)
+            op = self._premul[(scalar, dtype)] = out.value
+        return op
+
+    def async_error(self) -> int:
+        """NCCL's asynchronous error for this communicator (0: none; ncclInProgress while it forms)."""
+        if self.aborted:
+            return n.SUCCESS
+        code = ctypes.c_int()
+        self.lib.call("ncclCommGetAsyncError", self.handle, ctypes.pointer(code))
+        return code.value
+
+    def abort(self) -> None:
+        """Make every pending operation of this communicator return, and free it; safe to call twice."""
+        if not self.aborted:
+            self.aborted = True
+            self.lib.call("ncclCommAbort", self.handle)
+
+    def destroy(self) -> None:
+        if not self.aborted:
+            self.aborted = True
+            self.lib.call("ncclCommDestroy", self.handle)
