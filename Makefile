@@ -25,6 +25,8 @@ TORCH_PIN := torch==2.13.0
 FRAMEWORK_PINS := tensorflow-cpu==2.21.0 keras==3.15.1 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8
 # hora.spark's tests: PySpark 4 (needs Java 17/21: openjdk-17-jre-headless in SYSTEM_PACKAGES)
 FRAMEWORK_PINS += pyspark==4.3.0
+# hora.spark's Estimators read Parquet with pyarrow (pandas 2: PySpark 4.3 warns on pandas 3); hora.lightning: Lightning 2.x
+FRAMEWORK_PINS += pyarrow==26.0.1 pandas==2.3.3 pytorch-lightning==2.6.6
 FW_STAMP := $(VENV)/.hora-frameworks-stamp
 # Keras 2 for TF_USE_LEGACY_KERAS=1 (hora.keras's tf_keras path), pinned to TensorFlow's minor. Installed with
 # --no-deps: tf-keras requires the `tensorflow` distribution, which would install a second copy of the same

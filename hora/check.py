@@ -154,6 +154,19 @@ def features() -> list[tuple[str, bool, str]]:
         ("elastic training", elastic, "hora run --min-np/--max-np/--host-discovery-script, hora.run(min_num_proc=...); "
          "ElasticRayExecutor; not yet on Spark" if elastic else "not yet"),
         ("gradient compression: fp16, bf16, top-k, PowerSGD", _found("hora.kit.compressors"), ""),
+        *integrations(),
+    ]
+
+
+def integrations() -> list[tuple[str, bool, str]]:
+    """The Spark Estimators and the Lightning strategy: found (not imported) with what they need."""
+    spark = _found("pyspark") and _found("pyarrow") and _found("hora.spark.common")
+    lightning = next((m for m in ("pytorch_lightning", "lightning") if _found(m)), None)
+    return [
+        ("Spark Estimators (hora.spark.torch, .keras, .lightning)", spark,
+         "Store.create(path); Parquet through pyarrow" if spark else "needs pip install 'hora[spark]' (pyarrow)"),
+        ("Lightning strategy (hora.lightning.HoraStrategy)", bool(lightning) and _found("torch"),
+         f"{lightning} {_version((lightning,))}" if lightning else "needs pip install 'hora[lightning]'"),
     ]
 
 

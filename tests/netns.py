@@ -161,6 +161,13 @@ class Cluster:
         """Unplug a host: its link goes down, and packets to or from it vanish (no FIN, no RST)."""
         _run("ip", "link", "set", self.host(name).veth, "down")
 
+    def partition(self, a: str, b: str) -> None:
+        """Cut hosts ``a`` and ``b`` off from each other only (both still reach this machine and the
+        others): a blackhole route to the other in each namespace, so packets vanish (no FIN, no RST)."""
+        for x, y in ((a, b), (b, a)):
+            _run("ip", "netns", "exec", self.host(x).ns, "ip", "route", "add", "blackhole",
+                 f"{self.host(y).addr}/32")
+
     def plug(self, name: str) -> None:
         _run("ip", "link", "set", self.host(name).veth, "up")
 

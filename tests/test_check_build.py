@@ -54,3 +54,16 @@ def test_missing_mpi4py_and_frameworks(monkeypatch):
     assert "[ ] PyTorch\n" in out
     assert "[ ] MPI" in out and "needs mpi4py: pip install 'hora[mpi]'" in out
     assert "[X] TCP" in out
+
+
+@pytest.mark.timeout(10)
+def test_the_spark_estimators_and_the_lightning_strategy_are_listed(monkeypatch):
+    out = check.table()
+    spark = all(importlib.util.find_spec(m) for m in ("pyspark", "pyarrow"))
+    assert f"[{'X' if spark else ' '}] Spark Estimators (hora.spark.torch, .keras, .lightning)" in out
+    assert "Lightning strategy (hora.lightning.HoraStrategy)" in out
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("pytorch_lightning", "lightning",
+                                                                                       "pyarrow") else real(name, *a))
+    out = check.table()
+    assert "needs pip install 'hora[lightning]'" in out and "needs pip install 'hora[spark]' (pyarrow)" in out

@@ -97,7 +97,8 @@ def test_every_public_name_imports(framework):
 def test_unsupported_names_import_and_say_why_when_used():
     pytest.importorskip("torch")  # the scripts use horovod.torch
     code, out = _python("""
-from horovod.spark.common.store import HDFSStore, Store
+from horovod.spark.common.cache import TrainingDataCache as HDFSStore  # a placeholder (the Stores are real)
+from horovod.spark.common.store import AbstractFilesystemStore as Store
 from horovod.common.elastic import notification_manager
 from horovod.torch.mpi_ops import HorovodAllreduce
 from hora.base.errors import NotSupportedError
@@ -116,7 +117,7 @@ for use in (lambda: HDFSStore("hdfs://x"), lambda: MyStore(), lambda: notificati
         raise AssertionError("a placeholder was usable")
 """)
     assert code == 0, out
-    assert "horovod.spark.common.store.HDFSStore is not supported yet by hora: hora.spark has run()" in out
+    assert "horovod.spark.common.cache.TrainingDataCache is not supported yet by hora: hora's Spark" in out
     assert "horovod.torch.mpi_ops.HorovodAllreduce is not supported yet by hora" in out and "differentiable" in out
 
 

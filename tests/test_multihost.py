@@ -381,3 +381,54 @@ def test_ssh_command_and_forwarded_environment(monkeypatch):
     monkeypatch.setenv("HORA_SSH_ALIVE_TIMEOUT", "soon")
     with pytest.raises(ssh.SshError, match="HORA_SSH_ALIVE_TIMEOUT='soon': expected float"):
         ssh.Remote(["ssh"], {"h"})
+
+
+PARTITION = """
+import json, os, sys, time
+import numpy as np
+import hora
+d = sys.argv[1]
+hora.init()
+r = hora.rank()
+x = np.ones(1 << 18, np.float32)
+i = 0
+try:
+    while True:
+        hora.allreduce(x, op=hora.Sum)
+        i += 1
+        if i == 3:
+            open(f"{d}/looping.{r}", "w").close()
+except hora.HorovodInternalError as e:
+    with open(f"{d}/raised.{r}", "w") as f:
+        json.dump({"type": type(e).__name__, "rank": getattr(e, "rank", None), "message": str(e)}, f)
+    deadline = time.monotonic() + 40  # stay until every rank has raised: the launcher stops the rest at once
+    while time.monotonic() < deadline and len([n for n in os.listdir(d) if n.startswith("raised.")]) < hora.size():
+        time.sleep(0.05)
+    sys.exit(1)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_partition_names_the_other_side_on_each_side(cluster, tmp_path):
+    """hora-a and hora-b lose each other mid-allreduce (both still reach the launcher and its store): each
+    rank names the other, from its own view, never itself; the later one says they lost each other."""
+    proc = _launch(cluster, tmp_path, "hora-a:1,hora-b:1", _script(tmp_path, PARTITION),
+                   env={"HORA_SSH_ALIVE_TIMEOUT": "60"})
+    _wait_files(tmp_path, "looping.*", 2, proc)
+    cluster.partition("hora-a", "hora-b")
+    out, err = _finish(proc, 60)
+    reps = {r: json.loads((tmp_path / f"raised.{r}").read_text()) for r in (0, 1)
+            if (tmp_path / f"raised.{r}").exists()}
+    assert sorted(reps) == [0, 1], (reps, err)
+    for r, rep in reps.items():
+        other = 1 - r
+        print(f"rank {r}: {rep['type']} rank={rep['rank']}: {rep['message']}")
+        assert rep["type"] == "PeerLostError" and rep["rank"] == other, rep
+        assert rep["message"].startswith(f"rank {r}: "), rep
+        assert f"rank {r} died" not in rep["message"], rep  # never told it died itself
+    said = [rep["message"] for rep in reps.values()]
+    each_other = any("rank 0 and rank 1 lost each other" in m or "rank 1 and rank 0 lost each other" in m for m in said)
+    both_first = all(rep["message"].startswith(f"rank {r}: lost the connection to rank {1 - r}")
+                     for r, rep in reps.items())  # (both noticed before either read the other's note)
+    assert each_other or both_first, said
+    assert "is frozen" not in err + out, err  # a partition is no frozen rank

@@ -295,3 +295,44 @@ def test_handshake_slots_are_bounded(monkeypatch):
         for s in silent:
             s.close()
         acceptor.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_flood_of_strangers_logs_one_line_per_source_and_a_count(caplog):
+    """4,000 connections with a wrong HMAC against the store (a real flood, from one address): one line when
+    the first is dropped, one with the count of the others when the source's minute ends (here: at close),
+    and a real client still gets through meanwhile."""
+    import logging
+
+    from hora.transport import auth
+    from hora.transport.store import StoreClient, StoreServer
+
+    secret = auth.new_secret()
+    server = StoreServer(secret)
+    host, port = server.address.rsplit(":", 1)
+    n = 4000
+    caplog.set_level(logging.WARNING, logger="hora.transport")
+
+    def stranger(_):
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            _read_hello(s)
+            s.sendall(os.urandom(auth.NONCE) + struct.pack("!I", 0) + os.urandom(auth.MAC))  # no identity, a wrong MAC
+            dropped_by_peer(s, DROP_S)
+
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(stranger, range(n)))
+        client = StoreClient(server.address, secret)
+        client.set("after/flood", b"1")
+        assert client.try_get("after/flood") == b"1"
+        client.close()
+        during = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    finally:
+        server.close()
+    lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    print(f"{n} dropped connections: {len(during)} line(s) during the flood, {len(lines)} in all: {lines}")
+    assert len(during) == 1 and "wrong HMAC" in during[0], during
+    assert len(lines) == 2, lines
+    assert f"dropped {n - 1} more connections from 127.0.0.1" in lines[1], lines

@@ -35,6 +35,7 @@ class _State:
         from hora.engine.engine import Engine
 
         self.engine = Engine(comm, topo, self.cfg, timeline)  # holds the timeline from now on
+        self.pulse = None  # the frozen-rank watch (hora.engine.pulse), set by _connect
         from hora.engine.device_exec import DeviceExecutor  # GPU tensors; loads no CUDA library until one comes
 
         self.engine.executor.gpu = DeviceExecutor(self.engine.executor, store, prefix, topo, self.engine.subs.kick)
@@ -44,6 +45,8 @@ class _State:
         self.names: dict = {}  # process set id -> counter naming unnamed ops (noname.N)
 
     def close(self) -> None:
+        if self.pulse is not None:
+            self.pulse.close()  # first: a rank that stops beating while it shuts down is not frozen
         self.engine.shutdown()
         self.comm.close()
         if self.store is not None:
@@ -126,7 +129,17 @@ def _connect(job: launchers.Job, cfg: dict) -> _State:
         comm.close()
         store.close()
         raise
-    return _State(job.topo, comm, store, prefix, cfg)
+    st = _State(job.topo, comm, store, prefix, cfg)
+    if cfg["frozen_timeout"] > 0:
+        from hora.engine.pulse import Pulse
+
+        try:
+            st.pulse = Pulse(job.topo.rank, job.topo.size, store, prefix, job.secret.encode(), bind, advertise,
+                             cfg["frozen_timeout"], st.engine.fail_from_outside, timeout)
+        except BaseException:
+            st.close()
+            raise
+    return st
 
 
 def _mesh(job: launchers.Job, store, prefix: str, bind: str, advertise: str, timeout: float):
@@ -193,6 +206,8 @@ def _after_fork_in_child() -> None:
         return
     st.forked = True
     st.engine.control.close_in_child()
+    if st.pulse is not None:
+        st.pulse.close_in_child()
 
 
 def state() -> _State:

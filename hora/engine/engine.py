@@ -32,6 +32,8 @@ import select
 import threading
 import time
 
+import numpy as np
+
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
 from hora.engine import autotune, fastpath, inline
 from hora.engine import messages as m
@@ -141,9 +143,13 @@ class Engine:
         self._quiet_s = (cfg["stall_shutdown_time"] + LONE_GRACE if self.rank != 0 and self.size > 1
                          and cfg["stall_shutdown_time"] > 0 and not cfg["stall_check_disable"] else 0.0)
         self._heard = time.monotonic()  # the last message from rank 0 (or when work began to wait for one)
+        self.verdict: BaseException | None = None  # a failure found outside the engine (hora.engine.pulse)
+        self._watch = None
         if not cfg["stall_check_disable"] and self.size > 1:
-            self.control.watch_data_waits(DataWatch(self.rank, self.control, cfg["stall_check_time"],
-                                                    cfg["stall_shutdown_time"], self._what, self.stall).on_wait)
+            self._watch = DataWatch(self.rank, self.control, cfg["stall_check_time"], cfg["stall_shutdown_time"],
+                                    self._what, self.stall).on_wait
+        if self.size > 1:
+            self.control.watch_data_waits(self._on_wait)
         self._fast = fastpath.create(self, comm, cfg)  # None: every collective is negotiated
         self.thread = threading.Thread(target=self._run, name="hora-engine", daemon=True)
         self.thread.start()
@@ -189,6 +195,7 @@ class Engine:
     # -- who runs cycles -----------------------------------------------------------------------
     def _run(self) -> None:
         """The engine thread: wait for work without the baton, then run a cycle with it."""
+        np.seterr(all="ignore")  # this thread only: reductions overflow and meet NaNs silently, as MPI's do
         try:
             self._loop()
         except BaseException as e:  # noqa: BLE001 - outside a cycle (epoll, timers): still no silent death
@@ -271,14 +278,15 @@ class Engine:
         self._ep.modify(self._ep_ctrl.fileno(), 0)
         self._window = window
         try:
-            while not handle.done:
-                if window is not None and GATE.pending:
-                    GATE.check()  # between cycles: nothing is half done
-                if not self._step(block=True):
-                    return False
-                if not handle.done:  # (when it is, the release that follows tells the other waiters)
-                    self.baton.cycle_done()  # threads that came to wait since may have had theirs finished
-            return True
+            with np.errstate(all="ignore"):  # as on the engine thread; the caller's own state after
+                while not handle.done:
+                    if window is not None and GATE.pending:
+                        GATE.check()  # between cycles: nothing is half done
+                    if not self._step(block=True):
+                        return False
+                    if not handle.done:  # (when it is, the release that follows tells the other waiters)
+                        self.baton.cycle_done()  # threads that came to wait since may have had theirs finished
+                return True
         finally:
             self._window = None  # (the baton's release, next, runs _caller_released)
 
@@ -369,6 +377,8 @@ class Engine:
                 select.select([subs.fd], [], [], timeout)
         if subs.stopping:
             raise _Stop
+        if self.verdict is not None:
+            raise self.verdict
         self.stats.cycles += 1
         tl = self.executor.timeline
         if tl is not None and tl.mark_cycles:
@@ -500,6 +510,18 @@ class Engine:
     def _on_data_stall(self, peer: int, msg) -> None:
         if self.stall is not None:
             self.stall.on_data_wait(*msg[1:])
+
+    def fail_from_outside(self, err: BaseException) -> None:
+        """End this engine with ``err`` at its next look (a cycle, or a data wait's heartbeat): for a
+        verdict found by another thread (a frozen peer, hora.engine.pulse)."""
+        self.verdict = err
+        self.subs.kick()
+
+    def _on_wait(self, peer: int, progress: object, describe) -> None:
+        if self.verdict is not None:
+            raise self.verdict
+        if self._watch is not None:
+            self._watch(peer, progress, describe)
 
     def _what(self) -> str:
         r = self._running

@@ -10,6 +10,10 @@
 Spark places and starts the ranks; hora's store (served by this process, the Spark driver) and its
 transports do the rest. How ranks map to tasks, where the store runs and what a failure does:
 docs/spark.md. Importing this package does not import pyspark; ``run`` needs an active SparkContext.
+
+Horovod's Spark ML Estimators are in the subpackages: :mod:`hora.spark.torch`, :mod:`hora.spark.keras`,
+:mod:`hora.spark.lightning` (``TorchEstimator``/``KerasEstimator`` and their Models), on the Stores of
+:mod:`hora.spark.common.store`; they train through :func:`run`.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ later). Now the accept queue drains at once and :meth:`Acceptor.close` never wai
 The slots are bounded (``max_pending``, far above any job's own connections at start-up) so a flood
 cannot exhaust the process's descriptors: when they are full the oldest handshake is dropped, which
 is a stranger's unless real ranks took longer than a flood of strangers arriving after them.
+
+Drops are logged at most once per source address a minute, with a count of the rest (:class:`_DropLog`):
+a flood of 4,000 forged handshakes writes two lines, not 4,000.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from hora.transport import auth
 log = logging.getLogger("hora.transport")
 
 MAX_PENDING = 256  # handshakes in progress at once, per port
+LOG_EVERY = 60.0  # s: one line per source at most, then the count of what it dropped meanwhile
+_SOURCES = 4096  # sources remembered at once (the oldest window is summed up early past that)
 _READ_BYTES = 4096
 
 OnReady = Callable[[socket.socket, bytes, tuple], None]
@@ -40,6 +45,49 @@ class _Pending:
 
     def __init__(self, sock: socket.socket, addr: tuple, shake: auth.AcceptHandshake, deadline: float):
         self.sock, self.addr, self.shake, self.deadline = sock, addr, shake, deadline
+
+
+class _DropLog:
+    """Dropped connections, logged at most once per source address per ``LOG_EVERY`` s: the first drop
+    of a window is logged as it happens, the others are counted and summed up in one line when the
+    window ends (:meth:`flush`), so a flood of strangers writes two lines a minute, not one per try."""
+
+    def __init__(self, label: str):
+        self._label = label
+        self._windows: collections.OrderedDict[str, list] = collections.OrderedDict()  # host -> [start, n, why]
+
+    def drop(self, addr: tuple, why, now: float) -> None:
+        host = addr[0]
+        w = self._windows.get(host)
+        if w is not None:
+            w[1] += 1
+            w[2] = why
+            return
+        log.warning("%s: dropped connection from %s:%s: %s", self._label, host, addr[1], why)
+        self._windows[host] = [now, 0, why]
+        if len(self._windows) > _SOURCES:
+            self._sum_up(*self._windows.popitem(last=False))
+
+    def due_in(self, now: float) -> float | None:
+        """Seconds until the oldest window ends (None: none open)."""
+        for start, _n, _why in self._windows.values():
+            return max(0.0, start + LOG_EVERY - now)
+        return None
+
+    def flush(self, now: float, every: bool = False) -> None:
+        """Sum up the windows that ended (``every``: all of them, at close)."""
+        while self._windows:
+            host, w = next(iter(self._windows.items()))
+            if not every and now - w[0] < LOG_EVERY:
+                return
+            del self._windows[host]
+            self._sum_up(host, w)
+
+    def _sum_up(self, host: str, w: list) -> None:
+        start, n, why = w
+        if n:
+            log.warning("%s: dropped %d more connection%s from %s in %.0f s (the last: %s)", self._label, n,
+                        "s" if n > 1 else "", host, min(LOG_EVERY, time.monotonic() - start), why)
 
 
 class Acceptor:
@@ -57,6 +105,7 @@ class Acceptor:
         self._max = max_pending
         self._pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()  # oldest first
         self._sel = selectors.DefaultSelector()
+        self._drops = _DropLog(label)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         listener.setblocking(False)
@@ -87,18 +136,22 @@ class Acceptor:
     def _loop(self) -> None:
         try:
             while not self._closed:
-                timeout = None
+                now = time.monotonic()
+                timeout = self._drops.due_in(now)
                 if self._pending:
-                    timeout = max(0.0, next(iter(self._pending.values())).deadline - time.monotonic())
+                    left = max(0.0, next(iter(self._pending.values())).deadline - now)
+                    timeout = left if timeout is None else min(timeout, left)
                 for key, mask in self._sel.select(timeout):
                     if key.fileobj is self.listener:
                         self._accept()
                     elif key.fileobj is not self._wake_r:
                         self._step(key.data, mask)
                 self._expire()
+                self._drops.flush(time.monotonic())
         finally:
             for p in list(self._pending.values()):
                 self._drop(p, None)
+            self._drops.flush(time.monotonic(), every=True)
             self._sel.close()
             for s in (self.listener, self._wake_r, self._wake_w):
                 s.close()
@@ -182,4 +235,4 @@ class Acceptor:
         p.sock.close()
 
     def _log(self, p: _Pending, why) -> None:
-        log.warning("%s: dropped connection from %s:%s: %s", self._label, p.addr[0], p.addr[1], why)
+        self._drops.drop(p.addr, why, time.monotonic())

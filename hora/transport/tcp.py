@@ -278,18 +278,7 @@ def connect_mesh(rank: int, size: int, store: StoreClient, prefix: str, secret: 
     key = f"{prefix}/abort"
 
     def explain(peer: int, what: str) -> tuple[int, str]:
-        """Who is to blame for losing ``peer``: the rank named by the first rank that saw a failure
-        (its note in the store), else ``peer`` itself, and then this rank leaves that note."""
-        try:
-            note = store.try_get(key)
-            if note:
-                dead, _, msg = note.decode().partition("|")
-                return int(dead), msg
-            msg = f"lost the connection to rank {peer} ({what}); that rank died or aborted"
-            store.set(key, f"{peer}|{msg} (first noticed by rank {rank})".encode())
-            return peer, msg
-        except HoraError:
-            return peer, f"lost the connection to rank {peer} ({what}); that rank died or aborted"
+        return blame(store.try_get, store.set, key, rank, peer, what)
 
     return TcpCommunicator(rank, size, socks, ControlPlane(rank, ctrl, explain, data=socks.values()),
                            closer=acceptor.close)
@@ -310,3 +299,32 @@ def _connect(addr: str, peer: int, rank: int, prefix: str, secret: bytes, timeou
                 kind = HoraTimeoutError if retry else HoraError  # still refused at the deadline: not up in time
                 raise kind(f"rank {rank}: cannot connect to rank {peer} at {addr}: {e}") from e
             time.sleep(0.05)
+
+
+def blame(read, write, key: str, rank: int, peer: int, what: str) -> tuple[int, str]:
+    """Who is to blame when ``rank`` lost ``peer`` (``what``: the error seen), as ``(rank, message)``,
+    from this rank's own view: the rank named by the job's first failure note (``read(key)``: the first
+    rank that lost a peer leaves one, ``write``) when that is another rank; never this rank itself. A
+    note naming this rank, which is alive to read it, is the other side of a partition: the two lost
+    each other, and the one to blame from here is ``peer``."""
+    own = f"lost the connection to rank {peer} ({what})"
+    try:
+        note = read(key)
+        if not note:
+            write(key, f"{peer}|rank {rank} lost the connection to rank {peer} ({what})".encode())
+    except HoraError:
+        return peer, f"{own}; rank {peer} died or aborted, or the network between them failed"
+    if not note:
+        return peer, f"{own}; rank {peer} died or aborted, or the network between them failed"
+    head, _, first = note.decode(errors="replace").partition("|")
+    dead = int(head) if head.lstrip("-").isdigit() else peer
+    if dead == rank:  # the other side's view of this very failure: it lost this rank, which lives
+        by = first.split(" ", 2)[1] if first.startswith("rank ") else str(peer)
+        other = int(by) if by.isdigit() and int(by) != rank else peer
+        text = (f"rank {other} and rank {rank} lost each other" if other == peer else
+                f"rank {other} lost this rank and this rank {own}")
+        return peer, (f"{text} (this side: {what}; the other: {first}): both were alive, so the network between "
+                      "them failed (a partition, a link down, a firewall)")
+    if dead == peer:
+        return peer, f"{own}; rank {peer} died or aborted, or the network between them failed ({first})"
+    return dead, f"{own} after the job's first failure: {first}; rank {dead} died or aborted, or was cut off"
