@@ -1,6 +1,7 @@
 """The elastic driver: ``hora run -np N --min-np A --max-np B --host-discovery-script S ...``.
 
-A small state machine, one thread (this one) deciding everything, polled every 50 ms; the discovery script
+A state machine (:mod:`hora.runner.elastic.fsm`: the job's states, the transitions written once and a pure
+``step``), one thread (this one) that every 50 ms observes, steps and acts; the discovery script
 runs in a thread of its own (:mod:`hora.runner.elastic.discovery`) and only ever hands over a host list, so
 a failing or hanging script cannot block a decision. The control plane is the job's store (keys:
 :mod:`hora.base.elastic_protocol`), served in this process.
@@ -76,7 +77,8 @@ from typing import Any, Callable
 from hora.base import elastic_protocol as protocol
 from hora.base.outcome import RankOutcome, exit_status, from_end, headline, tail_of, what
 from hora.runner.elastic.discovery import Discovery
-from hora.runner.elastic.policy import DiscoveryGuard, FailurePolicy, host_fault, rank_order
+from hora.runner.elastic.fsm import Act, DriverState, Observation, step
+from hora.runner.elastic.policy import DiscoveryGuard, FailurePolicy, below_min_np, host_fault, rank_order
 from hora.runner.elastic.workers import Pool, Proc
 from hora.runner.spawn import Output
 
@@ -131,6 +133,7 @@ class Driver:
         self.member_failure: tuple[int, str] | None = None
         self.root: RankOutcome | None = None  # the failed worker to blame when the job fails
         self._signal: int | None = None
+        self.state = DriverState.DISCOVERING
 
     def stop(self, sig: int) -> None:
         """Ask the loop to stop as on signal ``sig`` (from another thread: a launcher's Ctrl-C, say): it
@@ -153,41 +156,59 @@ class Driver:
                 signal.signal(sig, handler)
 
     def _loop(self) -> int:
+        """Observe -> :func:`~hora.runner.elastic.fsm.step` -> act, every ``TICK`` s, until a final state."""
         started = time.monotonic()
         while True:
-            if self._signal is not None:
-                _say(f"interrupted by {signal.Signals(self._signal).name}; stopping the workers")
-                return 128 + self._signal
             now = time.monotonic()
-            self.pool.check_sessions()
-            self._exits(now)
-            if self.failure is not None:
-                return self._fail()
-            hosts = self._hosts(now)
-            if hosts is None:
-                if now - started > self.timeout:
-                    what = getattr(self.discovery, "what", "the host discovery script")
-                    self.failure = (1, f"{what} gave no host list within --elastic-timeout "
-                                       f"{self.timeout:g} s ({self.discovery.problem or 'no output yet'})")
-                    continue
-                time.sleep(TICK)
-                continue
-            ready = self._ready()
-            if self.finishing:
-                for p in ready:
-                    self._answer(p, "exit the job is over (a worker finished training)")
-                for p in self.pool.live():  # one still starting gets the same answer when it asks, or is stopped
-                    if not p.stopping and p.number not in self.member_numbers:
-                        self._stop([p], now, kill=False)
-                if not self.pool.live():
-                    return self._result()
-                self._finish_timeout(now)
-            else:
-                self._follow(hosts, now)
-                self._post_arrivals(ready)
-                self._form(ready, hosts, now)
-            self._escalate(now)
+            hosts = None
+            if self._signal is None:
+                self.pool.check_sessions()
+                self._exits(now)
+                if self.failure is None:
+                    hosts = self._hosts(now)
+            self.state, acts = step(self.state, self._observe(now, started, hosts is not None))
+            for act in acts:
+                code = self._act(act, hosts, now)
+                if code is not None:
+                    return code
             time.sleep(TICK)
+
+    def _observe(self, now: float, started: float, hosts_known: bool) -> Observation:
+        return Observation(
+            now=now, started=started, timeout=self.timeout, signal=self._signal, failure=self.failure,
+            hosts_known=hosts_known, discovery=getattr(self.discovery, "what", "the host discovery script"),
+            discovery_problem=self.discovery.problem, finishing=self.finishing, finished_at=self.finished_at,
+            live=len(self.pool.live()) if self.finishing else 0, member_failure=self.member_failure,
+            gen=self.gen, breaking=self.breaking is not None)
+
+    def _act(self, act: Act, hosts: dict[str, int] | None, now: float) -> int | None:
+        """Do what ``step`` said; the job's exit status when it ends."""
+        if act.kind == "log":
+            _say(act.text)
+        elif act.kind == "interrupt":
+            return act.code
+        elif act.kind == "fail":
+            self.failure = (act.code, act.text)
+            return self._fail()
+        elif act.kind == "finish":
+            return self._result()
+        elif act.kind == "dismiss":
+            for p in self._ready():
+                self._answer(p, "exit the job is over (a worker finished training)")
+            for p in self.pool.live():  # one still starting gets the same answer when it asks, or is stopped
+                if not p.stopping and p.number not in self.member_numbers:
+                    self._stop([p], now, kill=False)
+        elif act.kind == "kill_late":
+            self._finish_timeout(now)
+        elif act.kind == "follow" and hosts is not None:
+            self._follow(hosts, now)
+        elif act.kind == "form" and hosts is not None:
+            ready = self._ready()
+            self._post_arrivals(ready)
+            self._form(ready, hosts, now)
+        elif act.kind == "escalate":
+            self._escalate(now)
+        return None
 
     # --- events
     def _exits(self, now: float) -> None:
@@ -256,9 +277,8 @@ class Driver:
             self._stop([q for q in self.pool.live() if q.host == host], now, kill=True)
 
     def _finish_timeout(self, now: float) -> None:
-        """A worker finished training: the others get --elastic-timeout s to end too, then are killed."""
-        if self.finished_at is None or now - self.finished_at < self.timeout:
-            return
+        """A worker finished training: the others got --elastic-timeout s to end too (``step`` says when),
+        now they are killed."""
         late = [p for p in self.pool.live() if not p.stopping]
         if late:
             _say(f"warning: workers {' '.join(f'{p.number} ({p.wid})' for p in late)} had not ended "
@@ -384,7 +404,7 @@ class Driver:
                  f"--elastic-timeout {self.timeout:g} s; stopping it")
             self._stop([p], now, kill=True)
             self._host_failed(p.host, now)
-        order = self._order(waiting)
+        order = rank_order(waiting, self.member_numbers, self._holder)
         chosen = order[:self.max_np] if self.max_np else order
         if len(chosen) < self.min_np:
             self._check_below(now, hosts)
@@ -438,11 +458,6 @@ class Driver:
              f"{self.gen + 1} starts over from the state its workers start with (HORA_ELASTIC_RESTART_ON_LOSS)")
         return True
 
-    def _order(self, waiting: list[Proc]) -> list[Proc]:
-        """Holders of the committed state first, members by old rank, then newcomers by slot; each host's
-        workers kept together (so the new rank 0 holds the state whenever any worker does)."""
-        return rank_order(waiting, self.member_numbers, self._holder)
-
     def _start_generation(self, chosen: list[Proc], now: float) -> None:
         for p in chosen:
             if p.number in self.member_numbers:  # it came through the end of a generation alive
@@ -470,22 +485,9 @@ class Driver:
         if now - self.below < self.timeout:
             return
         have = [p.wid for p in self.pool.live() if not p.stopping]
-        wanted = [w for w, _h, _i in self._wanted(hosts)]
-        missing = sorted(set(wanted) - set(have))
-        listed = self.guard.acted or {}
-        left = [w for w in self.members if w not in have]
-        unlisted = sorted({w.rpartition(":")[0] for w in left} - set(listed))
-        black = ", ".join(sorted(self.blacklist.until)) or "none"
-        parts = [f"{len(have)} running ({' '.join(have) or 'none'}), {self.min_np - len(have)} more needed"]
-        if left:
-            parts.append(f"left since generation {self.gen}: slots {' '.join(left)}"
-                         + (f" (hosts no longer listed: {' '.join(unlisted)})" if unlisted else ""))
-        parts.append(f"listed slots not running: {' '.join(missing)}" if missing else
-                     "every listed slot runs (the hosts offer too few)")
-        parts.append(f"listed hosts {', '.join(f'{h}:{n}' for h, n in listed.items()) or 'none'}")
-        parts.append(f"blacklisted {black}")
-        self.failure = (1, f"fewer than --min-np {self.min_np} workers for more than --elastic-timeout "
-                           f"{self.timeout:g} s: " + "; ".join(parts))
+        self.failure = (1, below_min_np(have, [w for w, _h, _i in self._wanted(hosts)], self.members, self.gen,
+                                        self.guard.acted or {}, sorted(self.blacklist.until), self.min_np,
+                                        self.timeout))
 
     # --- answers and stopping
     def _answer(self, p: Proc, text: str) -> None:

@@ -115,6 +115,24 @@ def rank_order(waiting: list[Any], members: list[int], holder: Callable[[Any], b
     return [p for h in hosts for p in first if p.host == h]
 
 
+def below_min_np(have: list[str], wanted: list[str], members: list[str], gen: int, listed: dict[str, int],
+                 blacklisted: list[str], min_np: int, timeout: float) -> str:
+    """Why the job fails below ``--min-np``: who runs, who left since generation ``gen`` (and whether their
+    hosts are still listed), which listed slots do not run, the listed and the blacklisted hosts."""
+    missing = sorted(set(wanted) - set(have))
+    left = [w for w in members if w not in have]
+    unlisted = sorted({w.rpartition(":")[0] for w in left} - set(listed))
+    parts = [f"{len(have)} running ({' '.join(have) or 'none'}), {min_np - len(have)} more needed"]
+    if left:
+        parts.append(f"left since generation {gen}: slots {' '.join(left)}"
+                     + (f" (hosts no longer listed: {' '.join(unlisted)})" if unlisted else ""))
+    parts.append(f"listed slots not running: {' '.join(missing)}" if missing else
+                 "every listed slot runs (the hosts offer too few)")
+    parts.append(f"listed hosts {', '.join(f'{h}:{n}' for h, n in listed.items()) or 'none'}")
+    parts.append(f"blacklisted {', '.join(blacklisted) or 'none'}")
+    return f"fewer than --min-np {min_np} workers for more than --elastic-timeout {timeout:g} s: " + "; ".join(parts)
+
+
 def _slots(hosts: dict[str, int]) -> int:
     return sum(hosts.values())
 
