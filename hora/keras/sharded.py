@@ -224,15 +224,7 @@ def _host_call(fn, tensor, shape: tuple) -> object:
 
 
 def _wire(compression) -> str | None:
-    if compression is Compression.none:
-        return None
-    if compression is Compression.fp16:
-        return "float16"
-    if compression is Compression.bf16:
-        return "bfloat16"
-    raise HoraValueError(f"DistributedOptimizer(zero_stage=...): compression {compression!r} cannot combine with a "
-                         "sharded optimizer (each rank receives only its slice, while top-k and PowerSGD reduce "
-                         "whole gradients); use Compression.none, fp16 or bf16")
+    return sharding.compression_wire(compression, Compression)
 
 
 def _refuse(optimizer, s: _Settings) -> None:

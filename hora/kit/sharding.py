@@ -84,6 +84,19 @@ class ShardPlan:
         return cls(tuple(int(x) for x in d["sizes"]), tuple(int(x) for x in d["bounds"]))
 
 
+def compression_wire(compression: object, kinds: object) -> str | None:
+    """The dtype a sharded optimizer's gradients travel in, for a binding's ``Compression`` namespace ``kinds``:
+    none, fp16 or bf16. Top-k and PowerSGD reduce whole gradients while each rank receives only its slice, so
+    they cannot combine with sharding and are refused here, once for every binding."""
+    missing = object()
+    for name, dtype in (("none", None), ("fp16", "float16"), ("bf16", "bfloat16")):
+        if compression is getattr(kinds, name, missing):
+            return dtype
+    raise HoraValueError(f"DistributedOptimizer(zero_stage=...): compression {compression!r} cannot combine with "
+                         "a sharded optimizer (each rank receives only its slice, while top-k and PowerSGD "
+                         "reduce whole gradients); use Compression.none, fp16 or bf16")
+
+
 def pieces_of(offsets: Sequence[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
     """The parameters (index, start, stop within it) that the flat range ``lo:hi`` covers."""
     out = []
