@@ -124,8 +124,12 @@ def _kill_all(proc: subprocess.Popen, pids: dict[int, int]) -> None:
     proc.wait(10)
 
 
+LONG = pytest.mark.skipif(os.environ.get("HORA_LONG_TESTS") != "1",
+                          reason="suite time: the watch is off by default; HORA_LONG_TESTS=1 runs every layout")
+
+
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("n,victim", [(2, 1), (4, 0), (4, 2)])
+@pytest.mark.parametrize("n,victim", [(2, 1), (4, 0), pytest.param(4, 2, marks=LONG)])
 def test_sigstopped_rank_is_named_on_every_rank_and_the_job_ends(tmp_path, n, victim):
     proc, lines, reader = _launch(tmp_path, n, LOOP)
     pids: dict[int, int] = {}
@@ -179,13 +183,13 @@ def _busy(tmp_path: Path, n: int, held: str, free: str, secs: float) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("n,held,free", [(2, "0", "1"), (4, "0", "3"), (4, "1", "2")])
+@pytest.mark.parametrize("n,held,free", [pytest.param(2, "0", "1", marks=LONG), (4, "0", "3"),
+                                         pytest.param(4, "1", "2", marks=LONG)])
 def test_busy_ranks_are_never_frozen_short(tmp_path, n, held, free):
     _busy(tmp_path, n, held, free, 40.0)
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(os.environ.get("HORA_LONG_TESTS") != "1",
-                    reason="5.5 minutes; HORA_LONG_TESTS=1 runs it (the 40 s variants above cover the same ranks)")
+@LONG
 def test_busy_ranks_are_never_frozen_five_minutes(tmp_path):
     _busy(tmp_path, 4, "0", "3", 300.0)
