@@ -248,7 +248,8 @@ KNOBS = [
          "empty answer is ignored meanwhile (0: act at once)", 1, _nonneg, ">= 0", group="elastic",
          side="launcher"),
 ]
-_GPU = "hora has no GPU (NCCL/CUDA) data path yet: collectives run on the host, GPU tensors are copied"
+_GPU = ("hora's GPU path (docs/gpu.md) has no such setting: one NCCL stream per device, completion by CUDA "
+        "events, fusion by device-to-device copies, no NVTX ranges")
 _ALGO = "hora has no {} yet; allreduce runs as a ring, or hierarchically (HORA_HIERARCHICAL_ALLREDUCE)"
 _TRANSPORT = ("hora picks its data path from how the job was started (mpirun: MPI; otherwise its own TCP mesh "
               "and shared memory); HORA_TRANSPORT chooses one explicitly")
@@ -272,12 +273,6 @@ NO_EFFECT: dict[str, str] = {
     "DISABLE_NVTX_RANGES": _GPU,
     "CCL_CACHE": "hora has no oneCCL data path",
     "ADASUM_MPI_CHUNK_SIZE": "hora's Adasum runs over its own transport, not MPI's, and has no chunk size",
-    "GPU_OPERATIONS": _GPU,
-    "GPU_ALLREDUCE": _GPU,
-    "GPU_ALLGATHER": _GPU,
-    "GPU_BROADCAST": _GPU,
-    "GPU_ALLTOALL": _GPU,
-    "GPU_REDUCESCATTER": _GPU,
 }
 _said: set[str] = set()
 
