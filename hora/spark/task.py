@@ -78,9 +78,12 @@ def _refuse(store: StoreClient, rank: int, problem: str) -> int:
     """Fail ``rank`` without starting it, as a rank that raised :class:`LaunchError` (the driver re-raises it)."""
     import pickle
 
+    from hora.base.outcome import from_exception  # the record every launcher reports through
+
     error = LaunchError(problem)
-    store.set(f"result/{rank}", pickle.dumps(("err", (pickle.dumps(error), "", f"LaunchError: {problem}",
-                                                      time.time(), False))))
+    outcome = from_exception(rank, error, f"LaunchError: {problem}", exception=pickle.dumps(error),
+                             host=os.uname().nodename, pid=os.getpid())
+    store.set(f"result/{rank}", pickle.dumps(("err", outcome)))
     return 1
 
 
