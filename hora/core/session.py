@@ -10,19 +10,17 @@ requests and commits across its initialisations.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Any
 
 from hora.base.errors import ForkedChildError, NotInitializedError
 from hora.core.rendezvous import Rendezvous
-
-if TYPE_CHECKING:
-    from hora.core.launchers import Topology
 
 
 class State:
     """Everything one initialisation owns; replaced wholesale by the next ``init()``."""
 
-    def __init__(self, topo: Topology, comm, store, prefix: str, cfg: dict):
+    def __init__(self, topo: Any, comm,  # topo: hora.core.launchers.Topology (it imports this module)
+                 store, prefix: str, cfg: dict):
         self.topo, self.comm, self.store, self.prefix = topo, comm, store, prefix
         self.forked = False
         self.cfg = cfg

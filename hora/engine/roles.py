@@ -13,7 +13,7 @@ keeping a copy of the response cache and of the process-set table.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from hora.base.errors import InternalError, PeerLostError, ShutdownError
 from hora.engine import autotune, inline
@@ -22,8 +22,7 @@ from hora.engine.coordinator import Coordinator, ResponseCache
 from hora.engine.execute import Pending, nbytes_of
 from hora.engine.stall import StallInspector
 
-if TYPE_CHECKING:
-    from hora.engine.engine import Engine
+# A role is given the Engine that owns it (hora.engine.engine), typed Any: that module imports this one.
 
 _NO_RANKS: tuple[int, ...] = ()
 
@@ -36,7 +35,7 @@ def bye_text(rank: int) -> str:
 class CoordinatorRole:
     """Rank 0: the coordinator, the stall inspector, autotune's search, and the relay of failures."""
 
-    def __init__(self, engine: Engine, cfg: dict):
+    def __init__(self, engine: Any, cfg: dict):
         self.engine = engine
         self.coord = Coordinator(engine.size, cfg["fusion_threshold"], cfg["cache_capacity"])
         self.cache = None  # the coordinator's cache is rank 0's
@@ -150,7 +149,7 @@ class WorkerRole:
 
     coord = stall = None
 
-    def __init__(self, engine: Engine, cfg: dict):
+    def __init__(self, engine: Any, cfg: dict):
         self.engine = engine
         self.cache = ResponseCache(cfg["cache_capacity"])
         self.process_sets: dict[int, tuple[int, ...]] = {0: tuple(range(engine.size))}
