@@ -86,7 +86,9 @@ class StoreServer:
         self._data: dict[bytes, bytes] = {}
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._gathers: dict[tuple[bytes, int], _Gather] = {}  # (prefix, n) -> its waiting list and reply
+        # prefix -> n -> a gather's waiting list and reply; a key "<prefix><i>" finds its gathers by its
+        # prefix (the key without its trailing digits), so a SET costs O(1) however many gathers there are
+        self._gathers: dict[bytes, dict[int, _Gather]] = {}
         self._closed = False
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
@@ -110,8 +112,9 @@ class StoreServer:
                 return
             self._closed = True
             self._cond.notify_all()
-            for g in self._gathers.values():
-                g.cond.notify_all()
+            for by_n in self._gathers.values():
+                for g in by_n.values():
+                    g.cond.notify_all()
             conns = list(self._conns)
         self._acceptor.close()  # unfinished handshakes are dropped, not waited for
         for c in conns:
@@ -183,9 +186,8 @@ class StoreServer:
                 self._store(key, str(n).encode())
                 return OK, struct.pack("!q", n)
             if op == DELETE:
-                for g in self._gathers.values():
-                    if key.startswith(g.prefix):
-                        g.next, g.reply = 0, None  # built again from what is left
+                for g in self._gathers.get(key.rstrip(b"0123456789"), {}).values():
+                    g.next, g.reply = 0, None  # built again from what is left
                 return (OK if self._data.pop(key, None) is not None else MISSING), b""
             if op == CHECK:
                 return (OK if key in self._data else MISSING), b""
@@ -196,15 +198,18 @@ class StoreServer:
         list of a gather that this key completes."""
         self._data[key] = value
         self._cond.notify_all()
-        for g in self._gathers.values():
-            if g.reply is None and key.startswith(g.prefix) and g.advance(self._data):
+        for g in self._gathers.get(key.rstrip(b"0123456789"), {}).values():
+            if g.reply is None and g.advance(self._data):
                 g.cond.notify_all()
 
     def _gather(self, prefix: bytes, timeout: float, n: int) -> tuple[int, bytes]:
         """GATHER (the lock held): every value under ``prefix`` 0..n-1, once all exist, in one reply."""
-        g = self._gathers.get((prefix, n))
+        if prefix[-1:].isdigit():
+            return BAD, b"a gather's prefix must not end with a digit (its keys are the prefix and an index)"
+        by_n = self._gathers.setdefault(prefix, {})
+        g = by_n.get(n)
         if g is None:
-            g = self._gathers[(prefix, n)] = _Gather(prefix, n, threading.Condition(self._lock))
+            g = by_n[n] = _Gather(prefix, n, threading.Condition(self._lock))
         deadline = time.monotonic() + timeout
         while not g.advance(self._data) and not self._closed:
             left = deadline - time.monotonic()
@@ -302,6 +307,8 @@ class StoreClient:
         """The values of ``<prefix>0`` ... ``<prefix>{n-1}``, in one round trip, once all exist; a
         :class:`StoreTimeout` naming the missing indices if they do not within ``timeout``."""
         status, payload = self._call(GATHER, prefix, _GATHER.pack(timeout, n), timeout)
+        if status == BAD:
+            raise HoraValueError(f"store gather {prefix!r}: {payload.decode(errors='replace')}")
         if status != OK:
             raise StoreTimeout(f"store keys {prefix!r}0..{n - 1}: [{payload.decode(errors='replace')}] did not "
                                f"appear within {timeout:g} s", missing=payload.decode(errors="replace"))
