@@ -202,7 +202,7 @@ def main() -> None:
     print("| N | store round trips per rank (max / mean) | store µs per request | data conns at start-up "
           "| extra conns for ring allreduce | control conns | tree depth | rank 0 frames per cycle "
           "| busiest other rank's frames | rank 0 KiB per cycle | rank 0 negotiation ms |")
-    print("|" + "---|" * 10)
+    print("|" + "---|" * 11)
     for n in (int(s) for s in args.sizes.split(",")):
         r = simulate(n, args.tensors)
         print(f"| {n} | {r['trips_max']} / {r['trips_mean']:.2f} | {r['store_us_per_request']:.0f} | {r['data']} "
