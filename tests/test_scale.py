@@ -166,13 +166,15 @@ def test_descriptors_per_rank_at_np32(transport):
 
 
 @pytest.mark.timeout(300)
-def test_rank0_death_reaches_a_two_level_tree():
-    """np=32 on TCP: ranks 9..31 hang below ranks 1..3 in the control tree, and none of them holds a
-    connection to rank 0; when rank 0 is SIGKILLed in the middle of an allreduce, each still raises an
-    error naming it (kill_mid_allreduce checks every survivor)."""
+@pytest.mark.parametrize(("victim", "transport"), [(0, "tcp"), (1, "auto")])
+def test_death_reaches_a_two_level_tree(victim, transport):
+    """np=32: ranks 9..31 hang below ranks 1..3 in the control tree, and none of them holds a connection
+    to rank 0. SIGKILL rank 0 (on TCP), or the router rank 1 (on shared memory, where a rank watches the
+    pids of 4 ring neighbours only) in the middle of an allreduce: every survivor still raises an error
+    naming it (kill_mid_allreduce checks each)."""
     from harness import kill_mid_allreduce
 
-    kill_mid_allreduce(32, 0, 1 << 16, env={"HORA_TRANSPORT": "tcp"})
+    kill_mid_allreduce(32, victim, 1 << 16, env={"HORA_TRANSPORT": transport})
 
 
 def _all_collectives() -> None:
