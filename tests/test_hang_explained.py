@@ -1,106 +1,51 @@
 """Hangs explained (hora.engine.explain): a hang caused by (a) a rank that ran out of data, (b) a collective
 called on some ranks only, (c) rank 0 alone running a long evaluation is explained on every rank, in words
-and with the call sites of this file, within 2x the job's recent step time (floor 2 s), with the default knobs.
+and with the call sites of the worker script (tests/hang_worker.py), within 2x the job's recent step time
+(floor 2 s), with the default knobs.
 
-Each rank runs a few steps, so that rank 0 knows the step time, then hangs; a handler on the ``hora`` logger
-reports the explanation's text and figures (``record.hora_hang``, the engine's own clock) and marks it, the
-test waits for every rank's mark, and the ranks of (a) and (b), which would wait for ever, are killed. In (c)
-rank 0's evaluation lasts until its own explanation arrives, then the job goes on and ends normally.
+Each rank runs a few steps, so that rank 0 knows the step time, then hangs; the script reports each explanation
+and marks it, the test waits for every rank's mark, and the ranks of (a) and (b), which would wait for ever, are
+killed. In (c) rank 0's evaluation lasts until its own explanation arrives, then the job goes on to its end.
 """
 
+import functools
 import json
-import logging
+import runpy
 from pathlib import Path
 
-import numpy as np
 import pytest
 from harness import spawn_job
 
-SOURCE = Path(__file__).read_text().splitlines()
-FILE = "tests/test_hang_explained.py"
+SCRIPT = Path(__file__).resolve().parent / "hang_worker.py"
+SOURCE = SCRIPT.read_text().splitlines()
+FILE = "tests/hang_worker.py"
 
 
 def line_of(tag: str) -> int:
-    """The line of this file that ends with ``# site: <tag>``."""
+    """The line of the worker script that ends with ``# site: <tag>``."""
     (n,) = [i + 1 for i, text in enumerate(SOURCE) if text.rstrip().endswith(f"# site: {tag}")]
     return n
 
 
-def _explained(hvd, then=None):
-    """On this rank: report every hang explanation (text and figures) and mark the first; ``then()`` after it."""
-    from workers import mark, report
-
-    class Handler(logging.Handler):
-        def emit(self, record):
-            info = getattr(record, "hora_hang", None)
-            if info is None:
-                return
-            report(rank=hvd.rank(), info=info, text=record.getMessage())
-            if info["round"] == 1:
-                mark(f"explained/{hvd.rank()}")
-                if then is not None:
-                    then()
-
-    logging.getLogger("hora").addHandler(Handler())
+def _job(n: int, case: str, arg):
+    """The worker script's program ``case`` on ``n`` fresh ranks."""
+    return spawn_job(n, functools.partial(runpy.run_path, str(SCRIPT), run_name="__main__"),
+                     env={"HANG_CASE": case, "HANG_ARG": json.dumps(arg)})
 
 
-def _uneven(batches):
-    import hora as hvd
-
-    hvd.init()
-    _explained(hvd)
-    x = np.ones(4, np.float32)
-    for _ in range(batches[hvd.rank()]):  # site: batches
-        hvd.allreduce(x, name="loss")  # site: loss-a
-    hvd.allreduce(x, name="val_loss")  # site: metric
-
-
-def _conditional(steps):
-    import hora as hvd
-
-    hvd.init()
-    _explained(hvd)
-    x = np.ones(4, np.float32)
-    for step in range(steps):
-        hvd.allreduce(x, name="loss")  # site: loss-b
-        if hvd.rank() == 0 and step == 4:  # site: if
-            hvd.allreduce(x, name="norm")  # site: norm
-
-
-def evaluate(done):  # site: evaluate-def
-    acc = 0
-    while not done.is_set():
-        for i in range(5000):
-            acc += i * i
-    return acc  # site: evaluate-end
-
-
-def _long_evaluation(steps):
-    import threading
-
-    import hora as hvd
-
-    hvd.init()
-    done = threading.Event()
-    _explained(hvd, then=done.set)
-    x = np.ones(4, np.float32)
-    for step in range(steps):
-        if hvd.rank() == 0 and step == 4:
-            evaluate(done)  # site: eval-call
-        hvd.allreduce(x, name="loss")  # site: loss-c
-    hvd.shutdown()
-
-
-def _first_reports(job, n):
-    """Every rank's first explanation: (figures, text)."""
+def _reports(job, n, round_=1):
+    """Every rank's explanation number ``round_``: (figures, text)."""
     out = []
     for r in range(n):
         lines = [json.loads(line[len("REPORT "):]) for line in job.output(r).splitlines() if line.startswith("REPORT ")]
-        assert lines, f"rank {r} explained nothing:\n{job.output(r)}"
-        first = [rep for rep in lines if rep["info"]["round"] == 1]
-        assert first, lines
+        first = [rep for rep in lines if rep["info"]["round"] == round_]
+        assert first, f"rank {r} gave no explanation {round_}:\n{job.output(r)}"
         out.append((first[0]["info"], first[0]["text"]))
     return out
+
+
+def _marks(n, round_=1):
+    return [f"explained{round_}/{r}" for r in range(n)]
 
 
 def _check_common(reports, case, ranks):
@@ -116,25 +61,29 @@ def _check_common(reports, case, ranks):
 
 @pytest.mark.timeout(60)
 def test_a_rank_that_ran_out_of_data():
-    with spawn_job(2, _uneven, [6, 4]) as job:
-        job.wait_for("explained/0", "explained/1")
-        text = _check_common(_first_reports(job, 2), "uneven", [1])
+    with _job(2, "uneven", [6, 4]) as job:
+        job.wait_for(*_marks(2))
+        text = _check_common(_reports(job, 2), "uneven", [1])
+        job.wait_for(*_marks(2, 2))  # while it lasts, explained again: at twice the wait, never a flood
+        (first, _), (again, again_text) = _reports(job, 2)[0], _reports(job, 2, 2)[0]
+    assert again["waited"] >= 2 * first["threshold"] and again["case"] == "uneven", (first, again)
+    assert "rank 1 ran out of data" in again_text, again_text
     assert "rank 1 ran out of data" in text, text
     assert f"left the loop at {FILE}:{line_of('batches')}" in text, text
     assert "after 4 call(s) of allreduce 'loss'" in text, text
-    assert f"allreduce 'val_loss' at {FILE}:{line_of('metric')} in _uneven()" in text, text
-    assert f"rank 0 still runs allreduce 'loss' at {FILE}:{line_of('loss-a')} in _uneven()" in text, text
+    assert f"allreduce 'val_loss' at {FILE}:{line_of('metric')} in uneven()" in text, text
+    assert f"rank 0 still runs allreduce 'loss' at {FILE}:{line_of('loss-a')} in uneven()" in text, text
     assert "hvd.join()" in text, text
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("np_", [2, 3])
 def test_a_collective_called_on_some_ranks_only(np_):
-    with spawn_job(np_, _conditional, 8) as job:
-        job.wait_for(*[f"explained/{r}" for r in range(np_)])
-        text = _check_common(_first_reports(job, np_), "conditional", [0])
+    with _job(np_, "conditional", 8) as job:
+        job.wait_for(*_marks(np_))
+        text = _check_common(_reports(job, np_), "conditional", [0])
     others = "rank 1" if np_ == 2 else f"ranks {list(range(1, np_))}"
-    assert (f"allreduce 'norm' at {FILE}:{line_of('norm')} in _conditional() was called on rank 0 only "
+    assert (f"allreduce 'norm' at {FILE}:{line_of('norm')} in conditional() was called on rank 0 only "
             f"(under `if hvd.rank() == 0 and step == 4:` at {FILE}:{line_of('if')})") in text, text
     assert f"{others} went on to allreduce 'loss' at {FILE}:{line_of('loss-b')}" in text, text
     assert "Check the condition around it" in text, text
@@ -142,12 +91,12 @@ def test_a_collective_called_on_some_ranks_only(np_):
 
 @pytest.mark.timeout(60)
 def test_rank_zero_alone_in_a_long_evaluation():
-    with spawn_job(2, _long_evaluation, 6) as job:
-        job.wait_for("explained/0", "explained/1")
+    with _job(2, "long_evaluation", 6) as job:
+        job.wait_for(*_marks(2))
         assert job.wait() == [0, 0]  # the evaluation ended with the explanation: the job went on to its end
-        text = _check_common(_first_reports(job, 2), "computing", [0])
+        text = _check_common(_reports(job, 2), "computing", [0])
     first, last = line_of("evaluate-def"), line_of("evaluate-end")  # wherever the evaluation was
     assert any(f"rank 0 is computing in evaluate() ({FILE}:{n})" in text for n in range(first, last + 1)), text
-    assert f"called from {FILE}:{line_of('eval-call')} in _long_evaluation()" in text, text
+    assert f"called from {FILE}:{line_of('eval-call')} in long_evaluation()" in text, text
     assert f"rank 1 waits for it in allreduce 'loss' at {FILE}:{line_of('loss-c')}" in text, text
     assert "This ends when it returns" in text, text

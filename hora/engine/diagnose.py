@@ -93,7 +93,7 @@ def current(st: RankState) -> Waiting | None:
 def doing(st: RankState | None) -> str:
     """One line on what a rank is doing now."""
     if st is None:
-        return "did not answer (frozen? swapping? see frozen_timeout, docs/reliability.md)"
+        return "did not answer (its engine thread cannot run: the process is stopped, or C code holds the GIL)"
     w = current(st)
     if w is not None:
         return f"waiting in {where(w)}"
@@ -165,8 +165,9 @@ def verdict(s: Stalled, states: dict[int, RankState]) -> Verdict:
         where_in = tuple((f.file, f.func) for f in frames[:1])  # the function, not the line it is at now
         return Verdict("computing", tuple(computing), text, ("computing", tuple(computing), where_in))
     if silent:
-        text = (f"{_ranks(silent)} did not answer rank 0: {_verb(silent, 'its', 'their')} engine may be "
-                "frozen (stopped, swapping; see frozen_timeout, docs/reliability.md)")
+        text = (f"{_ranks(silent)} did not answer rank 0: {_verb(silent, 'its', 'their')} engine thread cannot "
+                "run (the process is stopped or swapping, or C code holds the GIL); docs/reliability.md says how "
+                "hora names a stopped rank")
         return Verdict("silent", tuple(silent), text, ("silent", tuple(silent)))
     text = (f"{_ranks(s.missing)} {_verb(s.missing, 'is', 'are')} inside hora with no collective in "
             f"flight (see above); every rank must submit {where(mine)}")
@@ -200,10 +201,10 @@ def _two_places(s: Stalled, a: Waiting, a_ranks: list[int], b: Waiting, b_ranks:
                     f"{where(loop)}. Check the condition around it: every rank must call a collective (or give the "
                     "ranks that call it a process set of their own)")
             return Verdict("conditional", tuple(sorted(odd_ranks)), text, key)
-    text = (f"{_ranks(a_ranks)} {_verb(a_ranks, 'waits', 'wait')} in {where(a)} and {_ranks(b_ranks)} in {where(b)}: two collectives that "
-            "never meet, since every rank must call the same collectives in the same order. If a rank ran out "
-            "of data, call hvd.join() after its loop; if a call sits under a condition that holds on some ranks "
-            "only, check that condition")
+    text = (f"{_ranks(a_ranks)} {_verb(a_ranks, 'waits', 'wait')} in {where(a)} and {_ranks(b_ranks)} in "
+            f"{where(b)}: two collectives that never meet, since every rank must call the same collectives in the "
+            "same order. If a rank ran out of data, call hvd.join() after its loop; if a call sits under a "
+            "condition that holds on some ranks only, check that condition")
     return Verdict("crossed", tuple(sorted(b_ranks)), text, key)
 
 

@@ -101,8 +101,7 @@ class Engine:
                           m.ABORT: self._on_abort, m.STACK_QUERY: self._on_stack_query,
                           m.STACK_REPLY: self._on_stack_reply, m.STALL_FATAL: self._on_stall_fatal,
                           m.BYE: self._on_bye, m.DATA_STALL: self._on_data_stall}
-        self._stamp = None  # the call sites of submissions, and rank 0's step time (hora.engine.explain)
-        explain.attach(self)
+        explain.attach(self)  # hangs explained: its handlers, and ``_stamp`` on every submission (or None)
         self.handles.drive = self._drive
         # The engine thread sleeps in epoll on the wake pipe and on a nested epoll holding the control
         # connections. A driving caller switches the nested one off for its session: otherwise every

@@ -117,12 +117,13 @@ class Explainer:
             self._next_look = min(oldest.since + self._level, now + limit)
             return
         stalled = []
-        for (sps, sname), e in sorted(table.items(), key=lambda kv: kv[1].since):
-            if now - e.since >= self._threshold:
-                required = set(self.coord.process_sets.get(sps, ())) - set(self.coord.joined if sps == 0 else ())
-                first = next(iter(e.requests.values()))
-                stalled.append(diagnose.Stalled(sps, sname, first.kind, tuple(sorted(e.requests)),
-                                                tuple(sorted(required - set(e.requests))), now - e.since))
+        for sps, sname, missing in self.coord.stalled(self._threshold):
+            e = table[(sps, sname)]
+            stalled.append(diagnose.Stalled(sps, sname, next(iter(e.requests.values())).kind,
+                                            tuple(sorted(e.requests)), tuple(missing), now - e.since))
+        stalled.sort(key=lambda s: -s.waited)
+        if not stalled:
+            return
         e = self.engine
         asked = [p for p in e.control.peers if p not in e.control.departed]
         self._asking = {"deadline": now + REPLY_WAIT, "asked": set(asked) | {e.rank}, "stalled": stalled,
@@ -149,13 +150,12 @@ class Explainer:
         self.rounds += 1
         step, waited = self.step_time() or 0.0, now - ask["since"]
         shutdown = self.engine.cfg["stall_shutdown_time"]
-        end = (f"fails it after {shutdown:g} s (stall_shutdown_time)" if shutdown > 0
-               else "is off (stall_shutdown_time 0): it waits for ever")
+        end = (f"fails it after {shutdown:g} s" if shutdown > 0 else "is off (0): it waits for ever")
         text = "\n".join([
-            f"a hang, explained: {first.kind} '{first.name}' has waited {waited:.1f} s, {waited / max(step, 1e-9):.0f}x "
-            f"this job's recent step time ({step:.3g} s; explained after {self._threshold:.3g} s, and again at "
-            f"{self._level:.3g} s while it lasts)", *lines, f"  why: {v.text}.",
-            f"  The job goes on waiting; the stall shutdown {end}."])
+            f"a hang, explained: {first.kind} '{first.name}' has waited {waited:.1f} s, while this job's steps take "
+            f"{step:.3g} s (explained after {self._threshold:.3g} s, and again at {self._level:.3g} s while it lasts)",
+            *lines, f"  why: {v.text}.",
+            f"  The job goes on waiting; the stall shutdown (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) {end}."])
         info = {"round": self.rounds, "case": v.case, "ranks": list(v.ranks), "waited": waited, "step": step,
                 "threshold": self._threshold, "tensor": first.name}
         e = self.engine
@@ -177,23 +177,12 @@ def local_state(engine: Any) -> diagnose.RankState:
 
 
 def attach(engine: Any) -> None:
-    """Give ``engine`` its part: the stamp on every submission (``engine._stamp``), the three message
-    handlers, and on rank 0 the explainer inside the stall inspector. Nothing when the stall inspector is
-    off, the floor knob is 0, or the job has one rank."""
+    """Give ``engine`` its part: the three message handlers (always: a rank whose knobs differ from rank
+    0's still answers it), and unless the stall inspector is off, the floor knob is 0 or the job has one
+    rank, the stamp on every submission (``engine._stamp``) and on rank 0 the explainer inside the stall
+    inspector."""
     cfg = engine.cfg
-    floor = cfg.get("stall_explain_floor", 0.0)
-    if cfg["stall_check_disable"] or floor <= 0 or engine.size == 1:
-        return
-    explainer = None
-    if engine.stall is not None:
-        explainer = engine.stall.explainer = Explainer(engine, floor, max(cfg["stall_check_time"], 1e-3))
-
-    def stamp(pends) -> None:
-        site = callsite.here()
-        for p in pends:
-            p.site = site
-        if explainer is not None:
-            explainer.observe(pends, site)
+    explainer = engine._stamp = None
 
     def on_query(peer: int, msg) -> None:
         engine.control.tell([0], (m.EXPLAIN_REPLY, engine.rank, local_state(engine)))
@@ -205,5 +194,18 @@ def attach(engine: Any) -> None:
     def on_text(peer: int, msg) -> None:
         show(engine.rank, msg[1], msg[2])
 
-    engine._stamp = stamp
     engine._handlers.update({m.EXPLAIN_QUERY: on_query, m.EXPLAIN_REPLY: on_reply, m.EXPLAIN_TEXT: on_text})
+    floor = cfg.get("stall_explain_floor", 0.0)
+    if cfg["stall_check_disable"] or floor <= 0 or engine.size == 1:
+        return
+    if engine.stall is not None:
+        explainer = engine.stall.explainer = Explainer(engine, floor, max(cfg["stall_check_time"], 1e-3))
+
+    def stamp(pends) -> None:
+        site = callsite.here()
+        for p in pends:
+            p.site = site
+        if explainer is not None:
+            explainer.observe(pends, site)
+
+    engine._stamp = stamp

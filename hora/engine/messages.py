@@ -41,7 +41,8 @@ DATA_STALL = "W"  # rank -> coordinator: (tag, rank, peer, seconds, peer's state
 # hangs explained (hora.engine.explain): coordinator -> rank (tag,) what are you doing; rank -> coordinator
 # (tag, rank, diagnose.RankState); coordinator -> rank (tag, text, figures) the explanation every rank shows
 EXPLAIN_QUERY, EXPLAIN_REPLY, EXPLAIN_TEXT = "XQ", "XR", "XT"
-URGENT = frozenset({ABORT, STACK_QUERY, STALL_FATAL, DATA_STALL, EXPLAIN_QUERY, EXPLAIN_REPLY, EXPLAIN_TEXT})  # handled at once, even in a collective
+URGENT = frozenset({ABORT, STACK_QUERY, STALL_FATAL, DATA_STALL,  # handled at once, even in a collective
+                    EXPLAIN_QUERY, EXPLAIN_REPLY, EXPLAIN_TEXT})
 
 
 class Request(NamedTuple):
