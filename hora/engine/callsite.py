@@ -1,8 +1,8 @@
 """Where the user's code called a collective, and what a rank's main thread is doing: the call sites
 that hang explanations (:mod:`hora.engine.explain`) name.
 
-**A call site** is the first frame outside hora and the frameworks it binds (torch, TensorFlow, Keras, JAX,
-MXNet, optax, Lightning): the line of the training script that called ``allreduce``, ``step()`` or
+**A call site** is the first frame outside hora, NumPy and the frameworks hora binds (torch, TensorFlow,
+Keras, JAX, MXNet, optax, Lightning): the line of the training script that called ``allreduce``, ``step()`` or
 ``backward()``. :func:`here` finds it for every submission, so it must be cheap: a walk of
 ``sys._getframe`` whose per-code verdict (inside or not) is cached, and a :class:`Site` cached per
 (code object, bytecode offset), so a loop's call costs a few dictionary look-ups and one increment
