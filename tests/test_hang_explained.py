@@ -100,3 +100,22 @@ def test_rank_zero_alone_in_a_long_evaluation():
     assert f"called from {FILE}:{line_of('eval-call')} in long_evaluation()" in text, text
     assert f"rank 1 waits for it in allreduce 'loss' at {FILE}:{line_of('loss-c')}" in text, text
     assert "This ends when it returns" in text, text
+
+
+def test_without_the_source_both_fixes_are_given_and_a_silent_rank_is_named():
+    """The verdicts that need no processes: two places whose script cannot be read (both fixes), and a rank
+    that did not answer rank 0 (its engine thread cannot run)."""
+    from hora.engine.callsite import Frame, MainThread
+    from hora.engine.diagnose import RankState, Stalled, Waiting, explain
+
+    loss, val = Frame("gone.py", 10, "train", 5), Frame("gone.py", 14, "train", 5)
+    states = {0: RankState(0, (Waiting(0, "allreduce", "loss", loss, 7),), MainThread((loss,), "allreduce"), ()),
+              1: RankState(1, (Waiting(0, "allreduce", "val", val, 1),), MainThread((val,), "allreduce"), ())}
+    lines, v = explain([Stalled(0, "loss", "allreduce", (0,), (1,), 3.0)], states)
+    assert v.case == "crossed" and v.ranks == (1,), v
+    assert "rank 0 waits in allreduce 'loss' at gone.py:10 in train() and rank 1 in allreduce 'val'" in v.text
+    assert "hvd.join()" in v.text and "condition" in v.text, v.text
+    assert "  rank 1: waiting in allreduce 'val' at gone.py:14 in train()" in lines, lines
+    lines, v = explain([Stalled(0, "loss", "allreduce", (0,), (1,), 3.0)], {0: states[0]})
+    assert v.case == "silent" and "rank 1 did not answer rank 0" in v.text, v
+    assert any(line.startswith("  rank 1: did not answer") for line in lines), lines

@@ -27,6 +27,7 @@ INTERNAL = frozenset({"hora", "horovod", "numpy", "torch", "tensorflow", "keras"
                       "optax", "flax", "lightning", "pytorch_lightning", "lightning_fabric"})
 _STDLIB = frozenset(sys.stdlib_module_names)  # skipped in a main thread's frames: time.sleep's callers matter
 FRAMES = 6  # user frames of the main thread a rank reports, innermost first
+LIMIT = 1 << 16  # cached code objects and sites before the caches start afresh (code made at run time, exec)
 
 
 class Frame(NamedTuple):
@@ -61,6 +62,8 @@ def _top(frame) -> str:
 def _is_internal(frame) -> bool:
     inside = _internal.get(frame.f_code)
     if inside is None:
+        if len(_internal) > LIMIT:
+            _internal.clear()
         inside = _internal[frame.f_code] = _top(frame) in INTERNAL
     return inside
 
@@ -94,6 +97,8 @@ def here(depth: int = 2) -> Site | None:
             key = (code, f.f_lasti)
             site = _sites.get(key)
             if site is None:
+                if len(_sites) > LIMIT:
+                    _sites.clear()
                 site = _sites[key] = Site(_frame(f))
             site.count += 1
             return site

@@ -2,11 +2,11 @@
 rank prints, together, which ranks submitted it and which have not, where each rank is in its code, and
 why that cannot end, in words, with the fix (:mod:`hora.engine.diagnose` says which case it is).
 
-**When.** Rank 0 measures the job's step as Horovod's autotune does: the time between two submissions of
-the same collective on rank 0 (by name; an unnamed op by its call site). The threshold is
-``K`` x the median of the last ``WINDOW`` such intervals, no less than the ``stall_explain_floor`` knob
-(1.5 s) and no more than ``stall_check_time`` (Horovod's 60 s warning), so that the explanation
-is out within 2x the step time (2 s for short steps). Until ``MIN_STEPS`` intervals are known there is no
+**When.** Rank 0 measures the job's step as autotune counts steps (:mod:`hora.engine.autotune`): the time
+between two submissions of the same collective on rank 0 (by name; an unnamed op by its call site). The
+threshold is ``K`` x the median of the last ``WINDOW`` such intervals, no less than the ``stall_explain_floor``
+knob (1.5 s) and no more than ``stall_check_time`` (Horovod's 60 s warning), so that the explanation is out
+within 2x the step time (2 s for short steps). Until ``MIN_STEPS`` intervals are known there is no
 step time to compare with and nothing is explained (the stall inspector still warns at
 ``stall_check_time``). While the wait lasts it is explained again at 2x, 4x ... the threshold; an
 explanation the same as one already shown (the same case, ranks and call sites: a checkpoint that rank 0
