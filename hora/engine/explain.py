@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import statistics
 import time
 from typing import Any
 
@@ -80,7 +79,11 @@ class Explainer:
 
     def step_time(self) -> float | None:
         """The median of the recent step intervals; None before ``MIN_STEPS`` are known."""
-        return statistics.median(self._steps) if len(self._steps) >= MIN_STEPS else None
+        if len(self._steps) < MIN_STEPS:
+            return None
+        ordered = sorted(self._steps)  # (not statistics.median: that module loads decimal and fractions)
+        n = len(ordered)
+        return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
 
     def threshold(self) -> float | None:
         step = self.step_time()
