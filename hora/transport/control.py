@@ -136,7 +136,8 @@ class ControlPlane:
         """Best effort: ``payload`` to each of ``peers``, deepest ranks first (a router forwards its
         subtree's copies before its own arrives, which may end its engine); returns those that failed."""
         failed = []
-        for p in sorted(peers, reverse=True):
+        deep = self._size is not None and self._size > self._fanout + 1  # a star needs no order
+        for p in sorted(peers, reverse=True) if deep else peers:
             try:
                 self.send(p, payload)
             except HoraError:

@@ -183,6 +183,8 @@ class TcpCommunicator(CommunicatorBase):
                 self.ctrl.lost(peer, e)
                 return
             if n == 0:
+                # news that came with the close (a stall shutdown, an abort) says why: it goes first
+                self.ctrl.service(0.0)
                 self.ctrl.lost(peer, "connection closed")
                 return
             req.off += n
