@@ -34,13 +34,14 @@ import hora
 hora.init()
 r = hora.rank()
 print(f"PID {r} {os.getpid()}", flush=True)
-i = 0
+i, t0 = 0, time.monotonic()
 try:
     while True:
         hora.allreduce(np.ones(4096 if i % 2 else 2, np.float32), op=hora.Sum, name=f"loop.{i}")
         i += 1
-        if i == 20:
+        if t0 and time.monotonic() - t0 > 2:  # running for 2 s: its pulse thread told its beater what it does
             print(f"RUNNING {r}", flush=True)
+            t0 = 0
 except hora.HorovodInternalError as e:
     msg = str(e).replace(chr(10), " | ")
     print(f"RAISED {r} {time.time():.3f} {type(e).__name__} {getattr(e, 'rank', None)} {msg}", flush=True)
@@ -171,8 +172,11 @@ class _Stopped:
         assert sorted(self.named) == others, \
             f"np={self.n}: named on {sorted(self.named)} within 15 s, not on all of {others}:\n{self.out()}"
         assert all(a <= 15 for a, _ in self.named.values()), (self.named, self.out())
-        # what it was last doing: the hora call its main thread was in
-        assert all("It was last in:" in ln and "in allreduce" in ln for _, ln in self.named.values()), self.out()
+        # what it was last doing: its main thread's frames (in the loop, most likely in hora's allreduce)
+        assert all(ln.endswith("It was last in:") for _, ln in self.named.values()), self.out()
+        for r in self.named:
+            assert any(re.match(rf'\[{r}\]<stderr>:  File ".*worker.py", line \d+, in <module>', ln)
+                       for _, ln in self.lines), self.out()
         self.rc = self.proc.wait(DEFAULT_TIMEOUT + 30)  # the limit, then the launcher's teardown of a stopped rank
         self.t_end = time.time()
         self.reader.join(5)
