@@ -312,14 +312,16 @@ def test_an_elastic_job_goes_on_without_a_frozen_worker_which_its_driver_kills(t
     """Rank 0 of three stops itself (SIGSTOP) at step 10; with a 5 s frozen timeout the others fail their
     collectives and roll back, the driver kills the frozen worker (it would otherwise wait --elastic-timeout
     60 s for it), and the job trains to the end with the committed steps kept."""
-    from test_elastic_driver import check_trained, discovery, elastic_run, generations
+    from test_elastic_driver import check_trained, discovery, elastic_run, generations, resumed
 
     script = discovery(tmp_path, "echo localhost:3\n")
     r = elastic_run(tmp_path, ["-np", "3", "--min-np", "2", "--host-discovery-script", script,
                                "--elastic-timeout", "60"], timeout=110, EL_STOP_ID="localhost:0", EL_STOP_AT="10",
                     EL_STEPS="100", HORA_FROZEN_TIMEOUT_SECONDS="5")
     gens = generations(r.stderr)
-    check_trained(tmp_path, r, gens[-1], steps=100)
+    ev = check_trained(tmp_path, r, gens[-1], steps=100)
     assert gens[0] == 3 and len(gens) >= 2, r.stderr[-3000:]
+    print(f"generations {gens}; training resumed {resumed(ev, (tmp_path / 'stopped').stat().st_mtime):.1f} s after "
+          "the SIGSTOP (frozen timeout 5 s)")
     assert "(localhost:0, rank 0) has been frozen for" in r.stderr and "killing it" in r.stderr, r.stderr[-3000:]
     assert "did not come to form" not in r.stderr, r.stderr[-3000:]
