@@ -138,11 +138,12 @@ def test_the_default_timeout_is_the_knobs():
 
 
 class _Stopped:
-    """One job whose rank ``victim`` gets a SIGSTOP once every rank runs."""
+    """One job whose rank ``victim`` gets a SIGSTOP once every rank runs: the rank alone (its beater says it
+    is stopped), or with ``group`` its whole process group, its beater too (the beat goes silent)."""
 
-    def __init__(self, tmp: Path, n: int, victim: int):
+    def __init__(self, tmp: Path, n: int, victim: int, group: bool = False):
         tmp.mkdir(parents=True, exist_ok=True)
-        self.n, self.victim = n, victim
+        self.n, self.victim, self.group = n, victim, group
         self.proc, self.lines, self.reader = _launch(tmp, n, LOOP)
         self.pids: dict[int, int] = {}
         self.named: dict[int, tuple[float, str]] = {}
@@ -154,7 +155,12 @@ class _Stopped:
 
     def stop(self) -> None:
         self.t_stop = time.time()
-        os.kill(self.pids[self.victim], signal.SIGSTOP)
+        pid = self.pids[self.victim]
+        if self.group:
+            assert os.getpgid(pid) == pid  # hora run starts each rank in a session of its own
+            os.killpg(pid, signal.SIGSTOP)
+        else:
+            os.kill(pid, signal.SIGSTOP)
 
     def look(self) -> bool:
         """Collect the ranks that named the victim; True once all of them did."""
@@ -172,6 +178,8 @@ class _Stopped:
         assert sorted(self.named) == others, \
             f"np={self.n}: named on {sorted(self.named)} within 15 s, not on all of {others}:\n{self.out()}"
         assert all(a <= 15 for a, _ in self.named.values()), (self.named, self.out())
+        how = "its process and its beater went silent" if self.group else "its process is stopped"
+        assert all(how in ln for _, ln in self.named.values()), self.out()
         # what it was last doing: its main thread's frames (in the loop, most likely in hora's allreduce)
         assert all(ln.endswith("It was last in:") for _, ln in self.named.values()), self.out()
         for r in self.named:
@@ -186,7 +194,7 @@ class _Stopped:
             assert f"PeerLostError {self.victim} " in ln and f"rank {self.victim} has been frozen" in ln, ln
         took = self.t_end - self.t_stop
         assert DEFAULT_TIMEOUT - 5 <= took <= DEFAULT_TIMEOUT + 20, (took, self.out())  # at the limit, not before
-        return (f"np={self.n} victim={self.victim}: named after "
+        return (f"np={self.n} victim={self.victim}{' (its process group)' if self.group else ''}: named after "
                 + ", ".join(f"r{r}={a:.1f}s" for r, (a, _) in sorted(self.named.items()))
                 + f"; job ended {took:.1f} s after the SIGSTOP (limit {DEFAULT_TIMEOUT:g} s)")
 
@@ -195,10 +203,11 @@ class _Stopped:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("layouts", [[(2, 1), (4, 0)], pytest.param([(4, 2), (3, 1)], marks=LONG)])
+@pytest.mark.parametrize("layouts", [[(2, 1, False), (4, 0, True)],
+                                     pytest.param([(4, 2, False), (3, 1, True)], marks=LONG)])
 def test_sigstopped_rank_is_named_on_every_rank_and_the_job_ends(tmp_path, layouts):
-    """Both jobs at once (suite time: each lasts the 60 s timeout), default knobs."""
-    jobs = [_Stopped(tmp_path / f"np{n}", n, victim) for n, victim in layouts]
+    """The jobs at once (suite time: each lasts the 60 s timeout), default knobs."""
+    jobs = [_Stopped(tmp_path / f"np{n}", n, victim, group) for n, victim, group in layouts]
     try:
         for job in jobs:
             job.running()
