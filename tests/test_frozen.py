@@ -183,7 +183,7 @@ class _Stopped:
         # what it was last doing: its main thread's frames (in the loop, most likely in hora's allreduce)
         assert all(ln.endswith("It was last in:") for _, ln in self.named.values()), self.out()
         for r in self.named:
-            assert any(re.match(rf'\[{r}\]<stderr>:  File ".*worker.py", line \d+, in <module>', ln)
+            assert any(re.match(rf"\[{r}\]<stderr>:  .*worker.py:\d+ in <module>", ln)
                        for _, ln in self.lines), self.out()
         self.rc = self.proc.wait(DEFAULT_TIMEOUT + 30)  # the limit, then the launcher's teardown of a stopped rank
         self.t_end = time.time()

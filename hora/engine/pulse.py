@@ -49,7 +49,7 @@ import time
 
 from hora.base import frozen_notes as notes
 from hora.base.errors import HoraError, PeerLostError
-from hora.engine import beater
+from hora.engine import beater, callsite
 from hora.transport import auth, net
 from hora.transport.acceptor import Acceptor
 
@@ -62,7 +62,6 @@ NAME_AFTER = 6.0  # s of silence after which a rank is named frozen (> USER_TIME
 USER_TIMEOUT_MS = 3000  # a beat connection whose bytes go unacknowledged this long is a network failure
 GAP_S = 2.0  # a watcher whose own loop was held up this long restarts its counts
 _KEEP = 64 << 10  # bytes of an unfinished beat line kept
-_HORA = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _HOW = {"stopped": "its process is stopped: SIGSTOP or Ctrl-Z, a debugger?",
         "silent": "its process and its beater went silent: a frozen process group or cgroup, a paused host?"}
 
@@ -94,7 +93,6 @@ class Pulse:
         self._beater: subprocess.Popen | None = None
         self._pipe = -1  # to the beater: what this rank is doing
         self._told = ""
-        self._main = threading.main_thread().ident
         self._wake_r, self._wake_w = socket.socketpair()
         if rank in notes.WATCHERS:
             listener = socket.create_server((bind, 0), backlog=socket.SOMAXCONN)
@@ -271,7 +269,7 @@ class Pulse:
                 log.warning("hora rank %d: this rank's beater (the frozen-rank watch's child process) ended with "
                             "status %d: the rank is no longer watched", self.rank, rc)
             return
-        now = doing(self._main)
+        now = doing()
         if now == self._told:
             return
         try:
@@ -371,19 +369,12 @@ def spawn_beater(sock: int, pipe: int) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL, cwd="/")
 
 
-def doing(main: int | None) -> str:
-    """What the thread ``main`` is doing, for a frozen rank's note: its innermost frames outside hora, and
-    the hora call it is in (the collective it waits on), innermost last, as a traceback shows them."""
-    frame = sys._current_frames().get(main) if main is not None else None
-    entry, mine = None, []
-    while frame is not None and len(mine) < 5:
-        if not mine and frame.f_code.co_filename.startswith(_HORA):
-            entry = frame  # the outermost hora frame of the innermost run: the API the rank called
-        else:
-            mine.append(frame)
-        frame = frame.f_back
-    return "\n".join(f'  File "{f.f_code.co_filename}", line {f.f_lineno}, in {f.f_code.co_name}'
-                     for f in [*reversed(mine), *([entry] if entry is not None else [])])
+def doing() -> str:
+    """What the main thread is doing, for a frozen rank's note (:func:`hora.engine.callsite.main_thread`): its
+    innermost user frames, outermost first, and the hora call it is in (the collective it waits on)."""
+    now = callsite.main_thread()
+    lines = [f"  {f}" for f in reversed(now.frames)]
+    return "\n".join(lines + ([f"  inside hora's {now.inside}()"] if now.inside else []))
 
 
 def _tune(sock: socket.socket) -> None:
