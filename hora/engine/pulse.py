@@ -257,26 +257,22 @@ class Pulse:
 
     def _tell(self) -> None:
         """Hand the beater what the main thread is doing (when it changed); notice a beater that ended."""
-        with self._lock:
-            proc, pipe = self._beater, self._pipe
-            if proc is None or self._closed:
-                return
-            rc = proc.poll()
-            if rc is not None:
-                self._beater = None
-        if rc is not None:
-            if rc != 0:
-                log.warning("hora rank %d: this rank's beater (the frozen-rank watch's child process) ended with "
-                            "status %d: the rank is no longer watched", self.rank, rc)
-            return
         now = doing()
-        if now == self._told:
-            return
-        try:
-            os.write(pipe, b"D " + json.dumps(now).encode() + b"\n")
-            self._told = now
-        except OSError:  # full (the beater is not reading: it is stopped with its rank), or closed
-            pass
+        with self._lock:  # held while writing: the pipe is closed under it (its number must not be reused)
+            if self._beater is None or self._closed:
+                return
+            rc = self._beater.poll()
+            if rc is None and now != self._told:
+                try:
+                    os.write(self._pipe, b"D " + json.dumps(now).encode() + b"\n")
+                    self._told = now
+                except OSError:  # full: the beater is not reading (it is stopped with its rank)
+                    pass
+            elif rc is not None:
+                self._beater = None
+        if rc is not None and rc != 0:
+            log.warning("hora rank %d: this rank's beater (the frozen-rank watch's child process) ended with "
+                        "status %d: the rank is no longer watched", self.rank, rc)
 
     def _poll_notes(self) -> None:
         for w in notes.WATCHERS:
@@ -311,15 +307,16 @@ class Pulse:
     # -- lifetime ------------------------------------------------------------------------------------
     def _stop_beater(self) -> None:
         with self._lock:
-            proc, pipe, self._beater, self._pipe = self._beater, self._pipe, None, -1
+            proc, self._beater = self._beater, None
+            if self._pipe >= 0:
+                os.close(self._pipe)
+                self._pipe = -1
         if proc is not None:
             proc.kill()  # its connection closes with it: the watcher sees a rank that left, not a frozen one
             try:
                 proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
-        if pipe >= 0:
-            os.close(pipe)
 
     def close(self) -> None:
         """Stop the beater (first: the watcher must not take a rank that shut down for a frozen one) and
