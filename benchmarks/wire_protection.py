@@ -58,7 +58,7 @@ def worker(sizes: list[int], budget: float, reps: int) -> None:
     out = {}
     for nbytes in sizes:
         a = np.ones(nbytes // 4, np.float32)
-        out[nbytes] = time_collective(lambda: hora.allreduce_(a, op=hora.Sum, name=f"bench.{nbytes}"),
+        out[nbytes] = time_collective(lambda a=a, n=nbytes: hora.allreduce_(a, op=hora.Sum, name=f"bench.{n}"),
                                       agree_max, barrier, budget, reps)
     if hora.rank() == 0:
         print("RESULT " + json.dumps({"times": out, "sockets": sealed}), flush=True)

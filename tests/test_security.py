@@ -316,7 +316,8 @@ def test_a_flood_of_strangers_logs_one_line_per_source_and_a_count(caplog):
     def stranger(_):
         with socket.create_connection((host, int(port)), timeout=30) as s:
             _read_hello(s)
-            s.sendall(os.urandom(auth.NONCE) + b"o" + struct.pack("!I", 0) + os.urandom(auth.MAC))  # no identity, a wrong MAC
+            # no identity, a wrong MAC
+            s.sendall(os.urandom(auth.NONCE) + b"o" + struct.pack("!I", 0) + os.urandom(auth.MAC))
             dropped_by_peer(s, DROP_S)
 
     try:

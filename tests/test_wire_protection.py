@@ -225,6 +225,7 @@ def test_a_byte_flipped_in_flight_fails_both_ranks(mode):
         err = rep["error"]
         assert err["rank"] == 1 - r and "PeerLostError" in err["types"], reps
         assert "failed its integrity check" in err["message"] and f"rank {1 - r}" in err["message"], reps
+        assert "wire_protection caught it, nothing wrong was used" in err["message"], reps
 
 
 def _init_and_report():
@@ -245,9 +246,9 @@ def test_settings_that_disagree_are_refused_naming_both(caplog):
     the store's log line names both too."""
     caplog.set_level(logging.WARNING, logger="hora.transport")
     with knobs.override(wire_protection="encrypt"), \
-            spawn_job(1, _init_and_report, env={"HORA_WIRE_PROTECTION": "off"}) as job:
-        assert job.wait(60) == [0]
-        err = job.report(0)["error"]
+            spawn_job(2, _init_and_report, env={"HORA_WIRE_PROTECTION": "off"}) as job:
+        assert job.wait(60) == [0, 0]
+        err = job.report(1)["error"]
         deadline = time.monotonic() + 10  # the store's acceptor thread logs as it reads the rank's half
         while not (logged := [r.getMessage() for r in caplog.records if "mismatch" in r.getMessage()]):
             assert time.monotonic() < deadline, "the store logged no mismatch"
@@ -259,10 +260,10 @@ def test_settings_that_disagree_are_refused_naming_both(caplog):
 
 def test_missing_cryptography_names_the_extra():
     with knobs.override(wire_protection="integrity"), \
-            spawn_job(1, _init_and_report, env={"HORA_WIRE_PROTECTION": "integrity",
+            spawn_job(2, _init_and_report, env={"HORA_WIRE_PROTECTION": "integrity",
                                                  "TEST_HIDE_CRYPTOGRAPHY": "1"}) as job:
-        assert job.wait(60) == [0]
-        err = job.report(0)["error"]
+        assert job.wait(60) == [0, 0]
+        err = job.report(1)["error"]
     assert "MissingExtraError" in err["types"] and "hora[secure]" in err["message"], err
     # and the launcher says so before it starts anything
     hide = "import sys; sys.modules['cryptography'] = None; from hora.runner.launch import cli; cli()"

@@ -180,7 +180,8 @@ class Acceptor:
             if len(self._pending) >= self._max:
                 self._drop(next(iter(self._pending.values())), f"more than {self._max} handshakes at once")
             sock.setblocking(False)
-            p = _Pending(sock, addr, auth.AcceptHandshake(self._secret, self.mode), time.monotonic() + auth.HANDSHAKE_TIMEOUT)
+            shake = auth.AcceptHandshake(self._secret, self.mode)
+            p = _Pending(sock, addr, shake, time.monotonic() + auth.HANDSHAKE_TIMEOUT)
             self._pending[sock.fileno()] = p
             self._sel.register(sock, selectors.EVENT_WRITE, p)
             self._step(p, selectors.EVENT_WRITE)  # the hello fits in an empty socket buffer

@@ -110,7 +110,8 @@ class AcceptHandshake:
         if not hmac.compare_digest(mac, _mac(self._secret, b"connector", self._nonce, nonce_c, ident, modes)):
             raise AuthenticationError("wrong HMAC (peer does not know the job secret)")
         if code != seal.CODE[self.mode]:
-            raise AuthenticationError(seal.mismatch(self.mode, seal.NAME.get(code, repr(code)), "the connecting process"))
+            theirs = seal.NAME.get(code, repr(code))
+            raise AuthenticationError(seal.mismatch(self.mode, theirs, "the connecting process"))
         self.ident, self._nonce_c = ident, nonce_c
         self.out += _mac(self._secret, b"acceptor", self._nonce, nonce_c, ident, modes)
 

@@ -39,6 +39,8 @@ _LEN = struct.Struct("!I")
 HEAD = _LEN.size + TAG
 _NONCE = struct.Struct("!IQ")  # (0 for a body, 1 for a head, frame number)
 EXTRA = "pip install 'hora[secure]' (or: pip install cryptography)"
+TAMPERED = "failed its integrity check"  # in every TamperedError's message
+CAUGHT = "frames between them were changed on the network: wire_protection caught it, nothing wrong was used"
 
 
 class TamperedError(OSError):
@@ -124,6 +126,10 @@ class SealedSocket:
         self._head = bytearray(HEAD)  # the frame being read: head, then body and tag
         self._hgot, self._blen, self._bgot, self._direct = 0, -1, 0, False
         self._body = bytearray(CHUNK + TAG)  # reused for every frame that is not read in place
+        # encrypt: ciphertext out and plaintext in through reused buffers (cryptography >= 45 has *_into)
+        self._into = encrypt and hasattr(self._tx, "encrypt_into")
+        self._ct = bytearray(CHUNK + TAG) if self._into else None
+        self._plain = bytearray(CHUNK) if self._into else None
         self._tag = bytearray(TAG)
         self._left = memoryview(b"")  # plaintext of the last frame that the caller has not taken yet
 
@@ -162,7 +168,11 @@ class SealedSocket:
         _LEN.pack_into(self._head_out, 0, n)
         self._head_out[_LEN.size:] = self._tx.encrypt(self._nonce(1, i), b"", bytes(self._head_out[:_LEN.size]))
         head = memoryview(self._head_out)
-        if self._encrypt:
+        if self._into:
+            body = memoryview(self._ct)[:n + TAG]
+            self._tx.encrypt_into(self._nonce(0, i), view, None, body)
+            self._out = [head, body]
+        elif self._encrypt:
             self._out = [head, memoryview(self._tx.encrypt(self._nonce(0, i), view, None))]
         else:
             self._out = [head, view, memoryview(self._tx.encrypt(self._nonce(0, i), b"", view))]
@@ -229,6 +239,12 @@ class SealedSocket:
         try:
             if self._direct:
                 self._rx.decrypt(nonce, bytes(self._tag), view[:n])
+            elif self._into and n <= len(view):  # straight into the caller's buffer
+                self._rx.decrypt_into(nonce, body[:n + TAG], None, view[:n])
+                self._direct = True
+            elif self._into:
+                self._rx.decrypt_into(nonce, body[:n + TAG], None, memoryview(self._plain)[:n])
+                self._left = memoryview(self._plain)[:n]
             elif self._encrypt:
                 self._left = memoryview(self._rx.decrypt(nonce, body[:n + TAG], None))
             else:
@@ -247,7 +263,7 @@ class SealedSocket:
         return k
 
     def _tampered(self, part: str) -> TamperedError:
-        return TamperedError(f"frame {self._rx_n} from {self.peer} failed its integrity check ({part}): it was "
+        return TamperedError(f"frame {self._rx_n} from {self.peer} {TAMPERED} ({part}): it was "
                              "changed, replayed, reordered or dropped on the network, so this connection cannot "
                              "be trusted any more (wire_protection="
                              f"{'encrypt' if self._encrypt else 'integrity'})")
