@@ -126,7 +126,8 @@ class SealedSocket:
         self._head = bytearray(HEAD)  # the frame being read: head, then body and tag
         self._hgot, self._blen, self._bgot, self._direct = 0, -1, 0, False
         self._body = bytearray(CHUNK + TAG)  # reused for every frame that is not read in place
-        # encrypt: ciphertext out and plaintext in through reused buffers (cryptography >= 45 has *_into)
+        # encrypt: ciphertext out and plaintext in through reused buffers where cryptography has *_into (50 does;
+        # older releases allocate each frame)
         self._into = encrypt and hasattr(self._tx, "encrypt_into")
         self._ct = bytearray(CHUNK + TAG) if self._into else None
         self._plain = bytearray(CHUNK) if self._into else None
