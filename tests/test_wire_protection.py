@@ -122,7 +122,8 @@ def _sealed_collectives(mode: str):
     from hora.core import basics
 
     hora.init()
-    comm = basics.state().comm
+    path = basics.state().comm
+    comm = getattr(path, "mesh", path)  # the TCP mesh (under the hierarchical transport too)
     kinds = {type(s).__name__ for s in (*comm._socks.values(), *comm.ctrl._conns.values())}
     r, n = hora.rank(), hora.size()
     big = np.arange(3 << 18, dtype=np.float64) * (r + 1)  # 6 MiB: many frames, exact sums
@@ -133,7 +134,7 @@ def _sealed_collectives(mode: str):
     assert np.array_equal(hora.broadcast(np.arange(5) + r, root_rank=n - 1), np.arange(5) + n - 1)
     got = hora.alltoall(np.arange(n * 1000, dtype=np.int64) + 10_000 * r)
     assert np.array_equal(got, np.concatenate([np.arange(r * 1000, (r + 1) * 1000) + 10_000 * q for q in range(n)]))
-    report(kinds=sorted(kinds))
+    report(kinds=sorted(kinds), path=path.name)
     hora.shutdown()
 
 
@@ -143,7 +144,7 @@ def test_collectives_over_sealed_tcp(mode):
             spawn_job(3, _sealed_collectives, mode, env={"HORA_TRANSPORT": "tcp", "HORA_WIRE_PROTECTION": mode}) as job:
         assert job.wait(80) == [0, 0, 0], [job.output(r)[-2000:] for r in range(3)]
         for r in range(3):
-            assert job.report(r)["kinds"] == ["SealedSocket"]
+            assert job.report(r) == {"kinds": ["SealedSocket"], "path": "TCP"}
 
 
 FLIP_AT = 300_000  # a byte of rank 1's data towards rank 0, well past the handshake
@@ -306,8 +307,9 @@ t._sealed_collectives("encrypt")
 
 @pytest.mark.timeout(180)
 def test_collectives_between_namespace_hosts_encrypted(tmp_path):
-    """hora run --wire-protection encrypt across two hosts (network namespaces, sshd): right answers,
-    every data and control connection sealed."""
+    """hora run --wire-protection encrypt on two hosts (network namespaces, sshd) with two ranks each: the
+    hierarchical transport (shared memory in each host, the sealed TCP ring between them) gives right
+    answers, and every data and control connection is sealed."""
     import netns
 
     cluster = netns.cluster_or_skip(2)
@@ -317,9 +319,9 @@ def test_collectives_between_namespace_hosts_encrypted(tmp_path):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
         env.update(cluster.env(), PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}")
         done = subprocess.run([sys.executable, "-m", "hora.runner", "run", "--wire-protection", "encrypt",
-                               "-H", "hora-a:1,hora-b:1", sys.executable, str(script), str(ROOT / "tests")],
+                               "-H", "hora-a:2,hora-b:2", sys.executable, str(script), str(ROOT / "tests")],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     finally:
         cluster.close()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("REPORT {'kinds': ['SealedSocket']}") == 2, done.stdout[-3000:]
+    assert done.stdout.count("REPORT {'kinds': ['SealedSocket'], 'path': 'HIERARCHICAL'}") == 4, done.stdout[-3000:]
