@@ -325,3 +325,30 @@ def test_collectives_between_namespace_hosts_encrypted(tmp_path):
         cluster.close()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("REPORT {'kinds': ['SealedSocket'], 'path': 'HIERARCHICAL'}") == 4, done.stdout[-3000:]
+
+
+MPI_WORKER = """
+import numpy as np, hora
+hora.init()
+out = hora.allreduce(np.ones(1 << 18) * (hora.rank() + 1), op=hora.Sum)
+assert (out == 3).all(), out
+print("OK", hora.rank(), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.environ.get("HORA_LONG_TESTS") != "1",
+                    reason="suite time (mpirun's start, ~20 s on two busy cores); HORA_LONG_TESTS=1 runs it")
+def test_the_mpi_transport_says_once_that_mpi_moves_its_data(tmp_path):
+    """Under mpirun the control and store connections are sealed, the MPI transport's data is MPI's: rank 0
+    says so once."""
+    from test_mpi import mpirun, need_mpi
+
+    need_mpi()
+    script = tmp_path / "worker.py"
+    script.write_text(MPI_WORKER)
+    done = mpirun(2, [sys.executable, str(script)], {"HORA_TRANSPORT": "mpi", "HORA_WIRE_PROTECTION": "integrity"},
+                  timeout=100)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and out.count("OK ") == 2, out[-3000:]
+    assert out.count("does not cover the MPI transport's data") == 1, out[-3000:]
