@@ -294,6 +294,22 @@ def test_one_host_says_once_that_shared_memory_is_not_sealed():
     assert said == [1, 0], said
 
 
+def _sealed_kinds():
+    import hora
+    from hora.core import basics
+
+    hora.init()
+    comm = basics.state().comm
+    return sorted({type(s).__name__ for s in (*comm._socks.values(), *comm.ctrl._conns.values())})
+
+
+def test_hora_run_api_seals_every_connection():
+    """hora.run(..., wire_protection=...): its function store, the job's store and the mesh agree."""
+    import hora
+
+    assert hora.run(_sealed_kinds, num_proc=2, wire_protection="integrity", transport="tcp") == [["SealedSocket"]] * 2
+
+
 # --- namespace hosts ----------------------------------------------------------------------------------
 
 HOSTS_WORKER = """
