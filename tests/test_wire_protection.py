@@ -112,6 +112,8 @@ def test_a_frame_changed_on_the_way_is_caught_at_once(mode, attack):
     assert _read(a, 1 << 16, 1 << 16) == bytes([0]) * (1 << 16)
     with pytest.raises(seal.TamperedError, match=r"frame 1 from end c failed its integrity check"):
         _read(a, 1 << 16, 1 << 16)
+    a.close()  # and the writer's sendall ends
+    c.close()
 
 
 # --- rank processes ---------------------------------------------------------------------------------
