@@ -96,7 +96,7 @@ class Pulse:
         self._wake_r, self._wake_w = socket.socketpair()
         if rank in notes.WATCHERS:
             listener = socket.create_server((bind, 0), backlog=socket.SOMAXCONN)
-            self._acceptor = Acceptor(listener, secret, self._claim, f"hora rank {rank}: pulse port")
+            self._acceptor = Acceptor(listener, secret, self._claim, f"hora rank {rank}: pulse port", sealed=False)
             store.set(f"{prefix}/pulse/{rank}", f"{advertise}:{listener.getsockname()[1]}".encode())
         self._secret, self._start_timeout = secret, start_timeout
         self._start_beater()  # before init returns: the rank may hold the GIL for hours right after
@@ -118,7 +118,8 @@ class Pulse:
             return
         r = w = -1
         try:
-            auth.connect_handshake(sock, self._secret, f"{self.rank}|{self.prefix}".encode())
+            # not sealed (the wire protection knob): the beater, which knows no key, writes plain lines on it
+            auth.connect_handshake(sock, self._secret, f"{self.rank}|{self.prefix}".encode(), sealed=False)
             # no user timeout on this side: a watcher merely busy reads nothing and may close its window
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(b"R\n")  # the first beat, before the beater has started
