@@ -65,8 +65,9 @@ def host_call(fn: Callable, inputs: list, result_shapes: list | None, what: str 
     inputs = list(inputs)
     if not traced(inputs):
         settle()
-        if device and _device.on_gpu(inputs):
-            return [_device.array(r) for r in fn(*[_device.device_array(a, what) for a in inputs])]
+        arrays = _device.device_arrays(inputs, what) if device and _device.on_gpu(inputs) else None
+        if arrays is not None:
+            return [_device.array(r) for r in fn(*arrays)]
         return [jnp.asarray(r) for r in fn(*[np.asarray(a) for a in inputs])]
     if result_shapes is None:
         raise HoraValueError(f"{what}: the shape of its result is known only when it runs, so it cannot run "

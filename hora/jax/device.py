@@ -16,14 +16,16 @@ import jax
 import jax.numpy as jnp
 
 from hora.base.device import DeviceArray, from_dlpack
+from hora.kit.device import exported
 
 _CUDA = (2, 13)  # DLPack's kDLCUDA and kDLCUDAManaged
 
 
 def on_gpu(arrays) -> bool:
-    """True when every one of ``arrays`` is a concrete ``jax.Array`` on one CUDA device."""
+    """True when every one of ``arrays`` is a concrete ``jax.Array`` on one CUDA device (bool is left staged:
+    not every JAX exports it)."""
     def one(a) -> bool:
-        if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer):
+        if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer) or a.dtype == jnp.bool_:
             return False
         try:
             return len(a.devices()) == 1 and a.__dlpack_device__()[0] in _CUDA
@@ -35,6 +37,11 @@ def on_gpu(arrays) -> bool:
 
 def device_array(x: jax.Array, what: str = "collective") -> DeviceArray:
     return from_dlpack(x, what)
+
+
+def device_arrays(arrays: list, what: str = "collective") -> list | None:
+    """:func:`device_array` of each, or None when JAX cannot export one (then staged, warned once)."""
+    return exported(lambda a: device_array(a, what), arrays, "hora.jax")
 
 
 def array(a) -> jax.Array:

@@ -178,12 +178,14 @@ def _start(tensor, what: str, name, process_set):
 def _start_group(tensors, what: str, name, process_set) -> list:
     settle()
     xs = _fe.grouped_viewed(_eager_view, list(tensors), what, name, process_set)
-    return [_host_or_device(x, what) for x in xs] if _device.on_gpu(xs) else [np.asarray(x) for x in xs]
+    arrays = _device.device_arrays(xs, what) if _device.on_gpu(xs) else None
+    return arrays if arrays is not None else [np.asarray(x) for x in xs]
 
 
 def _host_or_device(x, what: str):
     """An async input: device memory for an array on a CUDA device (:mod:`hora.jax.device`), else NumPy."""
-    return _device.device_array(x, what) if _device.on_gpu([x]) else np.asarray(x)
+    arrays = _device.device_arrays([x], what) if _device.on_gpu([x]) else None
+    return arrays[0] if arrays is not None else np.asarray(x)
 
 
 def _new(a) -> jax.Array:

@@ -32,6 +32,7 @@ import hora.kit.frontend as _fe
 from hora.kit.frontend import init, shutdown
 import hora.core.ops as _core
 from hora.base.device import DeviceArray, from_dlpack
+from hora.kit.device import exported
 from hora.base.errors import HoraError, HoraValueError
 from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
@@ -91,7 +92,10 @@ def _view(tensor, what: str, write: bool = False, device: bool = False) -> tuple
         raise HoraValueError(f"{what}: NDArray type {tensor.dtype} is not supported; use {_MX_DTYPE_NAMES}")
     host = None
     if device and tensor.context.device_type == "gpu":
-        return from_dlpack(tensor.to_dlpack_for_write() if write else tensor.to_dlpack_for_read(), what), None
+        got = exported(lambda t: from_dlpack(t.to_dlpack_for_write() if write else t.to_dlpack_for_read(), what),
+                       [tensor], "hora.mxnet")
+        if got is not None:
+            return got[0], None
     if tensor.context.device_type != "cpu":
         host = tensor = tensor.as_in_context(mx.cpu())  # staged: a GPU transport would reduce on the device
     if write and host is None:

@@ -152,9 +152,9 @@ def host_call(fn, inputs: list, touts: list, shapes: list | None = None, name: s
     inputs = [tf.convert_to_tensor(t) for t in inputs]
     if not in_graph():
         try:
-            if device and _device.on_gpu(inputs):
-                outs = fn(*[_device.device_array(t) for t in inputs])
-                return [_device.tensor(o, d) for o, d in zip(outs, touts)]
+            arrays = _device.device_arrays(inputs) if device and _device.on_gpu(inputs) else None
+            if arrays is not None:
+                return [_device.tensor(o, d) for o, d in zip(fn(*arrays), touts)]
             outs = fn(*[t.numpy() for t in inputs])
         except HoraError as e:
             raise as_tf_error(e) from e.__cause__

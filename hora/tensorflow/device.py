@@ -18,8 +18,12 @@ import numpy as np
 import tensorflow as tf
 
 from hora.base.device import DeviceArray, from_dlpack
+from hora.kit.device import exported
 
 _HOST_ON_GPU = (tf.int32,)  # placed in host memory by TensorFlow on GPU devices
+# what hora takes through TensorFlow's DLPack export (bool is left staged: not every TensorFlow exports it)
+_DEVICE_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int16, tf.uint16,
+                  tf.int64)
 
 
 def gpu_index(device: str) -> int | None:
@@ -34,8 +38,8 @@ def on_gpu(tensors: list) -> bool:
     """True when every one of ``tensors`` (eager) but the int32 ones lives in GPU memory, and one does: the
     call then runs on the device."""
     data = [t for t in tensors if t.dtype not in _HOST_ON_GPU]
-    return bool(data) and all(hasattr(t, "numpy") and gpu_index(getattr(t, "device", "") or "") is not None
-                              for t in data)
+    return bool(data) and all(hasattr(t, "numpy") and t.dtype in _DEVICE_DTYPES and
+                              gpu_index(getattr(t, "device", "") or "") is not None for t in data)
 
 
 def device_array(t: tf.Tensor, what: str = "collective"):
@@ -43,6 +47,11 @@ def device_array(t: tf.Tensor, what: str = "collective"):
     if t.dtype in _HOST_ON_GPU:
         return t.numpy()
     return from_dlpack(tf.experimental.dlpack.to_dlpack(t), what)
+
+
+def device_arrays(tensors: list, what: str = "collective") -> list | None:
+    """:func:`device_array` of each, or None when TensorFlow cannot export one (then staged, warned once)."""
+    return exported(lambda t: device_array(t, what), tensors, "hora.tensorflow")
 
 
 def tensor(a, dtype: tf.DType) -> tf.Tensor:
