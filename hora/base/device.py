@@ -157,17 +157,17 @@ def from_dlpack(obj, what: str = "collective", stream: int | None = None,
     producer's deleter runs when the DeviceArray is dropped. ``stream``: the consumer's stream the producer
     is asked to order its work before (None: not asked). ``accept``: the DLPack device types taken (the
     tests add the CPU's, 1, to read real frameworks' capsules on a machine without a GPU)."""
-    if type(obj).__name__ == "PyCapsule":
-        capsule = obj
-    else:
-        dev_type = obj.__dlpack_device__()[0]
+    capsule = obj if type(obj).__name__ == "PyCapsule" else None
+    if capsule is None:  # the producer's word on its device (a capsule says it in its tensor)
+        dev_type, dev_id = obj.__dlpack_device__()
         if dev_type not in accept:
             raise HoraValueError(f"{what}: the DLPack tensor is on device type {dev_type}, not CUDA")
         capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
     t = _DLTensor.from_address(_get_pointer(capsule, b"dltensor"))  # DLManagedTensor starts with its DLTensor
-    if t.device.device_type not in accept:
-        raise HoraValueError(f"{what}: the DLPack tensor is on device type {t.device.device_type}, not CUDA")
-    dev_id = t.device.device_id
+    if capsule is obj:
+        dev_type, dev_id = t.device.device_type, t.device.device_id
+        if dev_type not in accept:
+            raise HoraValueError(f"{what}: the DLPack tensor is on device type {dev_type}, not CUDA")
     dtype = _dl_dtype(t.dtype, what)
     shape = tuple(t.shape[i] for i in range(t.ndim))
     strides = None if not t.strides else tuple(t.strides[i] * ITEMSIZE[dtype] for i in range(t.ndim))
