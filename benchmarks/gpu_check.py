@@ -153,7 +153,8 @@ def array_checks(api, make, read, on_device, dtypes=ARRAY_DTYPES) -> tuple[int, 
              hora.alltoall(a2a, splits=splits, name=f"ha.{name}")[0])
         for nrows in (2 * n, 2 * n + 1):
             y = ((np.arange(nrows * 16) % 5) + r).astype(name).reshape(nrows, 16)
-            same(f"reducescatter {name} {nrows} rows", api.reducescatter(make(y), op=hora.Sum, name=f"dr.{name}{nrows}"),
+            same(f"reducescatter {name} {nrows} rows",
+                 api.reducescatter(make(y), op=hora.Sum, name=f"dr.{name}{nrows}"),
                  hora.reducescatter(y, op=hora.Sum, name=f"hr.{name}{nrows}"))
         xs = [((np.arange(k) % 3) + r).astype(name) for k in (1, 17, 1000)]
         for i, (g, w) in enumerate(zip(api.grouped_allreduce([make(t) for t in xs], op=hora.Sum, name=f"dga.{name}"),

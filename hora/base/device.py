@@ -24,6 +24,8 @@ import dataclasses
 import math
 from typing import Any, Callable
 
+import numpy as np
+
 from hora.base.errors import HoraValueError
 
 # typestr -> NumPy dtype name (bfloat16 has no typestr of its own; DLPack names it by code)
@@ -84,7 +86,7 @@ class DeviceArray:
 
     def view(self, dtype) -> "DeviceArray":
         """The same memory as another dtype of the same item size (hora.tensorflow moves uint16 as int16)."""
-        name = getattr(dtype, "name", str(dtype))
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
         if ITEMSIZE.get(name) != ITEMSIZE[self.dtype]:
             raise HoraValueError(f"cannot view {self.dtype} device memory as {name}")
         return dataclasses.replace(self, dtype=name, owner=self)
@@ -153,8 +155,9 @@ def _dl_dtype(t: _DLDataType, what: str) -> str:
 def from_dlpack(obj, what: str = "collective", stream: int | None = None,
                 accept: tuple = (_DL_CUDA, _DL_CUDA_MANAGED)) -> DeviceArray:
     """A :class:`DeviceArray` of ``obj.__dlpack__()`` (a CUDA tensor), or of ``obj`` itself when it is a
-    capsule (what TensorFlow's and MXNet's ``to_dlpack`` return). The capsule is kept, not consumed, so the
-    producer's deleter runs when the DeviceArray is dropped. ``stream``: the consumer's stream the producer
+    capsule (what TensorFlow's and MXNet's ``to_dlpack`` return). The capsule is consumed, as DLPack's
+    consumers do (renamed ``used_dltensor``), and the producer's deleter is called when the DeviceArray is
+    dropped (MXNet 1.9's destructor of an unconsumed capsule fails and would leak the NDArray). ``stream``: the consumer's stream the producer
     is asked to order its work before (None: not asked). ``accept``: the DLPack device types taken (the
     tests add the CPU's, 1, to read real frameworks' capsules on a machine without a GPU)."""
     capsule = obj if type(obj).__name__ == "PyCapsule" else None
@@ -163,7 +166,10 @@ def from_dlpack(obj, what: str = "collective", stream: int | None = None,
         if dev_type not in accept:
             raise HoraValueError(f"{what}: the DLPack tensor is on device type {dev_type}, not CUDA")
         capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
-    t = _DLTensor.from_address(_get_pointer(capsule, b"dltensor"))  # DLManagedTensor starts with its DLTensor
+    managed = _get_pointer(capsule, b"dltensor")
+    _set_name(capsule, _USED)
+    keep = _Consumed(managed)  # from here on the deleter runs when this goes, also if the tensor is refused
+    t = _DLTensor.from_address(managed)  # DLManagedTensor starts with its DLTensor
     if capsule is obj:
         dev_type, dev_id = t.device.device_type, t.device.device_id
         if dev_type not in accept:
@@ -172,7 +178,7 @@ def from_dlpack(obj, what: str = "collective", stream: int | None = None,
     shape = tuple(t.shape[i] for i in range(t.ndim))
     strides = None if not t.strides else tuple(t.strides[i] * ITEMSIZE[dtype] for i in range(t.ndim))
     _contiguous(shape, strides, ITEMSIZE[dtype], what)
-    return DeviceArray((t.data or 0) + t.byte_offset, shape, dtype, int(dev_id), owner=(obj, capsule))
+    return DeviceArray((t.data or 0) + t.byte_offset, shape, dtype, int(dev_id), owner=(obj, keep))
 
 
 def as_device_array(obj, device: int | None = None, what: str = "collective") -> DeviceArray | None:
@@ -209,6 +215,23 @@ _raw_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(("PyCapsule_GetN
 _raw_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
     ("PyCapsule_GetPointer", ctypes.pythonapi))
 _DL_CODES = {"int": _DL_INT, "uint": _DL_UINT, "float": _DL_FLOAT, "bfloat": _DL_BFLOAT, "bool": _DL_BOOL}
+
+
+_set_name = ctypes.pythonapi.PyCapsule_SetName
+_set_name.restype, _set_name.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
+_USED = b"used_dltensor"  # a capsule keeps a pointer to its name: this constant lives as long as the module
+
+
+class _Consumed:
+    """A consumed DLManagedTensor: its producer's deleter runs when hora is done with the memory."""
+
+    def __init__(self, managed: int):
+        self.managed = managed
+
+    def __del__(self):
+        deleter = _DLManagedTensor.from_address(self.managed).deleter
+        if deleter:
+            _DELETER_T(deleter)(self.managed)
 
 
 def _drop(managed: int) -> None:
