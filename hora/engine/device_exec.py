@@ -131,7 +131,9 @@ class DeviceExecutor:
         self._lanes_lock = threading.Lock()
         self.routes: dict[int, str | None] = {}  # process set -> None (NCCL) or the staged path's reason
         self.comms: dict[int, object] = {}
-        self._made: dict[int, int] = {}
+        # process set -> how many times it was added (set ids are reused after a removal): every rank counts
+        # every addition, so the members of a set agree on its unique id's key whatever they took part in
+        self._added: dict[int, int] = {}
         self._watch: list[_Watch] = []
         self._cv = threading.Condition()
         self._failed: BaseException | None = None
@@ -186,7 +188,7 @@ class DeviceExecutor:
                       f"hora's host collectives -> device): {reason}")
         self.routes[ps] = reason
         if reason is None:
-            n = self._made[ps] = self._made.get(ps, 0) + 1
+            n = self._added.get(ps, 0)
             from hora.transport.nccl import NcclComm
             self.comms[ps] = NcclComm(lib, self.store, f"{self.prefix}/nccl/{ps}/{n}", comm.rank, comm.size,
                                       self.device, self.runtime(), self.cfg["start_timeout"])
@@ -199,6 +201,8 @@ class DeviceExecutor:
         is, and not at the set's first device collective, which only its members see. Otherwise (an older
         NCCL, or no GPU collective yet) the set's first device collective makes its own communicator from a
         fresh unique id (:meth:`_route`). A removed set's communicator is destroyed."""
+        if kind == m.ADD_PS:
+            self._added[ps] = self._added.get(ps, 0) + 1
         if kind == m.REMOVE_PS:
             self.routes.pop(ps, None)
             comm = self.comms.pop(ps, None)
