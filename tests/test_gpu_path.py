@@ -102,20 +102,27 @@ def test_every_op_and_dtype_through_nccl_matches_the_host(n):
             <= set(calls)
 
 
-def _route_warning(hvd):
+def _fresh_gpu_warnings() -> list:
+    """hora.gpu's warnings from now on, in a list; the stand-in loaded afresh, nothing warned yet (this pool
+    worker may have loaded the stand-in, and warned, under another test's environment)."""
     import logging
-    seen = []
+
+    from hora.engine import device_exec
+    from hora.transport import nccl_lib
+    seen: list = []
 
     class Catch(logging.Handler):
         def emit(self, record):
             seen.append(record.getMessage())
     logging.getLogger("hora.gpu").addHandler(Catch())
-    import fake_gpu
-
-    from hora.engine import device_exec
-    from hora.transport import nccl_lib
-    nccl_lib.forget()  # this pool worker may have loaded the stand-in under another test's environment
+    nccl_lib.forget()
     device_exec._WARNED.clear()
+    return seen
+
+
+def _route_warning(hvd):
+    import fake_gpu
+    seen = _fresh_gpu_warnings()
     r = hvd.rank()
     dev = 0 if os.environ.get("SHARE_GPU") == "1" else r
     x = np.arange(10, dtype=np.float32) * (r + 1)
@@ -481,19 +488,8 @@ def test_hierarchical_allreduce_on_two_hosts(layout, version):
 
 
 def _hier_refused(hvd):
-    import logging
-    seen = []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            seen.append(record.getMessage())
-    logging.getLogger("hora.gpu").addHandler(Catch())
     import fake_gpu
-
-    from hora.engine import device_exec
-    from hora.transport import nccl_lib
-    nccl_lib.forget()
-    device_exec._WARNED.clear()
+    seen = _fresh_gpu_warnings()
     before = len(fake_gpu.STATS["calls"])
     out = _host(hvd.allreduce(_dev(np.ones(4, np.float32), hvd.rank()), op=hvd.Sum, name="flat"))
     return out.tolist(), fake_gpu.STATS["calls"][before:], [s for s in seen if "HIERARCHICAL" in s]

@@ -157,9 +157,10 @@ def from_dlpack(obj, what: str = "collective", stream: int | None = None,
     """A :class:`DeviceArray` of ``obj.__dlpack__()`` (a CUDA tensor), or of ``obj`` itself when it is a
     capsule (what TensorFlow's and MXNet's ``to_dlpack`` return). The capsule is consumed, as DLPack's
     consumers do (renamed ``used_dltensor``), and the producer's deleter is called when the DeviceArray is
-    dropped (MXNet 1.9's destructor of an unconsumed capsule fails and would leak the NDArray). ``stream``: the consumer's stream the producer
-    is asked to order its work before (None: not asked). ``accept``: the DLPack device types taken (the
-    tests add the CPU's, 1, to read real frameworks' capsules on a machine without a GPU)."""
+    dropped (MXNet 1.9's destructor of an unconsumed capsule fails and would leak the NDArray).
+    ``stream``: the consumer's stream the producer is asked to order its work before (None: not asked).
+    ``accept``: the DLPack device types taken (the tests add the CPU's, 1, to read real frameworks'
+    capsules on a machine without a GPU)."""
     capsule = obj if type(obj).__name__ == "PyCapsule" else None
     if capsule is None:  # the producer's word on its device (a capsule says it in its tensor)
         dev_type, dev_id = obj.__dlpack_device__()

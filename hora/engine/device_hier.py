@@ -24,7 +24,7 @@ import math
 from hora.base.device import ITEMSIZE
 from hora.collectives.reduce import Average, Max, Min, Product, Sum
 from hora.engine import messages as m
-from hora.engine.device_ops import _identity, _out
+from hora.engine.device_ops import pack, unpack
 from hora.engine.execute import allreduce_flat, dtype_of
 from hora.transport import cuda, nccl_lib
 from hora.transport.base import SubCommunicator
@@ -94,14 +94,9 @@ def allreduce(resp: m.Response, pends: list, h: Hierarchy, lane, n: int, scratch
     block = -(-total // size)  # elements per local rank, the last block padded
     fb = lane.fusion((size + 1) * block * item)
     mine = fb + size * block * item
-    done, keep = [], []
-    off = fb
-    for p, c in zip(pends, counts):  # pack
-        if p is None:
-            _identity(lane, off, c, resp, keep)
-        else:
-            rt.copy(off, p.array.ptr, c * item, cuda.D2D, s)
-        off += c * item
+    keep: list = []
+    pack(lane, pends, counts, resp, fb, keep)
+    off = fb + total * item
     if size * block > total:  # the padding's result is dropped: any value does
         rt.memset(off, 0, (size * block - total) * item, s)
     op = nc.premul_sum(resp.pre, dtype) if resp.pre != 1.0 else _NCCL_OP[resp.op]
@@ -116,11 +111,4 @@ def allreduce(resp: m.Response, pends: list, h: Hierarchy, lane, n: int, scratch
     nc.allgather(mine, fb, block, dtype, s)
     if len(counts) > 1:
         lane.fused = (len(counts), total * item)
-    off = fb
-    for p, c in zip(pends, counts):  # unpack
-        if p is not None:
-            out = p.array if p.inplace else _out(lane, p, p.array.shape, dtype)
-            rt.copy(out.ptr, off, c * item, cuda.D2D, s)
-            done.append((p.handle, out))
-        off += c * item
-    return done, keep
+    return unpack(lane, pends, counts, dtype, fb), keep
