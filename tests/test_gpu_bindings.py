@@ -166,3 +166,17 @@ def test_mxnet_reads_the_export_and_hora_reads_mxnet():
     assert np.frombuffer(ctypes.string_at(d.ptr, d.nbytes), np.float32).tolist() == list(range(6))
     with pytest.raises(HoraValueError, match="device type 1, not CUDA"):
         from_dlpack(src.to_dlpack_for_read())  # a CPU NDArray is not taken as device memory
+
+
+def test_a_tensor_the_framework_cannot_export_stages_the_call_with_one_warning(caplog):
+    from hora.kit import device as kd
+
+    def refuse(t):
+        raise TypeError(f"no DLPack for {t}")
+    kd._WARNED.discard("hora.test")
+    with caplog.at_level("WARNING", logger="hora.gpu"):
+        assert kd.exported(refuse, ["a"], "hora.test") is None
+        assert kd.exported(refuse, ["b"], "hora.test") is None
+    assert kd.exported(str.upper, ["a", "b"], "hora.test") == ["A", "B"]
+    warned = [r.getMessage() for r in caplog.records if "hora.test" in r.getMessage()]
+    assert len(warned) == 1 and "no DLPack for a" in warned[0] and "through host memory" in warned[0]
