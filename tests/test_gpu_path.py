@@ -500,3 +500,19 @@ def test_hierarchical_on_one_host_stays_flat_and_says_why():
     a, b = run_hora(2, _hier_refused, env={**FAKE, "HORA_HIERARCHICAL_ALLREDUCE": "1"}, timeout=100)
     assert a[0] == b[0] == [2.0] * 4 and a[1] == ["allreduce"]
     assert len(a[2]) == 1 and "all ranks are on one host" in a[2][0] and b[2] == []
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_peer_in_hierarchical_mode_names_the_peer():
+    """SIGKILL rank 3 (second "host") in the middle of hierarchical device allreduces: the survivors leave
+    NCCL (the host communicators aborted too) or the ring between hosts, and raise HorovodInternalError."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    with spawn_job(4, _loop_until_lost, env=[_two_hosts(r, "blocks") for r in range(4)]) as job:
+        job.wait_for(*(f"looping/{r}" for r in range(4)))
+        os.kill(job.procs[3].pid, signal.SIGKILL)
+        job.wait()
+        for r in range(3):
+            err = job.report(r)["error"]
+            assert "InternalError" in err["types"], err
+            assert err["rank"] == 3 or "rank 3" in err["message"], err
