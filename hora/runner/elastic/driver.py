@@ -78,7 +78,7 @@ from hora.base import elastic_protocol as protocol
 from hora.base.outcome import RankOutcome, exit_status, from_end, headline, tail_of, what
 from hora.runner.elastic.discovery import Discovery
 from hora.runner.elastic.fsm import Act, DriverState, Observation, step
-from hora.runner.elastic.policy import DiscoveryGuard, FailurePolicy, below_min_np, host_fault, rank_order
+from hora.runner.elastic.policy import DiscoveryGuard, FailurePolicy, below_min_np, host_fault, host_slots, rank_order
 from hora.runner.elastic.workers import Pool, Proc
 from hora.runner.spawn import Output
 
@@ -98,7 +98,8 @@ class Driver:
         """``pool`` and ``discovery`` replace the process pool (:class:`Pool`: ``start(wid, host, index, env)``
         -> a :class:`Proc`, ``live()``, ``procs``, ``exits``, ``next_number``, ``signal(procs, sig)``,
         ``check_sessions()``, ``stop_all()``) and the script discovery (``hosts``, ``problem``, ``start()``,
-        ``close()``): another launcher (hora.ray's actors, Ray's nodes) brings its own."""
+        ``close()``; optional ``slots(hosts)``, see :meth:`_wanted`): another launcher (hora.ray's actors, Ray's
+        nodes, hora.spark's tasks) brings its own."""
         self.s = settings
         self.np = settings["np"]
         self.min_np, self.max_np = settings["min_np"], settings["max_np"]
@@ -301,8 +302,10 @@ class Driver:
         return {h: n for h, n in listed.items() if h not in self.blacklist}
 
     def _wanted(self, hosts: dict[str, int]) -> list[tuple[str, str, int]]:
-        """The slots to run: the listed ones, at most -np until the first generation, then --max-np."""
-        out = [(f"{h}:{i}", h, i) for h, n in hosts.items() for i in range(n)]
+        """The slots to run: the listed ones, at most -np until the first generation, then --max-np. A discovery
+        whose slots are not ``0..n-1`` on each host (hora.spark's: one per task, a lost task leaves a hole)
+        names them with ``slots(hosts)``."""
+        out = getattr(self.discovery, "slots", host_slots)(hosts)
         cap = max(self.np, self.min_np) if self.gen == 0 and self.np else self.max_np
         if cap and self.max_np:
             cap = min(cap, self.max_np)

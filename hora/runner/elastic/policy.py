@@ -37,6 +37,11 @@ def host_fault(rc: int | None, lost: str | None) -> bool:
     return lost is not None or rc is None or rc > 0 or -rc not in _SENT
 
 
+def host_slots(hosts: dict[str, int]) -> list[tuple[str, str, int]]:
+    """The slots (``host:index``, host, index) of a host list: indices ``0..n-1`` on each host."""
+    return [(f"{h}:{i}", h, i) for h, n in hosts.items() for i in range(n)]
+
+
 @dataclass
 class FailurePolicy:
     blacklist: Blacklist
