@@ -194,6 +194,11 @@ KNOBS = [
          "seconds a stalled tensor may wait before the job fails on every rank (0 = never); "
          "Horovod's default is never, the most reported hang", 1, _nonneg, ">= 0",
          config="stall_check.shutdown_time_seconds", group="stall"),
+    Knob("stall_explain_floor", float, 1.5, "STALL_EXPLAIN_FLOOR_SECONDS", None,
+         "hangs explained: once a collective has waited 1.5x this job's recent step time, but no less than "
+         "this many seconds (and no more than the stall check time), every rank prints which ranks are where "
+         "in their code and why, with the fix (docs/observability.md); 0 = off", 1, _nonneg, ">= 0",
+         group="stall"),
     Knob("frozen_timeout", float, 0.0, "FROZEN_TIMEOUT_SECONDS", "--frozen-timeout-seconds",
          "seconds a rank whose process stopped running (SIGSTOP, a debugger, a paused host; not a busy one) "
          "may stay so before the job fails on every rank; it is named on every rank within seconds. "

@@ -34,8 +34,9 @@ import time
 
 import numpy as np
 
+from hora.base import fp_quiet
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
-from hora.engine import fastpath
+from hora.engine import explain, fastpath
 from hora.engine import messages as m
 from hora.engine.baton import CALLER, NOBODY, Baton
 from hora.engine.interrupts import GATE
@@ -101,6 +102,7 @@ class Engine:
                           m.ABORT: self._on_abort, m.STACK_QUERY: self._on_stack_query,
                           m.STACK_REPLY: self._on_stack_reply, m.STALL_FATAL: self._on_stall_fatal,
                           m.BYE: self._on_bye, m.DATA_STALL: self._on_data_stall}
+        explain.attach(self)  # hangs explained: its handlers, and ``_stamp`` on every submission (or None)
         self.handles.drive = self._drive
         # The engine thread sleeps in epoll on the wake pipe and on a nested epoll holding the control
         # connections. A driving caller switches the nested one off for its session: otherwise every
@@ -142,6 +144,8 @@ class Engine:
     # -- caller side ---------------------------------------------------------------------------
     def submit(self, *pends: Pending) -> None:
         """Queue requests for the engine; several at once are negotiated together."""
+        if self._stamp is not None:
+            self._stamp(pends)
         self.subs.add(pends, self.baton.held)
 
     def shutdown(self) -> None:
@@ -253,17 +257,18 @@ class Engine:
         wait for negotiation."""
         self._ep.modify(self._ep_ctrl.fileno(), 0)
         self._window = window
+        fp = fp_quiet.quiet()  # as on the engine thread; the caller's own state after
         try:
-            with np.errstate(all="ignore"):  # as on the engine thread; the caller's own state after
-                while not handle.done:
-                    if window is not None and GATE.pending:
-                        GATE.check()  # between cycles: nothing is half done
-                    if not self._step(block=True):
-                        return False
-                    if not handle.done:  # (when it is, the release that follows tells the other waiters)
-                        self.baton.cycle_done()  # threads that came to wait since may have had theirs finished
-                return True
+            while not handle.done:
+                if window is not None and GATE.pending:
+                    GATE.check()  # between cycles: nothing is half done
+                if not self._step(block=True):
+                    return False
+                if not handle.done:  # (when it is, the release that follows tells the other waiters)
+                    self.baton.cycle_done()  # threads that came to wait since may have had theirs finished
+            return True
         finally:
+            fp_quiet.restore(fp)
             self._window = None  # (the baton's release, next, runs _caller_released)
 
     def _park(self) -> None:
