@@ -83,6 +83,13 @@ class KerasEstimator(HoraEstimator):
     def getBackendEnv(self):  # noqa: N802
         return self.getOrDefault(self.backend_env)
 
+    def _saved(self, name: str, value: Any) -> Any:
+        from hora.keras.flavour import is_tf_keras
+
+        if name == "optimizer" and value is not None and is_tf_keras(value):
+            return _TfKerasOptimizer(_keras(value).optimizers.serialize(value))
+        return value
+
     def _env(self) -> dict[str, str]:
         import keras
 
@@ -173,6 +180,23 @@ class KerasModel(HoraModel):
 
     def _predictor(self) -> Callable:
         return _KerasPredict(self.getModel())
+
+
+class _TfKerasOptimizer:
+    """A tf_keras optimizer by its config: it pickles (the optimizer holds weak references) and unpickles as the
+    optimizer."""
+
+    def __init__(self, config: dict) -> None:
+        self.config = config
+
+    def __reduce__(self):
+        return _tf_keras_optimizer, (self.config,)
+
+
+def _tf_keras_optimizer(config: dict):
+    from hora.keras.flavour import tf_keras
+
+    return tf_keras().optimizers.deserialize(config)
 
 
 class _KerasPredict:
