@@ -25,14 +25,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from typing import Iterator
 
-from hora.base import contract
-from hora.spark import supervise
 from hora.spark.python import mismatch
-from hora.spark.task import _closed, _relay, _signal
+from hora.spark.task import _closed, _signal, start_supervised
 from hora.transport.store import StoreClient
 
 POLL_S = 0.1  # how often a task looks for a command, a signal or the end
@@ -104,18 +101,9 @@ def _serve(spec: Spec, tid: int, store: StoreClient) -> None:
 
 
 def _run_worker(spec: Spec, store: StoreClient, number: int, env: dict[str, str], beat: _Beat) -> int:
-    full = dict(os.environ)
-    full.update(env)
-    python = sys.executable
-    command = [python, os.path.abspath(supervise.__file__), python, "-m", contract.RUN_TASK_MODULE]
-    proc = subprocess.Popen(command, env=full, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    pumps = [threading.Thread(target=_relay, args=(spec, number, name, pipe), daemon=True)
-             for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    proc, pumps = start_supervised(spec, number, {**os.environ, **env}, sys.executable)
     sent = b""
     try:
-        for p in pumps:
-            p.start()
         while True:
             try:
                 code = proc.wait(timeout=POLL_S)
