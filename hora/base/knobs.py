@@ -156,6 +156,11 @@ KNOBS = [
          "comma-separated network interfaces the ranks use for data and the store, e.g. eth0,ib0 ('' = the one "
          "that reaches the store); with --mpi also mpirun's btl_tcp_if_include; HOROVOD_GLOO_IFACE is read too",
          group="basic", metavar="NICS", also="GLOO_IFACE"),
+    Knob("wire_protection", str, "off", "WIRE_PROTECTION", "--wire-protection",
+         "protection of hora's connections (tensors, control, store): off, integrity (each frame carries an "
+         "AES-GCM tag: a changed, replayed or reordered frame fails the job naming the peer) or encrypt (and "
+         "encrypted); keys per connection from the job secret; needs hora[secure]; docs/security.md",
+         **_one_of("off", "integrity", "encrypt"), config="params.wire_protection", group="basic"),
     Knob("store_port", int, 0, "STORE_PORT", None,
          "TCP port rank 0 serves the rendezvous store on under torchrun/srun (0 = derived: torchrun's "
          "MASTER_PORT+1, srun's job and step ids)", 1, lambda v: 0 <= v <= 65535, "0-65535"),
