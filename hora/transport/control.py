@@ -35,7 +35,7 @@ import time
 from typing import Callable, Iterable
 
 from hora.base.errors import CommunicatorClosedError, HoraError, PeerLostError
-from hora.transport import auth, plan
+from hora.transport import auth, plan, seal
 
 _POLL_IN = select.POLLIN | select.POLLPRI
 _HEAD = struct.Struct("!III")  # payload bytes, source rank, destination rank
@@ -262,7 +262,7 @@ class ControlPlane:
             n, src, dst = _HEAD.unpack(auth.recv_exact(sock, _HEAD.size))
             payload = auth.recv_exact(sock, n)
         except OSError as e:  # ConnectionError (EOF) included
-            if during_data:
+            if during_data and not isinstance(e, seal.TamperedError):
                 # A peer that finished its part and shut down closes control before we have read
                 # its last data: give the data a grace period before calling the peer lost.
                 self._gone.setdefault(link, time.monotonic() + CTRL_GRACE)

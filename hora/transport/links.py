@@ -159,8 +159,7 @@ def connect(addr: str, peer: int, rank: int, prefix: str, secret: bytes, timeout
     while True:
         try:
             sock = socket.create_connection((host, port), timeout=5)
-            auth.connect_handshake(sock, secret, f"{rank}|{prefix}|{peer}|{chan}".encode())
-            return sock
+            return auth.connect_handshake(sock, secret, f"{rank}|{prefix}|{peer}|{chan}".encode())
         except (OSError, HoraError) as e:
             retry = isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ETIMEDOUT)
             if not retry or time.monotonic() >= deadline:

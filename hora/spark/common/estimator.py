@@ -48,7 +48,8 @@ class _Writer(MLWriter):
         self.instance = instance
 
     def saveImpl(self, path: str) -> None:  # noqa: N802 - Spark ML's name
-        values = {p.name: encode(v) for p, v in self.instance._paramMap.items() if p.name not in _NOT_SAVED}
+        values = {p.name: encode(self.instance._saved(p.name, v)) for p, v in self.instance._paramMap.items()
+                  if p.name not in _NOT_SAVED}
         DefaultParamsWriter.saveMetadata(self.instance, path, self.sc, paramMap=values)
 
 
@@ -67,6 +68,11 @@ class _Reader(MLReader):
 
 class Persistence(MLReadable, MLWritable):
     """Spark ML's ``save``/``load``/``write``/``read`` for hora's Estimators and Models."""
+
+    def _saved(self, name: str, value: Any) -> Any:
+        """What is pickled for parameter ``name``: ``value``, unless a subclass knows a portable stand-in that
+        unpickles as the value (a tf_keras optimizer, which does not pickle)."""
+        return value
 
     def write(self) -> MLWriter:
         return _Writer(self)
