@@ -137,12 +137,14 @@ class MeshPort:
 class Links:
     """This rank's dials, after start-up too: ``addrs`` are every rank's, from the start-up gather."""
 
-    def __init__(self, rank: int, prefix: str, secret: bytes, addrs: list[str], port: MeshPort):
+    def __init__(self, rank: int, prefix: str, secret: bytes, addrs: list[str], port: MeshPort,
+                 dialer: Callable[..., socket.socket] | None = None):
         self.rank, self.prefix, self.secret, self.addrs, self.port = rank, prefix, secret, addrs, port
+        self._connect = dialer or connect  # ``connect``'s signature (a test may reach a peer through a relay)
 
     def dial(self, peer: int, chan: str = "d", timeout: float = LATE_DIAL_S) -> socket.socket:
         """A new connection to ``peer`` (a lower rank for data; any rank for control)."""
-        sock = connect(self.addrs[peer], peer, self.rank, self.prefix, self.secret, timeout, chan)
+        sock = self._connect(self.addrs[peer], peer, self.rank, self.prefix, self.secret, timeout, chan)
         net.tune(sock, buffers=chan == "d")
         return sock
 

@@ -31,6 +31,7 @@ from hora.transport import net, plan, seal
 from hora.transport.base import CommunicatorBase, PendingRequest, byte_view, timed_out
 from hora.transport.control import HEARTBEAT_S, ControlPlane
 from hora.transport.links import Links, MeshPort, find, publish
+from hora.transport.links import connect as _connect  # the dial, looked up at each call (tests relay it)
 from hora.transport.store import StoreClient
 
 _POLL_IN = select.POLLIN | select.POLLPRI
@@ -265,7 +266,7 @@ def connect_mesh(rank: int, size: int, store: StoreClient, prefix: str, secret: 
     try:
         publish(store, prefix, rank, f"{advertise_host or bind_host}:{listener.getsockname()[1]}")
         addrs = find(store, prefix, rank, size, timeout)
-        links = Links(rank, prefix, secret, addrs, port)
+        links = Links(rank, prefix, secret, addrs, port, lambda *a: _connect(*a))
         socks = {p: links.dial(p, timeout=timeout) for p in plan.ring_neighbours(rank, size) if plan.dials(rank, p)}
         up = plan.parent(rank, fanout)
         ctrl = {} if up is None else {up: links.dial(up, "c", timeout)}
