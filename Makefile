@@ -59,7 +59,7 @@ $(PY):
 
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e '.[pytorch,test,mpi,nccl-cu12]'
+	$(PIP) install -q -e '.[pytorch,test,mpi,nccl-cu12,plot]'
 	touch $@
 
 setup-frameworks: setup $(FW_STAMP)

@@ -121,6 +121,12 @@ class Executor:
         self._activity = {k: f"{by_kind[k] if size > 1 else self.transport}_{k.upper()}"
                           for k in (m.ALLREDUCE, m.ALLGATHER, m.BROADCAST, m.ALLTOALL, m.REDUCESCATTER)}
 
+    def activity(self, resp: m.Response) -> str:
+        """The timeline's name of what runs ``resp``: ``TCP_ALLREDUCE``, ``INLINE_ALLREDUCE``, ``BARRIER``..."""
+        if resp.data is not None:
+            return "INLINE_ALLREDUCE"
+        return self._activity.get(resp.kind, resp.kind.upper())
+
     def forget(self, ps: int) -> None:
         sub = self._subs.pop(ps, None)
         if sub is not None:

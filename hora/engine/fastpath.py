@@ -64,7 +64,7 @@ class FastPath:
         c = e.coord
         if c is None:
             return e._leaving is None
-        return (c.idle() and not e.role.payloads and e.tuner is None and e.executor.timeline is None
+        return (c.idle() and not e.role.payloads and e.tuner is None and e.executor.timeline is None and e.trace is None
                 and c.cache_on)
 
     def run(self, p: Pending) -> bool:

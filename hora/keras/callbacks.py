@@ -19,6 +19,7 @@ import keras
 import hora.core.basics as _basics
 from hora.base.errors import HoraValueError
 from hora.kit import schedules as _fk
+from hora.kit import straggler_log as _straggler
 from hora.keras.flavour import Flavoured
 from hora.keras.functions import broadcast_variables
 
@@ -168,3 +169,28 @@ class BestModelCheckpoint(Flavoured, keras.callbacks.ModelCheckpoint):
         if _basics.rank() == 0:
             return super()._save_model(*args, **kwargs)
         return None
+
+
+class StragglerCallback(Flavoured, keras.callbacks.Callback):
+    """hora's own (not Horovod's): put the straggler account into each epoch's logs, so that TensorBoard,
+    ``CSVLogger`` and the progress bar show it: ``straggler_rank`` (the rank the others waited for most, -1:
+    none), ``straggler_share`` (the share of collectives it was last for), ``straggler_cost`` (the share of the
+    others' time spent waiting for it), ``straggler_recent_rank`` (the same over the last collectives). Every
+    rank gets rank 0's figures (one small broadcast per epoch), so the callback may stand anywhere in the
+    list. ``verbose``: rank 0 also prints the account's sentence at each epoch's end."""
+
+    def __init__(self, verbose=0):
+        super().__init__()
+        self.verbose = verbose
+
+    def on_epoch_end(self, epoch, logs=None):
+        _straggler_epoch_end(epoch, logs, self.verbose)
+
+
+def _straggler_epoch_end(epoch, logs, verbose) -> None:
+    """StragglerCallback's body (its tf_keras twin's too)."""
+    scalars = _straggler.straggler_scalars()
+    if logs is not None:
+        logs.update(scalars)
+    if verbose and _basics.rank() == 0:
+        print(f"epoch {epoch + 1}: {_straggler.straggler_line()}", flush=True)

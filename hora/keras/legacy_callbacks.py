@@ -167,10 +167,22 @@ def _classes() -> dict[str, type]:
                 return super()._save_model(*args, **kwargs)
             return None
 
+    class StragglerCallback(Callback):
+        """The straggler account in each epoch's logs (see hora.keras.callbacks.StragglerCallback)."""
+
+        def __init__(self, verbose=0):
+            super().__init__()
+            self.verbose = verbose
+
+        def on_epoch_end(self, epoch, logs=None):
+            from hora.keras.callbacks import _straggler_epoch_end
+
+            _straggler_epoch_end(epoch, logs, self.verbose)
+
     from hora.keras import elastic as _elastic
 
     made = [BroadcastGlobalVariablesCallback, MetricAverageCallback, LearningRateScheduleCallback,
-            LearningRateWarmupCallback, BestModelCheckpoint]
+            LearningRateWarmupCallback, BestModelCheckpoint, StragglerCallback]
     for logic in (_elastic.CommitState, _elastic.UpdateBatchState, _elastic.UpdateEpochState):
         made.append(type(logic.__name__ + "Callback", (logic, Callback), {"__module__": __name__}))
     for cls in made:

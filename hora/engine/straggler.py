@@ -1,0 +1,172 @@
+"""The straggler, named: rank 0's rolling account of who every fused collective waited for.
+
+The coordinator learns, for each tensor, when each rank's request reached it (:class:`Entry.at`). A fused
+collective can start once its last rank is ready, so per fused collective a rank's readiness is the latest of
+its arrivals over the collective's tensors; the rank ready last is the collective's straggler, its *lag* is
+how far behind the next-latest rank it was, and every other rank *waited* from its own readiness until the
+straggler's. The account adds these up per rank since ``init()`` and keeps the last ``WINDOW`` collectives for
+a rolling view; :meth:`StragglerAccount.snapshot` is what ``hora.statistics().straggler`` returns.
+
+Times are rank 0's clock at the arrival of each request, so a rank's control latency counts in its lag
+(microseconds on one host, a round trip's half across hosts). Collectives that bypass negotiation (the
+two-rank small-allreduce mailbox, :mod:`hora.engine.fastpath`) are not in the account. The account costs a
+few dictionary operations per fused collective; the coordinator does it whatever is asked, so that
+``statistics()`` always has it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import sys
+
+WINDOW = 200  # fused collectives in the rolling view
+_TENSORS = 64  # distinct tensor names counted per rank (the first ones seen; the rest are not named)
+
+# what makes the end-of-job line worth a user's attention (one rank clearly the straggler, at a real cost)
+REPORT_MIN_COLLECTIVES = 20
+REPORT_MIN_SHARE = 0.5
+REPORT_MIN_COST = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Straggler:
+    """Who the job waited for, from rank 0's coordinator (``hora.statistics().straggler``; None on other ranks).
+
+    Per rank (dicts keyed by rank): ``last`` counts the fused collectives it was ready last for, ``lag_s``
+    sums how far behind the next-latest rank it was then, ``cost_s`` sums the seconds the other ranks waited
+    for it (rank-seconds), ``waited_s`` sums the seconds it waited for others, and ``tensors`` names the
+    tensors it was last for most often. ``collectives`` and ``seconds`` say what the account covers;
+    ``recent_last`` and ``recent_cost_s`` are the same as ``last`` and ``cost_s`` over the last ``WINDOW``
+    collectives only, which show a straggler that changed during the run."""
+
+    size: int = 0
+    collectives: int = 0
+    seconds: float = 0.0
+    last: dict[int, int] = dataclasses.field(default_factory=dict)
+    lag_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    cost_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    waited_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    tensors: dict[int, list[tuple[str, int]]] = dataclasses.field(default_factory=dict)
+    recent_last: dict[int, int] = dataclasses.field(default_factory=dict)
+    recent_cost_s: dict[int, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def rank(self) -> int | None:
+        """The rank that cost the others most (None before any collective of two ranks or more)."""
+        return max(self.cost_s, key=lambda r: (self.cost_s[r], self.last.get(r, 0)), default=None)
+
+    def share(self, rank: int | None = None) -> float:
+        """The fraction of the collectives that ``rank`` (default: :attr:`rank`) was ready last for."""
+        rank = self.rank if rank is None else rank
+        return self.last.get(rank, 0) / self.collectives if self.collectives and rank is not None else 0.0
+
+    def cost(self, rank: int | None = None) -> float:
+        """The fraction of the others' time spent waiting for ``rank`` (default: :attr:`rank`): the
+        rank-seconds they waited over (size - 1) x the seconds the account covers."""
+        rank = self.rank if rank is None else rank
+        span = (self.size - 1) * self.seconds
+        return min(1.0, self.cost_s.get(rank, 0.0) / span) if span > 0 and rank is not None else 0.0
+
+    def line(self) -> str:
+        """One sentence: ``rank 3 was last in 71% of 1200 collectives, costing the others 12% of their
+        time (mostly 'grad.fc1.weight'); it lagged 8.1 ms on average``."""
+        r = self.rank
+        if r is None:
+            return "no collective of two ranks or more was negotiated: no straggler to name"
+        n = self.last.get(r, 0)
+        lag = self.lag_s.get(r, 0.0) / n * 1e3 if n else 0.0
+        top = self.tensors.get(r) or []
+        mostly = f" (mostly '{top[0][0]}')" if top else ""
+        return (f"rank {r} was last in {self.share(r):.0%} of {self.collectives} collectives, costing the others "
+                f"{self.cost(r):.0%} of their time{mostly}; it lagged {lag:.1f} ms on average")
+
+    def worth_reporting(self) -> bool:
+        """True when one rank clearly held the others up: the end-of-job line is printed then."""
+        return (self.collectives >= REPORT_MIN_COLLECTIVES and self.share() >= REPORT_MIN_SHARE
+                and self.cost() >= REPORT_MIN_COST)
+
+    def scalars(self) -> dict[str, float]:
+        """Flat numbers for a logger (TensorBoard, Keras logs): ``straggler_rank`` (-1: none),
+        ``straggler_share``, ``straggler_cost``, and the rolling window's ``straggler_recent_rank``."""
+        recent = max(self.recent_cost_s, key=self.recent_cost_s.__getitem__, default=-1)
+        return {"straggler_rank": -1 if self.rank is None else self.rank, "straggler_share": self.share(),
+                "straggler_cost": self.cost(), "straggler_recent_rank": recent}
+
+
+class StragglerAccount:
+    """The coordinator's running sums (see the module's docstring); :meth:`observe` once per ``take()``."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.collectives = 0
+        self.start: float | None = None
+        self.end = 0.0
+        self.last: collections.Counter = collections.Counter()
+        self.lag = collections.defaultdict(float)
+        self.cost = collections.defaultdict(float)
+        self.waited = collections.defaultdict(float)
+        self.tensors: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.recent: collections.deque = collections.deque(maxlen=WINDOW)  # (last rank, others' wait)
+        self.on_collective = None  # called with (names, {rank: ready}, last, lag) when set: the rank trace
+
+    def observe(self, fused, arrivals: dict) -> None:
+        """Account the fused responses ``fused`` from ``arrivals``: (ps, name) -> {rank: arrival time}."""
+        for resp in fused:
+            if resp.error is not None:
+                continue
+            ready: dict[int, float] = {}
+            latest: dict[int, str] = {}  # rank -> the tensor it was ready with last
+            for name in resp.names:
+                at = arrivals.get((resp.ps, name))
+                if at is None:
+                    continue
+                for r, t in at.items():
+                    if t >= ready.get(r, -1.0):
+                        ready[r], latest[r] = t, name
+            if len(ready) < 2:
+                continue
+            self._one(resp.names, ready, latest)
+
+    def _one(self, names, ready: dict[int, float], latest: dict[int, str]) -> None:
+        last = max(ready, key=ready.__getitem__)
+        t_last = ready[last]
+        lag = t_last - max(t for r, t in ready.items() if r != last)
+        waits = 0.0
+        for r, t in ready.items():
+            if r != last:
+                self.waited[r] += t_last - t
+                waits += t_last - t
+        first = min(ready.values())
+        if self.start is None:
+            self.start = first
+        self.end = max(self.end, t_last)
+        self.collectives += 1
+        self.last[last] += 1
+        self.lag[last] += lag
+        self.cost[last] += waits
+        counted = self.tensors[last]
+        name = latest[last]
+        if name in counted or len(counted) < _TENSORS:
+            counted[name] += 1
+        self.recent.append((last, waits))
+        if self.on_collective is not None:
+            self.on_collective(names, ready, last, lag)
+
+    def snapshot(self) -> Straggler:
+        recent_last: collections.Counter = collections.Counter()
+        recent_cost: dict[int, float] = collections.defaultdict(float)
+        for r, w in self.recent:
+            recent_last[r] += 1
+            recent_cost[r] += w
+        seconds = self.end - self.start if self.start is not None else 0.0
+        return Straggler(self.size, self.collectives, seconds, dict(self.last), dict(self.lag), dict(self.cost),
+                         dict(self.waited), {r: c.most_common(5) for r, c in self.tensors.items()},
+                         dict(recent_last), dict(recent_cost))
+
+
+def report(account: StragglerAccount) -> None:
+    """Rank 0's line at the end of the job (``hora.shutdown()``), when one rank clearly held the others up."""
+    s = account.snapshot()
+    if s.worth_reporting():
+        print(f"hora: {s.line()}", file=sys.stderr, flush=True)
