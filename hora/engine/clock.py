@@ -33,6 +33,17 @@ def answer(control, peer: int, msg: tuple) -> None:
         pass
 
 
+def handlers(engine) -> dict:
+    """The engine's handlers of the two messages: every rank 0 answers probes (a rank may trace while rank 0
+    does not), a rank hands answers to its trace's probe, if it still has one."""
+    def pong(peer: int, msg: tuple) -> None:
+        probe = getattr(engine.trace, "probe", None)
+        if probe is not None:
+            probe.on_pong(msg)
+
+    return {m.CLOCK_PING: lambda peer, msg: answer(engine.control, peer, msg), m.CLOCK_PONG: pong}
+
+
 class ClockProbe:
     """A rank's probes of rank 0's clock; each sample goes to ``record(at, offset_s, rtt_s)``."""
 

@@ -100,9 +100,7 @@ class Engine:
         self._handlers = {m.REQUESTS: self.role.on_requests, m.RESPONSES: self.role.on_responses,
                           m.ABORT: self._on_abort, m.STACK_QUERY: self._on_stack_query,
                           m.STACK_REPLY: self._on_stack_reply, m.STALL_FATAL: self._on_stall_fatal,
-                          m.BYE: self._on_bye, m.DATA_STALL: self._on_data_stall,
-                          m.CLOCK_PING: lambda peer, msg: clock.answer(self.control, peer, msg),
-                          m.CLOCK_PONG: self._on_clock_pong}
+                          m.BYE: self._on_bye, m.DATA_STALL: self._on_data_stall, **clock.handlers(self)}
         self.trace = None  # this rank's part of the job's trace (hora.engine.ranktrace; None when off)
         self.handles.drive = self._drive
         # The engine thread sleeps in epoll on the wake pipe and on a nested epoll holding the control
@@ -388,12 +386,9 @@ class Engine:
                              "coordinator) to answer, which would have shut a stall down by now; is rank 0 "
                              "frozen (stopped, swapping, stuck in a system call)?")
         responses = self.role.responses(responses)
-        tr = self.trace
+        run = self._execute if self.trace is None else self.trace.runner(self._execute)
         for resp in responses:
-            if tr is None:
-                self._execute(resp)
-            else:
-                tr.execute(self._execute, resp)
+            run(resp)
         if responses and self._quiet_s:  # time this rank spent running them is no silence of rank 0's
             self._heard = time.monotonic()
         if self._leaving is not None:  # rank 0 said goodbye: what it sent before has run; nothing more will
@@ -453,11 +448,6 @@ class Engine:
     def _on_data_stall(self, peer: int, msg) -> None:
         if self.stall is not None:
             self.stall.on_data_wait(*msg[1:])
-
-    def _on_clock_pong(self, peer: int, msg) -> None:
-        tr = self.trace
-        if tr is not None and tr.probe is not None:
-            tr.probe.on_pong(msg)
 
     def fail_from_outside(self, err: BaseException) -> None:
         """End this engine with ``err`` at its next look (a cycle, or a data wait's heartbeat): for a

@@ -20,6 +20,7 @@ one attribute for None where an event would be.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -71,6 +72,10 @@ class RankTrace(Timeline):
             sent[(p.req.ps, p.req.name)] = now
         if self.probe is not None:
             self.probe.due()
+
+    def runner(self, run):
+        """``run`` (the engine's ``_execute``) recorded by :meth:`execute`."""
+        return functools.partial(self.execute, run)
 
     def execute(self, run, resp) -> None:
         """``run(resp)``, recorded with its negotiation if this rank sent any of its tensors."""

@@ -148,7 +148,7 @@ def merge(inputs: list[str], out: str) -> list[str]:
     if timeline is not None:  # its wall-clock start, as the timeline's header has it
         wall = (_header(timeline[1]) or {}).get("start_time_since_epoch_in_micros")
         if wall is not None:
-            head["args"]["start_time_since_epoch_in_micros"] = wall
+            head["args"]["start_time_since_epoch_in_micros"] = int(wall - (tl_t0 - base))
     merged = [head] + _rank_events(parts, base) + _waits(parts, base)
     if timeline is not None:
         merged += _timeline_events(timeline[1], tl_t0 - base)

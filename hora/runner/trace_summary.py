@@ -11,6 +11,7 @@ in ``bins`` slices of the run.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from hora.runner.trace_merge import RANK_PID, WAIT_TID, TraceError, load
 
@@ -25,6 +26,7 @@ class RankFigures:
     last: int = 0
     lag_s: float = 0.0
     waits: list = dataclasses.field(default_factory=list)  # (begin, end) us, merged, for the picture
+    negotiations: list = dataclasses.field(default_factory=list)  # (begin, end) us, merged
     data: list = dataclasses.field(default_factory=list)  # (begin, end, bytes)
 
     @property
@@ -79,7 +81,7 @@ def summarize(path: str) -> Summary:
             if begin is None:
                 continue
             if e.get("cat") == "negotiation":
-                f.negotiation_s += (ts - begin) / 1e6
+                f.negotiations.append((begin, ts))
             elif e.get("tid") == WAIT_TID:
                 f.waits.append((begin, ts))
         elif ph == "i" and e.get("tid") == 3 and str(e.get("name", "")).startswith("LAST rank "):
@@ -91,9 +93,10 @@ def summarize(path: str) -> Summary:
     if not ranks:
         raise TraceError(f"{path} has no rank tracks: it is rank 0's timeline alone. Run the job with "
                          "hora run --timeline-filename FILE (or HORA_TIMELINE_ALL_RANKS=1, then hora trace merge)")
-    for f in ranks.values():
-        f.waits = _union(f.waits)
+    for f in ranks.values():  # spans of collectives negotiated or waited for together overlap: their union
+        f.waits, f.negotiations = _union(f.waits), _union(f.negotiations)
         f.waited_s = sum(b - a for a, b in f.waits) / 1e6
+        f.negotiation_s = sum(b - a for a, b in f.negotiations) / 1e6
     return Summary(ranks, min(stamps, default=0.0), max(stamps, default=0.0), coordinator)
 
 
@@ -177,8 +180,9 @@ def picture(s: Summary, out: str, bins: int, title: str) -> None:
     bottom.set_xlabel("seconds since the trace started")
     top.legend(loc="upper right", fontsize="small", ncol=min(4, len(s.ranks)))
     k = s.straggler
-    top.set_title(title + (f": rank {k} was last in {s.ranks[k].last / s.collectives:.0%} of the collectives"
-                           if k is not None and s.ranks[k].last else ""))
+    named = k is not None and s.ranks[k].last
+    top.set_title(os.path.basename(title) + (f": rank {k} was last in {s.ranks[k].last / s.collectives:.0%} "
+                                             "of the collectives" if named else ""))
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
