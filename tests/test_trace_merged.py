@@ -126,3 +126,40 @@ def test_a_timeline_alone_has_no_tracks_to_summarise(tmp_path, capsys):
     path.write_text('[\n{"name":"process_name","ph":"M","pid":0,"args":{"name":"hora"}}')  # a live file: no ]
     assert trace_cli.main(["summary", str(path)]) == 1
     assert "no rank tracks" in capsys.readouterr().err
+
+
+def _part(rank, size, t0_us, events, samples=(), close=True):
+    """A rank file as hora.engine.ranktrace writes it: header, events, CLOCK_SYNC samples (at, offset, rtt)."""
+    head = {"name": "process_name", "ph": "M", "pid": rank,
+            "args": {"name": f"rank {rank}", "rank": rank, "size": size, "monotonic_t0_us": t0_us}}
+    clock = [{"name": "CLOCK_SYNC", "ph": "i", "s": "t", "ts": at, "pid": rank, "tid": 4,
+              "args": {"offset_us": off, "rtt_us": rtt}} for at, off, rtt in samples]
+    text = "[\n" + ",\n".join(json.dumps(e) for e in [head, *events, *clock])
+    return text + ("\n]\n" if close else "")
+
+
+def test_clocks_are_aligned_by_the_trusted_samples_and_a_drift_is_followed(tmp_path):
+    # rank 1's clock reads 1 s (1e6 us) less than rank 0's at its start and 2 ms less by the end of the run: it
+    # runs fast; one sample with a long round trip is not trusted. Rank 2's part is missing; rank 1's was cut off.
+    x = {"name": "TCP_ALLREDUCE", "ph": "X", "dur": 10, "tid": 2, "args": {"bytes": 8}}
+    last = {"name": "LAST rank 1", "ph": "i", "s": "t", "ts": 300, "pid": 0, "tid": 3,
+            "args": {"tensors": ["g"], "n": 1, "last": 1, "lag_us": 200, "ready_us": {"0": 100, "1": 300}}}
+    p0 = tmp_path / "t.json.rank0"
+    p0.write_text(_part(0, 3, 5_000_000.0, [dict(x, pid=0, ts=100), last]))
+    p1 = tmp_path / "t.json.rank1"
+    samples = [(0, 1_000_000.0, 20.0), (500, 1_000_600.0, 5000.0), (1000, 1_002_000.0, 30.0)]
+    p1.write_text(_part(1, 3, 4_000_100.0, [dict(x, pid=1, ts=400)], samples, close=False))
+    out = tmp_path / "t.json"
+    notes = trace_merge.merge([str(p1), str(p0)], str(out))
+    assert any("no file for rank(s) 2" in n for n in notes)
+    assert any("rank 1: its clock drifted 2.0 ms" in n for n in notes)
+    events = json.loads(out.read_text())
+    head = events[0]["args"]
+    assert head["clocks"]["1"] == {"samples": 3, "offset_us": 1_000_000.0, "error_us": 10.0, "drift_us": 2000.0}
+    data = {e["pid"] - RANK_PID: e["ts"] for e in events if e.get("ph") == "X"}
+    # rank 1 at its 400 us: 4_000_500 + offset interpolated between its trusted samples (0 and 1000: +800)
+    base = 5_000_000.0
+    assert data == {0: 100.0, 1: 4_000_500 + 1_000_800.0 - base}
+    wait = [e for e in events if e.get("cat") == "wait"]
+    assert [(e["pid"] - RANK_PID, e["ph"], e["ts"], e["name"]) for e in wait] == [
+        (0, "b", 100.0, "WAIT_FOR_RANK_1"), (0, "e", 300.0, "WAIT_FOR_RANK_1")]
