@@ -38,7 +38,7 @@ def straggler_job(np_: int, slow: int, out: Path, *flags: str, env: dict | None 
 def test_the_account_names_the_last_rank_its_lag_and_the_others_wait():
     acc = StragglerAccount(3)
     seen = []
-    acc.on_collective = lambda names, ready, last, lag: seen.append((names, last))
+    acc.on_collective = lambda names, ready, last, lag, straggler: seen.append((names, last, straggler))
     fused = [Response(ALLREDUCE, 0, ("a", "b"))]
     # rank 2 is ready with "b" last, 0.5 s after rank 1 and 0.75 s after rank 0
     acc.observe(fused, {(0, "a"): {0: 1.0, 1: 1.1, 2: 1.2}, (0, "b"): {0: 1.25, 1: 1.5, 2: 2.0}})
@@ -50,7 +50,7 @@ def test_the_account_names_the_last_rank_its_lag_and_the_others_wait():
     assert s.tensors[2] == [("b", 1)] and s.rank == 2 and s.share() == 0.5
     assert s.seconds == pytest.approx(3.4 - 1.25)  # from the first readiness (rank 0 had both at 1.25)
     assert s.cost() == pytest.approx(1.25 / (2 * 2.15))
-    assert seen == [(("a", "b"), 2), (("c",), 1)]
+    assert seen == [(("a", "b"), 2, True), (("c",), 1, True)]
     assert s.line().startswith("rank 2 was last in 50% of 2 collectives") and "(mostly 'b')" in s.line()
     assert not s.worth_reporting()  # two collectives say nothing yet
 
@@ -62,6 +62,18 @@ def test_an_error_or_a_lone_rank_is_not_accounted():
     s = acc.snapshot()
     assert s.collectives == 0 and s.rank is None and s.scalars()["straggler_rank"] == -1
     assert "no straggler" in s.line()
+
+
+def test_a_close_finish_has_no_straggler():
+    """Rank 1 last by 1 ms (under LAG_FLOOR): the control plane's latency, not a straggler; the others' wait
+    still counts as waited."""
+    acc = StragglerAccount(2)
+    seen = []
+    acc.on_collective = lambda names, ready, last, lag, straggler: seen.append((last, straggler))
+    acc.observe([Response(ALLREDUCE, 0, ("g",))], {(0, "g"): {0: 1.0, 1: 1.001}})
+    s = acc.snapshot()
+    assert s.collectives == 1 and s.last == {} and s.rank is None and s.waited_s[0] == pytest.approx(0.001)
+    assert seen == [(1, False)] and s.recent_last == {}
 
 
 def _stats(hvd):
@@ -90,7 +102,7 @@ def test_the_sleeping_rank_is_named_in_statistics_and_at_the_end(tmp_path, np_, 
     assert stats["scalars"]["straggler_rank"] == slow
     assert "cycles" in stats["keys"] and "straggler" not in stats["keys"]
     assert stats["line"].startswith(f"rank {slow} was last in")
-    assert f"hora: rank {slow} was last in" in job.stdout + job.stderr, job.stdout[-3000:] + job.stderr[-3000:]
+    assert f"hora run: rank {slow} was last in" in job.stderr, job.stdout[-3000:] + job.stderr[-3000:]
 
 
 

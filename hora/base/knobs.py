@@ -187,8 +187,8 @@ KNOBS = [
          "rank (hora trace merge); hora run turns it on with a timeline and merges the parts at the end",
          off_flag="--no-timeline-all-ranks", config="timeline.all_ranks", group="timeline"),
     Knob("straggler_report", bool, True, "STRAGGLER_REPORT", None,
-         "rank 0 prints at shutdown which rank held the others up, when one clearly did "
-         "(hora.statistics().straggler has the account)", group="timeline"),
+         "hora run prints at the end of the job which rank held the others up, when one clearly did "
+         "(rank 0 leaves the line at shutdown; hora.statistics().straggler has the account)", group="timeline"),
     # stall
     Knob("stall_check_disable", bool, False, "STALL_CHECK_DISABLE", "--no-stall-check",
          "turn the stall inspector off (no warning about tensors some ranks never submit)", off_flag="--stall-check",

@@ -50,7 +50,7 @@ class State:
         if self.engine.coord is not None and self.cfg["straggler_report"]:
             from hora.engine.straggler import report
 
-            report(self.engine.coord.account)  # the end-of-job line, when one rank held the others up
+            report(self.engine.coord.account, self.store, self.prefix.rpartition("/")[0])  # for hora run's last line
         if self.pulse is not None:
             self.pulse.close()  # first: a rank that stops beating while it shuts down is not frozen
         self.engine.shutdown()

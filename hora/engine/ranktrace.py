@@ -8,9 +8,10 @@ event, formatted and written by a thread, the file live and never torn), the eve
   wait for the other ranks plus the round trip (thread "negotiation"; async spans, as they overlap);
 - the data phase, named as the timeline names it (``TCP_ALLREDUCE``, ``INLINE_ALLREDUCE``, ...), with the
   tensors and bytes (thread "data phase");
-- on rank 0, per fused collective, which rank was ready last and when every rank was ready, from the
-  straggler account (:mod:`hora.engine.straggler`; thread "coordinator"); the merge draws every rank's wait
-  for the last one from it;
+- on rank 0, per fused collective, which rank was ready last, by how much, whether that makes it the
+  collective's straggler (``LAG_FLOOR``), and when every rank was ready, from the straggler account
+  (:mod:`hora.engine.straggler`; thread "coordinator"); the merge draws every rank's wait for the last one
+  from it;
 - ``CLOCK_SYNC`` samples of this rank's clock against rank 0's (:mod:`hora.engine.clock`).
 
 Times are microseconds since the file's start; the header (the rank's ``process_name``) holds the start on
@@ -91,8 +92,8 @@ class RankTrace(Timeline):
             if begin is not None:
                 self._put(("x", begin, start, time.monotonic(), resp))
 
-    def collective(self, names, ready: dict[int, float], last: int, lag: float) -> None:
-        self._put(("c", names, ready, last, lag))
+    def collective(self, names, ready: dict[int, float], last: int, lag: float, straggler: bool) -> None:
+        self._put(("c", names, ready, last, lag, straggler))
 
     def clock(self, at: float, offset: float, rtt: float) -> None:
         self._put(("k", at, offset, rtt))
@@ -114,9 +115,9 @@ class RankTrace(Timeline):
         elif kind == "x":
             return self._ran(*ev[1:])
         elif kind == "c":
-            names, ready, last, lag = ev[1:]
+            names, ready, last, lag, straggler = ev[1:]
             d = {"name": f"LAST rank {last}", "ph": "i", "s": "t", "ts": us(ready[last]), "pid": pid, "tid": 3,
-                 "args": {**_tensors(names), "last": last, "lag_us": int(lag * 1e6),
+                 "args": {**_tensors(names), "last": last, "lag_us": int(lag * 1e6), "straggler": straggler,
                           "ready_us": {str(r): us(t) for r, t in sorted(ready.items())}}}
         elif kind == "k":
             d = {"name": "CLOCK_SYNC", "ph": "i", "s": "t", "ts": us(ev[1]), "pid": pid, "tid": 4,

@@ -2,10 +2,11 @@
 
 The coordinator learns, for each tensor, when each rank's request reached it (:class:`Entry.at`). A fused
 collective can start once its last rank is ready, so per fused collective a rank's readiness is the latest of
-its arrivals over the collective's tensors; the rank ready last is the collective's straggler, its *lag* is
-how far behind the next-latest rank it was, and every other rank *waited* from its own readiness until the
-straggler's. The account adds these up per rank since ``init()`` and keeps the last ``WINDOW`` collectives for
-a rolling view; :meth:`StragglerAccount.snapshot` is what ``hora.statistics().straggler`` returns.
+its arrivals over the collective's tensors; the rank ready last is the collective's straggler if its *lag*,
+how far behind the next-latest rank it was, is at least ``LAG_FLOOR``, and every other rank *waited* from its
+own readiness until the last rank's. The account adds these up per rank since ``init()`` and keeps the last
+``WINDOW`` collectives for a rolling view; :meth:`StragglerAccount.snapshot` is what
+``hora.statistics().straggler`` returns.
 
 Times are rank 0's clock at the arrival of each request, so a rank's control latency counts in its lag
 (microseconds on one host, a round trip's half across hosts). Collectives that bypass negotiation (the
@@ -18,9 +19,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import sys
+
+from hora.base.contract import STRAGGLER_KEY
+from hora.base.errors import HoraError
 
 WINDOW = 200  # fused collectives in the rolling view
+# a collective has a straggler only when its last rank lagged the next-latest by this much: less is the control
+# plane's latency and the scheduler's jitter (rank 0's own requests reach the coordinator at once, the others'
+# after a message, so in a balanced job another rank is "last" by a few tens of microseconds every time)
+LAG_FLOOR = 0.002  # s
 _TENSORS = 64  # distinct tensor names counted per rank (the first ones seen; the rest are not named)
 
 # what makes the end-of-job line worth a user's attention (one rank clearly the straggler, at a real cost)
@@ -33,7 +40,8 @@ REPORT_MIN_COST = 0.05
 class Straggler:
     """Who the job waited for, from rank 0's coordinator (``hora.statistics().straggler``; None on other ranks).
 
-    Per rank (dicts keyed by rank): ``last`` counts the fused collectives it was ready last for, ``lag_s``
+    Per rank (dicts keyed by rank): ``last`` counts the fused collectives it was ready last for (by at least
+    ``LAG_FLOOR``; closer finishes have no straggler), ``lag_s``
     sums how far behind the next-latest rank it was then, ``cost_s`` sums the seconds the other ranks waited
     for it (rank-seconds), ``waited_s`` sums the seconds it waited for others, and ``tensors`` names the
     tensors it was last for most often. ``collectives`` and ``seconds`` say what the account covers;
@@ -108,7 +116,7 @@ class StragglerAccount:
         self.waited = collections.defaultdict(float)
         self.tensors: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
         self.recent: collections.deque = collections.deque(maxlen=WINDOW)  # (last rank, others' wait)
-        self.on_collective = None  # called with (names, {rank: ready}, last, lag) when set: the rank trace
+        self.on_collective = None  # the rank trace's: (names, {rank: ready}, last, lag, a straggler?) when set
 
     def observe(self, fused, arrivals: dict) -> None:
         """Account the fused responses ``fused`` from ``arrivals``: (ps, name) -> {rank: arrival time}."""
@@ -142,6 +150,11 @@ class StragglerAccount:
             self.start = first
         self.end = max(self.end, t_last)
         self.collectives += 1
+        if self.on_collective is not None:
+            self.on_collective(names, ready, last, lag, lag >= LAG_FLOOR)
+        if lag < LAG_FLOOR:  # no straggler: the waits are the round trip's and the scheduler's
+            self.recent.append((None, 0.0))
+            return
         self.last[last] += 1
         self.lag[last] += lag
         self.cost[last] += waits
@@ -150,23 +163,27 @@ class StragglerAccount:
         if name in counted or len(counted) < _TENSORS:
             counted[name] += 1
         self.recent.append((last, waits))
-        if self.on_collective is not None:
-            self.on_collective(names, ready, last, lag)
 
     def snapshot(self) -> Straggler:
         recent_last: collections.Counter = collections.Counter()
         recent_cost: dict[int, float] = collections.defaultdict(float)
         for r, w in self.recent:
-            recent_last[r] += 1
-            recent_cost[r] += w
+            if r is not None:
+                recent_last[r] += 1
+                recent_cost[r] += w
         seconds = self.end - self.start if self.start is not None else 0.0
         return Straggler(self.size, self.collectives, seconds, dict(self.last), dict(self.lag), dict(self.cost),
                          dict(self.waited), {r: c.most_common(5) for r, c in self.tensors.items()},
                          dict(recent_last), dict(recent_cost))
 
 
-def report(account: StragglerAccount) -> None:
-    """Rank 0's line at the end of the job (``hora.shutdown()``), when one rank clearly held the others up."""
+def report(account: StragglerAccount, store, scope: str) -> None:
+    """At rank 0's ``hora.shutdown()``, when one rank clearly held the others up: leave the account's sentence
+    in the store (``store`` under ``scope``), where ``hora run`` finds it and prints it once the job is over
+    (a job that shuts down and starts hora again leaves its last session's). No store (one rank): nothing."""
     s = account.snapshot()
-    if s.worth_reporting():
-        print(f"hora: {s.line()}", file=sys.stderr, flush=True)
+    if store is not None and s.worth_reporting():
+        try:
+            store.set(f"{scope}/{STRAGGLER_KEY}", s.line().encode())
+        except (HoraError, OSError):  # the launcher is gone: nobody to print it
+            pass

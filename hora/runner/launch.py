@@ -21,6 +21,7 @@ import sys
 import uuid
 from typing import Any
 
+from hora.base import contract
 from hora.runner import hosts as hostlib
 from hora.runner import reaper, ssh, trace_merge
 from hora.runner.cli_args import UsageError, format_help, no_effect, parse, suggest
@@ -159,8 +160,11 @@ def _launch(slots: list[hostlib.Slot], values: dict[str, Any], command: list[str
                 env["HORA_STORE_ADDR"] = f"{per_host[s.host]}:{port}"
         result = LocalJob(command, slots, envs, values.get("output_filename"),
                           bool(values.get("prefix_timestamp")), remote=remote).run()
+        straggler = store.get(f"{scope}/{contract.STRAGGLER_KEY}")  # rank 0's line, if one rank held the others up
     finally:
         store.close()
+    if straggler:
+        _say(straggler.decode(errors="replace"))
     if trace is not None:
         trace_merge.after_job(trace, len(slots), _say)
     if result.report:

@@ -87,6 +87,8 @@ def summarize(path: str) -> Summary:
         elif ph == "i" and e.get("tid") == 3 and str(e.get("name", "")).startswith("LAST rank "):
             coordinator += 1
             a = e.get("args", {})
+            if not a.get("straggler", True):  # a close finish: nobody's fault (hora.engine.straggler.LAG_FLOOR)
+                continue
             last = ranks.setdefault(int(a["last"]), RankFigures())
             last.last += 1
             last.lag_s += a.get("lag_us", 0) / 1e6
