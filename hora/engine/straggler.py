@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from operator import itemgetter
 
 from hora.base.contract import STRAGGLER_KEY
 from hora.base.errors import HoraError
@@ -119,24 +120,28 @@ class StragglerAccount:
         self.on_collective = None  # the rank trace's: (names, {rank: ready}, last, lag, a straggler?) when set
 
     def observe(self, fused, arrivals: dict) -> None:
-        """Account the fused responses ``fused`` from ``arrivals``: (ps, name) -> {rank: arrival time}."""
+        """Account the fused responses ``fused`` from ``arrivals``: (ps, name) -> {rank: arrival time}. The
+        loops over a response's tensors run in C (``map``, ``max``): a fused step of hundreds of tensors costs
+        a few microseconds per rank, not a Python loop per tensor."""
         for resp in fused:
             if resp.error is not None:
                 continue
-            ready: dict[int, float] = {}
-            latest: dict[int, str] = {}  # rank -> the tensor it was ready with last
-            for name in resp.names:
-                at = arrivals.get((resp.ps, name))
-                if at is None:
-                    continue
-                for r, t in at.items():
-                    if t >= ready.get(r, -1.0):
-                        ready[r], latest[r] = t, name
-            if len(ready) < 2:
+            names = resp.names
+            ats = list(map(arrivals.get, [(resp.ps, n) for n in names]))
+            if None in ats:  # tensors agreed before the account saw them: keep those it has
+                names = [n for n, a in zip(names, ats) if a is not None]
+                ats = [a for a in ats if a is not None]
+            if not ats or len(ats[0]) < 2:
                 continue
-            self._one(resp.names, ready, latest)
+            try:  # the tensors of one fused response come from the same ranks (one set, one joined set)
+                times = {r: list(map(itemgetter(r), ats)) for r in ats[0]}
+            except KeyError:
+                continue
+            self._one(resp.names, names, times)
 
-    def _one(self, names, ready: dict[int, float], latest: dict[int, str]) -> None:
+    def _one(self, fused_names, names, times: dict[int, list[float]]) -> None:
+        """One fused collective: ``times[r][i]`` is when rank r's request for ``names[i]`` came."""
+        ready = {r: max(ts) for r, ts in times.items()}
         last = max(ready, key=ready.__getitem__)
         t_last = ready[last]
         lag = t_last - max(t for r, t in ready.items() if r != last)
@@ -151,7 +156,7 @@ class StragglerAccount:
         self.end = max(self.end, t_last)
         self.collectives += 1
         if self.on_collective is not None:
-            self.on_collective(names, ready, last, lag, lag >= LAG_FLOOR)
+            self.on_collective(fused_names, ready, last, lag, lag >= LAG_FLOOR)
         if lag < LAG_FLOOR:  # no straggler: the waits are the round trip's and the scheduler's
             self.recent.append((None, 0.0))
             return
@@ -159,7 +164,7 @@ class StragglerAccount:
         self.lag[last] += lag
         self.cost[last] += waits
         counted = self.tensors[last]
-        name = latest[last]
+        name = names[times[last].index(t_last)]  # the tensor the last rank was ready with last
         if name in counted or len(counted) < _TENSORS:
             counted[name] += 1
         self.recent.append((last, waits))
