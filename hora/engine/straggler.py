@@ -170,17 +170,21 @@ class StragglerAccount:
         self.recent.append((last, waits))
 
     def snapshot(self) -> Straggler:
+        """A copy, safe to take from any thread while the engine's thread adds to the account: every
+        container is first copied whole (``dict(d)``, ``list(q)`` run in C, under the GIL), then read."""
+        recent = list(self.recent)
+        tensors = {r: dict(c) for r, c in list(self.tensors.items())}
         recent_last: collections.Counter = collections.Counter()
         recent_cost: dict[int, float] = collections.defaultdict(float)
-        for r, w in self.recent:
+        for r, w in recent:
             if r is not None:
                 recent_last[r] += 1
                 recent_cost[r] += w
-        seconds = self.end - self.start if self.start is not None else 0.0
+        start = self.start
+        seconds = self.end - start if start is not None else 0.0
+        top = {r: sorted(c.items(), key=lambda kv: -kv[1])[:5] for r, c in tensors.items()}
         return Straggler(self.size, self.collectives, seconds, dict(self.last), dict(self.lag), dict(self.cost),
-                         dict(self.waited), {r: c.most_common(5) for r, c in self.tensors.items()},
-                         dict(recent_last), dict(recent_cost))
-
+                         dict(self.waited), top, dict(recent_last), dict(recent_cost))
 
 def report(account: StragglerAccount, store, scope: str) -> None:
     """At rank 0's ``hora.shutdown()``, when one rank clearly held the others up: leave the account's sentence
