@@ -421,9 +421,8 @@ class Engine:
         if not flush and time.monotonic() < self._batch_start + self._cycle_s:
             return
         batch, self._unsent = self._unsent, []
-        self.role.send(batch)
-        if self.trace is not None:
-            self.trace.sent(batch)
+        send = self.role.send if self.trace is None else self.trace.sender(self.role.send)
+        send(batch)
 
     # -- control messages: one handler per tag (self._handlers) --------------------------------
     def _on_unknown(self, peer: int, msg) -> None:

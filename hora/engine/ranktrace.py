@@ -74,6 +74,13 @@ class RankTrace(Timeline):
         if self.probe is not None:
             self.probe.due()
 
+    def sender(self, send):
+        """``send`` (the role's, to rank 0) followed by :meth:`sent`."""
+        def traced(batch) -> None:
+            send(batch)
+            self.sent(batch)
+        return traced
+
     def runner(self, run):
         """``run`` (the engine's ``_execute``) recorded by :meth:`execute`."""
         return functools.partial(self.execute, run)
