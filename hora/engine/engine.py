@@ -36,7 +36,7 @@ import numpy as np
 
 from hora.base import fp_quiet
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
-from hora.engine import clock, fastpath
+from hora.engine import clock, explain, fastpath
 from hora.engine import messages as m
 from hora.engine.baton import CALLER, NOBODY, Baton
 from hora.engine.interrupts import GATE
@@ -102,6 +102,7 @@ class Engine:
                           m.ABORT: self._on_abort, m.STACK_QUERY: self._on_stack_query,
                           m.STACK_REPLY: self._on_stack_reply, m.STALL_FATAL: self._on_stall_fatal,
                           m.BYE: self._on_bye, m.DATA_STALL: self._on_data_stall, **clock.handlers(self)}
+        explain.attach(self)  # hangs explained: its handlers, and ``_stamp`` on every submission (or None)
         self.trace = None  # this rank's part of the job's trace (hora.engine.ranktrace; None when off)
         self.handles.drive = self._drive
         # The engine thread sleeps in epoll on the wake pipe and on a nested epoll holding the control
@@ -144,8 +145,8 @@ class Engine:
     # -- caller side ---------------------------------------------------------------------------
     def submit(self, *pends: Pending) -> None:
         """Queue requests for the engine; several at once are negotiated together."""
-        if self.trace is not None:
-            self.trace.submitted(pends)
+        if self._stamp is not None:  # (hora.engine.explain's, and the job trace's: hora.engine.ranktrace)
+            self._stamp(pends)
         self.subs.add(pends, self.baton.held)
 
     def shutdown(self) -> None:
@@ -421,8 +422,7 @@ class Engine:
         if not flush and time.monotonic() < self._batch_start + self._cycle_s:
             return
         batch, self._unsent = self._unsent, []
-        send = self.role.send if self.trace is None else self.trace.sender(self.role.send)
-        send(batch)
+        (self.role.send if self.trace is None else self.trace.sender(self.role.send))(batch)
 
     # -- control messages: one handler per tag (self._handlers) --------------------------------
     def _on_unknown(self, peer: int, msg) -> None:

@@ -30,6 +30,7 @@ class Pending:
     array: np.ndarray | None  # C-contiguous input (None for barrier, join, process sets)
     inplace: bool = False
     flush: bool = False  # a synchronous caller waits: negotiate now, don't gather more
+    site: object = None  # the caller's call site (hora.engine.callsite.Site), for hangs explained
 
 
 _DTYPES: dict[str, np.dtype] = {}  # by name: np.dtype(name) parses the string, several times per collective

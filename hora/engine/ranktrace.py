@@ -49,6 +49,7 @@ class RankTrace(Timeline):
         self._sent: dict[tuple[int, str], float] = {}  # (process set, name) -> when its request went out
         self._ids = 0
         self.probe: ClockProbe | None = None
+        self.stamped = None  # the engine's submission hook this trace chained to (restored by detach)
         super().__init__(rank_path(path, rank))
 
     def _header(self) -> None:
@@ -163,6 +164,14 @@ def attach(engine, path: str) -> RankTrace:
         engine.coord.account.on_collective = tr.collective
     if engine.rank != 0:
         tr.probe = ClockProbe(engine.control, engine.rank, tr.clock)
+    tr.stamped = engine._stamp  # the engine's hook on every submission (hora.engine.explain's), chained
+
+    def stamp(pends) -> None:
+        if tr.stamped is not None:
+            tr.stamped(pends)
+        tr.submitted(pends)
+
+    engine._stamp = stamp
     engine.trace = tr
     if tr.probe is not None:
         tr.probe.start()
@@ -175,4 +184,5 @@ def detach(engine) -> None:
     if engine.coord is not None:
         engine.coord.account.on_collective = None
     if tr is not None:
+        engine._stamp = tr.stamped
         tr.close()
