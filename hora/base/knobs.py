@@ -113,7 +113,8 @@ KNOBS = [
     Knob("hierarchical_allreduce", str, "auto", "HIERARCHICAL_ALLREDUCE", "--hierarchical-allreduce",
          "allreduce through shared memory inside each host and a ring across hosts, for jobs whose hosts all "
          "run the same number (>1) of ranks: auto (where measured faster, benchmarks/results/hierarchical.md), "
-         "1 on, 0 off", check=lambda v: str(v).strip().lower() in ("auto", "") or env.parse_bool(v) is not None,
+         "1 on, 0 off; GPU tensors only with 1: NCCL inside each host, the ring across hosts (docs/gpu.md)",
+         check=lambda v: str(v).strip().lower() in ("auto", "") or env.parse_bool(v) is not None,
          allowed="auto, 1 or 0", switch=("1", "0"), off_flag="--no-hierarchical-allreduce",
          config="params.hierarchical_allreduce"),
     Knob("mpi_allreduce", str, "ring", "MPI_ALLREDUCE", None,

@@ -521,8 +521,7 @@ class Engine:
             return
         if kind in (m.ADD_PS, m.REMOVE_PS):
             self.role.set_changed(kind, resp.value, pends[0])
-            if kind == m.REMOVE_PS:
-                self.executor.forget(resp.value)
+            self.executor.set_changed(kind, resp.value, self.role.ranks_of(resp.value))
         ranks = self.role.ranks_of(resp.ps)
         if kind not in (m.ADD_PS, m.REMOVE_PS, m.JOIN) and self.rank not in ranks:
             return

@@ -128,6 +128,14 @@ class Executor:
             return "INLINE_ALLREDUCE"
         return self._activity.get(resp.kind, resp.kind.upper())
 
+    def set_changed(self, kind: str, ps: int, ranks: tuple[int, ...]) -> None:
+        """A process set added or removed, on every rank in the same order: a removed set's communicator is
+        closed; on the GPU a new set's NCCL communicator is split from the global one (device_exec)."""
+        if kind == m.REMOVE_PS:
+            self.forget(ps)
+        if self.gpu is not None:
+            self.gpu.set_changed(kind, ps, ranks)
+
     def forget(self, ps: int) -> None:
         sub = self._subs.pop(ps, None)
         if sub is not None:
