@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from hora.runner.elastic.blacklist import Blacklist
-from hora.runner.elastic.policy import DiscoveryGuard, FailurePolicy, host_fault, rank_order
+from hora.runner.elastic.policy import DiscoveryGuard, FailurePolicy, host_fault, rank_order, wanted_slots
 
 A2 = {"a": 2}
 AB = {"a": 2, "b": 2}
@@ -139,3 +139,26 @@ def test_rank_order_puts_holders_first_then_old_ranks_then_newcomers_hosts_toget
     new_b, old1_a, old0_b, holder_a = W(9, "b", 1), W(2, "a", 1), W(1, "b", 0), W(3, "a", 0)
     order = rank_order([new_b, old1_a, old0_b, holder_a], [1, 2, 3], lambda p: p.number == 3)
     assert [p.number for p in order] == [3, 2, 1, 9]  # holder first, its host's worker with it, then host b
+
+
+def test_a_list_that_removes_every_holder_of_the_committed_state_is_held_through_the_grace():
+    """Issue 25, item 1: the workers on a holding the committed state, a newcomer on b that holds none; a
+    list without a used to be acted on at once (b still runs), and the state left with a's workers."""
+    running, holding = {"a": 2, "b": 1}, {"a": 2}
+    g = _guard(acted=AB)
+    acted, lines = g.step({"b": 2}, 1.0, running, holding)
+    assert acted == AB and lines and "removes every worker holding the committed state" in lines[0], lines
+    assert g.step({"b": 2}, 2.0, running, holding)[0] == AB
+    assert g.step({"b": 2}, 4.5, running, holding)[0] == {"b": 2}  # still listed past the grace: a is gone
+    assert _guard(acted=AB).step({"b": 2}, 1.0, running, {})[0] == {"b": 2}  # no holder there: at once
+
+
+def test_a_cap_keeps_running_workers_in_their_slots():
+    """--max-np: slots with a running worker come first, so that a host listed before theirs never takes their
+    places (the running workers hold the committed state); otherwise the listed order."""
+    hosts = {"b": 2, "a": 2}
+    assert wanted_slots(hosts, 2, 2, 2, 1, {"a:0", "a:1"}) == [("a:0", "a", 0), ("a:1", "a", 1)]
+    assert wanted_slots(hosts, 2, 2, 3, 1, {"a:1"}) == [("a:1", "a", 1), ("b:0", "b", 0), ("b:1", "b", 1)]
+    assert wanted_slots(hosts, None, 1, None, 1, set()) == [("b:0", "b", 0), ("b:1", "b", 1), ("a:0", "a", 0),
+                                                           ("a:1", "a", 1)]
+    assert len(wanted_slots(hosts, 1, 3, 4, 0, set())) == 3  # the first generation: -np raised to --min-np

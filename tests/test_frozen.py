@@ -1,18 +1,21 @@
-"""Frozen ranks (issue 25, item 3; hora/engine/pulse.py): a rank whose process stopped (a real SIGSTOP) is named
-on every other rank within 15 s and the job ends within the frozen timeout, with the default knobs; a rank
-that computes for minutes between collectives, holding the GIL in a C loop or with the GIL released, is
-never called frozen.
+"""Frozen ranks (issue 25, item 3; hora/engine/pulse.py, hora/engine/beater.py): a rank whose process stopped
+(a real SIGSTOP) is named on every other rank within 15 s and the job ends within the frozen timeout, with the
+default knobs; a rank that computes for minutes between collectives, holding the GIL in a C loop or with the
+GIL released, is never called frozen; an elastic job goes on without a frozen worker, which its driver kills.
 
-The 5-minute test (np=4: rank 0, the watcher of every other rank, holds the GIL in one C call; rank 3
-computes with it released; ranks 1 and 2 wait in an allreduce) takes ~5.5 min and runs with HORA_LONG_TESTS=1;
-the shorter variants run the same ranks for 40 s at np=2 and np=4. Figures are printed (run with -s).
+The suite runs the np=2 and np=4 SIGSTOP jobs at once (each must last the default 60 s timeout) and the
+busy ranks for 40 s at np=4. The 5-minute test (np=4: rank 0, the watcher of every other rank, holds the
+GIL in one C call; rank 3 computes with it released; ranks 1 and 2 wait in an allreduce) takes ~5.5 min and
+runs with HORA_LONG_TESTS=1, as do the other layouts. Figures are printed (run with -s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TIMEOUT = 60.0  # the frozen_timeout these tests set (the knob is off by default: docs/reliability.md)
+DEFAULT_TIMEOUT = 60.0  # the frozen_timeout knob's default: these tests set no knob
 
 LOOP = """
 import os, sys, time
@@ -31,13 +34,14 @@ import hora
 hora.init()
 r = hora.rank()
 print(f"PID {r} {os.getpid()}", flush=True)
-i = 0
+i, t0 = 0, time.monotonic()
 try:
     while True:
         hora.allreduce(np.ones(4096 if i % 2 else 2, np.float32), op=hora.Sum, name=f"loop.{i}")
         i += 1
-        if i == 20:
+        if t0 and time.monotonic() - t0 > 2:  # running for 2 s: its pulse thread told its beater what it does
             print(f"RUNNING {r}", flush=True)
+            t0 = 0
 except hora.HorovodInternalError as e:
     msg = str(e).replace(chr(10), " | ")
     print(f"RAISED {r} {time.time():.3f} {type(e).__name__} {getattr(e, 'rank', None)} {msg}", flush=True)
@@ -86,7 +90,6 @@ def _launch(tmp: Path, n: int, script: str, *args: str) -> tuple[subprocess.Pope
     path.write_text(script)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HORA_", "HOROVOD_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["HORA_FROZEN_TIMEOUT_SECONDS"] = str(DEFAULT_TIMEOUT)
     proc = subprocess.Popen([sys.executable, "-m", "hora", "run", "-np", str(n), sys.executable, str(path), *args],
                             cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -125,44 +128,98 @@ def _kill_all(proc: subprocess.Popen, pids: dict[int, int]) -> None:
 
 
 LONG = pytest.mark.skipif(os.environ.get("HORA_LONG_TESTS") != "1",
-                          reason="suite time: the watch is off by default; HORA_LONG_TESTS=1 runs every layout")
+                          reason="suite time: HORA_LONG_TESTS=1 runs every layout")
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("n,victim", [(2, 1), (4, 0), pytest.param(4, 2, marks=LONG)])
-def test_sigstopped_rank_is_named_on_every_rank_and_the_job_ends(tmp_path, n, victim):
-    proc, lines, reader = _launch(tmp_path, n, LOOP)
-    pids: dict[int, int] = {}
+def test_the_default_timeout_is_the_knobs():
+    from hora.base import knobs
+
+    assert next(k.default for k in knobs.KNOBS if k.name == "frozen_timeout") == DEFAULT_TIMEOUT
+
+
+class _Stopped:
+    """One job whose rank ``victim`` gets a SIGSTOP once every rank runs: the rank alone (its beater says it
+    is stopped), or with ``group`` its whole process group, its beater too (the beat goes silent)."""
+
+    def __init__(self, tmp: Path, n: int, victim: int, group: bool = False):
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.n, self.victim, self.group = n, victim, group
+        self.proc, self.lines, self.reader = _launch(tmp, n, LOOP)
+        self.pids: dict[int, int] = {}
+        self.named: dict[int, tuple[float, str]] = {}
+        self.rc = self.t_end = None
+
+    def running(self) -> None:
+        _wait_for(self.lines, r"RUNNING \d+", self.n, self.proc, 90)
+        self.pids = _pids(self.lines)
+
+    def stop(self) -> None:
+        self.t_stop = time.time()
+        pid = self.pids[self.victim]
+        if self.group:
+            assert os.getpgid(pid) == pid  # hora run starts each rank in a session of its own
+            os.killpg(pid, signal.SIGSTOP)
+        else:
+            os.kill(pid, signal.SIGSTOP)
+
+    def look(self) -> bool:
+        """Collect the ranks that named the victim; True once all of them did."""
+        for t, ln in list(self.lines):
+            m = re.search(rf"^\[(\d+)\]<stderr>:hora rank \d+: rank {self.victim} is frozen", ln)
+            if m and int(m.group(1)) not in self.named:
+                self.named[int(m.group(1))] = (t - self.t_stop, ln)
+        return len(self.named) == self.n - 1
+
+    def out(self) -> str:
+        return "\n".join(ln for _, ln in self.lines[-40:])
+
+    def check(self) -> str:
+        others = [r for r in range(self.n) if r != self.victim]
+        assert sorted(self.named) == others, \
+            f"np={self.n}: named on {sorted(self.named)} within 15 s, not on all of {others}:\n{self.out()}"
+        assert all(a <= 15 for a, _ in self.named.values()), (self.named, self.out())
+        how = "its process and its beater went silent" if self.group else "its process is stopped"
+        assert all(how in ln for _, ln in self.named.values()), self.out()
+        # what it was last doing: its main thread's frames (in the loop, most likely in hora's allreduce)
+        assert all(ln.endswith("It was last in:") for _, ln in self.named.values()), self.out()
+        for r in self.named:
+            assert any(re.match(rf"\[{r}\]<stderr>:  .*worker.py:\d+ in <module>", ln)
+                       for _, ln in self.lines), self.out()
+        self.rc = self.proc.wait(DEFAULT_TIMEOUT + 30)  # the limit, then the launcher's teardown of a stopped rank
+        self.t_end = time.time()
+        self.reader.join(5)
+        raised = [ln for _, ln in self.lines if "RAISED" in ln]
+        assert self.rc not in (0, None) and raised, self.out()
+        for ln in raised:
+            assert f"PeerLostError {self.victim} " in ln and f"rank {self.victim} has been frozen" in ln, ln
+        took = self.t_end - self.t_stop
+        assert DEFAULT_TIMEOUT - 5 <= took <= DEFAULT_TIMEOUT + 20, (took, self.out())  # at the limit, not before
+        return (f"np={self.n} victim={self.victim}{' (its process group)' if self.group else ''}: named after "
+                + ", ".join(f"r{r}={a:.1f}s" for r, (a, _) in sorted(self.named.items()))
+                + f"; job ended {took:.1f} s after the SIGSTOP (limit {DEFAULT_TIMEOUT:g} s)")
+
+    def kill(self) -> None:
+        _kill_all(self.proc, self.pids)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("layouts", [[(2, 1, False), (4, 0, True)],
+                                     pytest.param([(4, 2, False), (3, 1, True)], marks=LONG)])
+def test_sigstopped_rank_is_named_on_every_rank_and_the_job_ends(tmp_path, layouts):
+    """The jobs at once (suite time: each lasts the 60 s timeout), default knobs."""
+    jobs = [_Stopped(tmp_path / f"np{n}", n, victim, group) for n, victim, group in layouts]
     try:
-        _wait_for(lines, r"RUNNING \d+", n, proc, 90)
-        pids = _pids(lines)
-        t_stop = time.time()
-        os.kill(pids[victim], signal.SIGSTOP)
-        others = [r for r in range(n) if r != victim]
-        named = {}
+        for job in jobs:
+            job.running()
+        for job in jobs:
+            job.stop()
         deadline = time.monotonic() + 15
-        while len(named) < len(others) and time.monotonic() < deadline:
-            for t, ln in lines:
-                m = re.search(rf"^\[(\d+)\]<stderr>:hora rank \d+: rank {victim} is frozen", ln)
-                if m and int(m.group(1)) not in named:
-                    named[int(m.group(1))] = (t - t_stop, ln)
+        while time.monotonic() < deadline and not all([job.look() for job in jobs]):
             time.sleep(0.1)
-        out = "\n".join(ln for _, ln in lines[-40:])
-        assert sorted(named) == others, f"named on {sorted(named)} within 15 s, not on all of {others}:\n{out}"
-        assert all("It was last in:" in ln or "last stack" in ln for _, ln in named.values()), out
-        rc = proc.wait(DEFAULT_TIMEOUT + 30)  # the limit, then the launcher's teardown of a stopped rank
-        t_end = time.time()
-        reader.join(5)
+        print("; ".join(job.check() for job in jobs))
     finally:
-        _kill_all(proc, pids)
-    out = "\n".join(ln for _, ln in lines[-40:])
-    raised = [ln for _, ln in lines if "RAISED" in ln]
-    assert rc not in (0, None) and raised, out
-    for ln in raised:
-        assert f"PeerLostError {victim} " in ln and f"rank {victim} has been frozen" in ln, ln
-    print(f"np={n} victim={victim}: named after " + ", ".join(f"r{r}={a:.1f}s" for r, (a, _) in sorted(named.items()))
-          + f"; job ended {t_end - t_stop:.1f} s after the SIGSTOP (limit {DEFAULT_TIMEOUT:g} s)")
-    assert t_end - t_stop >= DEFAULT_TIMEOUT - 5, out  # not before the limit
+        for job in jobs:
+            job.kill()
 
 
 def _busy(tmp_path: Path, n: int, held: str, free: str, secs: float) -> None:
@@ -193,3 +250,87 @@ def test_busy_ranks_are_never_frozen_short(tmp_path, n, held, free):
 @LONG
 def test_busy_ranks_are_never_frozen_five_minutes(tmp_path):
     _busy(tmp_path, 4, "0", "3", 300.0)
+
+
+BEATER_PARENT = """
+import os, socket, sys, time
+from hora.engine import pulse
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+r, w = os.pipe()
+p = pulse.spawn_beater(s.fileno(), r)
+s.close()
+os.close(r)
+os.write(w, b'D "doing it"\\n')
+print(p.pid, flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_beater_says_running_then_stopped_then_running_and_ends_with_its_rank(tmp_path):
+    """The beater alone, on a Unix socket: ``R`` while its parent runs, ``T <s>`` while it is stopped (at
+    once, then every second), ``R`` again once continued, what its parent was doing; and it ends when its
+    parent dies (the connection closes: the beater held its only copy)."""
+    path = str(tmp_path / "beat.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(1)
+    srv.settimeout(30)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    parent = subprocess.Popen([sys.executable, "-c", BEATER_PARENT, path], env=env, stdout=subprocess.PIPE, text=True)
+    beater = None
+    try:
+        conn, _ = srv.accept()
+        conn.settimeout(10)
+        beater = int(parent.stdout.readline())
+        f = conn.makefile("rb")
+        seen: list[bytes] = []
+
+        def until(pred) -> bytes:
+            while True:
+                ln = f.readline()
+                assert ln, seen
+                seen.append(ln.rstrip(b"\n"))
+                if pred(seen[-1]):
+                    return seen[-1]
+
+        until(lambda ln: ln == b"R")
+        until(lambda ln: ln == b'D "doing it"')
+        os.kill(parent.pid, signal.SIGSTOP)
+        assert float(until(lambda ln: ln.startswith(b"T "))[2:]) < 1.0  # said at once
+        assert float(until(lambda ln: ln.startswith(b"T ") and float(ln[2:]) >= 2.0)[2:]) < 4.0
+        os.kill(parent.pid, signal.SIGCONT)
+        until(lambda ln: ln == b"R")
+        parent.kill()
+        parent.wait(10)
+        while f.readline():  # the beater ends with its parent: the connection closes
+            pass
+    finally:
+        parent.kill()
+        parent.wait(10)
+        if beater is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(beater, signal.SIGKILL)
+        srv.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_elastic_job_goes_on_without_a_frozen_worker_which_its_driver_kills(tmp_path):
+    """Rank 0 of three stops itself (SIGSTOP) at step 10; with a 5 s frozen timeout the others fail their
+    collectives and roll back, the driver kills the frozen worker (it would otherwise wait --elastic-timeout
+    60 s for it), and the job trains to the end with the committed steps kept."""
+    from test_elastic_driver import check_trained, discovery, elastic_run, generations, resumed
+
+    script = discovery(tmp_path, "echo localhost:3\n")
+    r = elastic_run(tmp_path, ["-np", "3", "--min-np", "2", "--host-discovery-script", script,
+                               "--elastic-timeout", "60"], timeout=110, EL_STOP_ID="localhost:0", EL_STOP_AT="10",
+                    EL_STEPS="100", HORA_FROZEN_TIMEOUT_SECONDS="5")
+    gens = generations(r.stderr)
+    ev = check_trained(tmp_path, r, gens[-1], steps=100)
+    assert gens[0] == 3 and len(gens) >= 2, r.stderr[-3000:]
+    print(f"generations {gens}; training resumed {resumed(ev, (tmp_path / 'stopped').stat().st_mtime):.1f} s after "
+          "the SIGSTOP (frozen timeout 5 s)")
+    assert "(localhost:0, rank 0) has been frozen for" in r.stderr and "killing it" in r.stderr, r.stderr[-3000:]
+    assert "did not come to form" not in r.stderr, r.stderr[-3000:]

@@ -212,11 +212,11 @@ KNOBS = [
          "this many seconds (and no more than the stall check time), every rank prints which ranks are where "
          "in their code and why, with the fix (docs/observability.md); 0 = off", 1, _nonneg, ">= 0",
          group="stall"),
-    Knob("frozen_timeout", float, 0.0, "FROZEN_TIMEOUT_SECONDS", "--frozen-timeout-seconds",
-         "seconds a rank whose process stopped running (SIGSTOP, a debugger, a paused host; not a busy one) "
-         "may stay so before the job fails on every rank; it is named on every rank within seconds. "
-         "0 (the default for now) = no frozen-rank watch: its faulthandler watchdog crashed TensorFlow "
-         "Keras jobs (docs/reliability.md)", 1, _nonneg, ">= 0", group="stall"),
+    Knob("frozen_timeout", float, 60.0, "FROZEN_TIMEOUT_SECONDS", "--frozen-timeout-seconds",
+         "seconds a rank whose process stopped running (SIGSTOP, a debugger, a frozen cgroup; never a busy "
+         "one) may stay so before the job fails on every rank (an elastic job goes on without it); it is "
+         "named on every rank within seconds whatever this is. 0 = no frozen-rank watch (no beater process "
+         "per rank; docs/reliability.md)", 1, _nonneg, ">= 0", group="stall"),
     # library
     Knob("mpi_threads_disable", bool, False, "MPI_THREADS_DISABLE", "--mpi-threads-disable",
          "ask MPI for MPI_THREAD_SERIALIZED, not MULTIPLE (the least hora's engine thread can use)",

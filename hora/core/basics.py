@@ -96,7 +96,7 @@ def _connect(job: launchers.Job, cfg: dict) -> State:
         store.close()
         raise
     st = State(job.topo, comm, store, prefix, cfg)
-    if cfg["frozen_timeout"] > 0:
+    if cfg["frozen_timeout"] > 0 and job.topo.size > 1:  # one rank: nobody to watch, nobody waits on it
         from hora.engine.pulse import Pulse
 
         try:

@@ -12,6 +12,8 @@ commit, and its end (rank, size, step, w as hex).
     EL_FAIL_HOST   workers on this host exit 1 at start while EL_LOG/fail.N (N < EL_FAIL_TIMES) can be made
     EL_BCAST       1: broadcast w outside hora.elastic.run (Horovod #2189)
     EL_HANG_ID     the worker id whose first process hangs before init()
+    EL_STOP_ID     the worker id that stops itself with SIGSTOP after the allreduce of step EL_STOP_AT, once
+                   (marker EL_LOG/stopped)
 """
 
 import json
@@ -77,6 +79,11 @@ def train(state):
                 open(marker, "w").close()
                 time.sleep(float(os.environ.get("EL_KILL_DELAY", "0")))
                 os.kill(os.getpid(), signal.SIGKILL)
+        stop = os.path.join(LOG, "stopped")
+        if WID == os.environ.get("EL_STOP_ID") and state.step >= int(os.environ.get("EL_STOP_AT", "0")) \
+                and not os.path.exists(stop):
+            open(stop, "w").close()
+            os.kill(os.getpid(), signal.SIGSTOP)
         if state.step == int(os.environ.get("EL_MARK_AT", "-1")) and basics.rank() == 0:
             open(os.path.join(LOG, "mark"), "w").close()
         time.sleep(SLEEP)

@@ -47,8 +47,9 @@ States of the current generation g:
   still running ``--elastic-timeout`` s after the first one finished are killed, with a warning (exit 0).
 
 Discovery results (:class:`hora.runner.elastic.policy.DiscoveryGuard`): one that would remove every running
-worker, or list fewer slots than ``--min-np``, is acted on only once a later successful run still lists it
-``HORA_ELASTIC_DISCOVERY_GRACE`` s after the first; the log says what was seen and decided.
+worker, or every worker holding the committed state, or list fewer slots than ``--min-np``, is acted on only
+once a later successful run still lists it ``HORA_ELASTIC_DISCOVERY_GRACE`` s after the first; the log says
+what was seen and decided.
 
 Hosts (:class:`hora.runner.elastic.policy.FailurePolicy`, which owns the counts below): a host whose workers
 fail 3 times in a row (``HORA_ELASTIC_BLACKLIST_AFTER``; an error exit, a crash, a worker that never came or a
@@ -77,8 +78,10 @@ from typing import Any, Callable
 from hora.base import elastic_protocol as protocol
 from hora.base.outcome import RankOutcome, exit_status, from_end, headline, tail_of, what
 from hora.runner.elastic.discovery import Discovery
+from hora.runner.elastic.frozen import FrozenKiller
 from hora.runner.elastic.fsm import Act, DriverState, Observation, step
-from hora.runner.elastic.policy import DiscoveryGuard, FailurePolicy, below_min_np, host_fault, rank_order
+from hora.runner.elastic.policy import (DiscoveryGuard, FailurePolicy, below_min_np, host_counts, host_fault,
+                                        rank_order, wanted_slots)
 from hora.runner.elastic.workers import Pool, Proc
 from hora.runner.spawn import Output
 
@@ -133,6 +136,7 @@ class Driver:
         self.member_failure: tuple[int, str] | None = None
         self.root: RankOutcome | None = None  # the failed worker to blame when the job fails
         self._signal: int | None = None
+        self.frozen = FrozenKiller(store, self.scope, _say)  # a member frozen past the limit is killed
         self.state = DriverState.DISCOVERING
 
     def stop(self, sig: int) -> None:
@@ -164,6 +168,7 @@ class Driver:
             if self._signal is None:
                 self.pool.check_sessions()
                 self._exits(now)
+                self.frozen.look(self.gen, [] if self.finishing else self.member_numbers, self.pool)
                 if self.failure is None:
                     hosts = self._hosts(now)
             self.state, acts = step(self.state, self._observe(now, started, hosts is not None))
@@ -289,11 +294,10 @@ class Driver:
     def _hosts(self, now: float) -> dict[str, int] | None:
         for h in self.blacklist.released(now):
             _say(f"host {h} is back from the blacklist")
-        running: dict[str, int] = {}
-        for p in self.pool.live():
-            if not p.stopping:
-                running[p.host] = running.get(p.host, 0) + 1
-        listed, lines = self.guard.step(self.discovery.hosts, getattr(self.discovery, "checked", now), running)
+        running, holding = host_counts([p for p in self.pool.live() if not p.stopping],
+                                       lambda p: p.number in self.member_numbers and self._holder(p))
+        listed, lines = self.guard.step(self.discovery.hosts, getattr(self.discovery, "checked", now), running,
+                                        holding)
         for line in lines:
             _say(line)
         if listed is None:
@@ -301,12 +305,9 @@ class Driver:
         return {h: n for h, n in listed.items() if h not in self.blacklist}
 
     def _wanted(self, hosts: dict[str, int]) -> list[tuple[str, str, int]]:
-        """The slots to run: the listed ones, at most -np until the first generation, then --max-np."""
-        out = [(f"{h}:{i}", h, i) for h, n in hosts.items() for i in range(n)]
-        cap = max(self.np, self.min_np) if self.gen == 0 and self.np else self.max_np
-        if cap and self.max_np:
-            cap = min(cap, self.max_np)
-        return out[:cap] if cap else out
+        """The slots to run (:func:`hora.runner.elastic.policy.wanted_slots`)."""
+        return wanted_slots(hosts, self.np, self.min_np, self.max_np, self.gen,
+                            {p.wid for p in self.pool.live() if not p.stopping})
 
     def _follow(self, hosts: dict[str, int], now: float) -> None:
         """Start the wanted slots that have no worker; deal with workers whose slot is no longer wanted."""

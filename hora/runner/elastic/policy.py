@@ -10,11 +10,12 @@ job: a deterministic crash would otherwise loop for ever), and the resets after 
 and ``HORA_ELASTIC_FAILURE_RESETS`` in a row with no commit in between). Membership changes are not failures.
 
 :class:`DiscoveryGuard` decides which host list the driver acts on. A discovery result that would remove every
-running worker, or leave fewer slots than ``--min-np``, is held (the driver goes on with the list it acted on
-last) until a later successful run still says so ``HORA_ELASTIC_DISCOVERY_GRACE`` seconds after the first:
-a ping- or cloud-API-based script that prints nothing for a second must not end the job. Runs that fail, hang
-or print garbage never confirm anything (the driver keeps the last good list; :mod:`.discovery` warns at
-each one). Every other change is acted on at once. Each decision is a line for the driver's log.
+running worker, or every worker holding the committed state, or leave fewer slots than ``--min-np``, is held
+(the driver goes on with the list it acted on last) until a later successful run still says so
+``HORA_ELASTIC_DISCOVERY_GRACE`` seconds after the first: a ping- or cloud-API-based script that prints nothing
+for a second must not end the job. Runs that fail, hang or print garbage never confirm anything (the driver
+keeps the last good list; :mod:`.discovery` warns at each one). Every other change is acted on at once. Each
+decision is a line for the driver's log.
 """
 
 from __future__ import annotations
@@ -115,6 +116,31 @@ def rank_order(waiting: list[Any], members: list[int], holder: Callable[[Any], b
     return [p for h in hosts for p in first if p.host == h]
 
 
+def wanted_slots(hosts: dict[str, int], np: int | None, min_np: int, max_np: int | None, gen: int,
+                 running: set[str]) -> list[tuple[str, str, int]]:
+    """The slots to run, ``(wid, host, index)``: the listed ones, at most ``-np`` (raised to ``--min-np``) until
+    the first generation, then ``--max-np``; those with a ``running`` worker first, so that a cap never
+    replaces a running worker (holding the committed state) by a newcomer on a host listed before its own."""
+    cap = max(np, min_np) if gen == 0 and np else max_np
+    if cap and max_np:
+        cap = min(cap, max_np)
+    out = [(f"{h}:{i}", h, i) for h, n in hosts.items() for i in range(n)]
+    out.sort(key=lambda slot: slot[0] not in running)  # stable: otherwise the listed order
+    return out[:cap] if cap else out
+
+
+def host_counts(procs: list[Any], holder: Callable[[Any], bool]) -> tuple[dict[str, int], dict[str, int]]:
+    """For the discovery guard: host -> the workers ``procs`` (``.host``) there, and host -> those of them
+    that hold the committed state."""
+    running: dict[str, int] = {}
+    holding: dict[str, int] = {}
+    for p in procs:
+        running[p.host] = running.get(p.host, 0) + 1
+        if holder(p):
+            holding[p.host] = holding.get(p.host, 0) + 1
+    return running, holding
+
+
 def below_min_np(have: list[str], wanted: list[str], members: list[str], gen: int, listed: dict[str, int],
                  blacklisted: list[str], min_np: int, timeout: float) -> str:
     """Why the job fails below ``--min-np``: who runs, who left since generation ``gen`` (and whether their
@@ -145,16 +171,18 @@ class DiscoveryGuard:
     held: dict[str, int] | None = None  # a suspicious list not acted on yet ...
     held_since: float = 0.0  # ... first seen by the run that finished then
 
-    def step(self, listed: dict[str, int] | None, checked: float, running: dict[str, int]
-             ) -> tuple[dict[str, int] | None, list[str]]:
+    def step(self, listed: dict[str, int] | None, checked: float, running: dict[str, int],
+             holding: dict[str, int] | None = None) -> tuple[dict[str, int] | None, list[str]]:
         """The host list to act on, and the lines to log. ``listed``: discovery's last good list (None before
-        the first); ``checked``: when the last successful run finished; ``running``: host -> live workers."""
+        the first); ``checked``: when the last successful run finished; ``running``: host -> live workers;
+        ``holding``: host -> live workers holding the committed state (a list that removes them all is held
+        too, even with newcomers left on other hosts: the state would go with them)."""
         if listed is None or listed == self.acted:
             return self.acted, self._dropped(checked)
         if self.acted is None:  # the first list: nothing runs yet to protect
             self.acted = dict(listed)
             return self.acted, []
-        why = self._suspicious(listed, running)
+        why = self._suspicious(listed, running, holding or {})
         if why is None:
             lines = self._dropped(checked)
             self.acted = dict(listed)
@@ -171,9 +199,11 @@ class DiscoveryGuard:
         self.acted, self.held = dict(listed), None
         return self.acted, lines
 
-    def _suspicious(self, listed: dict[str, int], running: dict[str, int]) -> str | None:
+    def _suspicious(self, listed: dict[str, int], running: dict[str, int], holding: dict[str, int]) -> str | None:
         if any(running.values()) and not any(h in listed for h, n in running.items() if n):
             return "removes every running worker"
+        if any(holding.values()) and not any(h in listed for h, n in holding.items() if n):
+            return "removes every worker holding the committed state"
         if _slots(listed) < self.min_np <= _slots(self.acted or {}):
             return f"has {_slots(listed)} slots, fewer than --min-np {self.min_np}"
         return None
