@@ -15,10 +15,10 @@ from typing import Any, Callable
 
 import numpy as np
 from pyspark import keyword_only
-from pyspark.ml.param.shared import Param, Params
 
 from hora.base.errors import HoraValueError
 from hora.spark.common.estimator import HoraEstimator, HoraModel
+from hora.spark.common.params import add_params
 from hora.spark.keras import remote
 
 __all__ = ["KerasEstimator", "KerasModel"]
@@ -35,9 +35,6 @@ class KerasEstimator(HoraEstimator):
     docstring and docs/spark.md)."""
 
     RUN_PREFIX = "keras"
-    custom_objects = Param(Params._dummy(), "custom_objects", "custom objects")
-    checkpoint_callback = Param(Params._dummy(), "checkpoint_callback", "model checkpointing callback")
-    backend_env = Param(Params._dummy(), "backend_env", "environment added to the ranks'")
 
     @keyword_only
     def __init__(self, num_proc=None, model=None, backend=None, store=None, custom_objects=None, optimizer=None,
@@ -52,24 +49,6 @@ class KerasEstimator(HoraEstimator):
         self._setDefault(custom_objects={}, checkpoint_callback=None,
                          backend_env={"LIBHDFS_OPTS": "-Xms2048m -Xmx2048m"})
         self.setParams(**{k: v for k, v in self._input_kwargs.items() if v is not None})
-
-    def setCustomObjects(self, value):  # noqa: N802 - Horovod's names
-        return self._set(custom_objects=value)
-
-    def getCustomObjects(self):  # noqa: N802
-        return self.getOrDefault(self.custom_objects)
-
-    def setCheckpointCallback(self, value):  # noqa: N802
-        return self._set(checkpoint_callback=value)
-
-    def getCheckpointCallback(self):  # noqa: N802
-        return self.getOrDefault(self.checkpoint_callback)
-
-    def setBackendEnv(self, value):  # noqa: N802
-        return self._set(backend_env=value)
-
-    def getBackendEnv(self):  # noqa: N802
-        return self.getOrDefault(self.backend_env)
 
     def _env(self) -> dict[str, str]:
         import keras
@@ -129,9 +108,6 @@ class KerasModel(HoraModel):
     """Spark Transformer wrapping a trained Keras model; ``getModel()`` is the ``keras.Model``.
     ``transform(df)`` adds ``<label>__output`` columns (or ``outputCols``)."""
 
-    custom_objects = Param(Params._dummy(), "custom_objects", "custom objects")
-    _floatx = Param(Params._dummy(), "_floatx", "keras default float type")
-
     @keyword_only
     def __init__(self, history=None, model=None, feature_columns=None, label_columns=None, custom_objects=None,
                  run_id=None, _metadata=None, _floatx=None):
@@ -140,12 +116,6 @@ class KerasModel(HoraModel):
             self.setOutputCols([c + "__output" for c in label_columns])
         self._setDefault(custom_objects={}, _floatx=None)
         self.setParams(**{k: v for k, v in self._input_kwargs.items() if v is not None})
-
-    def setCustomObjects(self, value):  # noqa: N802 - Horovod's names
-        return self._set(custom_objects=value)
-
-    def getCustomObjects(self):  # noqa: N802
-        return self.getOrDefault(self.custom_objects)
 
     def _predictor(self) -> Callable:
         return _KerasPredict(self.getModel())
@@ -163,3 +133,9 @@ class _KerasPredict:
         x = remote.arrays(dict(enumerate(features)), list(range(len(features))), keras.backend.floatx())
         out = self.model.predict_on_batch(x)
         return [np.asarray(o) for o in (out if isinstance(out, (list, tuple)) else [out])]
+
+
+# Horovod's parameters beyond HoraEstimator's / HoraModel's, with their set<Name>/get<Name> (defaults: __init__)
+add_params(KerasEstimator, [("custom_objects", None, None), ("checkpoint_callback", None, None),
+                            ("backend_env", None, None)])
+add_params(KerasModel, [("custom_objects", None, None), ("_floatx", None, None)])
