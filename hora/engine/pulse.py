@@ -46,7 +46,7 @@ import time
 
 from hora.base.errors import HoraError, PeerLostError
 from hora.transport import auth, net
-from hora.transport.acceptor import Acceptor
+from hora.transport.acceptor import Acceptor, stop_loop
 
 log = logging.getLogger("hora")
 
@@ -280,12 +280,7 @@ class Pulse:
                 return
             self._closed = True
         self._stop_beating()
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        if self._thread is not threading.current_thread():
-            self._thread.join(5)
+        stop_loop(self._wake_w, self._thread)
         if self._acceptor is not None:
             self._acceptor.close()
         with self._lock:

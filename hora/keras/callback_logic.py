@@ -17,10 +17,19 @@ import hora.core.basics as _basics
 from hora.base.errors import HoraValueError
 from hora.kit import schedules as _fk
 
-__all__ = ["sync", "BroadcastGlobalVariables", "MetricAverage", "LearningRateSchedule", "LearningRateWarmup",
+__all__ = ["made", "sync", "BroadcastGlobalVariables", "MetricAverage", "LearningRateSchedule", "LearningRateWarmup",
            "BestModelCheckpoint", "CommitState", "UpdateBatchState", "UpdateEpochState"]
 
 _PLACEHOLDERS = ("best.keras", "best.weights.h5")  # BestModelCheckpoint's path until .filepath is set
+
+
+def made(name: str, logic: type, base: type, flavour: type, module: str) -> type:
+    """The callback class ``name`` of ``module``: ``logic`` on a Keras ``base`` (``Callback``, ``ModelCheckpoint``
+    or another of these), after ``flavour``, the mixin with the methods marked *flavour* below (left out where
+    ``base`` has it already). :mod:`hora.keras.callbacks`, :mod:`hora.keras.elastic` and
+    :mod:`hora.keras.legacy_callbacks` make theirs with it."""
+    bases = (logic, base) if issubclass(base, flavour) else (flavour, logic, base)
+    return type(name, bases, {"__module__": module, "__qualname__": name, "__doc__": logic.__doc__})
 
 
 def sync(model) -> None:

@@ -49,21 +49,15 @@ class Keras3(Flavoured):
         broadcast_variables(variables, root_rank, name="BroadcastGlobalVariablesCallback")
 
 
-class BroadcastGlobalVariablesCallback(Keras3, _logic.BroadcastGlobalVariables, keras.callbacks.Callback):
-    __doc__ = _logic.BroadcastGlobalVariables.__doc__
+def made(name: str, logic: type, base: type = keras.callbacks.Callback, module: str = __name__) -> type:
+    """Keras 3's callback class ``name``: ``logic`` (:mod:`hora.keras.callback_logic`) on ``base``, after
+    :class:`Keras3`."""
+    return _logic.made(name, logic, base, Keras3, module)
 
 
-class MetricAverageCallback(Keras3, _logic.MetricAverage, keras.callbacks.Callback):
-    __doc__ = _logic.MetricAverage.__doc__
-
-
-class LearningRateScheduleCallback(Keras3, _logic.LearningRateSchedule, keras.callbacks.Callback):
-    __doc__ = _logic.LearningRateSchedule.__doc__
-
-
-class LearningRateWarmupCallback(_logic.LearningRateWarmup, LearningRateScheduleCallback):
-    __doc__ = _logic.LearningRateWarmup.__doc__
-
-
-class BestModelCheckpoint(Keras3, _logic.BestModelCheckpoint, keras.callbacks.ModelCheckpoint):
-    __doc__ = _logic.BestModelCheckpoint.__doc__
+BroadcastGlobalVariablesCallback = made("BroadcastGlobalVariablesCallback", _logic.BroadcastGlobalVariables)
+MetricAverageCallback = made("MetricAverageCallback", _logic.MetricAverage)
+LearningRateScheduleCallback = made("LearningRateScheduleCallback", _logic.LearningRateSchedule)
+LearningRateWarmupCallback = made("LearningRateWarmupCallback", _logic.LearningRateWarmup,
+                                  LearningRateScheduleCallback)
+BestModelCheckpoint = made("BestModelCheckpoint", _logic.BestModelCheckpoint, keras.callbacks.ModelCheckpoint)

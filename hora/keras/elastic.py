@@ -21,8 +21,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-import keras
-
 import hora.core.basics as _basics
 from hora.kit import frontend as _frontend
 from hora.core import ops as _core
@@ -30,7 +28,7 @@ from hora.kit.compressors import compressor_handler
 from hora.elastic.handlers import HandledState, keras_handlers, raising_internal
 from hora.elastic import ObjectState, reset, run_fn
 from hora.keras import callback_logic as _logic
-from hora.keras.callbacks import Keras3
+from hora.keras.callbacks import made
 from hora.keras.flavour import is_tf_keras
 from hora.keras.functions import broadcast_variables
 
@@ -68,13 +66,6 @@ class KerasState(HandledState, ObjectState):
 
 # the callbacks: their logic (hora.keras.callback_logic) on Keras 3's Callback (tf_keras's under
 # TF_USE_LEGACY_KERAS=1: Keras3 makes the twin)
-class CommitStateCallback(Keras3, _logic.CommitState, keras.callbacks.Callback):
-    __doc__ = _logic.CommitState.__doc__
-
-
-class UpdateBatchStateCallback(Keras3, _logic.UpdateBatchState, keras.callbacks.Callback):
-    __doc__ = _logic.UpdateBatchState.__doc__
-
-
-class UpdateEpochStateCallback(Keras3, _logic.UpdateEpochState, keras.callbacks.Callback):
-    __doc__ = _logic.UpdateEpochState.__doc__
+CommitStateCallback = made("CommitStateCallback", _logic.CommitState, module=__name__)
+UpdateBatchStateCallback = made("UpdateBatchStateCallback", _logic.UpdateBatchState, module=__name__)
+UpdateEpochStateCallback = made("UpdateEpochStateCallback", _logic.UpdateEpochState, module=__name__)

@@ -52,8 +52,7 @@ def _classes() -> dict[str, type]:
     callbacks = tf_keras().callbacks
 
     def made(name: str, logic: type, base: type) -> type:
-        bases = (logic, base) if issubclass(base, Keras2) else (Keras2, logic, base)
-        return type(name, bases, {"__module__": __name__, "__doc__": logic.__doc__})
+        return _logic.made(name, logic, base, Keras2, __name__)
 
     schedule = made("LearningRateScheduleCallback", _logic.LearningRateSchedule, callbacks.Callback)
     found = [made("BroadcastGlobalVariablesCallback", _logic.BroadcastGlobalVariables, callbacks.Callback),

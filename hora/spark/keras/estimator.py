@@ -10,7 +10,6 @@ takes them. ``callbacks`` run on every rank; ``checkpoint_callback`` on rank 0 o
 
 from __future__ import annotations
 
-import posixpath
 from typing import Any, Callable
 
 import numpy as np
@@ -72,11 +71,7 @@ class KerasEstimator(HoraEstimator):
 
         if not self.getLoss():
             raise HoraValueError("KerasEstimator: loss is required, e.g. loss='sparse_categorical_crossentropy'")
-        store, run_id = common["store"], common["run_id"]
-        ckpt = posixpath.join(store.get_checkpoint_path(run_id), remote.CHECKPOINT) if store.saving_runs() else None
-        resume = store.read(ckpt) if ckpt and store.exists(ckpt) else None
-        if resume is not None and self.getVerbose():
-            print(f"KerasEstimator: resuming run {run_id!r} from {ckpt}")
+        resume = self._resume(common, remote.CHECKPOINT)
         compile_args = (self._optimizer(), self.getLoss(), list(self.getMetrics() or []), self.getCallbacks())
         callback = self.getCheckpointCallback()
         return dict(common, model=cloudpickle.dumps(self.getModel()), resume=resume,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import io
-import posixpath
 from typing import Any, Callable
 
 import numpy as np
@@ -64,11 +63,7 @@ class TorchEstimator(HoraEstimator):
         optimizer = self.getOptimizer()
         if optimizer is None:
             raise HoraValueError("TorchEstimator: optimizer is required, e.g. torch.optim.Adam(model.parameters())")
-        store, run_id = common["store"], common["run_id"]
-        ckpt = posixpath.join(store.get_checkpoint_path(run_id), remote.CHECKPOINT) if store.saving_runs() else None
-        resume = store.read(ckpt) if ckpt and store.exists(ckpt) else None
-        if resume is not None and self.getVerbose():
-            print(f"TorchEstimator: resuming run {run_id!r} from {ckpt}")
+        resume = self._resume(common, remote.CHECKPOINT)
         return dict(common, model=cloudpickle.dumps(self.getModel()), resume=resume,
                     optimizer=cloudpickle.dumps((type(optimizer), dict(optimizer.defaults), optimizer.state_dict())),
                     losses=cloudpickle.dumps(self._losses()), loss_weights=self.getLossWeights(),
