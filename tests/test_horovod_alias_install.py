@@ -6,6 +6,7 @@ and the test venv's packages through a ``.pth`` line, so the test venv itself is
 """
 
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -115,6 +116,18 @@ def test_a_tf2_tape_loop_runs_unchanged_under_horovodrun(installed, tmp_path):
     code, out = _run(["horovodrun", "-np", "2", "python", SCRIPTS / "hvd_tf2_tape.py"], env, tmp_path, timeout=400)
     assert code == 0, out[-5000:]
     assert out.count("tf2 tape loop done on rank") == 2, out[-5000:]
+
+
+@pytest.mark.timeout(420)
+def test_a_keras2_fit_script_runs_unchanged_under_horovodrun(installed, tmp_path):
+    """Keras 2 code on TensorFlow >= 2.16 (tf_keras, TF_USE_LEGACY_KERAS=1): legacy optimizers with lr=,
+    Horovod's callbacks, a checkpoint, sparse_as_dense, backward_passes_per_step, hvd.load_model."""
+    pytest.importorskip("tf_keras")
+    env = dict(installed, TF_CPP_MIN_LOG_LEVEL="3", TF_USE_LEGACY_KERAS="1", OMP_NUM_THREADS="1")
+    code, out = _run(["horovodrun", "-np", "2", "python", SCRIPTS / "horovod_style_tf_keras.py", tmp_path], env,
+                     tmp_path, timeout=400)
+    assert code == 0, out[-5000:]
+    assert sorted(re.findall(r"rank (\d) of 2: keras 2 script: all passed", out)) == ["0", "1"], out[-5000:]
 
 
 @pytest.mark.timeout(420)

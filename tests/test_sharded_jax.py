@@ -1,5 +1,5 @@
 """hora.jax's DistributedOptimizer(zero_stage=1): the same parameters as the unsharded transformation, jitted,
-with 1/N of the wrapped state per rank."""
+SGD with momentum and Adam, fp16 compression and fusion on and off, with 1/N of the wrapped state per rank."""
 
 import pytest
 from harness import run
@@ -26,9 +26,11 @@ def _compare():
     def loss(p, x, y):
         return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - y) ** 2)
 
+    from hora.base import knobs
+
     out = []
     for make in (lambda: optax.sgd(0.1, momentum=0.9), lambda: optax.adam(0.01)):
-        for comp in ("none", "fp16"):
+        for comp, fusion in (("none", 64 << 20), ("none", 0), ("fp16", 64 << 20), ("fp16", 0)):
             c = getattr(hvd.Compression, comp)
             runs = []
             for stage in (0, 1):
@@ -40,11 +42,12 @@ def _compare():
                     g = jax.grad(loss)(p, x, y)
                     u, s = tx.update(g, s, p)
                     return optax.apply_updates(p, u), s
-                for i in range(20):
-                    kx = jax.random.fold_in(k3, i * n + r)
-                    x = jax.random.normal(kx, (5, 6))
-                    y = jax.random.normal(jax.random.fold_in(kx, 1), (5, 3))
-                    p, s = step(p, s, x, y)
+                with knobs.override(fusion_threshold=fusion):
+                    for i in range(20):
+                        kx = jax.random.fold_in(k3, i * n + r)
+                        x = jax.random.normal(kx, (5, 6))
+                        y = jax.random.normal(jax.random.fold_in(kx, 1), (5, 3))
+                        p, s = step(p, s, x, y)
                 state = sum(a.size for a in jax.tree_util.tree_leaves(s) if getattr(a, "ndim", 0) > 0)
                 runs.append((p, state))
             diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())

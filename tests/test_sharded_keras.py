@@ -1,5 +1,5 @@
 """hora.keras.DistributedOptimizer(opt, zero_stage=1|2) under model.fit: after 20 steps the weights equal the
-unsharded DistributedOptimizer's, SGD with momentum and Adam, fp16 compression on and off, and each rank's
+unsharded DistributedOptimizer's, SGD with momentum and Adam, fp16 compression and fusion on and off, and each rank's
 optimizer state is its share of the unsharded one (the ranks' shares add up to it).
 
 Each backend runs in fresh rank processes (``KERAS_BACKEND`` is read once, at ``import keras``); every check runs
@@ -29,6 +29,7 @@ def _compare() -> None:
 
         torch.set_num_threads(1)
     import hora.keras as hvd
+    from hora.base import knobs
     from hora.base.errors import HoraValueError, NotSupportedError
     from hora.keras.sharded import optimizer_bytes
 
@@ -47,14 +48,15 @@ def _compare() -> None:
     makers = {"sgd": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
               "adam": lambda: keras.optimizers.Adam(0.01)}
     for label, make in makers.items():
-        for comp in ("none", "fp16"):
+        for comp, fusion in (("none", 0), ("fp16", 64 << 20)):  # each on and off
             weights, sizes = [], []
             for stage in (0, 1, 2):
                 m = model()
                 opt = hvd.DistributedOptimizer(make(), compression=getattr(hvd.Compression, comp), zero_stage=stage)
                 assert isinstance(opt, type(make()))
                 m.compile(optimizer=opt, loss="mse")
-                m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+                with knobs.override(fusion_threshold=fusion):
+                    m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
                 getattr(m, "jax_state_sync", lambda: None)()
                 assert int(keras.ops.convert_to_numpy(m.optimizer.iterations)) == steps
                 weights.append(m.get_weights())
@@ -125,19 +127,21 @@ def _run(backend: str, n: int) -> None:
 
 
 @pytest.mark.timeout(280)
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, 4])
 def test_fit_sharded_equals_unsharded_tensorflow(n):
     pytest.importorskip("tensorflow")
     _run("tensorflow", n)
 
 
 @pytest.mark.timeout(280)
-def test_fit_sharded_equals_unsharded_jax():
+@pytest.mark.parametrize("n", [2, 4])
+def test_fit_sharded_equals_unsharded_jax(n):
     pytest.importorskip("jax")
-    _run("jax", 2)
+    _run("jax", n)
 
 
 @pytest.mark.timeout(280)
-def test_fit_sharded_equals_unsharded_torch():
+@pytest.mark.parametrize("n", [2, 4])
+def test_fit_sharded_equals_unsharded_torch(n):
     pytest.importorskip("torch")
-    _run("torch", 2)
+    _run("torch", n)

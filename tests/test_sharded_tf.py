@@ -1,6 +1,7 @@
 """hora.tensorflow.DistributedOptimizer(keras_optimizer, zero_stage=1) in a custom loop: the parameters of
-DistributedGradientTape with the same Keras optimizer, eagerly and in a tf.function, with 1/N of the
-optimizer's slot bytes per rank."""
+DistributedGradientTape with the same Keras optimizer, eagerly and in a tf.function, fp16 compression and
+fusion each on and off (paired so that each value meets each other one), with 1/N of the optimizer's slot
+bytes per rank."""
 
 import pytest
 from harness import run
@@ -36,32 +37,35 @@ def _compare():
     r, n = hvd.rank(), hvd.size()
     g = np.random.default_rng(0)
     init = [g.standard_normal(s).astype(np.float32) for s in ((6, 8), (8,), (8, 3))]
+    from hora.base import knobs
+
     out = []
     for make in (lambda: keras.optimizers.SGD(0.1, momentum=0.9), lambda: keras.optimizers.Adam(0.01)):
-        for comp in ("none", "fp16"):
-            for compiled in (False, True):
-                finals, slots = [], []
-                for stage in (0, 1):
-                    params = [keras.Variable(a) for a in init]
-                    c = getattr(hvd.Compression, comp)
-                    opt = hvd.DistributedOptimizer(make(), compression=c, zero_stage=1) if stage else make()
-                    if not stage:
-                        opt.build(params)  # Keras builds an optimizer eagerly, not in a tf.function
+        for comp, compiled, fusion in [("none", False, 64 << 20), ("none", True, 0), ("fp16", False, 0),
+                                       ("fp16", True, 64 << 20)]:
+            finals, slots = [], []
+            for stage in (0, 1):
+                params = [keras.Variable(a) for a in init]
+                c = getattr(hvd.Compression, comp)
+                opt = hvd.DistributedOptimizer(make(), compression=c, zero_stage=1) if stage else make()
+                if not stage:
+                    opt.build(params)  # Keras builds an optimizer eagerly, not in a tf.function
 
-                    fn = _step(tf, hvd, params, opt, stage, c)
-                    fn = tf.function(fn) if compiled else fn
+                fn = _step(tf, hvd, params, opt, stage, c)
+                fn = tf.function(fn) if compiled else fn
+                with knobs.override(fusion_threshold=fusion):
                     for i in range(20):
                         rng = np.random.default_rng(100 + i * n + r)
                         fn(tf.constant(rng.standard_normal((5, 6)), tf.float32),
                            tf.constant(rng.standard_normal((5, 3)), tf.float32))
-                    finals.append([np.asarray(p) for p in params])
-                    slots.append(sum(int(np.prod(v.shape)) for v in opt.variables if len(v.shape)))
-                diff = max(float(np.abs(a - b).max()) for a, b in zip(*finals))
-                out.append((comp, compiled, diff, slots[0], slots[1]))
+                finals.append([np.asarray(p) for p in params])
+                slots.append(sum(int(np.prod(v.shape)) for v in opt.variables if len(v.shape)))
+            diff = max(float(np.abs(a - b).max()) for a, b in zip(*finals))
+            out.append((comp, compiled, diff, slots[0], slots[1]))
     return out
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 3, 4])
 def test_same_parameters_as_distributed_gradient_tape(n):
     results = run(n, _compare, timeout=280, env=ENV)
     for rank, res in enumerate(results):

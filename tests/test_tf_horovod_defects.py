@@ -82,11 +82,26 @@ def _errors():
     except tf.errors.InvalidArgumentError as e:
         assert isinstance(e, HoraValueError) and isinstance(e, ValueError)
         seen.append("InvalidArgument")
-    # ... and inside a tf.function
+    # ... and inside a tf.function, with hora's class kept across the host call
     try:
         tf.function(lambda t: hvd.alltoall(t, name="uneven_fn"))(tf.ones([3]))
-    except tf.errors.InvalidArgumentError:
+    except tf.errors.InvalidArgumentError as e:
+        assert isinstance(e, HoraValueError), type(e).__mro__
         seen.append("InvalidArgument")
+    try:
+        tf.function(lambda t: hvd.allreduce(t, name="shapes_fn"))(tf.ones([r + 1]))
+    except tf.errors.FailedPreconditionError as e:
+        assert isinstance(e, MismatchError) and "shapes_fn" in str(e), (type(e).__mro__, e)
+        seen.append("FailedPrecondition")
+    # ... and in a v1 graph run by a Session
+    with tf.Graph().as_default():
+        op = hvd.allreduce(tf.ones([r + 2]), name="shapes_v1")
+        with tf.compat.v1.Session() as session:
+            try:
+                session.run(op)
+            except tf.errors.FailedPreconditionError as e:
+                assert isinstance(e, MismatchError) and "shapes_v1" in str(e), (type(e).__mro__, e)
+                seen.append("FailedPrecondition")
     # a refused dtype (at build time): InvalidArgumentError too
     try:
         hvd.allreduce(tf.constant([1], tf.uint16), name="u16sum")
@@ -100,7 +115,8 @@ def _errors():
 
 def test_errors_are_horovods_tf_errors_and_hora_classes():
     for seen in run(2, _errors, timeout=120, env=ENV):
-        assert seen == ["FailedPrecondition", "InvalidArgument", "InvalidArgument", "InvalidArgument"], seen
+        assert seen == ["FailedPrecondition", "InvalidArgument", "InvalidArgument", "FailedPrecondition",
+                        "FailedPrecondition", "InvalidArgument"], seen
 
 
 def _tapes_and_layers():

@@ -238,6 +238,41 @@ def test_a_sparse_gradient_on_one_rank_and_none_on_the_other_is_an_error_not_a_h
     assert run(2, body, timeout=40) == [(True, [[1, 2, 3]], [[2.0, 2.0], [1.0, 1.0], [1.0, 1.0]])] * 2
 
 
+@pytest.mark.parametrize("np_", [1, 2])
+def test_a_parameter_without_a_gradient_gets_zeros_at_every_size(np_):
+    """A parameter no forward used gets a zero gradient from step() at one rank as at two (dense, or an
+    empty sparse one for SparseAdam), so a script updates the same parameters whatever -np says; with
+    momentum the zero step still moves it by weight decay, the same at np=1 and np=2."""
+    def body():
+        import torch
+
+        hvd = _hvd()
+        used, unused = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+        params = list(used.parameters()) + list(unused.parameters())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.5),
+                                       named_parameters=[(f"p{i}", p) for i, p in enumerate(params)])
+        with torch.no_grad():
+            for p in params:
+                p.fill_(1.0)
+        used(torch.ones(3, 2)).sum().backward()
+        opt.step()
+        dense = [p.grad is not None and not p.grad.any() for p in unused.parameters()]
+        emb = torch.nn.Embedding(4, 2, sparse=True)
+        unused_emb = torch.nn.Embedding(4, 2, sparse=True)
+        sparse_opt = hvd.DistributedOptimizer(
+            torch.optim.SparseAdam(list(emb.parameters()) + list(unused_emb.parameters()), lr=0.1),
+            named_parameters=[("e", emb.weight), ("u", unused_emb.weight)])
+        emb(torch.tensor([0, 1])).sum().backward()
+        sparse_opt.step()
+        g = unused_emb.weight.grad
+        return dense, [round(float(v), 6) for v in unused.weight.flatten()], g is not None and g.is_sparse
+
+    for dense, weights, sparse in run(np_, body):
+        assert dense == [True, True]
+        assert weights == [0.95, 0.95]  # 1 - lr * weight_decay * 1: the zero gradient's step, as at np=2
+        assert sparse
+
+
 def test_sparse_as_dense_reduces_dense_and_returns_sparse():
     """Horovod reduces the densified gradient and turns it back into a sparse one before the update."""
     def body():

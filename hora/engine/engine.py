@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from hora.base import fp_quiet
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
 from hora.engine import fastpath
 from hora.engine import messages as m
@@ -253,17 +254,18 @@ class Engine:
         wait for negotiation."""
         self._ep.modify(self._ep_ctrl.fileno(), 0)
         self._window = window
+        fp = fp_quiet.quiet()  # as on the engine thread; the caller's own state after
         try:
-            with np.errstate(all="ignore"):  # as on the engine thread; the caller's own state after
-                while not handle.done:
-                    if window is not None and GATE.pending:
-                        GATE.check()  # between cycles: nothing is half done
-                    if not self._step(block=True):
-                        return False
-                    if not handle.done:  # (when it is, the release that follows tells the other waiters)
-                        self.baton.cycle_done()  # threads that came to wait since may have had theirs finished
-                return True
+            while not handle.done:
+                if window is not None and GATE.pending:
+                    GATE.check()  # between cycles: nothing is half done
+                if not self._step(block=True):
+                    return False
+                if not handle.done:  # (when it is, the release that follows tells the other waiters)
+                    self.baton.cycle_done()  # threads that came to wait since may have had theirs finished
+            return True
         finally:
+            fp_quiet.restore(fp)
             self._window = None  # (the baton's release, next, runs _caller_released)
 
     def _park(self) -> None:

@@ -31,7 +31,9 @@ from tensorflow.python.ops import control_flow_util
 import hora.core.ops as _core
 from hora.base.errors import HoraError, NotSupportedError
 from hora.core.process_sets import ProcessSet, global_process_set
-from hora.tensorflow.errors import as_tf_error
+from hora.tensorflow.errors import as_tf_error, host_call_guard, install
+
+install()
 
 __all__ = ["host_call", "grouped_allreduce", "op_name", "in_graph", "traced", "XLA_MESSAGE"]
 
@@ -163,7 +165,8 @@ def host_call(fn, inputs: list, touts: list, shapes: list | None = None, name: s
             deps.append(op)
             waits |= before | {op}
     with tf.control_dependencies(deps):
-        outs = tf.numpy_function(lambda *a: list(fn(*a)), inputs, list(touts), stateful=True, name=name)
+        outs = tf.numpy_function(lambda *a: list(host_call_guard(fn, a)), inputs, list(touts), stateful=True,
+                                 name=name)
     if not isinstance(outs, (list, tuple)):
         outs = [outs]
     outs = list(outs)

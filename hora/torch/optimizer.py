@@ -123,6 +123,10 @@ class _DistributedOptimizer(Passes, torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Wait until every gradient is reduced (submitting those whose hooks have not fired)."""
         if not self._active:
+            if self.process_set.included():  # a world of one: zeros where no gradient came, as at any size
+                for p in self._requires_update:
+                    if p.grad is None:
+                        p.grad = self._zeros(p)
             self._synchronized = True
             return
         for key in list(self._groups) + [p for p in self._requires_update if p not in self._p_to_group]:

@@ -1,6 +1,6 @@
 """A Keras 2 training script written the way Horovod's TensorFlow users wrote them, for TensorFlow >= 2.16 with
-tf_keras and TF_USE_LEGACY_KERAS=1 (tests/test_tf_keras_legacy.py runs it unchanged under
-``hora run --horovod-alias``, and with the import line changed to ``hora.tensorflow.keras``).
+tf_keras and TF_USE_LEGACY_KERAS=1 (tests/test_horovod_alias_install.py runs it unchanged under ``horovodrun``,
+tests/test_tf_keras_legacy.py with the import line changed to ``hora.tensorflow.keras``).
 
 It trains a regression model with a legacy optimizer (``lr=``), Horovod's callbacks and a checkpoint on rank 0,
 then an embedding model with a tf_keras (v2) optimizer, ``sparse_as_dense`` and ``backward_passes_per_step``,
