@@ -1,5 +1,5 @@
 # hora's build: a virtualenv in .venv, set up once and reused.
-#   make setup   create .venv and install hora (editable) with its pytorch, test, mpi and nccl-cu12 extras
+#   make setup   create .venv and install hora (editable) with its pytorch, test, mpi, nccl-cu12 and secure extras
 #   make setup-frameworks   add TensorFlow, Keras 3, JAX (flax, optax) to .venv (what the suite needs)
 #   make setup-mxnet        .venv-mxnet: MXNet 1.9.1 needs numpy<1.24, so it gets its own virtualenv
 #   make test    run the test suite (PYTEST_ARGS='-k ring' to pass arguments to pytest; the MXNet part
@@ -21,6 +21,8 @@ STAMP := $(VENV)/.hora-setup-stamp
 # torch==2.13.0 is pinned first because that CPU build lies on this kind of machine's disk;
 # letting pip resolve plain `torch` instead would download a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
+# hora[secure] (wire_protection, tests/test_wire_protection.py): the version the suite and benchmarks/README.md ran
+SECURE_PIN := cryptography==50.0.2
 # The framework stack the suite tests against, pinned to what resolves together on Python 3.11
 # (jax 0.12 needs Python >= 3.12; tensorflow-cpu 2.21's tf.keras is Keras 3). hora's extras stay open.
 FRAMEWORK_PINS := tensorflow-cpu==2.21.0 keras==3.15.1 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8
@@ -59,7 +61,7 @@ $(PY):
 
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e '.[pytorch,test,mpi,nccl-cu12]'
+	$(PIP) install -q -e '.[pytorch,test,mpi,nccl-cu12,secure]' $(SECURE_PIN)
 	touch $@
 
 setup-frameworks: setup $(FW_STAMP)

@@ -1,4 +1,4 @@
-"""hora on one GPU, in one command: ``python benchmarks/gpu_check.py`` (about 3-5 minutes; 8 at most).
+"""hora on one GPU, in one command: ``python benchmarks/gpu_check.py`` (about 4-6 minutes; under 8 always).
 
 Made for the project's GPU machine (one H200, torch with CUDA, the nvidia-nccl wheel, no network), where
 multi-rank NCCL cannot run (NCCL refuses two ranks on one GPU). It checks, each in its own subprocess with a
@@ -10,10 +10,18 @@ time limit, so that one crash or hang cannot lose the table:
 3. training examples/pytorch/train_digits.py --cuda (np=1 through NCCL, np=2 staged);
 4. hora's per-call time against a bare ``ncclAllReduce`` through the same library, at 4 KiB and 256 MiB;
 5. the staged path's bandwidth at 256 MiB against the pinned-copy limit (a device->host plus host->device
-   copy of the same bytes through torch's pinned memory).
+   copy of the same bytes through torch's pinned memory);
+6. the other bindings' device tensors at np=1 through NCCL, each where it is installed with a GPU: CuPy
+   arrays through hora's NumPy API (np=1 NCCL and np=2 staged), JAX arrays outside ``jit`` through hora.jax,
+   TensorFlow eager GPU tensors through hora.tensorflow; every op and dtype, bitwise against the NumPy API
+   on host arrays, and the results on the GPU.
 
 One summary table at the end, always (a check that fails or times out says so in its row); exit status 0
 when every check passed, 1 when one failed, 0 with "no GPU" rows where there is no GPU to check.
+
+``python benchmarks/gpu_check.py --self-test`` runs check 6's NumPy-API worker on CPUs instead, through
+tests/fake_gpu.py (the CPU stand-in for libnccl and libcudart) with its CuPy-like array, and the same
+table; the suite runs it (tests/test_gpu_check.py) so that the script does not rot between GPU runs.
 """
 
 from __future__ import annotations
@@ -102,6 +110,120 @@ def ops_check(hvd) -> tuple[int, list[str]]:
                  hvd.allreduce(x, prescale_factor=0.5, postscale_factor=4.0, name=f"hs.{name}"))
     hvd.barrier()
     return count, bad
+
+
+ARRAY_DTYPES = ("float32", "float64", "float16", "int32", "int64", "uint8", "int8")
+
+
+def array_checks(api, make, read, on_device, dtypes=ARRAY_DTYPES) -> tuple[int, list[str]]:
+    """Every op and dtype on device arrays through ``api`` (hora's NumPy API, or hora.jax / hora.tensorflow)
+    against hora's NumPy API on host arrays: ``make(numpy array) -> device array``, ``read(result) -> numpy``,
+    ``on_device(result) -> bool``. Returns (checks made, mismatches)."""
+    import numpy as np
+
+    import hora
+    r, n = hora.rank(), hora.size()
+    bad, count = [], 0
+
+    def same(what, got, want):
+        nonlocal count
+        count += 1
+        if not on_device(got):
+            bad.append(f"{what}: the result {type(got).__name__} is not on the GPU")
+            return
+        got = read(got)
+        if got.dtype != want.dtype or got.shape != want.shape or got.tobytes() != want.tobytes():
+            bad.append(f"{what}: {got!r} != {want!r}")
+
+    for name in dtypes:
+        x = ((np.arange(4096) % 7) + r).astype(name).reshape(64, 64)
+        for op in (hora.Sum, hora.Average, hora.Min, hora.Max, hora.Product):
+            if op == hora.Average and np.dtype(name).kind in "iu":
+                continue
+            same(f"allreduce {name} op {op}", api.allreduce(make(x), op=op, name=f"d.{name}.{op}"),
+                 hora.allreduce(x, op=op, name=f"h.{name}.{op}"))
+        rows = np.arange((r + 1) * 8).astype(name).reshape(r + 1, 8)
+        same(f"allgather ragged {name}", api.allgather(make(rows), name=f"dg.{name}"),
+             hora.allgather(rows, name=f"hg.{name}"))
+        same(f"broadcast {name}", api.broadcast(make(x), n - 1, name=f"db.{name}"),
+             hora.broadcast(x, n - 1, name=f"hb.{name}"))
+        splits = [(q + r) % 3 + 1 for q in range(n)]
+        a2a = np.arange(sum(splits) * 4).astype(name).reshape(-1, 4)
+        same(f"alltoall {name}", api.alltoall(make(a2a), splits=splits, name=f"da.{name}")[0],
+             hora.alltoall(a2a, splits=splits, name=f"ha.{name}")[0])
+        for nrows in (2 * n, 2 * n + 1):
+            y = ((np.arange(nrows * 16) % 5) + r).astype(name).reshape(nrows, 16)
+            same(f"reducescatter {name} {nrows} rows",
+                 api.reducescatter(make(y), op=hora.Sum, name=f"dr.{name}{nrows}"),
+                 hora.reducescatter(y, op=hora.Sum, name=f"hr.{name}{nrows}"))
+        xs = [((np.arange(k) % 3) + r).astype(name) for k in (1, 17, 1000)]
+        for i, (g, w) in enumerate(zip(api.grouped_allreduce([make(t) for t in xs], op=hora.Sum, name=f"dga.{name}"),
+                                       hora.grouped_allreduce(xs, op=hora.Sum, name=f"hga.{name}"))):
+            same(f"grouped_allreduce {name} [{i}]", g, w)
+    hora.barrier()
+    return count, bad
+
+
+def _array_api(kind: str):
+    """(api, make, read, on_device) for the NumPy API on CuPy arrays, or on the CPU stand-in's array."""
+    import ctypes
+
+    import numpy as np
+
+    import hora
+    from hora.base.device import DeviceArray
+    if kind == "fake":
+        from fake_gpu import FakeTensor
+        dev = hora.local_rank()
+
+        def read(a):
+            return np.frombuffer(ctypes.string_at(a.ptr, a.nbytes), a.dtype).reshape(a.shape).copy()
+        return hora, lambda x: FakeTensor(x, device=dev), read, lambda a: isinstance(a, DeviceArray)
+    import cupy
+    return (hora, cupy.asarray, lambda a: cupy.asnumpy(cupy.from_dlpack(a)),
+            lambda a: isinstance(a, DeviceArray))
+
+
+def worker_arrays(kind: str) -> None:
+    """hora's NumPy API on CuPy arrays (``kind`` cupy) or the CPU stand-in's (fake, for --self-test)."""
+    import hora
+    hora.init()
+    if kind == "cupy":
+        import cupy
+        cupy.cuda.Device(hora.local_rank() % cupy.cuda.runtime.getDeviceCount()).use()
+    t0 = time.perf_counter()
+    count, bad = array_checks(*_array_api(kind))
+    emit(rank=hora.rank(), size=hora.size(), checks=count, bad=bad[:20], nbad=len(bad), routes=_routes(),
+         seconds=round(time.perf_counter() - t0, 1))
+    hora.shutdown()
+
+
+def worker_frameworks(kind: str) -> None:
+    """np=1: JAX arrays (outside jit) or TensorFlow eager tensors on the GPU through their binding."""
+    import numpy as np
+    if kind == "jax":
+        import jax
+
+        import hora.jax as api
+        gpu = jax.devices("gpu")[0]
+        make = lambda x: jax.device_put(x, gpu)  # noqa: E731
+        read, on_device = np.asarray, lambda a: next(iter(a.devices())).platform in ("gpu", "cuda")
+    else:
+        import tensorflow as tf
+
+        import hora.tensorflow as api
+
+        def make(x):
+            with tf.device("/GPU:0"):
+                return tf.identity(tf.constant(x))
+        read, on_device = (lambda a: a.numpy()), (lambda a: "GPU" in a.device)
+    api.init()
+    t0 = time.perf_counter()
+    count, bad = array_checks(api, make, read, on_device,
+                              tuple(d for d in ARRAY_DTYPES if not (kind == "tensorflow" and d == "int32")))
+    emit(rank=api.rank(), size=api.size(), checks=count, bad=bad[:20], nbad=len(bad), routes=_routes(),
+         seconds=round(time.perf_counter() - t0, 1))
+    api.shutdown()
 
 
 def _routes() -> dict:
@@ -230,21 +352,49 @@ def check_env() -> bool:
 
 def check_ops(np_: int, expect_nccl: bool, timeout: float) -> None:
     label = f"every op x dtype, np={np_} ({'NCCL' if expect_nccl else 'staged'}) vs CPU, bitwise"
-    cmd = _hora_run(np_, sys.executable, __file__, "--worker", "ops")
-    lines, tail, code = _run(cmd, timeout)
+    lines, tail, code = _run(_hora_run(np_, sys.executable, __file__, "--worker", "ops"), timeout)
+    _report(label, lines, tail, code, np_, expect_nccl)
+
+
+def _report(label: str, lines: list[dict], tail: str, code, np_: int, expect_nccl: bool) -> None:
+    """One row from a checking worker's reports (every rank's), as check_ops writes it."""
     reps = [x for x in lines if "checks" in x]
     if code is None or len(reps) != np_:
         row(label, "FAIL", ("timed out" if code is None else f"exit {code}") + f"; {len(reps)} rank(s) reported; "
             f"{tail[-600:]!r}")
         return
     bad = sum(x["nbad"] for x in reps)
-    routes = reps[0]["routes"].get("0", "no device response ran")
-    route_ok = (routes is None) == expect_nccl
+    route = reps[0]["routes"].get("0", "no device response ran")
     detail = (f"{reps[0]['checks']} checks per rank in {reps[0]['seconds']} s; route: "
-              f"{'NCCL' if routes is None else routes}")
+              f"{'NCCL' if route is None else route}")
     if bad:
         detail += f"; {bad} mismatches, first: {reps[0]['bad'][:3] or [x['bad'][:3] for x in reps]}"
-    row(label, "PASS" if not bad and route_ok and code == 0 else "FAIL", detail[:900])
+    row(label, "PASS" if not bad and (route is None) == expect_nccl and code == 0 else "FAIL", detail[:900])
+
+
+FAKE_ENV = {"HORA_NCCL_LIBRARY": "python:fake_gpu", "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+
+
+def check_arrays(kind: str, np_: int, expect_nccl: bool, timeout: float) -> None:
+    what = "CuPy arrays" if kind == "cupy" else "the CPU stand-in's CuPy-like arrays (tests/fake_gpu.py)"
+    label = f"{what} via hora's NumPy API, np={np_} ({'NCCL' if expect_nccl else 'staged'}) vs host, bitwise"
+    env = FAKE_ENV if kind == "fake" else {}
+    if kind == "fake" and not expect_nccl:
+        env = {**env, "SHARE_GPU": "1"}  # the stand-in's ranks on one GPU: hora warns and stages
+    lines, tail, code = _run(_hora_run(np_, sys.executable, __file__, "--worker", "arrays", kind), timeout, env)
+    _report(label, lines, tail, code, np_, expect_nccl)
+
+
+def check_framework(kind: str, timeout: float) -> None:
+    label = f"{'JAX arrays outside jit' if kind == 'jax' else 'TensorFlow eager GPU tensors'}, np=1 (NCCL) vs host"
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "TF_FORCE_GPU_ALLOW_GROWTH": "true"}
+    lines, tail, code = _run(_hora_run(1, sys.executable, __file__, "--worker", "frameworks", kind), timeout, env)
+    _report(label, lines, tail, code, 1, True)
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
 
 
 def check_train(np_: int, timeout: float) -> None:
@@ -289,21 +439,41 @@ def table() -> str:
     return "\n".join(out)
 
 
-def main() -> int:
+BUDGET_S = 460  # the whole run stays under 8 minutes: each check's time limit is cut to what is left
+
+
+def main(self_test: bool = False) -> int:
     start = time.monotonic()
-    try:
-        has_gpu = check_env()
-    except Exception:  # noqa: BLE001 - the table still prints
-        row("environment", "FAIL", traceback.format_exc()[-500:])
-        has_gpu = False
-    if has_gpu:
-        checks = [(lambda: check_ops(1, True, 150)), (lambda: check_ops(2, False, 110)),
-                  (lambda: check_train(1, 70)), (lambda: check_train(2, 70)), (lambda: check_perf(80))]
-        for fn in checks:
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - one check's bug must not lose the others
-                row("checker", "FAIL", traceback.format_exc()[-500:])
+    checks: list[tuple[str, float, object]] = []  # (what, its own time limit, fn(time limit))
+    if self_test:  # CPUs only: the NumPy-API worker through the stand-in, and this table
+        row("environment", "INFO", "--self-test: CPUs only, NCCL and CUDA played by tests/fake_gpu.py")
+        checks = [("stand-in np=1", 120, lambda t: check_arrays("fake", 1, True, t)),
+                  ("stand-in np=2", 120, lambda t: check_arrays("fake", 2, True, t)),
+                  ("stand-in np=2 staged", 120, lambda t: check_arrays("fake", 2, False, t))]
+    else:
+        try:
+            has_gpu = check_env()
+        except Exception:  # noqa: BLE001 - the table still prints
+            row("environment", "FAIL", traceback.format_exc()[-500:])
+            has_gpu = False
+        if has_gpu:
+            checks = [("ops np=1", 150, lambda t: check_ops(1, True, t)),
+                      ("ops np=2", 110, lambda t: check_ops(2, False, t)),
+                      ("train np=1", 70, lambda t: check_train(1, t)), ("train np=2", 70, lambda t: check_train(2, t)),
+                      ("performance", 80, check_perf)]
+            if _installed("cupy"):
+                checks += [("CuPy np=1", 50, lambda t: check_arrays("cupy", 1, True, t)),
+                           ("CuPy np=2", 50, lambda t: check_arrays("cupy", 2, False, t))]
+            checks += [(k, 70, lambda t, k=k: check_framework(k, t)) for k in ("jax", "tensorflow") if _installed(k)]
+    for what, limit, fn in checks:
+        left = BUDGET_S - (time.monotonic() - start)
+        if left < 20:
+            row(what, "SKIP", f"not run: the {BUDGET_S} s budget of this script is spent")
+            continue
+        try:
+            fn(min(limit, left))
+        except Exception:  # noqa: BLE001 - one check's bug must not lose the others
+            row("checker", "FAIL", traceback.format_exc()[-500:])
     row("total time", "INFO", f"{time.monotonic() - start:.0f} s")
     print(table())
     return 1 if any(s == "FAIL" for _, s, _ in ROWS) else 0
@@ -312,9 +482,11 @@ def main() -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         try:
-            {"ops": worker_ops, "perf": worker_perf}[sys.argv[2]]()
+            workers = {"ops": worker_ops, "perf": worker_perf, "arrays": worker_arrays,
+                       "frameworks": worker_frameworks}
+            workers[sys.argv[2]](*sys.argv[3:])
         except Exception:
             traceback.print_exc()
             sys.exit(1)
     else:
-        sys.exit(main())
+        sys.exit(main(self_test="--self-test" in sys.argv[1:]))

@@ -31,7 +31,10 @@ import numpy as np
 _DTYPES = {0: "int8", 1: "uint8", 2: "int32", 3: "uint32", 4: "int64", 5: "uint64", 6: "float16", 7: "float32",
            8: "float64", 9: "bfloat16"}
 _LEN = struct.Struct("!Q")
-VERSION = int(os.environ.get("FAKE_NCCL_VERSION", "22304"))
+def _version() -> int:
+    """NCCL's version code as the stand-in plays it (read at each call: pool workers outlive a test's env)."""
+    return int(os.environ.get("FAKE_NCCL_VERSION", "22304"))
+
 STATS = {"calls": [], "groups": 0}  # what hora called, for tests that check structure
 
 
@@ -262,6 +265,8 @@ def _combine(kind, got, size):
     if kind == "allgather":
         data = b"".join(got[r][1] for r in ranks)
         return {r: data for r in ranks}
+    if kind == "split":  # every rank's payload to every rank
+        return {r: {q: got[q][1] for q in ranks} for r in ranks}
     if kind == "group":  # payload: {peer: bytes sent}; meta: {peer: bytes expected}
         out = {}
         for r in ranks:
@@ -286,7 +291,7 @@ class FakeNccl:
         self.local = threading.local()
 
     def ncclGetVersion(self, p):
-        p.contents.value = VERSION
+        p.contents.value = _version()
         return 0
 
     def ncclGetErrorString(self, code):
@@ -304,9 +309,15 @@ class FakeNccl:
     def ncclCommInitRank(self, p, nranks, uid, rank):
         raw = ctypes.string_at(ctypes.addressof(uid), 128)
         lst = self.listeners.pop(raw, None)
-        if lst is not None:  # the hub is rank 0 of the communicator, the one that made the id
-            if rank != 0:
-                return 5
+        if lst is not None and rank != 0:
+            return 5
+        port = None if lst is not None else int(raw.rstrip(b"\0").split()[1])
+        p.contents.value = self._join(nranks, rank, lst, port)
+        return 0
+
+    def _join(self, nranks, rank, lst, port) -> int:
+        """Rank 0 (the hub) accepts the others on ``lst``; the others connect to ``port``."""
+        if lst is not None:
             peers = {}
             lst.settimeout(60)
             while len(peers) < nranks - 1:
@@ -315,14 +326,35 @@ class FakeNccl:
             lst.close()
             comm = _Comm(0, nranks, peers, None)
         else:
-            port = int(raw.rstrip(b"\0").split()[1])
             s = socket.create_connection(("127.0.0.1", port), timeout=60)
             s.settimeout(None)
             _send(s, rank)
             comm = _Comm(rank, nranks, {}, s)
         cid = next(self._ids)
         self.comms[cid] = comm
-        p.contents.value = cid
+        return cid
+
+    def ncclCommSplit(self, c, color, key, p, config):
+        """Collective over the parent, outside any stream (NCCL's bootstrap): every rank's (color, key)
+        through the hub, then each color's lowest key listens for its group. The caller has drained the
+        parent's stream, as the fake's one socket per pair needs."""
+        if _version() < 21800:
+            return 5
+        STATS["calls"].append("split")
+        parent = self.comms[c]
+        everyone = parent.exchange("split", (color, key), None)
+        group = sorted((k, r) for r, (col, k) in everyone.items() if col == color and color != -1)
+        mine = [r for _, r in group].index(parent.rank) if color != -1 else -1
+        lst = None
+        if mine == 0:
+            lst = socket.socket()
+            lst.bind(("127.0.0.1", 0))
+            lst.listen(64)
+        ports = parent.exchange("split", lst.getsockname()[1] if lst else None, None)
+        if color == -1:
+            p.contents.value = None
+            return 0
+        p.contents.value = self._join(len(group), mine, lst, None if lst else ports[group[0][1]])
         return 0
 
     def ncclCommDestroy(self, c):
@@ -503,6 +535,10 @@ class FakeTensor:
     def __cuda_array_interface__(self):
         return {"data": (self.ptr, False), "shape": self.shape, "typestr": self.dtype.str, "strides": None,
                 "version": 3, "stream": self.stream or 1}
+
+    def __dlpack_device__(self):
+        """As CuPy does: the device through DLPack's query, the memory through the interface above."""
+        return 2, self.device
 
     def numpy(self) -> np.ndarray:
         n = int(np.prod(self.shape)) * self.dtype.itemsize

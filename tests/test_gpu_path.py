@@ -102,20 +102,27 @@ def test_every_op_and_dtype_through_nccl_matches_the_host(n):
             <= set(calls)
 
 
-def _route_warning(hvd):
+def _fresh_gpu_warnings() -> list:
+    """hora.gpu's warnings from now on, in a list; the stand-in loaded afresh, nothing warned yet (this pool
+    worker may have loaded the stand-in, and warned, under another test's environment)."""
     import logging
-    seen = []
+
+    from hora.engine import device_exec
+    from hora.transport import nccl_lib
+    seen: list = []
 
     class Catch(logging.Handler):
         def emit(self, record):
             seen.append(record.getMessage())
     logging.getLogger("hora.gpu").addHandler(Catch())
-    import fake_gpu
-
-    from hora.engine import device_exec
-    from hora.transport import nccl_lib
-    nccl_lib.forget()  # this pool worker may have loaded the stand-in under another test's environment
+    nccl_lib.forget()
     device_exec._WARNED.clear()
+    return seen
+
+
+def _route_warning(hvd):
+    import fake_gpu
+    seen = _fresh_gpu_warnings()
     r = hvd.rank()
     dev = 0 if os.environ.get("SHARE_GPU") == "1" else r
     x = np.arange(10, dtype=np.float32) * (r + 1)
@@ -367,3 +374,145 @@ def test_a_gpu_tensor_against_a_host_array_is_a_mismatch():
     for text in run_hora(2, _mixed, env=FAKE, timeout=100):
         assert text == ("allreduce 'mixed': rank 1 sent a tensor on the host, rank 0 one on the GPU; every rank "
                         "must give a GPU tensor, or every rank a host one"), text
+
+
+def _cupy_like(hvd):
+    """A CuPy-like array (__cuda_array_interface__ + __dlpack_device__, no device given) through hora's NumPy
+    API; the result is a DeviceArray that any framework takes through DLPack."""
+    from fake_gpu import FakeTensor
+
+    from hora.base.device import DeviceArray
+    r = hvd.rank()
+    x = FakeTensor(np.arange(6, dtype=np.float32) + r, device=r)
+    out = hvd.allreduce(x, op=hvd.Sum, name="cp")
+    gathered = hvd.allgather(FakeTensor(np.full((r + 1, 2), r, np.int64), device=r), name="cpg")
+    return (isinstance(out, DeviceArray), out.device, out.__dlpack_device__(), _host(out).tolist(),
+            _host(gathered).tolist())
+
+
+@pytest.mark.timeout(120)
+def test_a_cupy_like_array_through_the_numpy_api():
+    a, b = run_hora(2, _cupy_like, env=FAKE, timeout=100)
+    want = [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]
+    assert a[:4] == (True, 0, (2, 0), want) and b[:4] == (True, 1, (2, 1), want)
+    assert a[4] == b[4] == [[0, 0], [1, 1], [1, 1]]
+
+
+def _sets_split_or_not(hvd):
+    """A process set added after the global NCCL communicator exists: split from it where NCCL has
+    ncclCommSplit (2.18), else its own communicator from a fresh unique id; either way the same results."""
+    import fake_gpu
+
+    from hora.transport import nccl_lib
+    nccl_lib.forget()  # this pool worker may have loaded the stand-in as another NCCL version
+    r = hvd.rank()
+    x = np.arange(4, dtype=np.float32) + r
+    assert _host(hvd.allreduce(_dev(x, r), op=hvd.Sum, name="global")).tolist() == \
+        hvd.allreduce(x, op=hvd.Sum, name="hglobal").tolist()
+    before = fake_gpu.STATS["calls"].count("split")
+    ps = hvd.add_process_set([0, 2])
+    splits = fake_gpu.STATS["calls"].count("split") - before
+    got = None
+    if r in (0, 2):
+        got = (_host(hvd.allreduce(_dev(x, r), op=hvd.Sum, name="inset", process_set=ps)).tolist(),
+               _host(hvd.allgather(_dev(x[:r + 1], r), name="ginset", process_set=ps)).tolist())
+    hvd.remove_process_set(ps)
+    ps2 = hvd.add_process_set([1, 2])  # again after a removal: a fresh split (or id) under the next set id
+    if r in (1, 2):
+        got2 = _host(hvd.allreduce(_dev(x, r), op=hvd.Sum, name="inset2", process_set=ps2)).tolist()
+        got = (got, got2)
+    hvd.remove_process_set(ps2)
+    return splits, got
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("version,split", [("22304", True), ("21706", False)])
+def test_process_sets_split_from_the_global_communicator_where_nccl_can(version, split):
+    env = {**FAKE, "HORA_DYNAMIC_PROCESS_SETS": "1", "FAKE_NCCL_VERSION": version}
+    (s0, g0), (s1, g1), (s2, g2) = run_hora(3, _sets_split_or_not, env=env, timeout=150)
+    assert s0 == s1 == s2 == (1 if split else 0)  # every rank joins the split, members or not
+    assert g0 == ([2.0, 4.0, 6.0, 8.0], [0.0, 2.0, 3.0, 4.0])
+    assert g1 == (None, [3.0, 5.0, 7.0, 9.0])
+    assert g2 == (g0, g1[1])
+
+
+def _two_hosts(rank: int, layout: str) -> dict:
+    """np=4 as two "hosts" of two ranks (the suite's hierarchical layouts): 'blocks' = 0 1 | 2 3,
+    'interleaved' = 0 2 | 1 3."""
+    host, local = (rank // 2, rank % 2) if layout == "blocks" else (rank % 2, rank // 2)
+    return {**FAKE, "HORA_HOSTNAME": f"h{host}", "HORA_LOCAL_RANK": str(local), "HORA_LOCAL_SIZE": "2",
+            "HORA_CROSS_RANK": str(host), "HORA_CROSS_SIZE": "2", "HORA_HIERARCHICAL_ALLREDUCE": "1"}
+
+
+def _hierarchical(hvd):
+    """Device allreduces in hierarchical mode: NCCL reduce-scatter and all-gather inside each host, hora's
+    ring between them; every op, a fused group with a length that does not split evenly, scale factors."""
+    import fake_gpu
+
+    from hora.transport import nccl_lib
+    nccl_lib.forget()
+    r, dev = hvd.rank(), hvd.local_rank()
+    bad = []
+    before = list(fake_gpu.STATS["calls"])
+    for dtype in ("float32", "float64", "int32"):
+        x = (np.arange(10) % 4 + r).astype(dtype)
+        for op in (hvd.Sum, hvd.Min, hvd.Max, hvd.Product) + ((hvd.Average,) if dtype != "int32" else ()):
+            got = _host(hvd.allreduce(_dev(x, dev), op=op, name=f"h{dtype}{op}"))
+            want = hvd.allreduce(x, op=op, name=f"w{dtype}{op}")
+            if got.tobytes() != want.tobytes() or got.dtype != want.dtype:
+                bad.append(f"{dtype} op {op}: {got} != {want}")
+    xs = [np.full(k, r + 1.0, np.float32) for k in (1, 3, 7)]
+    for g, w in zip(hvd.grouped_allreduce([_dev(a, dev) for a in xs], op=hvd.Sum, name="hg"),
+                    hvd.grouped_allreduce(xs, op=hvd.Sum, name="wg")):
+        if _host(g).tobytes() != w.tobytes():
+            bad.append(f"grouped: {_host(g)} != {w}")
+    x = np.arange(6, dtype=np.float32) + r
+    got = _host(hvd.allreduce(_dev(x, dev), op=hvd.Average, prescale_factor=2.0, postscale_factor=0.5, name="hs"))
+    want = hvd.allreduce(x, op=hvd.Average, prescale_factor=2.0, postscale_factor=0.5, name="ws")
+    if got.tobytes() != want.tobytes():
+        bad.append(f"scaled: {got} != {want}")
+    calls = fake_gpu.STATS["calls"][len(before):]
+    return bad, sorted(set(calls))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout,version", [("blocks", "22304"), ("interleaved", "21706")])
+def test_hierarchical_allreduce_on_two_hosts(layout, version):
+    """NCCL inside each "host" (split from the global communicator, or from a fresh unique id before NCCL
+    2.18), hora's ring between them: bitwise the host path's results, and no flat ncclAllReduce."""
+    envs = [{**_two_hosts(r, layout), "FAKE_NCCL_VERSION": version} for r in range(4)]
+    for bad, calls in run_hora(4, _hierarchical, env=envs, timeout=200):
+        assert bad == []
+        assert "allreduce" not in calls and {"reducescatter", "allgather"} <= set(calls), calls
+        assert ("split" in calls) == (version == "22304")
+
+
+def _hier_refused(hvd):
+    import fake_gpu
+    seen = _fresh_gpu_warnings()
+    before = len(fake_gpu.STATS["calls"])
+    out = _host(hvd.allreduce(_dev(np.ones(4, np.float32), hvd.rank()), op=hvd.Sum, name="flat"))
+    return out.tolist(), fake_gpu.STATS["calls"][before:], [s for s in seen if "HIERARCHICAL" in s]
+
+
+@pytest.mark.timeout(120)
+def test_hierarchical_on_one_host_stays_flat_and_says_why():
+    a, b = run_hora(2, _hier_refused, env={**FAKE, "HORA_HIERARCHICAL_ALLREDUCE": "1"}, timeout=100)
+    assert a[0] == b[0] == [2.0] * 4 and a[1] == ["allreduce"]
+    assert len(a[2]) == 1 and "all ranks are on one host" in a[2][0] and b[2] == []
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_peer_in_hierarchical_mode_names_the_peer():
+    """SIGKILL rank 3 (second "host") in the middle of hierarchical device allreduces: the survivors leave
+    NCCL (the host communicators aborted too) or the ring between hosts, and raise HorovodInternalError."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    with spawn_job(4, _loop_until_lost, env=[_two_hosts(r, "blocks") for r in range(4)]) as job:
+        job.wait_for(*(f"looping/{r}" for r in range(4)))
+        os.kill(job.procs[3].pid, signal.SIGKILL)
+        job.wait()
+        for r in range(3):
+            err = job.report(r)["error"]
+            assert "InternalError" in err["types"], err
+            assert err["rank"] == 3 or "rank 3" in err["message"], err

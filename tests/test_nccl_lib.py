@@ -50,6 +50,7 @@ def test_constants_match_the_wheels_header():
     assert {k: types[v] for k, v in names.items()} == nccl_lib.DTYPES
     assert int(re.search(r"#define NCCL_UNIQUE_ID_BYTES (\d+)", h).group(1)) == nccl_lib.UNIQUE_ID_BYTES
     assert _enum(h, "ncclScalarResidence_t")["ncclScalarHostImmediate"] == nccl_lib.SCALAR_HOST_IMMEDIATE
+    assert int(re.search(r"#define NCCL_SPLIT_NOCOLOR \(?(-?\d+)", h).group(1)) == nccl_lib.SPLIT_NOCOLOR
 
 
 @needs_wheel

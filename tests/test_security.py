@@ -77,7 +77,7 @@ def attack(addr: tuple[str, int], kind: str, secret: str) -> str | None:
             except AuthenticationError:
                 pass
         elif kind == "half handshake":  # a nonce and a length, then nothing
-            sock.sendall(os.urandom(auth.NONCE) + struct.pack("!I", 64))
+            sock.sendall(os.urandom(auth.NONCE) + b"o" + struct.pack("!I", 64))
         elif kind == "impostor":  # knows the secret, is no rank of this job
             auth.connect_handshake(sock, secret.encode(), ident=b"rank 7 of some other job")
             sock.sendall(os.urandom(4096))
@@ -173,8 +173,8 @@ def _read_hello(s: socket.socket) -> None:
     from hora.transport import auth
 
     hello = b""
-    while len(hello) < 5 + auth.NONCE:
-        got = s.recv(5 + auth.NONCE - len(hello))
+    while len(hello) < auth.HELLO:
+        got = s.recv(auth.HELLO - len(hello))
         assert got, "the acceptor closed a silent connection before its handshake deadline"
         hello += got
 
@@ -316,7 +316,8 @@ def test_a_flood_of_strangers_logs_one_line_per_source_and_a_count(caplog):
     def stranger(_):
         with socket.create_connection((host, int(port)), timeout=30) as s:
             _read_hello(s)
-            s.sendall(os.urandom(auth.NONCE) + struct.pack("!I", 0) + os.urandom(auth.MAC))  # no identity, a wrong MAC
+            # no identity, a wrong MAC
+            s.sendall(os.urandom(auth.NONCE) + b"o" + struct.pack("!I", 0) + os.urandom(auth.MAC))
             dropped_by_peer(s, DROP_S)
 
     try:

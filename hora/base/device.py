@@ -10,6 +10,11 @@ protocols every GPU framework speaks, so the core never imports one:
 
 Only C-contiguous CUDA memory is accepted: a binding makes a strided tensor contiguous first (on the
 framework's stream) or refuses it.
+
+Results go back the same way: a :class:`DeviceArray` is itself a DLPack producer (:func:`to_dlpack`), so
+``torch.from_dlpack``, ``tf.experimental.dlpack.from_dlpack``, ``jax.dlpack.from_dlpack``,
+``mx.nd.from_dlpack`` and ``cupy.from_dlpack`` take hora's result as their own tensor without a copy; the
+capsule's deleter drops hora's reference to the memory when the framework frees the tensor.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import ctypes
 import dataclasses
 import math
 from typing import Any, Callable
+
+import numpy as np
 
 from hora.base.errors import HoraValueError
 
@@ -68,6 +75,21 @@ class DeviceArray:
             raise AttributeError(f"__cuda_array_interface__ has no typestr for {self.dtype}")
         return {"data": (self.ptr, False), "shape": tuple(self.shape), "typestr": "<" + typestr if typestr[0] != "b"
                 else "|b1", "strides": None, "version": 3}
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule of this memory (legacy ``dltensor``, which every consumer takes). ``stream`` is
+        not waited on: hora completes a result only once its stream is done with it."""
+        return to_dlpack(self)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return _DL_CUDA, self.device
+
+    def view(self, dtype) -> "DeviceArray":
+        """The same memory as another dtype of the same item size (hora.tensorflow moves uint16 as int16)."""
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+        if ITEMSIZE.get(name) != ITEMSIZE[self.dtype]:
+            raise HoraValueError(f"cannot view {self.dtype} device memory as {name}")
+        return dataclasses.replace(self, dtype=name, owner=self)
 
     def __repr__(self) -> str:
         return f"DeviceArray(cuda:{self.device}, {self.dtype}{list(self.shape)}, 0x{self.ptr:x})"
@@ -130,34 +152,119 @@ def _dl_dtype(t: _DLDataType, what: str) -> str:
     return dtype
 
 
-def from_dlpack(obj, what: str = "collective", stream: int | None = None) -> DeviceArray:
-    """A :class:`DeviceArray` of ``obj.__dlpack__()`` (a CUDA tensor). The capsule is kept, not consumed,
-    so the producer's deleter runs when the DeviceArray is dropped. ``stream``: the consumer's stream the
-    producer is asked to order its work before (None: not asked)."""
-    dev_type, dev_id = obj.__dlpack_device__()
-    if dev_type not in (_DL_CUDA, _DL_CUDA_MANAGED):
-        raise HoraValueError(f"{what}: the DLPack tensor is on device type {dev_type}, not CUDA")
-    capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
-    t = _DLTensor.from_address(_get_pointer(capsule, b"dltensor"))  # DLManagedTensor starts with its DLTensor
+def from_dlpack(obj, what: str = "collective", stream: int | None = None,
+                accept: tuple = (_DL_CUDA, _DL_CUDA_MANAGED)) -> DeviceArray:
+    """A :class:`DeviceArray` of ``obj.__dlpack__()`` (a CUDA tensor), or of ``obj`` itself when it is a
+    capsule (what TensorFlow's and MXNet's ``to_dlpack`` return). The capsule is consumed, as DLPack's
+    consumers do (renamed ``used_dltensor``), and the producer's deleter is called when the DeviceArray is
+    dropped (MXNet 1.9's destructor of an unconsumed capsule fails and would leak the NDArray).
+    ``stream``: the consumer's stream the producer is asked to order its work before (None: not asked).
+    ``accept``: the DLPack device types taken (the tests add the CPU's, 1, to read real frameworks'
+    capsules on a machine without a GPU)."""
+    capsule = obj if type(obj).__name__ == "PyCapsule" else None
+    if capsule is None:  # the producer's word on its device (a capsule says it in its tensor)
+        dev_type, dev_id = obj.__dlpack_device__()
+        if dev_type not in accept:
+            raise HoraValueError(f"{what}: the DLPack tensor is on device type {dev_type}, not CUDA")
+        capsule = obj.__dlpack__() if stream is None else obj.__dlpack__(stream=stream)
+    managed = _get_pointer(capsule, b"dltensor")
+    _set_name(capsule, _USED)
+    keep = _Consumed(managed)  # from here on the deleter runs when this goes, also if the tensor is refused
+    t = _DLTensor.from_address(managed)  # DLManagedTensor starts with its DLTensor
+    if capsule is obj:
+        dev_type, dev_id = t.device.device_type, t.device.device_id
+        if dev_type not in accept:
+            raise HoraValueError(f"{what}: the DLPack tensor is on device type {dev_type}, not CUDA")
     dtype = _dl_dtype(t.dtype, what)
     shape = tuple(t.shape[i] for i in range(t.ndim))
     strides = None if not t.strides else tuple(t.strides[i] * ITEMSIZE[dtype] for i in range(t.ndim))
     _contiguous(shape, strides, ITEMSIZE[dtype], what)
-    return DeviceArray((t.data or 0) + t.byte_offset, shape, dtype, int(dev_id), owner=(obj, capsule))
+    return DeviceArray((t.data or 0) + t.byte_offset, shape, dtype, int(dev_id), owner=(obj, keep))
 
 
 def as_device_array(obj, device: int | None = None, what: str = "collective") -> DeviceArray | None:
-    """``obj`` as a DeviceArray when it is a CUDA tensor (``__cuda_array_interface__`` where ``device`` is
-    known, else DLPack), or None when it is not one (a host array goes the usual way)."""
+    """``obj`` as a DeviceArray when it is a CUDA tensor, or None when it is not one (a host array goes the
+    usual way). ``__cuda_array_interface__`` is preferred (no capsule, and it names the producer's stream)
+    where the device is known: given, or said by ``__dlpack_device__`` (CuPy says both); else DLPack."""
     if isinstance(obj, DeviceArray):
         return obj
     if device is not None and hasattr(obj, "__cuda_array_interface__"):
         return from_cuda_array_interface(obj, device, what)
     if hasattr(obj, "__dlpack_device__"):
         try:
-            dev_type = obj.__dlpack_device__()[0]
+            dev_type, dev_id = obj.__dlpack_device__()
         except Exception:  # noqa: BLE001 - a producer that cannot say is not a device tensor to us
             return None
         if dev_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+            if hasattr(obj, "__cuda_array_interface__"):
+                return from_cuda_array_interface(obj, int(dev_id), what)
             return from_dlpack(obj, what)
     return None
+
+
+# -- export: a DeviceArray as a DLPack capsule ---------------------------------------------------------------
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_EXPORTED: dict[int, tuple] = {}  # DLManagedTensor address -> what keeps it and the memory alive
+_DELETER_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_CAPSULE_DTOR_T = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # the capsule as a raw pointer: no reference taken
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype, _capsule_new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_raw_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.c_void_p)(("PyCapsule_GetName", ctypes.pythonapi))
+_raw_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
+_DL_CODES = {"int": _DL_INT, "uint": _DL_UINT, "float": _DL_FLOAT, "bfloat": _DL_BFLOAT, "bool": _DL_BOOL}
+
+
+_set_name = ctypes.pythonapi.PyCapsule_SetName
+_set_name.restype, _set_name.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
+_USED = b"used_dltensor"  # a capsule keeps a pointer to its name: this constant lives as long as the module
+
+
+class _Consumed:
+    """A consumed DLManagedTensor: its producer's deleter runs when hora is done with the memory."""
+
+    def __init__(self, managed: int):
+        self.managed = managed
+
+    def __del__(self):
+        deleter = _DLManagedTensor.from_address(self.managed).deleter
+        if deleter:
+            _DELETER_T(deleter)(self.managed)
+
+
+def _drop(managed: int) -> None:
+    """The consumer is done with the memory (or the capsule died unconsumed): drop hora's reference."""
+    _EXPORTED.pop(managed, None)
+
+
+_deleter = _DELETER_T(_drop)
+
+
+@_CAPSULE_DTOR_T
+def _capsule_dtor(capsule: int) -> None:
+    if _raw_name(capsule) == b"dltensor":  # never consumed: nobody else will call the deleter
+        _drop(_raw_pointer(capsule, b"dltensor"))
+
+
+def to_dlpack(a: DeviceArray, device_type: int = _DL_CUDA) -> object:
+    """A legacy DLPack capsule (``dltensor``) of ``a``'s memory that keeps ``a`` alive until the consumer
+    calls its deleter. ``device_type``: CUDA; the tests export the CPU stand-in's memory as CPU (1) so that
+    NumPy, torch, TensorFlow and JAX on CPUs check the capsule."""
+    name = "bool" if a.dtype == "bool" else a.dtype.rstrip("0123456789")
+    bits = 8 if a.dtype == "bool" else ITEMSIZE[a.dtype] * 8
+    shape = (ctypes.c_int64 * max(a.ndim, 1))(*a.shape)
+    m = _DLManagedTensor()
+    m.dl_tensor.data = a.ptr or None
+    m.dl_tensor.device = _DLDevice(device_type, a.device if device_type != 1 else 0)
+    m.dl_tensor.ndim = a.ndim
+    m.dl_tensor.dtype = _DLDataType(_DL_CODES[name], bits, 1)
+    m.dl_tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    m.dl_tensor.strides = None  # C-contiguous
+    m.dl_tensor.byte_offset = 0
+    m.deleter = ctypes.cast(_deleter, ctypes.c_void_p).value
+    addr = ctypes.addressof(m)
+    _EXPORTED[addr] = (m, shape, a)
+    return _capsule_new(addr, b"dltensor", ctypes.cast(_capsule_dtor, ctypes.c_void_p).value)

@@ -113,7 +113,8 @@ KNOBS = [
     Knob("hierarchical_allreduce", str, "auto", "HIERARCHICAL_ALLREDUCE", "--hierarchical-allreduce",
          "allreduce through shared memory inside each host and a ring across hosts, for jobs whose hosts all "
          "run the same number (>1) of ranks: auto (where measured faster, benchmarks/results/hierarchical.md), "
-         "1 on, 0 off", check=lambda v: str(v).strip().lower() in ("auto", "") or env.parse_bool(v) is not None,
+         "1 on, 0 off; GPU tensors only with 1: NCCL inside each host, the ring across hosts (docs/gpu.md)",
+         check=lambda v: str(v).strip().lower() in ("auto", "") or env.parse_bool(v) is not None,
          allowed="auto, 1 or 0", switch=("1", "0"), off_flag="--no-hierarchical-allreduce",
          config="params.hierarchical_allreduce"),
     Knob("mpi_allreduce", str, "ring", "MPI_ALLREDUCE", None,
@@ -156,6 +157,11 @@ KNOBS = [
          "comma-separated network interfaces the ranks use for data and the store, e.g. eth0,ib0 ('' = the one "
          "that reaches the store); with --mpi also mpirun's btl_tcp_if_include; HOROVOD_GLOO_IFACE is read too",
          group="basic", metavar="NICS", also="GLOO_IFACE"),
+    Knob("wire_protection", str, "off", "WIRE_PROTECTION", "--wire-protection",
+         "protection of hora's connections (tensors, control, store): off, integrity (each frame carries an "
+         "AES-GCM tag: a changed, replayed or reordered frame fails the job naming the peer) or encrypt (and "
+         "encrypted); keys per connection from the job secret; needs hora[secure]; docs/security.md",
+         **_one_of("off", "integrity", "encrypt"), config="params.wire_protection", group="basic"),
     Knob("store_port", int, 0, "STORE_PORT", None,
          "TCP port rank 0 serves the rendezvous store on under torchrun/srun (0 = derived: torchrun's "
          "MASTER_PORT+1, srun's job and step ids)", 1, lambda v: 0 <= v <= 65535, "0-65535"),
@@ -194,6 +200,11 @@ KNOBS = [
          "seconds a stalled tensor may wait before the job fails on every rank (0 = never); "
          "Horovod's default is never, the most reported hang", 1, _nonneg, ">= 0",
          config="stall_check.shutdown_time_seconds", group="stall"),
+    Knob("stall_explain_floor", float, 1.5, "STALL_EXPLAIN_FLOOR_SECONDS", None,
+         "hangs explained: once a collective has waited 1.5x this job's recent step time, but no less than "
+         "this many seconds (and no more than the stall check time), every rank prints which ranks are where "
+         "in their code and why, with the fix (docs/observability.md); 0 = off", 1, _nonneg, ">= 0",
+         group="stall"),
     Knob("frozen_timeout", float, 0.0, "FROZEN_TIMEOUT_SECONDS", "--frozen-timeout-seconds",
          "seconds a rank whose process stopped running (SIGSTOP, a debugger, a paused host; not a busy one) "
          "may stay so before the job fails on every rank; it is named on every rank within seconds. "

@@ -24,10 +24,10 @@ import time
 
 import numpy as np
 
-from hora.base import knobs
+from hora.base import env, knobs
 from hora.base.device import DeviceArray
 from hora.base.errors import HoraError, InternalError, ShutdownError
-from hora.engine import device_ops, messages as m
+from hora.engine import device_hier, device_ops, messages as m
 from hora.transport import cuda, nccl_lib
 
 log = logging.getLogger("hora.gpu")
@@ -132,13 +132,19 @@ class DeviceExecutor:
         self._lanes_lock = threading.Lock()
         self.routes: dict[int, str | None] = {}  # process set -> None (NCCL) or the staged path's reason
         self.comms: dict[int, object] = {}
-        self._made: dict[int, int] = {}
+        # process set -> how many times it was added (set ids are reused after a removal): every rank counts
+        # every addition, so the members of a set agree on its unique id's key whatever they took part in
+        self._added: dict[int, int] = {}
         self._watch: list[_Watch] = []
         self._cv = threading.Condition()
         self._failed: BaseException | None = None
         self._aborted_at, self._abort_text = 0.0, ""
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._hostnames: list[str] = []
+        # HORA_HIERARCHICAL_ALLREDUCE=1 (on only when asked: "auto" keeps NCCL's own transports across hosts)
+        self._hier_wanted = env.parse_bool(self.cfg["hierarchical_allreduce"]) is True
+        self._hier: device_hier.Hierarchy | bool | None = None  # None: not decided yet
 
     # -- the caller's side ----------------------------------------------------------------------------------
     def runtime(self) -> cuda.CudaRuntime:
@@ -175,17 +181,53 @@ class DeviceExecutor:
         bus = self.lane(self.device).rt.pci_bus_id(self.device)
         mine = f"{self.topo.hostname}|{bus}|{int(lib is not None)}|{int(mig)}|{why[:200]}"
         everyone = device_ops.allgather_text(comm, mine)
+        if ps == 0:
+            self._hostnames = [e.split("|", 1)[0] for e in everyone]
         reason = device_ops.route_reason(everyone, self.cfg["gpu_operations"])
         if reason:
             warn_once(f"GPU tensors of process set {ps} go through the staged path (device -> pinned host -> "
                       f"hora's host collectives -> device): {reason}")
         self.routes[ps] = reason
         if reason is None:
-            n = self._made[ps] = self._made.get(ps, 0) + 1
+            n = self._added.get(ps, 0)
             from hora.transport.nccl import NcclComm
             self.comms[ps] = NcclComm(lib, self.store, f"{self.prefix}/nccl/{ps}/{n}", comm.rank, comm.size,
                                       self.device, self.runtime(), self.cfg["start_timeout"])
         return reason
+
+    def set_changed(self, kind: str, ps: int, ranks: tuple) -> None:
+        """A process set added or removed: in the engine thread of every rank, in the collectives' order.
+        A set added once the global NCCL communicator exists is split from it (``ncclCommSplit``, NCCL >=
+        2.18): a split is collective over every rank of the parent, so it happens here, where every rank
+        is, and not at the set's first device collective, which only its members see. Otherwise (an older
+        NCCL, or no GPU collective yet) the set's first device collective makes its own communicator from a
+        fresh unique id (:meth:`_route`). A removed set's communicator is destroyed."""
+        if kind == m.ADD_PS:
+            self._added[ps] = self._added.get(ps, 0) + 1
+        if kind == m.REMOVE_PS:
+            self.routes.pop(ps, None)
+            comm = self.comms.pop(ps, None)
+            if comm is not None:
+                self.settle()  # its collectives in flight finish first
+                try:
+                    comm.destroy()
+                except HoraError as e:
+                    log.warning("ncclCommDestroy of process set %s: %s", ps, e)
+            return
+        parent = self.comms.get(0)
+        if parent is None or parent.aborted or self._failed is not None or not parent.lib.has("ncclCommSplit"):
+            return
+        lane = self.lane(parent.device)
+        lane.rt.call("cudaStreamSynchronize", lane.stream)  # what is queued on the parent runs first
+        member = self.topo.rank in ranks
+        try:
+            child = parent.split(0 if member else None, ranks.index(self.topo.rank) if member else 0, len(ranks))
+        except HoraError as e:  # the set makes its own communicator at its first device collective instead
+            warn_once(f"ncclCommSplit for process set {ps} failed ({e}); it gets its own communicator")
+            return
+        if child is not None:
+            self.comms[ps] = child
+            self.routes[ps] = None  # a subset of the global set's GPUs, all reached through NCCL
 
     def run(self, resp: m.Response, pends: list, comm, op_name: str) -> None:
         if self._failed is not None:
@@ -210,7 +252,11 @@ class DeviceExecutor:
             reason = device_ops.nccl_refuses(resp, nc.lib)
         host = self.host
         host._tl(resp.names, op_name if reason is None else "STAGED_" + op_name, True)
-        if reason is None:
+        hier = self._hierarchy(resp, comm, nc) if reason is None else None
+        if hier is not None:
+            done, keep = device_hier.allreduce(resp, pends, hier, lane, comm.size, host.scratch)
+            nc = hier.local
+        elif reason is None:
             root = host.comm_rank_of(resp.root, comm) if resp.kind == m.BROADCAST else -1
             done, keep = device_ops.run_nccl(resp, pends, nc, lane, comm.size, root)
         else:
@@ -222,6 +268,27 @@ class DeviceExecutor:
             lane.fused = None
         keep.extend(p.array for p in pends if p is not None)  # the inputs live until hora's stream has read them
         self._expect(_Watch(lane.record(), lane, nc if reason is None else None, done, keep, resp.names))
+
+    def _hierarchy(self, resp: m.Response, comm, nc) -> device_hier.Hierarchy | None:
+        """The hierarchy a global allreduce runs on (HORA_HIERARCHICAL_ALLREDUCE=1), or None (flat NCCL).
+        Decided, and built, at the first global allreduce NCCL runs: every rank is there, in the same order."""
+        if resp.kind != m.ALLREDUCE or resp.ps != 0 or not self._hier_wanted:
+            return None
+        if self._hier is None:
+            lay, why = device_hier.layout(self._hostnames, self.topo.rank)
+            self._hier = False
+            if lay is None:
+                if self.topo.rank == 0:
+                    warn_once(f"HORA_HIERARCHICAL_ALLREDUCE=1: GPU allreduces stay flat NCCL allreduces: {why}")
+            else:
+                self._hier = device_hier.build(lay, nc, self._local_comm, comm)
+                self.comms[-1] = self._hier.local  # aborted and destroyed with the others
+        return self._hier or None
+
+    def _local_comm(self, suffix: str, rank: int, size: int):
+        from hora.transport.nccl import NcclComm
+        return NcclComm(nccl_lib.load(self.where), self.store, f"{self.prefix}/nccl/{suffix}", rank, size,
+                        self.device, self.runtime(), self.cfg["start_timeout"])
 
     # -- completion -----------------------------------------------------------------------------------------
     def _expect(self, w: _Watch) -> None:

@@ -118,10 +118,33 @@ def _out(lane, p: Pending, shape: tuple, dtype: str) -> DeviceArray:
     return lane.alloc(shape, dtype, p.array)
 
 
+def pack(lane, pends: list, counts: list[int], resp: m.Response, fb: int, keep: list) -> None:
+    """The inputs one after another into the device fusion buffer ``fb`` (a joined rank's: the identity)."""
+    item, off = ITEMSIZE[resp.dtype], fb
+    for p, c in zip(pends, counts):
+        if p is None:
+            _identity(lane, off, c, resp, keep)
+        else:
+            lane.rt.copy(off, p.array.ptr, c * item, cuda.D2D, lane.stream)
+        off += c * item
+
+
+def unpack(lane, pends: list, counts: list[int], dtype: str, fb: int) -> list:
+    """The results out of ``fb`` (into the inputs for in-place ops); the (handle, result) pairs."""
+    item, off, done = ITEMSIZE[dtype], fb, []
+    for p, c in zip(pends, counts):
+        if p is not None:
+            out = p.array if p.inplace else _out(lane, p, p.array.shape, dtype)
+            lane.rt.copy(out.ptr, off, c * item, cuda.D2D, lane.stream)
+            done.append((p.handle, out))
+        off += c * item
+    return done
+
+
 def run_nccl(resp: m.Response, pends: list, nc, lane, n: int, root: int) -> tuple[list, list]:
     rt, s, dtype = lane.rt, lane.stream, resp.dtype
     item = ITEMSIZE[dtype]
-    done, keep = [], []
+    keep: list = []
     kind = resp.kind
     if kind == m.ALLREDUCE:
         counts = [math.prod(sh) for sh in resp.shapes]
@@ -132,23 +155,10 @@ def run_nccl(resp: m.Response, pends: list, nc, lane, n: int, root: int) -> tupl
             nc.allreduce(p.array.ptr, out.ptr, counts[0], dtype, op, s)
             return [(p.handle, out)], keep
         fb = lane.fusion(sum(counts) * item)
-        off = fb
-        for p, c in zip(pends, counts):  # pack
-            if p is None:
-                _identity(lane, off, c, resp, keep)
-            else:
-                rt.copy(off, p.array.ptr, c * item, cuda.D2D, s)
-            off += c * item
+        pack(lane, pends, counts, resp, fb, keep)
         nc.allreduce(fb, fb, sum(counts), dtype, op, s)
         lane.fused = (len(counts), sum(counts) * item)  # for the engine's statistics
-        off = fb
-        for p, c in zip(pends, counts):  # unpack
-            if p is not None:
-                out = p.array if p.inplace else _out(lane, p, p.array.shape, dtype)
-                rt.copy(out.ptr, off, c * item, cuda.D2D, s)
-                done.append((p.handle, out))
-            off += c * item
-        return done, keep
+        return unpack(lane, pends, counts, dtype, fb), keep
     p = pends[0]
     a = p.array
     row = math.prod(a.shape[1:])

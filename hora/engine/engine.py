@@ -36,7 +36,7 @@ import numpy as np
 
 from hora.base import fp_quiet
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
-from hora.engine import fastpath
+from hora.engine import explain, fastpath
 from hora.engine import messages as m
 from hora.engine.baton import CALLER, NOBODY, Baton
 from hora.engine.interrupts import GATE
@@ -102,6 +102,7 @@ class Engine:
                           m.ABORT: self._on_abort, m.STACK_QUERY: self._on_stack_query,
                           m.STACK_REPLY: self._on_stack_reply, m.STALL_FATAL: self._on_stall_fatal,
                           m.BYE: self._on_bye, m.DATA_STALL: self._on_data_stall}
+        explain.attach(self)  # hangs explained: its handlers, and ``_stamp`` on every submission (or None)
         self.handles.drive = self._drive
         # The engine thread sleeps in epoll on the wake pipe and on a nested epoll holding the control
         # connections. A driving caller switches the nested one off for its session: otherwise every
@@ -143,6 +144,8 @@ class Engine:
     # -- caller side ---------------------------------------------------------------------------
     def submit(self, *pends: Pending) -> None:
         """Queue requests for the engine; several at once are negotiated together."""
+        if self._stamp is not None:
+            self._stamp(pends)
         self.subs.add(pends, self.baton.held)
 
     def shutdown(self) -> None:
@@ -516,8 +519,7 @@ class Engine:
             return
         if kind in (m.ADD_PS, m.REMOVE_PS):
             self.role.set_changed(kind, resp.value, pends[0])
-            if kind == m.REMOVE_PS:
-                self.executor.forget(resp.value)
+            self.executor.set_changed(kind, resp.value, self.role.ranks_of(resp.value))
         ranks = self.role.ranks_of(resp.ps)
         if kind not in (m.ADD_PS, m.REMOVE_PS, m.JOIN) and self.rank not in ranks:
             return

@@ -30,6 +30,7 @@ class Pending:
     array: np.ndarray | None  # C-contiguous input (None for barrier, join, process sets)
     inplace: bool = False
     flush: bool = False  # a synchronous caller waits: negotiate now, don't gather more
+    site: object = None  # the caller's call site (hora.engine.callsite.Site), for hangs explained
 
 
 _DTYPES: dict[str, np.dtype] = {}  # by name: np.dtype(name) parses the string, several times per collective
@@ -120,6 +121,14 @@ class Executor:
         by_kind = comm.op_transports
         self._activity = {k: f"{by_kind[k] if size > 1 else self.transport}_{k.upper()}"
                           for k in (m.ALLREDUCE, m.ALLGATHER, m.BROADCAST, m.ALLTOALL, m.REDUCESCATTER)}
+
+    def set_changed(self, kind: str, ps: int, ranks: tuple[int, ...]) -> None:
+        """A process set added or removed, on every rank in the same order: a removed set's communicator is
+        closed; on the GPU a new set's NCCL communicator is split from the global one (device_exec)."""
+        if kind == m.REMOVE_PS:
+            self.forget(ps)
+        if self.gpu is not None:
+            self.gpu.set_changed(kind, ps, ranks)
 
     def forget(self, ps: int) -> None:
         sub = self._subs.pop(ps, None)

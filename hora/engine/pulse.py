@@ -90,7 +90,7 @@ class Pulse:
         self._wake_r, self._wake_w = socket.socketpair()
         if rank in (0, 1):
             listener = socket.create_server((bind, 0), backlog=socket.SOMAXCONN)
-            self._acceptor = Acceptor(listener, secret, self._claim, f"hora rank {rank}: pulse port")
+            self._acceptor = Acceptor(listener, secret, self._claim, f"hora rank {rank}: pulse port", sealed=False)
             store.set(f"{prefix}/pulse/{rank}", f"{advertise}:{listener.getsockname()[1]}".encode())
         self._secret, self._start_timeout = secret, start_timeout
         self._start_beating()  # before init returns: the rank may hold the GIL for hours right after
@@ -108,7 +108,7 @@ class Pulse:
             log.debug("hora rank %d: no heartbeat to rank %d: %s", self.rank, watcher_of(self.rank), e)
             return
         try:
-            auth.connect_handshake(sock, self._secret, ident)
+            auth.connect_handshake(sock, self._secret, ident, sealed=False)  # faulthandler writes to it
             # no user timeout on this side: a watcher merely busy reads nothing and may close its window
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setblocking(False)  # a full buffer drops a beat; it never blocks the watchdog thread

@@ -29,7 +29,8 @@ _NO_RANKS: tuple[int, ...] = ()
 
 def bye_text(rank: int) -> str:
     return (f"rank {rank} has shut down (hora.shutdown() or the end of its script) while this rank still had "
-            "collectives for it; every rank must run the same collectives")
+            "collectives for it; every rank must run the same collectives (a rank that ran out of data first "
+            "should call hora.join() after its loop)")
 
 
 class CoordinatorRole:

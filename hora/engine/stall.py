@@ -6,6 +6,9 @@ per tensor, naming the tensors, the missing ranks and what they are doing; after
 ``stall_shutdown_time`` s (0: never) it tells every rank to fail its pending work with a
 :class:`StallError` carrying the last warning, and fails its own.
 
+Before that warning, a wait far longer than the job's steps is explained on every rank, in words
+(:mod:`hora.engine.explain`, which this inspector runs as its ``explainer``).
+
 The data phase: a rank inside a collective waits in its transport, whichever thread runs the engine,
 and the transport calls :meth:`DataWatch.on_wait` every few hundred ms with the peer it waits for and
 a token of progress. A peer that moves nothing for ``stall_check_time`` s is warned about (with what
@@ -55,12 +58,15 @@ class StallInspector:
         self._fatal_sent = False
         # reported data waits: rank -> (peer, since, last heard, peer's state, collective)
         self._waits: dict[int, tuple[int, float, float, str, str]] = {}
+        self.explainer = None  # hangs explained before the warning (hora.engine.explain; set by its attach)
 
     def due_in(self) -> float | None:
         """Seconds until the next look is due, or None while nothing is waiting."""
+        ex = self.explainer.due_in() if self.explainer is not None else None
         if not (self.coord.table or self._reports or self._waits):
-            return None
-        return max(0.0, self._next_check - time.monotonic())
+            return ex
+        due = max(0.0, self._next_check - time.monotonic())
+        return due if ex is None else min(due, ex)
 
     def on_data_wait(self, rank: int, peer: int, waited: float, state: str, what: str) -> None:
         """Rank ``rank`` has had no data from ``peer`` for ``waited`` s inside ``what`` (a report, or
@@ -113,6 +119,8 @@ class StallInspector:
 
     def check(self) -> None:
         """Warn about and, past the shutdown time, fail the stalled tensors (raises StallError)."""
+        if self.explainer is not None:
+            self.explainer.check()
         now = time.monotonic()
         if now < self._next_check:
             return

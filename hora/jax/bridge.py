@@ -28,6 +28,7 @@ from hora.base.errors import HoraValueError
 from hora.kit.adasum import pack_limit
 from hora.kit.packing import PACK_LIMIT, Packing, slices
 from hora.core.process_sets import ProcessSet, global_process_set
+from hora.jax import device as _device
 
 __all__ = ["host_call", "grouped_allreduce", "packed_allreduce", "traced", "settle", "packing", "pack", "unpack"]
 
@@ -51,16 +52,22 @@ def _vmap_refused(what: str):
     return rule
 
 
-def host_call(fn: Callable, inputs: list, result_shapes: list | None, what: str = "collective") -> list:
+def host_call(fn: Callable, inputs: list, result_shapes: list | None, what: str = "collective",
+              device: bool = False) -> list:
     """``fn(*numpy arrays) -> list of arrays`` on the host, returned as jax arrays.
 
     ``result_shapes``: a ``jax.ShapeDtypeStruct`` per output. Under ``jit`` they are fixed when the function
     is traced, and a result of another shape is refused with a HoraValueError (``what`` names the
     collective); outside ``jit`` they are not needed (``None``: whatever ``fn`` returns).
+    ``device``: ``fn`` hands its arrays straight to the core, so outside ``jit`` arrays that are all on CUDA
+    devices go as device memory and come back as GPU arrays (:mod:`hora.jax.device`).
     """
     inputs = list(inputs)
     if not traced(inputs):
         settle()
+        arrays = _device.device_arrays(inputs, what) if device and _device.on_gpu(inputs) else None
+        if arrays is not None:
+            return [_device.array(r) for r in fn(*arrays)]
         return [jnp.asarray(r) for r in fn(*[np.asarray(a) for a in inputs])]
     if result_shapes is None:
         raise HoraValueError(f"{what}: the shape of its result is known only when it runs, so it cannot run "

@@ -30,6 +30,7 @@ from hora.collectives.reduce import check_dtype
 from hora.kit.frontend import init, shutdown
 from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
+from hora.jax import device as _device
 from hora.jax.bridge import host_call, settle
 from hora.jax.compression import Compression
 
@@ -171,21 +172,28 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 def _start(tensor, what: str, name, process_set):
     """An async form's input on the host: checked (the peers told of a refusal), queued work done."""
     settle()  # first: a refusal takes the next automatic name, which a queued jitted call must take first
-    return np.asarray(_fe.viewed(_eager_view, tensor, what, name, process_set))
+    return _host_or_device(_fe.viewed(_eager_view, tensor, what, name, process_set), what)
 
 
 def _start_group(tensors, what: str, name, process_set) -> list:
     settle()
     xs = _fe.grouped_viewed(_eager_view, list(tensors), what, name, process_set)
-    return [np.asarray(x) for x in xs]
+    arrays = _device.device_arrays(xs, what) if _device.on_gpu(xs) else None
+    return arrays if arrays is not None else [np.asarray(x) for x in xs]
+
+
+def _host_or_device(x, what: str):
+    """An async input: device memory for an array on a CUDA device (:mod:`hora.jax.device`), else NumPy."""
+    arrays = _device.device_arrays([x], what) if _device.on_gpu([x]) else None
+    return arrays[0] if arrays is not None else np.asarray(x)
 
 
 def _new(a) -> jax.Array:
-    return jnp.asarray(a)
+    return _device.array(a)
 
 
 def _each(results) -> list:
-    return [jnp.asarray(a) for a in results]
+    return [_device.array(a) for a in results]
 
 
 # -- allreduce -----------------------------------------------------------------------------------
@@ -201,7 +209,7 @@ def _allreduce(tree, average, name, compression, op, pre, post, process_set, gro
             if single:
                 return [_core.allreduce(a[0], op, pre, post, name, process_set)]
             return _core.grouped_allreduce(list(a), op, pre, post, name, process_set)
-        return host_call(run, xs, _like(xs), "allreduce")
+        return host_call(run, xs, _like(xs), "allreduce", device=True)
 
     wire, restore = _compressed(arrays, compression)
     rule = lambda gs, _: _fe.allreduce_grad(gs, op, pre, post, process_set)  # noqa: E731
@@ -258,7 +266,7 @@ def _allgather(tree, name, process_set, group: bool):
             if single:
                 return [_core.allgather(a[0], name, process_set)]
             return _core.grouped_allgather(list(a), name, process_set)
-        return host_call(run, xs, shapes, "allgather")
+        return host_call(run, xs, shapes, "allgather", device=True)
 
     rule = lambda gs, fl: _fe.allgather_grad(gs, [rows[i] for i in fl], process_set)  # noqa: E731
     return rebuild(_differentiable(forward, rule, arrays, "allgather"))
@@ -299,7 +307,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
             hs = [_core.broadcast_async(x, root_rank, _member(name, i, len(a)), process_set)
                   for i, x in enumerate(a)]
             return [_core.synchronize(h) for h in hs]
-        return host_call(run, xs, _like(xs), "broadcast")
+        return host_call(run, xs, _like(xs), "broadcast", device=True)
 
     rule = lambda gs, _: [_fe.broadcast_grad(g, root_rank, process_set) for g in gs]  # noqa: E731
     return rebuild(_differentiable(forward, rule, arrays, "broadcast"))
@@ -369,7 +377,8 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
         def run(v):
             out, received = _core.alltoall(v, _splits(v.shape, splits, n), name, process_set)
             return [out, np.asarray(received, np.int32)]
-        return host_call(run, [a], shapes, "alltoall with splits=" if splits is not None else "alltoall")
+        return host_call(run, [a], shapes, "alltoall with splits=" if splits is not None else "alltoall",
+                         device=True)
 
     if jnp.issubdtype(x.dtype, jnp.inexact):
         @jax.custom_vjp
@@ -396,7 +405,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     a = _start(tensor, "alltoall", name, process_set)
     h = _core.alltoall_async(a, _splits(a.shape, splits, process_set.size()) if a.ndim else splits, name,
                              process_set)
-    return _posts.keep(h, lambda r: (jnp.asarray(r[0]), jnp.asarray(r[1])))
+    return _posts.keep(h, lambda r: (_device.array(r[0]), jnp.asarray(r[1])))
 
 
 # -- reducescatter -------------------------------------------------------------------------------
@@ -416,7 +425,7 @@ def _reducescatter(tree, name, compression, op, process_set, pre, post, group: b
             if single:
                 return [_core.reducescatter(a[0], op, name, process_set, pre, post)]
             return _core.grouped_reducescatter(list(a), op, name, process_set, pre, post)
-        return host_call(run, xs, [mine(a) for a in xs], "reducescatter")
+        return host_call(run, xs, [mine(a) for a in xs], "reducescatter", device=True)
 
     wire, restore = _compressed(arrays, compression)
     rule = lambda gs, _: _fe.reducescatter_grad(gs, op, pre, post, process_set)  # noqa: E731

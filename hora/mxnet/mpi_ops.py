@@ -5,7 +5,9 @@ only once the operations writing it have run, so every input is waited for (``wa
 op ``WaitToWrite``, which also waits for pending readers) before the core sees it. A CPU NDArray then becomes
 a NumPy view of its own memory (``MXNDArrayGetData``, about 7 µs against ``asnumpy``'s 181 µs per 4 MB), so an
 in-place op writes its result straight into the NDArray; an out-of-place result travels back with
-``nd.from_numpy(zero_copy=True)`` (22 µs, no copy). NDArrays on a GPU are staged through host memory.
+``nd.from_numpy(zero_copy=True)`` (22 µs, no copy). A GPU NDArray goes to the core as its device memory
+through MXNet's DLPack export (which waits the same way) and its result comes back with ``nd.from_dlpack``,
+no host copy (docs/gpu.md); gradients and the trainer's reductions still stage GPU NDArrays through the host.
 
 Horovod's MXNet ops hand their work to MXNet's engine and return at once; hora's return when the collective is
 done (the result is ready to read). Unlike Horovod's, the out-of-place ``allreduce``, ``grouped_allreduce``,
@@ -29,6 +31,8 @@ from mxnet.base import _LIB, MXNetError, check_call
 import hora.kit.frontend as _fe
 from hora.kit.frontend import init, shutdown
 import hora.core.ops as _core
+from hora.base.device import DeviceArray, from_dlpack
+from hora.kit.device import exported
 from hora.base.errors import HoraError, HoraValueError
 from hora.core.ops import Adasum, Average, Max, Min, Product, Sum
 from hora.core.process_sets import ProcessSet, global_process_set
@@ -71,9 +75,11 @@ def mxnet_errors(fn):
 
 
 # -- NDArrays <-> arrays -----------------------------------------------------------------------------
-def _view(tensor, what: str, write: bool = False) -> tuple[np.ndarray, mx.nd.NDArray | None]:
+def _view(tensor, what: str, write: bool = False, device: bool = False) -> tuple[np.ndarray, mx.nd.NDArray | None]:
     """A NumPy view of ``tensor``'s memory once MXNet has finished writing it (and, with ``write``, reading
-    it), and the host copy when the NDArray lives on another device."""
+    it), and the host copy when the NDArray lives on another device. ``device`` (the public collectives,
+    which hand the array straight to the core): a GPU NDArray goes as its device memory instead, through
+    MXNet's DLPack export, which waits the same way (``to_dlpack_for_read``/``_for_write``)."""
     if not isinstance(tensor, mx.nd.NDArray):
         raise HoraValueError(f"{what}: expected an mxnet.nd.NDArray, got {type(tensor).__name__}")
     if tensor.stype != "default":
@@ -85,6 +91,11 @@ def _view(tensor, what: str, write: bool = False) -> tuple[np.ndarray, mx.nd.NDA
     if dtype is None or dtype.name not in _MX_DTYPES:
         raise HoraValueError(f"{what}: NDArray type {tensor.dtype} is not supported; use {_MX_DTYPE_NAMES}")
     host = None
+    if device and tensor.context.device_type == "gpu":
+        got = exported(lambda t: from_dlpack(t.to_dlpack_for_write() if write else t.to_dlpack_for_read(), what),
+                       [tensor], "hora.mxnet")
+        if got is not None:
+            return got[0], None
     if tensor.context.device_type != "cpu":
         host = tensor = tensor.as_in_context(mx.cpu())  # staged: a GPU transport would reduce on the device
     if write and host is None:
@@ -110,6 +121,8 @@ def _memory(tensor: mx.nd.NDArray, dtype: np.dtype) -> np.ndarray:
 def _nd(a: np.ndarray, like: mx.nd.NDArray) -> mx.nd.NDArray:
     """An NDArray holding ``a`` (the core's result, owned by nobody else) on ``like``'s device, without a copy
     where MXNet allows (a C-contiguous array of a type DLPack knows)."""
+    if isinstance(a, DeviceArray):  # a GPU result: MXNet's NDArray over hora's memory, no copy
+        return mx.nd.from_dlpack(a.__dlpack__())
     a = np.asarray(a)
     if a.size and a.flags.c_contiguous and a.dtype.name in _ZERO_COPY:
         out = mx.nd.from_numpy(a, zero_copy=True)
@@ -127,12 +140,12 @@ def _fill(tensor: mx.nd.NDArray, host: mx.nd.NDArray | None) -> mx.nd.NDArray:
 
 def _array(tensor, what: str, name=None, process_set: ProcessSet = global_process_set, write: bool = False):
     """:func:`_view`; a refused input tells the peers (:func:`hora.kit.frontend.viewed`)."""
-    return _fe.viewed(lambda t, w: _view(t, w, write), tensor, what, name, process_set)
+    return _fe.viewed(lambda t, w: _view(t, w, write, device=True), tensor, what, name, process_set)
 
 
 def _arrays(tensors, what: str, name=None, process_set: ProcessSet = global_process_set, write: bool = False):
     """:func:`_view` of each of a grouped op's tensors; a refusal tells the peers under every member's name."""
-    pairs = _fe.grouped_viewed(lambda t, w: _view(t, w, write), tensors, what, name, process_set)
+    pairs = _fe.grouped_viewed(lambda t, w: _view(t, w, write, device=True), tensors, what, name, process_set)
     return [a for a, _ in pairs], [h for _, h in pairs]
 
 

@@ -176,7 +176,7 @@ def _run_job(func, args: tuple, kwargs: dict, values: dict[str, Any], command: l
     payload = cloudpickle.dumps((func, args, kwargs))
     secret = new_secret()
     bind, advertise = _store_host(values)
-    with StoreServer(secret, host=bind, port=0) as store:
+    with StoreServer(secret, host=bind, port=0, protection=values.get("wire_protection")) as store:
         store.set("func", payload)
         store.set("sys.path", pickle.dumps([p for p in sys.path if isinstance(p, str)]))
         addr = f"{advertise}:{store.address.rpartition(':')[2]}"

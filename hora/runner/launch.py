@@ -103,8 +103,10 @@ def run_job(values: dict[str, Any], command: list[str], extra_env: dict[str, str
     for w in warnings:
         _say(w)
     from hora.runner.elastic import is_elastic, run_elastic
+    from hora.transport import seal  # light: it imports the cryptography package only to check that it is there
 
     try:
+        seal.mode(values.get("wire_protection"))  # a missing package fails here, before anything starts
         if values.get("mpi") and is_elastic(values):
             raise UsageError("elastic training (--min-np, --max-np, --host-discovery-script) needs hora's own "
                              "launcher: it starts and replaces the workers itself; drop --mpi")
@@ -118,7 +120,7 @@ def run_job(values: dict[str, Any], command: list[str], extra_env: dict[str, str
         if is_elastic(values):  # the elastic driver: hora.runner.elastic.driver
             return run_elastic(values, command, ignored, extra_env, failures)
         slots = hostlib.plan_job(values)
-    except (UsageError, hostlib.HostError) as e:
+    except (UsageError, hostlib.HostError, seal.MissingExtraError) as e:
         _say(str(e))
         return 2
     return _launch(slots, values, command, ignored, extra_env, failures)
@@ -140,7 +142,7 @@ def _launch(slots: list[hostlib.Slot], values: dict[str, Any], command: list[str
             return HOST_LOST_CODE
     secret = new_secret()
     scope = f"job-{uuid.uuid4().hex[:16]}"
-    store = StoreServer(secret, host=bind, port=0)
+    store = StoreServer(secret, host=bind, port=0, protection=values.get("wire_protection"))
     try:
         port = store.address.rpartition(":")[2]
         default = f"{per_host[remote_hosts[0]] if remote_hosts else bind}:{port}"

@@ -31,6 +31,7 @@ from tensorflow.python.ops import control_flow_util
 import hora.core.ops as _core
 from hora.base.errors import HoraError, NotSupportedError
 from hora.core.process_sets import ProcessSet, global_process_set
+from hora.tensorflow import device as _device
 from hora.tensorflow.errors import as_tf_error, host_call_guard, install
 
 install()
@@ -136,7 +137,7 @@ def op_name(kind: str, tensor, name: str | None, ignore_name_scope: bool = False
 
 
 def host_call(fn, inputs: list, touts: list, shapes: list | None = None, name: str | None = None,
-              chain: bool = True) -> list:
+              chain: bool = True, device: bool = False) -> list:
     """``fn(*arrays) -> list of arrays`` run on the host with ``inputs``' values; returns tensors of dtypes
     ``touts`` with static ``shapes`` (default: the inputs' shapes, one per output).
 
@@ -146,10 +147,16 @@ def host_call(fn, inputs: list, touts: list, shapes: list | None = None, name: s
     rank would deadlock once its threads are all blocked; chained, they run in creation order, the same on
     every rank (what ``tf.function`` does by itself). A call is never chained to one that needs other feeds
     (an eval metric's allreduce before the train op), which would make running this one demand those feeds.
-    Calls that must run alone (``broadcast_`` for a hook, the ``*_op`` queries) pass False."""
+    Calls that must run alone (``broadcast_`` for a hook, the ``*_op`` queries) pass False.
+
+    ``device``: ``fn`` hands its arrays straight to the core, so in eager mode tensors that are all on GPUs
+    go as device memory and come back as GPU tensors (:mod:`hora.tensorflow.device`)."""
     inputs = [tf.convert_to_tensor(t) for t in inputs]
     if not in_graph():
         try:
+            arrays = _device.device_arrays(inputs) if device and _device.on_gpu(inputs) else None
+            if arrays is not None:
+                return [_device.tensor(o, d) for o, d in zip(fn(*arrays), touts)]
             outs = fn(*[t.numpy() for t in inputs])
         except HoraError as e:
             raise as_tf_error(e) from e.__cause__
@@ -196,4 +203,4 @@ def grouped_allreduce(tensors: list, op: int, prescale_factor: float = 1.0, post
     def run(*arrays):
         return _core.grouped_allreduce(list(arrays), op, prescale_factor, postscale_factor, name, process_set,
                                        layout=layout)
-    return host_call(run, tensors, [t.dtype for t in tensors])
+    return host_call(run, tensors, [t.dtype for t in tensors], device=True)

@@ -29,18 +29,18 @@ _DTYPES = (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloa
 # it bit for bit as int16 (:func:`movable`, :func:`restored`)
 _MOVE_ONLY = (tf.uint16,)
 _MOVERS = ("allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall")
-_MOVED_AS = {np.dtype(np.uint16): np.dtype(np.int16)}
+_MOVED_AS = {"uint16": np.dtype(np.int16)}  # by dtype name: a DeviceArray's dtype is a name
 
 
 def movable(array: np.ndarray) -> np.ndarray:
-    """``array`` as the core moves it: a uint16 array viewed as int16 (the same bytes)."""
-    as_ = _MOVED_AS.get(array.dtype)
+    """``array`` as the core moves it: a uint16 array viewed as int16 (the same bytes; a DeviceArray too)."""
+    as_ = _MOVED_AS.get(getattr(array.dtype, "name", str(array.dtype)))
     return array if as_ is None else array.view(as_)
 
 
 def restored(out, like: np.ndarray):
     """The core's result for input ``like`` in ``like``'s dtype again (see :func:`movable`)."""
-    return out.view(like.dtype) if like.dtype in _MOVED_AS else out
+    return out.view(like.dtype) if getattr(like.dtype, "name", str(like.dtype)) in _MOVED_AS else out
 
 
 # -- inputs ---------------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ def differentiable(run, inputs: list, touts: list, shapes: list | None, grad) ->
     gradient (``dys``: one per output, zeros where TensorFlow gives none)."""
     @tf.custom_gradient
     def op(*xs):
-        ys = host_call(run, list(xs), touts, shapes)
+        ys = host_call(run, list(xs), touts, shapes, device=True)
 
         def back(*dys):
             dys = [tf.zeros_like(y) if d is None else d for d, y in zip(dys, ys)]

@@ -29,7 +29,7 @@ import time
 from typing import Callable
 
 from hora.base.errors import AuthenticationError
-from hora.transport import auth
+from hora.transport import auth, seal
 
 log = logging.getLogger("hora.transport")
 
@@ -97,12 +97,15 @@ class Acceptor:
     ``on_ready(sock, ident, addr)`` runs on the acceptor's thread for each connection that proved it
     knows the secret (``sock`` blocking again, ``ident`` the identity it sent); it must not block, and
     an exception from it drops the connection with a log line, as does a failed or late handshake.
-    ``label`` names the port in those lines ("hora store", "hora rank 3: data port").
+    ``label`` names the port in those lines ("hora store", "hora rank 3: data port"). ``protection``: the
+    wire protection this port asks of every connection (else the knob); ``sealed=False`` leaves the
+    connections unsealed all the same (the pulse's, which C code writes to).
     """
 
     def __init__(self, listener: socket.socket, secret: bytes, on_ready: OnReady, label: str,
-                 max_pending: int = MAX_PENDING):
+                 max_pending: int = MAX_PENDING, sealed: bool = True, protection: str | None = None):
         self.listener, self._secret, self._on_ready, self._label = listener, secret, on_ready, label
+        self.mode, self._sealed = seal.mode(protection), sealed
         self._max = max_pending
         self._pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()  # oldest first
         self._sel = selectors.DefaultSelector()
@@ -173,7 +176,8 @@ class Acceptor:
             if len(self._pending) >= self._max:
                 self._drop(next(iter(self._pending.values())), f"more than {self._max} handshakes at once")
             sock.setblocking(False)
-            p = _Pending(sock, addr, auth.AcceptHandshake(self._secret), time.monotonic() + auth.HANDSHAKE_TIMEOUT)
+            shake = auth.AcceptHandshake(self._secret, self.mode)
+            p = _Pending(sock, addr, shake, time.monotonic() + auth.HANDSHAKE_TIMEOUT)
             self._pending[sock.fileno()] = p
             self._sel.register(sock, selectors.EVENT_WRITE, p)
             self._step(p, selectors.EVENT_WRITE)  # the hello fits in an empty socket buffer
@@ -204,7 +208,8 @@ class Acceptor:
         self._forget(p)
         try:
             p.sock.setblocking(True)
-            self._on_ready(p.sock, p.shake.ident, p.addr)
+            sock = p.shake.wrap(p.sock, "{}:{}".format(*p.addr[:2])) if self._sealed else p.sock
+            self._on_ready(sock, p.shake.ident, p.addr)
         except Exception as e:  # noqa: BLE001 - any failure means: drop this connection
             self._log(p, e)
             p.sock.close()

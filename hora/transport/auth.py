@@ -5,6 +5,10 @@ the connector answers with its own nonce, a small identity blob and an HMAC over
 the blob; the acceptor checks it and answers with an HMAC of its own over the same material (with a
 different label, so a reflected answer is useless). A silent, garbled or wrong peer fails within
 ``HANDSHAKE_TIMEOUT`` seconds and is dropped by the acceptor with a log line.
+
+Each side also states its ``wire_protection`` (one byte after its nonce, under the HMACs): two that
+differ fail here, each naming both settings; two that agree on integrity or encrypt seal the connection
+with keys derived from the secret and both nonces (:mod:`hora.transport.seal`).
 """
 
 from __future__ import annotations
@@ -16,11 +20,14 @@ import socket
 import struct
 
 from hora.base.errors import AuthenticationError
+from hora.transport import seal
 
 NONCE = 32
 MAC = hashlib.sha256().digest_size
 HANDSHAKE_TIMEOUT = 5.0  # seconds a connecting peer may take to prove itself
 _MAX_IDENT = 4096
+_HEAD = NONCE + 1 + 4  # the connector's nonce, its wire protection, its identity's length
+HELLO = 5 + NONCE + 1  # the acceptor's hello: magic, nonce, its wire protection
 
 
 def new_secret() -> str:
@@ -56,17 +63,19 @@ class AcceptHandshake:
     ``out`` holds bytes to send (the hello at first, the answer once the connector proved itself);
     :meth:`received` takes bytes read from the connection and raises :class:`AuthenticationError`
     when they are wrong. ``ident`` is the connector's identity blob once it is proved; ``done`` when
-    the answer has gone out too.
+    the answer has gone out too. ``mode``: this end's wire protection (:func:`seal.mode`).
     """
 
-    __slots__ = ("_secret", "_nonce", "_got", "out", "ident")
+    __slots__ = ("_secret", "_nonce", "_got", "out", "ident", "mode", "_nonce_c")
 
-    def __init__(self, secret: bytes):
+    def __init__(self, secret: bytes, mode: str = "off"):
         self._secret = secret
         self._nonce = os.urandom(NONCE)
         self._got = bytearray()
-        self.out = bytearray(b"HORA1" + self._nonce)
+        self.mode = mode
+        self.out = bytearray(b"HORA1" + self._nonce + seal.CODE[mode])
         self.ident: bytes | None = None
+        self._nonce_c = b""
 
     @property
     def done(self) -> bool:
@@ -76,13 +85,13 @@ class AcceptHandshake:
         """How many more bytes the connector must send before the next step (0 once proved)."""
         if self.ident is not None:
             return 0
-        head = NONCE + 4
+        head = _HEAD
         if len(self._got) < head:
             return head - len(self._got)
         return head + self._ident_len() + MAC - len(self._got)
 
     def _ident_len(self) -> int:
-        (n,) = struct.unpack("!I", self._got[NONCE:NONCE + 4])
+        (n,) = struct.unpack("!I", self._got[_HEAD - 4:_HEAD])
         if n > _MAX_IDENT:
             raise AuthenticationError(f"identity of {n} bytes is too long")
         return n
@@ -94,32 +103,55 @@ class AcceptHandshake:
         self._got += data
         if self.missing() or self.ident is not None:
             return
-        nonce_c, n = bytes(self._got[:NONCE]), self._ident_len()
-        ident = bytes(self._got[NONCE + 4:NONCE + 4 + n])
-        mac = bytes(self._got[NONCE + 4 + n:])
-        if not hmac.compare_digest(mac, _mac(self._secret, b"connector", self._nonce, nonce_c, ident)):
+        nonce_c, code, n = bytes(self._got[:NONCE]), bytes(self._got[NONCE:NONCE + 1]), self._ident_len()
+        ident = bytes(self._got[_HEAD:_HEAD + n])
+        mac = bytes(self._got[_HEAD + n:])
+        modes = seal.CODE[self.mode] + code
+        if not hmac.compare_digest(mac, _mac(self._secret, b"connector", self._nonce, nonce_c, ident, modes)):
             raise AuthenticationError("wrong HMAC (peer does not know the job secret)")
-        self.ident = ident
-        self.out += _mac(self._secret, b"acceptor", self._nonce, nonce_c, ident)
+        if code != seal.CODE[self.mode]:
+            theirs = seal.NAME.get(code, repr(code))
+            raise AuthenticationError(seal.mismatch(self.mode, theirs, "the connecting process"))
+        self.ident, self._nonce_c = ident, nonce_c
+        self.out += _mac(self._secret, b"acceptor", self._nonce, nonce_c, ident, modes)
+
+    def wrap(self, sock: socket.socket, peer: str) -> socket.socket:
+        """``sock`` (this handshake's, done) sealed as both ends agreed; ``peer`` names the connector."""
+        return seal.wrap(sock, self._secret, self._nonce, self._nonce_c, self.mode, True, peer)
 
 
 def connect_handshake(sock: socket.socket, secret: bytes, ident: bytes = b"",
-                      timeout: float = HANDSHAKE_TIMEOUT) -> None:
-    """Client side: prove we know the secret and check that the acceptor does too."""
+                      timeout: float = HANDSHAKE_TIMEOUT, sealed: bool = True,
+                      protection: str | None = None) -> socket.socket:
+    """Client side: prove we know the secret, check that the acceptor does too and that both ask for
+    the same wire protection (``protection``, else the knob), and return the connection to use: ``sock``
+    itself, or ``sock`` sealed (:mod:`hora.transport.seal`) unless ``sealed`` is False (a connection
+    written to by C code, the pulse's)."""
+    mode = seal.mode(protection)
     try:
         sock.settimeout(timeout)
-        hello = recv_exact(sock, 5 + NONCE)
-        if hello[:5] != b"HORA1":
-            raise AuthenticationError("the other end is not a hora endpoint")
-        nonce_s = hello[5:]
+        hello = recv_exact(sock, HELLO)
+        if hello[:5] != b"HORA1" or hello[-1:] not in seal.NAME:
+            raise AuthenticationError("the other end is not a hora endpoint (or not of this version)")
+        nonce_s, theirs = hello[5:5 + NONCE], seal.NAME[hello[-1:]]
         nonce_c = os.urandom(NONCE)
-        sock.sendall(nonce_c + struct.pack("!I", len(ident)) + ident
-                     + _mac(secret, b"connector", nonce_s, nonce_c, ident))
+        modes = hello[-1:] + seal.CODE[mode]
+        sock.sendall(nonce_c + seal.CODE[mode] + struct.pack("!I", len(ident)) + ident
+                     + _mac(secret, b"connector", nonce_s, nonce_c, ident, modes))
+        if theirs != mode:  # sent first, so that the acceptor names both settings too
+            raise AuthenticationError(seal.mismatch(mode, theirs, "the accepting process"))
         answer = recv_exact(sock, MAC)
-        if not hmac.compare_digest(answer, _mac(secret, b"acceptor", nonce_s, nonce_c, ident)):
+        if not hmac.compare_digest(answer, _mac(secret, b"acceptor", nonce_s, nonce_c, ident, modes)):
             raise AuthenticationError("the acceptor does not know the job secret")
         sock.settimeout(None)
     except AuthenticationError:
         raise
     except (OSError, ConnectionError) as e:
         raise AuthenticationError(f"handshake failed: {e}") from e
+    if not sealed:
+        return sock
+    try:
+        peer = "{}:{}".format(*sock.getpeername()[:2])
+    except OSError:
+        peer = "the acceptor"
+    return seal.wrap(sock, secret, nonce_s, nonce_c, mode, False, peer)

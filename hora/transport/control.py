@@ -26,7 +26,7 @@ import time
 from typing import Callable, Iterable
 
 from hora.base.errors import CommunicatorClosedError, PeerLostError
-from hora.transport import auth
+from hora.transport import auth, seal
 
 _POLL_IN = select.POLLIN | select.POLLPRI
 _LEN = struct.Struct("!I")
@@ -167,7 +167,7 @@ class ControlPlane:
             head = auth.recv_exact(sock, _LEN.size)
             return auth.recv_exact(sock, _LEN.unpack(head)[0])
         except OSError as e:  # ConnectionError (EOF) included
-            if during_data:
+            if during_data and not isinstance(e, seal.TamperedError):
                 # A peer that finished its part and shut down closes control before we have read
                 # its last data: give the data a grace period before calling the peer lost.
                 self._gone.setdefault(peer, time.monotonic() + CTRL_GRACE)

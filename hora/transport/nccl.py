@@ -39,15 +39,30 @@ class NcclComm:
     """A communicator of ``size`` ranks on CUDA device ``device``; ``rank`` is this process's rank in it."""
 
     def __init__(self, lib: n.NcclLibrary, store, key: str, rank: int, size: int, device: int, rt,
-                 timeout: float = 60.0):
-        self.lib, self.rank, self.size, self.device = lib, rank, size, device
-        uid = share_unique_id(lib, store, key, rank, timeout)
-        handle = ctypes.c_void_p()
-        with rt.on(device):  # the communicator's device; the calling thread's own is put back
-            lib.call("ncclCommInitRank", ctypes.pointer(handle), size, n.UniqueId.from_buffer_copy(uid), rank)
-        self.handle = handle.value
+                 timeout: float = 60.0, handle: int | None = None):
+        self.lib, self.rank, self.size, self.device, self.rt = lib, rank, size, device, rt
+        if handle is None:
+            uid = share_unique_id(lib, store, key, rank, timeout)
+            made = ctypes.c_void_p()
+            with rt.on(device):  # the communicator's device; the calling thread's own is put back
+                lib.call("ncclCommInitRank", ctypes.pointer(made), size, n.UniqueId.from_buffer_copy(uid), rank)
+            handle = made.value
+        self.handle = handle
         self.aborted = False
         self._premul: dict[tuple[float, str], int] = {}
+
+    def split(self, color: int | None, key: int, size: int) -> "NcclComm | None":
+        """``ncclCommSplit`` (NCCL >= 2.18): collective over every rank of this communicator, in the same
+        order as its other calls; the ranks giving the same ``color`` get a communicator of ``size`` ranks
+        ordered by ``key`` (this rank's rank in it), those giving None get None. Shares the parent's
+        bootstrap: no unique id, no store round trip."""
+        made = ctypes.c_void_p()
+        with self.rt.on(self.device):
+            self.lib.call("ncclCommSplit", self.handle, n.SPLIT_NOCOLOR if color is None else color, key,
+                          ctypes.pointer(made), None)
+        if color is None:
+            return None
+        return NcclComm(self.lib, None, "", key, size, self.device, self.rt, handle=made.value)
 
     @staticmethod
     def dtype(name: str) -> int:

@@ -37,6 +37,7 @@ SUM, PROD, MAX, MIN, AVG = range(5)
 DTYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5, "float16": 6, "float32": 7,
           "float64": 8, "bfloat16": 9, "bool": 1}
 UNIQUE_ID_BYTES = 128
+SPLIT_NOCOLOR = -1  # ncclCommSplit's color for a rank that joins no new communicator
 SCALAR_HOST_IMMEDIATE = 1  # ncclScalarResidence_t: the pre-multiplier is read from host memory at the call
 
 # feature -> (the NCCL version that brought it, what hora does with it, what hora does without it)
@@ -50,8 +51,8 @@ FEATURES = {
                                  "scaled Sum/Average through the staged path"),
     "ncclCommInitRankConfig": ((2, 14, 0), "non-blocking communicator creation (abortable while it forms)",
                                "blocking ncclCommInitRank"),
-    "ncclCommSplit": ((2, 18, 0), "process sets split from the global communicator",
-                      "process sets get their own communicator from a fresh unique id"),
+    "ncclCommSplit": ((2, 18, 0), "process sets added after the global communicator exists are split from it",
+                      "every process set gets its own communicator from a fresh unique id"),
 }
 MIN_VERSION = (2, 7, 0)  # below it hora does not use NCCL (async errors, abort, send/recv all needed)
 

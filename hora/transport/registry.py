@@ -15,6 +15,7 @@ import importlib
 import logging
 
 from hora.base.errors import HoraValueError
+from hora.transport import seal
 
 log = logging.getLogger("hora.transport")
 
@@ -53,7 +54,21 @@ def wrap(name: str, tcp_comm, info: dict):
         module, factory = target.split(":")
         comm = getattr(importlib.import_module(module), factory)(tcp_comm, info)
         if comm is not None:
+            _say_scope(candidate, info)
             return comm
         if name != "auto":
             raise HoraValueError(f"transport {name!r} does not apply to this job")
     return tcp_comm
+
+
+_said: set[str] = set()
+
+
+def _say_scope(transport: str, info: dict) -> None:
+    """Rank 0 says once what ``wire_protection`` leaves out with the chosen data path (shared memory: the
+    data never leaves the host; MPI: MPI moves it)."""
+    job = info.get("job")
+    note = seal.scope_note(transport, str((info.get("cfg") or {}).get("wire_protection", "off")).lower())
+    if note and note not in _said and job is not None and job.topo.rank == 0:
+        _said.add(note)
+        log.warning(note)

@@ -19,7 +19,7 @@ import threading
 import time
 
 from hora.base.errors import HoraError, HoraTimeoutError, HoraValueError
-from hora.transport import auth, net
+from hora.transport import auth, net, seal
 from hora.transport.acceptor import Acceptor
 
 log = logging.getLogger("hora.store")
@@ -58,7 +58,7 @@ class StoreServer:
     ...     addr = server.address   # "127.0.0.1:41234", for HORA_STORE_ADDR
     """
 
-    def __init__(self, secret: str | bytes, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, secret: str | bytes, host: str = "127.0.0.1", port: int = 0, protection: str | None = None):
         self._secret = secret.encode() if isinstance(secret, str) else secret
         self._data: dict[bytes, bytes] = {}
         self._cond = threading.Condition()
@@ -66,7 +66,11 @@ class StoreServer:
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
         listener = socket.create_server((host, port), backlog=socket.SOMAXCONN)
-        self._acceptor = Acceptor(listener, self._secret, self._serve_new, "hora store")
+        try:  # protection: the wire protection its clients must ask for (None: the knob; hora.transport.seal)
+            self._acceptor = Acceptor(listener, self._secret, self._serve_new, "hora store", protection=protection)
+        except BaseException:
+            listener.close()
+            raise
 
     @property
     def address(self) -> str:
@@ -124,7 +128,9 @@ class StoreServer:
             while True:
                 try:
                     op, key, value = _recv_frame(sock)
-                except (OSError, ConnectionError, ValueError):
+                except (OSError, ConnectionError, ValueError) as e:
+                    if isinstance(e, seal.TamperedError):
+                        log.warning("hora store: %s; closed that connection", e)
                     return
                 status, payload = self._handle(op, key, value)
                 sock.sendall(bytes([status]) + _U32.pack(len(payload)) + payload)
@@ -170,7 +176,7 @@ class StoreClient:
     >>> store.set("job/addr/0", b"127.0.0.1:5000"); store.get("job/addr/1", timeout=30)
     """
 
-    def __init__(self, addr: str, secret: str | bytes, timeout: float = 30.0):
+    def __init__(self, addr: str, secret: str | bytes, timeout: float = 30.0, protection: str | None = None):
         self.addr = addr
         secret_b = secret.encode() if isinstance(secret, str) else secret
         host, port = net.parse_addr(addr)
@@ -185,7 +191,7 @@ class StoreClient:
                                            "is the launcher running and HORA_STORE_ADDR right?") from e
                 time.sleep(0.05)
         net.tune(self._sock)
-        auth.connect_handshake(self._sock, secret_b)
+        self._sock = auth.connect_handshake(self._sock, secret_b, protection=protection)
         self._lock = threading.Lock()
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from hora.base.errors import CommunicatorClosedError, HoraError, HoraTimeoutError, HoraValueError
-from hora.transport import auth, net
+from hora.transport import auth, net, seal
 from hora.transport.acceptor import Acceptor
 from hora.transport.base import CommunicatorBase, PendingRequest, byte_view, timed_out
 from hora.transport.control import HEARTBEAT_S, ControlPlane
@@ -287,8 +287,7 @@ def _connect(addr: str, peer: int, rank: int, prefix: str, secret: bytes, timeou
     while True:
         try:
             sock = socket.create_connection((host, port), timeout=5)
-            auth.connect_handshake(sock, secret, f"{rank}|{prefix}|{peer}|{chan}".encode())
-            return sock
+            return auth.connect_handshake(sock, secret, f"{rank}|{prefix}|{peer}|{chan}".encode())
         except (OSError, HoraError) as e:
             retry = isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ETIMEDOUT)
             if not retry or time.monotonic() >= deadline:
@@ -304,14 +303,15 @@ def blame(read, write, key: str, rank: int, peer: int, what: str) -> tuple[int, 
     note naming this rank, which is alive to read it, is the other side of a partition: the two lost
     each other, and the one to blame from here is ``peer``."""
     own = f"lost the connection to rank {peer} ({what})"
+    gone = seal.CAUGHT if seal.TAMPERED in what else f"rank {peer} died or aborted, or the network between them failed"
     try:
         note = read(key)
         if not note:
             write(key, f"{peer}|rank {rank} lost the connection to rank {peer} ({what})".encode())
     except HoraError:
-        return peer, f"{own}; rank {peer} died or aborted, or the network between them failed"
+        return peer, f"{own}; {gone}"
     if not note:
-        return peer, f"{own}; rank {peer} died or aborted, or the network between them failed"
+        return peer, f"{own}; {gone}"
     head, _, first = note.decode(errors="replace").partition("|")
     dead = int(head) if head.lstrip("-").isdigit() else peer
     if dead == rank:  # the other side's view of this very failure: it lost this rank, which lives
@@ -319,8 +319,9 @@ def blame(read, write, key: str, rank: int, peer: int, what: str) -> tuple[int, 
         other = int(by) if by.isdigit() and int(by) != rank else peer
         text = (f"rank {other} and rank {rank} lost each other" if other == peer else
                 f"rank {other} lost this rank and this rank {own}")
-        return peer, (f"{text} (this side: {what}; the other: {first}): both were alive, so the network between "
-                      "them failed (a partition, a link down, a firewall)")
+        why = seal.CAUGHT if seal.TAMPERED in first else ("the network between them failed (a partition, a link down, "
+                                                          "a firewall)")
+        return peer, f"{text} (this side: {what}; the other: {first}): both were alive, so {why}"
     if dead == peer:
         return peer, f"{own}; rank {peer} died or aborted, or the network between them failed ({first})"
     return dead, f"{own} after the job's first failure: {first}; rank {dead} died or aborted, or was cut off"

@@ -77,7 +77,7 @@ def run_elastic(values: dict[str, Any], command: list[str], noops: list[str],
     # every connection with the job's secret), so a remote host listed later can reach it too
     bind = "0.0.0.0" if remote_hosts or settings["script"] else "127.0.0.1"
     secret, scope = new_secret(), new_scope()
-    store = StoreServer(secret, host=bind, port=0)
+    store = StoreServer(secret, host=bind, port=0, protection=values.get("wire_protection"))
     port = store.address.rpartition(":")[2]
     cache: dict[str, str] = {}
 

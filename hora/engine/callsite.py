@@ -1,0 +1,137 @@
+"""Where the user's code called a collective, and what a rank's main thread is doing: the call sites
+that hang explanations (:mod:`hora.engine.explain`) name.
+
+**A call site** is the first frame outside hora, NumPy and the frameworks hora binds (torch, TensorFlow,
+Keras, JAX, MXNet, optax, Lightning): the line of the training script that called ``allreduce``, ``step()`` or
+``backward()``. :func:`here` finds it for every submission, so it must be cheap: a walk of
+``sys._getframe`` whose per-code verdict (inside or not) is cached, and a :class:`Site` cached per
+(code object, bytecode offset), so a loop's call costs a few dictionary look-ups and one increment
+(its ``count``: how many times this rank called from there, which tells a per-step collective from a
+one-off). A submission made from a framework's own thread (a ``tf.function``'s callback) has no such
+frame: its site is None.
+
+**What the main thread is doing** (:func:`main_thread`): its innermost user frames (the standard library,
+hora and the frameworks skipped), and the hora function it is inside, if any (``synchronize``,
+``allreduce``): a rank in no hora call is computing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import NamedTuple
+
+# top-level packages whose frames are never a call site: hora, its Horovod alias, NumPy, the frameworks it binds
+INTERNAL = frozenset({"hora", "horovod", "numpy", "torch", "tensorflow", "keras", "tf_keras", "jax", "jaxlib", "mxnet",
+                      "optax", "flax", "lightning", "pytorch_lightning", "lightning_fabric"})
+_STDLIB = frozenset(sys.stdlib_module_names)  # skipped in a main thread's frames: time.sleep's callers matter
+FRAMES = 6  # user frames of the main thread a rank reports, innermost first
+LIMIT = 1 << 16  # cached code objects and sites before the caches start afresh (code made at run time, exec)
+
+
+class Frame(NamedTuple):
+    """One frame of user code: file (relative to the working directory when under it), line, function."""
+
+    file: str
+    line: int
+    func: str
+    first: int = 0  # the function's first line (tells two functions of one name apart)
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} in {self.func}()"
+
+
+class Site:
+    """One call site, shared by every call made from it; ``count`` calls so far on this rank."""
+
+    __slots__ = ("frame", "count")
+
+    def __init__(self, frame: Frame):
+        self.frame, self.count = frame, 0
+
+
+_internal: dict = {}  # code object -> bool: its frames are hora's or a framework's
+_sites: dict = {}  # (code object, bytecode offset) -> Site
+
+
+def _top(frame) -> str:
+    return (frame.f_globals.get("__name__") or "").partition(".")[0]
+
+
+def _is_internal(frame) -> bool:
+    inside = _internal.get(frame.f_code)
+    if inside is None:
+        if len(_internal) > LIMIT:
+            _internal.clear()
+        inside = _internal[frame.f_code] = _top(frame) in INTERNAL
+    return inside
+
+
+def short(path: str) -> str:
+    """``path`` relative to the working directory when it lies under it (as the user typed the script)."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive
+        return path
+    return path if rel.startswith("..") else rel
+
+
+def _frame(f) -> Frame:
+    code = f.f_code
+    return Frame(short(code.co_filename), f.f_lineno, getattr(code, "co_qualname", code.co_name),
+                 code.co_firstlineno)
+
+
+def here(depth: int = 2) -> Site | None:
+    """The call site of the collective being submitted (``depth`` frames above this call), counted; None
+    when no frame outside hora and the frameworks called it."""
+    f = sys._getframe(depth)
+    internal = _internal
+    while f is not None:
+        code = f.f_code
+        inside = internal.get(code)
+        if inside is None:
+            inside = _is_internal(f)
+        if not inside:
+            key = (code, f.f_lasti)
+            site = _sites.get(key)
+            if site is None:
+                if len(_sites) > LIMIT:
+                    _sites.clear()
+                site = _sites[key] = Site(_frame(f))
+            site.count += 1
+            return site
+        f = f.f_back
+    return None
+
+
+def counts(limit: int = 64) -> tuple[tuple[Frame, int], ...]:
+    """This rank's call sites and how often each was called, the most called first (``limit`` of them)."""
+    sites = sorted(list(_sites.values()), key=lambda s: -s.count)[:limit]
+    return tuple((s.frame, s.count) for s in sites)
+
+
+class MainThread(NamedTuple):
+    """What a rank's main thread is doing: its innermost user frames (innermost first) and the hora
+    function it is inside ('' when it is in none: it computes)."""
+
+    frames: tuple[Frame, ...]
+    inside: str
+
+
+def main_thread() -> MainThread:
+    """The main thread's state, read from another thread (the engine's)."""
+    f = sys._current_frames().get(threading.main_thread().ident)
+    frames: list[Frame] = []
+    inside = ""
+    user_seen = False
+    while f is not None and len(frames) < FRAMES:
+        top = _top(f)
+        if top == "hora" and not user_seen:
+            inside = f.f_code.co_name  # the outermost hora frame inside the innermost user frame
+        elif top not in INTERNAL and top not in _STDLIB:
+            user_seen = True
+            frames.append(_frame(f))
+        f = f.f_back
+    return MainThread(tuple(frames), inside)

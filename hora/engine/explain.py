@@ -1,0 +1,214 @@
+"""Hangs explained in seconds: when a collective has waited far longer than this job's steps take, every
+rank prints, together, which ranks submitted it and which have not, where each rank is in its code, and
+why that cannot end, in words, with the fix (:mod:`hora.engine.diagnose` says which case it is).
+
+**When.** Rank 0 measures the job's step as autotune counts steps (:mod:`hora.engine.autotune`): the time
+between two submissions of the same collective on rank 0 (by name; an unnamed op by its call site). The
+threshold is ``K`` x the median of the last ``WINDOW`` such intervals, no less than the ``stall_explain_floor``
+knob (1.5 s) and no more than ``stall_check_time`` (Horovod's 60 s warning), so that the explanation is out
+within 2x the step time (2 s for short steps). Until ``MIN_STEPS`` intervals are known there is no
+step time to compare with and nothing is explained (the stall inspector still warns at
+``stall_check_time``). While the wait lasts it is explained again at 2x, 4x ... the threshold; an
+explanation the same as one already shown (the same case, ranks and call sites: a checkpoint that rank 0
+writes every epoch) is shown again only once it has lasted twice as long. The job is not stopped: the
+stall shutdown (``stall_shutdown_time``) still decides that.
+
+**How.** Rank 0 asks every rank (``EXPLAIN_QUERY``, answered by whichever thread runs its engine, even in
+the middle of a collective) for its state: its collectives in flight with their call sites
+(:mod:`hora.engine.callsite` stamps every submission) and its main thread's frames; it waits up to
+``REPLY_WAIT`` s for the answers, composes the text and sends it to every rank (``EXPLAIN_TEXT``). Each rank
+logs it on the ``hora`` logger as a warning whose record carries ``hora_hang``, a dict of the figures
+(``waited``, ``step``, ``threshold``, ``case``, ``ranks``, ``round``) for programs and tests.
+
+Cost when nothing hangs: one :func:`hora.engine.callsite.here` per submission on every rank, and on rank 0
+a dictionary update per submitted tensor and one clock read per cycle.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any
+
+from hora.engine import callsite, diagnose
+from hora.engine import messages as m
+from hora.engine.names import is_auto
+
+log = logging.getLogger("hora")
+
+K = 1.5  # the threshold in steps: with the reply wait, the text is out before 2 steps have passed
+MIN_STEPS = 3  # step intervals needed before anything is explained
+WINDOW = 64  # the step intervals the median is taken over
+REPLY_WAIT = 0.5  # s rank 0 waits for the ranks' answers before explaining without them
+NO_STEP_LOOK = 1.0  # s between two looks while no step time is known yet
+MAX_KEYS = 4096  # collectives whose last submission rank 0 remembers (names made per step would grow it)
+
+
+class Explainer:
+    """Rank 0's part: the step time, the threshold, the questions and the text (module docstring).
+    ``engine`` is the :class:`hora.engine.engine.Engine` (typed Any: that module imports this one)."""
+
+    def __init__(self, engine: Any, floor: float, ceiling: float):
+        self.engine, self.coord = engine, engine.coord
+        self.floor, self.ceiling = floor, ceiling
+        self._steps: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._last: dict[object, float] = {}  # name (or call site) -> when rank 0 last submitted it
+        self._next_look = 0.0
+        self._episode: tuple | None = None  # the oldest waiting collective being explained, and since when
+        self._level = 0.0  # s that collective waits before its next explanation
+        self._threshold = 0.0  # the episode's first level
+        self._asking: dict | None = None  # the question out: deadline, answers, what waits
+        self._shown: dict[tuple, float] = {}  # an explanation's key -> the level it was last shown at
+        self.rounds = 0  # explanations shown
+
+    # -- the step time -------------------------------------------------------------------------------
+    def observe(self, pends, site) -> None:
+        """Rank 0 submitted ``pends`` (from call site ``site``) now."""
+        now = time.monotonic()
+        last, steps = self._last, self._steps
+        for p in pends:
+            req = p.req
+            key = req.name if req.cacheable and not is_auto(req.name) else site
+            t = last.get(key)
+            if t is not None and now > t:
+                steps.append(now - t)
+            last[key] = now
+        if len(last) > MAX_KEYS:
+            last.clear()
+
+    def step_time(self) -> float | None:
+        """The median of the recent step intervals; None before ``MIN_STEPS`` are known."""
+        if len(self._steps) < MIN_STEPS:
+            return None
+        ordered = sorted(self._steps)  # (not statistics.median: that module loads decimal and fractions)
+        n = len(ordered)
+        return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+    def threshold(self) -> float | None:
+        step = self.step_time()
+        return None if step is None else min(self.ceiling, max(self.floor, K * step))
+
+    # -- the look, each cycle ------------------------------------------------------------------------
+    def due_in(self) -> float | None:
+        if self._asking is not None:
+            return max(0.0, self._asking["deadline"] - time.monotonic())
+        if not self.coord.table:
+            return None
+        return max(0.0, self._next_look - time.monotonic())
+
+    def check(self) -> None:
+        now = time.monotonic()
+        ask = self._asking
+        if ask is not None:
+            if len(ask["states"]) >= len(ask["asked"]) or now >= ask["deadline"]:
+                self._asking = None
+                self._show(ask, now)
+            return
+        table = self.coord.table
+        if now < self._next_look or not table:
+            return
+        limit = self.threshold()
+        if limit is None:
+            self._next_look = now + NO_STEP_LOOK
+            return
+        (ps, name), oldest = min(table.items(), key=lambda kv: kv[1].since)
+        if self._episode != (ps, name, oldest.since):
+            self._episode, self._level, self._threshold = (ps, name, oldest.since), limit, limit
+        if now - oldest.since < self._level:
+            # (no later than a threshold from now: this wait may end, and a new one begin, meanwhile)
+            self._next_look = min(oldest.since + self._level, now + limit)
+            return
+        stalled = []
+        for sps, sname, missing in self.coord.stalled(self._threshold):
+            e = table[(sps, sname)]
+            stalled.append(diagnose.Stalled(sps, sname, next(iter(e.requests.values())).kind,
+                                            tuple(sorted(e.requests)), tuple(missing), now - e.since))
+        stalled.sort(key=lambda s: -s.waited)
+        if not stalled:
+            return
+        e = self.engine
+        asked = [p for p in e.control.peers if p not in e.control.departed]
+        self._asking = {"deadline": now + REPLY_WAIT, "asked": set(asked) | {e.rank}, "stalled": stalled,
+                        "states": {e.rank: local_state(e)}, "since": oldest.since, "level": self._level}
+        e.control.tell(asked, (m.EXPLAIN_QUERY,))
+
+    def on_reply(self, rank: int, state: diagnose.RankState) -> None:
+        if self._asking is not None:
+            self._asking["states"][rank] = state
+
+    def _show(self, ask: dict, now: float) -> None:
+        """Compose the explanation from the answers, and show it on every rank (unless shown already)."""
+        stalled = ask["stalled"]
+        first = stalled[0]
+        if (first.ps, first.name) not in self.coord.table:
+            return  # it ended while the ranks answered
+        self._level = 2 * ask["level"]
+        self._next_look = min(ask["since"] + self._level, now + self._threshold)
+        lines, v = diagnose.explain(stalled, ask["states"])
+        shown = self._shown.get(v.key)
+        if shown is not None and ask["level"] < 2 * shown * (1 - 1e-9):
+            return  # seen before, and this wait is not longer
+        self._shown[v.key] = ask["level"]
+        self.rounds += 1
+        step, waited = self.step_time() or 0.0, now - ask["since"]
+        shutdown = self.engine.cfg["stall_shutdown_time"]
+        end = (f"fails it after {shutdown:g} s" if shutdown > 0 else "is off (0): it waits for ever")
+        text = "\n".join([
+            f"a hang, explained: {first.kind} '{first.name}' has waited {waited:.1f} s, while this job's steps take "
+            f"{step:.3g} s (explained after {self._threshold:.3g} s, and again at {self._level:.3g} s while it lasts)",
+            *lines, f"  why: {v.text}.",
+            f"  The job goes on waiting; the stall shutdown (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) {end}."])
+        info = {"round": self.rounds, "case": v.case, "ranks": list(v.ranks), "waited": waited, "step": step,
+                "threshold": self._threshold, "tensor": first.name}
+        e = self.engine
+        e.control.tell([p for p in e.control.peers if p not in e.control.departed], (m.EXPLAIN_TEXT, text, info))
+        show(e.rank, text, info)
+
+
+def show(rank: int, text: str, info: dict) -> None:
+    log.warning("hora rank %d: %s", rank, text, extra={"hora_hang": info})
+
+
+def local_state(engine: Any) -> diagnose.RankState:
+    """This rank's answer: its collectives in flight (taken first, then queued), its main thread, its sites."""
+    subs = engine.subs
+    pends = list(subs.local.values()) + list(subs.pending.values())
+    pending = tuple(diagnose.Waiting(p.req.ps, p.req.kind, p.req.name, p.site.frame if p.site else None,
+                                     p.site.count if p.site else 0) for p in pends)
+    return diagnose.RankState(engine.rank, pending, callsite.main_thread(), callsite.counts())
+
+
+def attach(engine: Any) -> None:
+    """Give ``engine`` its part: the three message handlers (always: a rank whose knobs differ from rank
+    0's still answers it), and unless the stall inspector is off, the floor knob is 0 or the job has one
+    rank, the stamp on every submission (``engine._stamp``) and on rank 0 the explainer inside the stall
+    inspector."""
+    cfg = engine.cfg
+    explainer = engine._stamp = None
+
+    def on_query(peer: int, msg) -> None:
+        engine.control.tell([0], (m.EXPLAIN_REPLY, engine.rank, local_state(engine)))
+
+    def on_reply(peer: int, msg) -> None:
+        if explainer is not None:
+            explainer.on_reply(msg[1], msg[2])
+
+    def on_text(peer: int, msg) -> None:
+        show(engine.rank, msg[1], msg[2])
+
+    engine._handlers.update({m.EXPLAIN_QUERY: on_query, m.EXPLAIN_REPLY: on_reply, m.EXPLAIN_TEXT: on_text})
+    floor = cfg.get("stall_explain_floor", 0.0)
+    if cfg["stall_check_disable"] or floor <= 0 or engine.size == 1:
+        return
+    if engine.stall is not None:
+        explainer = engine.stall.explainer = Explainer(engine, floor, max(cfg["stall_check_time"], 1e-3))
+
+    def stamp(pends) -> None:
+        site = callsite.here()
+        for p in pends:
+            p.site = site
+        if explainer is not None:
+            explainer.observe(pends, site)
+
+    engine._stamp = stamp
