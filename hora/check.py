@@ -129,7 +129,7 @@ def launchers() -> list[tuple[str, bool, str]]:
         ("Ray (hora.ray.RayExecutor)", _found("ray"), _version(("ray",)) or "needs pip install 'hora[ray]'"),
         ("torchrun", True, "RANK, LOCAL_RANK, MASTER_ADDR ...; store on MASTER_PORT+1"),
         ("srun (SLURM job steps)", True, "SLURM_PROCID, SLURM_STEP_ID ..."),
-        ("Spark (hora.spark.run)", _found("pyspark") and _java(),
+        ("Spark (hora.spark.run, run_elastic)", _found("pyspark") and _java(),
          (f"pyspark {_version(('pyspark',))}" if _found("pyspark") else "needs pip install 'hora[spark]'")
          + ("" if _java() else ", no java on PATH or in JAVA_HOME (Java 17 or 21)")),
     ]
@@ -152,7 +152,7 @@ def features() -> list[tuple[str, bool, str]]:
         ("autotune (fusion threshold, cycle time, response cache)", _found("hora.engine.autotune"), ""),
         ("Adasum (any np, every transport, process sets)", True, ""),
         ("elastic training", elastic, "hora run --min-np/--max-np/--host-discovery-script, hora.run(min_num_proc=...); "
-         "ElasticRayExecutor; not yet on Spark" if elastic else "not yet"),
+         "ElasticRayExecutor; hora.spark.run_elastic" if elastic else "not yet"),
         ("gradient compression: fp16, bf16, top-k, PowerSGD", _found("hora.kit.compressors"), ""),
         *integrations(),
     ]
@@ -164,7 +164,8 @@ def integrations() -> list[tuple[str, bool, str]]:
     lightning = next((m for m in ("pytorch_lightning", "lightning") if _found(m)), None)
     return [
         ("Spark Estimators (hora.spark.torch, .keras, .lightning)", spark,
-         "Store.create(path); Parquet through pyarrow" if spark else "needs pip install 'hora[spark]' (pyarrow)"),
+         "Keras 3 and tf_keras models; Store.create(path); Parquet through pyarrow" if spark
+         else "needs pip install 'hora[spark]' (pyarrow)"),
         ("Lightning strategy (hora.lightning.HoraStrategy)", bool(lightning) and _found("torch"),
          f"{lightning} {_version((lightning,))}" if lightning else "needs pip install 'hora[lightning]'"),
     ]

@@ -62,6 +62,8 @@ def test_the_spark_estimators_and_the_lightning_strategy_are_listed(monkeypatch)
     spark = all(importlib.util.find_spec(m) for m in ("pyspark", "pyarrow"))
     assert f"[{'X' if spark else ' '}] Spark Estimators (hora.spark.torch, .keras, .lightning)" in out
     assert "Lightning strategy (hora.lightning.HoraStrategy)" in out
+    assert "Spark (hora.spark.run, run_elastic)" in out and "hora.spark.run_elastic" in out
+    assert not spark or "Keras 3 and tf_keras models" in out
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("pytorch_lightning", "lightning",
                                                                                        "pyarrow") else real(name, *a))

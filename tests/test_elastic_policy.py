@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from hora.runner.elastic.blacklist import Blacklist
-from hora.runner.elastic.policy import DiscoveryGuard, FailurePolicy, host_fault, rank_order, wanted_slots
+from hora.runner.elastic.policy import DiscoveryGuard, FailurePolicy, host_fault, host_slots, rank_order, wanted_slots
 
 A2 = {"a": 2}
 AB = {"a": 2, "b": 2}
@@ -156,7 +156,7 @@ def test_a_list_that_removes_every_holder_of_the_committed_state_is_held_through
 def test_a_cap_keeps_running_workers_in_their_slots():
     """--max-np: slots with a running worker come first, so that a host listed before theirs never takes their
     places (the running workers hold the committed state); otherwise the listed order."""
-    hosts = {"b": 2, "a": 2}
+    hosts = host_slots({"b": 2, "a": 2})
     assert wanted_slots(hosts, 2, 2, 2, 1, {"a:0", "a:1"}) == [("a:0", "a", 0), ("a:1", "a", 1)]
     assert wanted_slots(hosts, 2, 2, 3, 1, {"a:1"}) == [("a:1", "a", 1), ("b:0", "b", 0), ("b:1", "b", 1)]
     assert wanted_slots(hosts, None, 1, None, 1, set()) == [("b:0", "b", 0), ("b:1", "b", 1), ("a:0", "a", 0),

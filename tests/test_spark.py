@@ -36,9 +36,10 @@ HOROVOD_RUN = [("fn", inspect.Parameter.empty), ("args", ()), ("kwargs", {}), ("
                ("env", None), ("stdout", None), ("stderr", None), ("verbose", 1), ("nics", None),
                ("prefix_output_with_timestamp", False), ("executable", None)]
 HOROVOD_RUN_ELASTIC = [("fn", inspect.Parameter.empty), ("args", ()), ("kwargs", {}), ("num_proc", None),
-                       ("min_np", None), ("max_np", None), ("start_timeout", None), ("elastic_timeout", None),
-                       ("reset_limit", None), ("env", None), ("stdout", None), ("stderr", None), ("verbose", 1),
-                       ("nics", None), ("prefix_output_with_timestamp", False)]
+                       ("min_num_proc", None), ("max_num_proc", None), ("start_timeout", None),
+                       ("elastic_timeout", None), ("reset_limit", None), ("env", None), ("stdout", None),
+                       ("stderr", None), ("verbose", 1), ("nics", None), ("prefix_output_with_timestamp", False),
+                       ("min_np", None), ("max_np", None)]
 
 
 @pytest.fixture(scope="module")
@@ -164,15 +165,13 @@ def test_layout_gives_consecutive_ranks_per_host():
     assert host_of("[::1]:4000") == "::1" and host_of("host-a:77") == "host-a"
 
 
-def test_mpi_and_elastic_are_refused_clearly(monkeypatch):
+def test_mpi_is_refused_clearly(monkeypatch):
     import hora.spark
 
     with pytest.raises(NotSupportedError, match="mpirun"):
         hora.spark.run(_collective, use_mpi=True)
     with pytest.raises(NotSupportedError, match="extra_mpi_args"):
         hora.spark.run(_collective, extra_mpi_args="-x FOO")
-    with pytest.raises(NotSupportedError, match="not supported yet"):
-        hora.spark.run_elastic(_collective)
     if not HAVE_PYSPARK:
         with pytest.raises(LaunchError, match="needs pyspark"):
             hora.spark.run(_collective)
@@ -407,6 +406,99 @@ def test_more_ranks_than_task_slots_fails_at_the_start_timeout(spark):
 
     with pytest.raises(HoraTimeoutError, match="only 0 of 3 ranks started within start_timeout=3 s"):
         hora.spark.run(_collective, args=(0,), num_proc=3, start_timeout=3, stderr=io.StringIO())
+
+
+# --- run_elastic: a least-squares fit by gradient descent, the gradient averaged over the ranks (each computes
+# it on the same rows, so the average is the single-process gradient: any world size gives the same weights)
+FIT_STEPS, FIT_LR = 40, 0.1
+
+
+def _regression():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 3))
+    return x, x @ np.array([1.5, -2.0, 0.5]) + 0.01 * rng.normal(size=64)
+
+
+def _reference_fit(steps):
+    import numpy as np
+
+    x, y = _regression()
+    w = np.zeros(3)
+    for _ in range(steps):
+        w = w - FIT_LR * (x.T @ (x @ w - y) / len(y))
+    return w
+
+
+def _elastic_fit(directory, how):
+    """Rank 1 of the first generation dies at step 5, before that step's commit: its worker process by
+    SIGKILL (``how="worker"``), or its Spark task's Python worker (``how="task"``, a lost task). Past
+    ``FIT_STEPS`` the fit goes on until the job has 2 workers again (the slot's new worker joined)."""
+    import numpy as np
+    import psutil
+
+    import hora
+    import hora.elastic as elastic
+
+    hora.init()
+    (Path(directory) / f"pid.{os.getpid()}").write_text("")
+    x, y = _regression()
+    state = elastic.ObjectState(step=0, w=np.zeros(3))
+
+    marker = Path(directory) / "killed"
+
+    @elastic.run
+    def train(state):
+        while state.step < FIT_STEPS or (hora.size() < 2 and state.step < 100 * FIT_STEPS):
+            grad = hora.allreduce(x.T @ (x @ state.w - y) / len(y), name="grad", op=hora.Average)
+            if hora.rank() == 1 and state.step == 5 and not marker.exists():
+                marker.write_text(str(hora.size()))
+                victim = os.getpid() if how == "worker" else psutil.Process(os.getppid()).ppid()
+                os.kill(victim, signal.SIGKILL)
+                signal.pause()  # the task's death kills this process too (its supervisor kills its group)
+            state.w = state.w - FIT_LR * grad
+            state.step += 1
+            state.commit()  # where a worker that joins comes in
+            if state.step >= FIT_STEPS:
+                time.sleep(0.05)  # the pace while the slot's new worker starts
+        return hora.rank(), hora.size(), state.step, state.w.tolist()
+
+    return train(state)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("how", ["worker", "task"])
+def test_run_elastic_goes_on_when_a_worker_or_its_task_is_killed_mid_fit(spark, tmp_path, capfd, how):
+    import numpy as np
+
+    import hora.spark
+
+    out = io.StringIO()
+    results = hora.spark.run_elastic(_elastic_fit, args=(str(tmp_path), how), num_proc=2, min_num_proc=1,
+                                     max_num_proc=2, elastic_timeout=60, stdout=out, stderr=out)
+    log = capfd.readouterr().err
+    assert (tmp_path / "killed").read_text() == "2", log  # rank 1 of a 2-worker generation died
+    lost = "was lost: its Spark task ended" if how == "task" else "was killed by signal 9"
+    assert re.search(rf"worker 2 \(\S+:\d, rank 1\) {lost}", log), log
+    assert "generation 2: 1 workers" in log and "generation 3: 2 workers" in log, log  # shrunk, then grew back
+    assert [(r[0], r[1]) for r in results] == [(0, 2), (1, 2)] and results[0][2:] == results[1][2:], results
+    step = results[0][2]
+    assert FIT_STEPS <= step < 100 * FIT_STEPS, results
+    np.testing.assert_allclose(results[0][3], _reference_fit(step), rtol=1e-12)  # a single process's weights
+    assert _wait_gone([int(f.name.split(".")[1]) for f in tmp_path.glob("pid.*")]) == []
+
+
+@pytest.mark.timeout(60)
+def test_run_elastic_fails_clearly_when_too_few_tasks_start(spark):
+    import hora.spark
+    from hora.base.errors import HoraTimeoutError
+
+    with pytest.raises(HoraTimeoutError, match=r"only \d of 3 Spark tasks started within start_timeout=3 s"):
+        hora.spark.run_elastic(_collective, args=(0,), num_proc=3, min_num_proc=3, start_timeout=3,
+                               stderr=io.StringIO())
+    with pytest.warns(DeprecationWarning, match="min_np"), pytest.raises(Exception, match="min_num_proc 3"):
+        hora.spark.run_elastic(_collective, num_proc=2, min_np=3, max_num_proc=2)
 
 
 @pytest.mark.timeout(180)

@@ -228,6 +228,22 @@ def test_keras_estimator_fits_transforms_saves_and_loads(spark, example, tmp_pat
     np.testing.assert_allclose(loaded.getModel().get_weights()[0], model.getModel().get_weights()[0])
 
 
+@pytest.mark.timeout(600)
+def test_a_tf_keras_model_fits_transforms_saves_and_loads(spark, example, tmp_path):
+    tf_keras = pytest.importorskip("tf_keras")
+
+    from hora.spark.keras import KerasEstimator
+
+    model, loaded = _check_fit(example, spark, tmp_path, "tf_keras", "checkpoint.weights.npz")
+    assert isinstance(loaded.getModel(), tf_keras.Model) and isinstance(model.getModel(), tf_keras.Model)
+    np.testing.assert_allclose(loaded.getModel().get_weights()[0], model.getModel().get_weights()[0])
+    est = example.keras_estimator(str(tmp_path), 2, 1, legacy=True)  # its tf_keras optimizer does not pickle
+    est.write().overwrite().save(str(tmp_path / "estimator"))
+    back = KerasEstimator.load(str(tmp_path / "estimator"))
+    assert isinstance(back.getOptimizer(), tf_keras.optimizers.Adam) and isinstance(back.getModel(), tf_keras.Model)
+    assert float(back.getOptimizer().learning_rate) == pytest.approx(example.LR)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not HAVE_PYSPARK, reason="needs pyspark")
 def test_horovods_import_paths_load_hora_under_the_alias():

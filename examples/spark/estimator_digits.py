@@ -3,6 +3,7 @@
 
     python examples/spark/estimator_digits.py --framework torch     # TorchEstimator, a local Spark with 2 slots
     python examples/spark/estimator_digits.py --framework keras     # KerasEstimator (Keras 3)
+    python examples/spark/estimator_digits.py --framework tf_keras  # KerasEstimator, a tf_keras (Keras 2) model
     python examples/spark/estimator_digits.py --framework lightning # a LightningModule (hora.spark.lightning)
     spark-submit --master spark://host:7077 examples/spark/estimator_digits.py --store hdfs://nn/tmp/digits
 
@@ -82,8 +83,12 @@ def torch_estimator(store, num_proc: int, epochs: int):
                           label_cols=["label"], validation="is_val", batch_size=BATCH, epochs=epochs, random_seed=0)
 
 
-def keras_estimator(store, num_proc: int, epochs: int):
-    import keras
+def keras_estimator(store, num_proc: int, epochs: int, legacy: bool = False):
+    """Keras 3's model, or with ``legacy`` the same in tf_keras (Keras 2: the ranks get TF_USE_LEGACY_KERAS=1)."""
+    if legacy:
+        import tf_keras as keras
+    else:
+        import keras
 
     from hora.spark.keras import KerasEstimator
 
@@ -142,7 +147,7 @@ def test_accuracy(model, test) -> float:
 def main(argv: list[str] | None = None):
     """Fit, transform, save and load; returns (the fitted model, the loaded model, test accuracy)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--framework", choices=["torch", "keras", "lightning"], default="torch")
+    parser.add_argument("--framework", choices=["torch", "keras", "tf_keras", "lightning"], default="torch")
     parser.add_argument("--master", default=None)
     parser.add_argument("--num-proc", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=EPOCHS)
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None):
     spark = session(args.master)
     prefix = args.store or tempfile.mkdtemp(prefix="hora-digits-")
     store = Store.create(prefix)
-    make = {"torch": torch_estimator, "keras": keras_estimator, "lightning": lightning_estimator}[args.framework]
+    make = {"torch": torch_estimator, "keras": keras_estimator, "lightning": lightning_estimator,
+            "tf_keras": lambda *a: keras_estimator(*a, legacy=True)}[args.framework]
     train, test = digits(spark)
     model = make(store, args.num_proc, args.epochs).fit(train)
     acc = test_accuracy(model, test)

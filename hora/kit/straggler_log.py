@@ -13,7 +13,7 @@ import numpy as np
 import hora.core.basics as _basics
 import hora.core.ops as _core
 
-__all__ = ["KEYS", "straggler_scalars", "straggler_line"]
+__all__ = ["KEYS", "straggler_scalars", "straggler_line", "StragglerLog"]
 
 KEYS = ("straggler_rank", "straggler_share", "straggler_cost", "straggler_recent_rank")
 
@@ -35,3 +35,24 @@ def straggler_line() -> str | None:
     the other ranks."""
     s = _basics.statistics().straggler
     return None if s is None else s.line()
+
+
+class StragglerLog:
+    """hora's own (not Horovod's): put the straggler account into each epoch's logs, so that TensorBoard,
+    ``CSVLogger`` and the progress bar show it: ``straggler_rank`` (the rank the others waited for most, -1:
+    none), ``straggler_share`` (the share of collectives it was last for), ``straggler_cost`` (the share of the
+    others' time spent waiting for it), ``straggler_recent_rank`` (the same over the last collectives). Every
+    rank gets rank 0's figures (one small broadcast per epoch), so the callback may stand anywhere in the
+    list. ``verbose``: rank 0 also prints the account's sentence at each epoch's end. (The logic of Keras'
+    ``StragglerCallback``, on Keras 3 and ``tf_keras`` alike: :mod:`hora.keras.callback_logic`'s pattern.)"""
+
+    def __init__(self, verbose=0):
+        super().__init__()
+        self.verbose = verbose
+
+    def on_epoch_end(self, epoch, logs=None):
+        scalars = straggler_scalars()
+        if logs is not None:
+            logs.update(scalars)
+        if self.verbose and _basics.rank() == 0:
+            print(f"epoch {epoch + 1}: {straggler_line()}", flush=True)

@@ -8,8 +8,10 @@
 [(0, 0.1), (1, 0.1)]
 
 Spark places and starts the ranks; hora's store (served by this process, the Spark driver) and its
-transports do the rest. How ranks map to tasks, where the store runs and what a failure does:
-docs/spark.md. Importing this package does not import pyspark; ``run`` needs an active SparkContext.
+transports do the rest. ``run_elastic`` runs an elastic job (``hora.elastic``) on the executors, one Spark
+task per worker, under the elastic driver of ``hora run``. How ranks map to tasks, where the store runs
+and what a failure does: docs/spark.md. Importing this package does not import pyspark; ``run`` needs an
+active SparkContext.
 
 Horovod's Spark ML Estimators are in the subpackages: :mod:`hora.spark.torch`, :mod:`hora.spark.keras`,
 :mod:`hora.spark.lightning` (``TorchEstimator``/``KerasEstimator`` and their Models), on the Stores of
@@ -92,15 +94,52 @@ def _knobs(nics: list[str] | set[str] | None) -> dict[str, str]:
 
 
 def run_elastic(fn: Callable[..., Any], args: tuple = (), kwargs: Mapping[str, Any] | None = _NO_KWARGS,
-                num_proc: int | None = None, min_np: int | None = None, max_np: int | None = None,
+                num_proc: int | None = None, min_num_proc: int | None = None, max_num_proc: int | None = None,
                 start_timeout: float | None = None, elastic_timeout: float | None = None,
                 reset_limit: int | None = None, env: dict | None = None,
                 stdout: IO[str] | None = None, stderr: IO[str] | None = None, verbose: int = 1,
-                nics: list[str] | None = None, prefix_output_with_timestamp: bool = False) -> list:
-    """Horovod's ``horovod.spark.run_elastic``: not built yet. hora's elastic driver takes another launcher's
-    pool and discovery (``Driver(pool=..., discovery=...)``, as :mod:`hora.ray.elastic` does with Ray actors
-    and nodes); what is missing is a Spark pool (workers started as Spark tasks) and a discovery that follows
-    the executors."""
-    raise NotSupportedError("not supported yet: hora.spark.run_elastic: hora's elastic driver cannot start its "
-                            "workers as Spark tasks yet; use hora.spark.run (fixed size), or elastic training "
-                            "under `hora run --min-np ... --host-discovery-script ...`")
+                nics: list[str] | set[str] | None = None, prefix_output_with_timestamp: bool = False,
+                min_np: int | None = None, max_np: int | None = None) -> list:
+    """Run ``fn(*args, **kwargs)`` as an elastic job on Spark's executors; return its values on the ranks of
+    the last generation, in rank order.
+
+    ``fn`` calls ``hora.init()`` and trains inside ``hora.elastic.run`` (a framework's ``elastic.run`` and
+    ``State``): a worker that dies, or whose Spark task or executor is lost, rolls the others back to the last
+    ``state.commit()``; they go on without it and it is started again in a free task slot. Each worker runs in
+    a Spark task of its own (no barrier stage), ``max_num_proc`` of them (default ``num_proc``); the job's
+    hosts are the executors those tasks run on, so a new executor adds slots and a lost one removes them.
+    The driver is ``hora run --elastic``'s (docs/elastic.md): ``min_num_proc`` (default ``num_proc``),
+    ``max_num_proc``, ``elastic_timeout`` (else ``HOROVOD_ELASTIC_TIMEOUT``, else 600 s), ``reset_limit``
+    as there; its log lines go to this process's stderr, prefixed ``hora run:``. How it maps onto Spark:
+    docs/spark.md.
+
+    ``num_proc``: the first generation's size, default ``defaultParallelism``. ``start_timeout``: seconds for
+    ``num_proc`` tasks to start (else ``HOROVOD_SPARK_START_TIMEOUT``, else 600); past it the job starts with
+    the tasks up if they are at least ``min_num_proc``, else fails. ``min_np`` / ``max_np``: Horovod's
+    deprecated names (a ``DeprecationWarning``). ``env``, ``stdout``, ``stderr``, ``nics``,
+    ``prefix_output_with_timestamp``: as :func:`run` (output lines are tagged ``[<worker number>]``).
+    ``verbose`` is accepted and has no effect: the elastic driver's log is the one ``hora run`` writes.
+    """
+    import warnings
+
+    for old, new, given in (("min_np", "min_num_proc", min_np), ("max_np", "max_num_proc", max_np)):
+        if given is not None:
+            warnings.warn(f"hora.spark.run_elastic({old}=...) is deprecated; use {new}=...", DeprecationWarning,
+                          stacklevel=2)
+    min_num_proc = min_np if min_np is not None else min_num_proc
+    max_num_proc = max_np if max_np is not None else max_num_proc
+    if not callable(fn):
+        raise TypeError(f"hora.spark.run_elastic needs a function, got {type(fn).__name__}")
+    from hora.spark import driver, elastic
+
+    sc = driver.spark_context(barrier=False)
+    n = sc.defaultParallelism if num_proc is None else num_proc
+    for name, value in (("num_proc", n), ("min_num_proc", min_num_proc), ("max_num_proc", max_num_proc)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise HoraValueError(f"hora.spark.run_elastic({name}={value!r}): expected a positive int")
+    lo = min_num_proc if min_num_proc is not None else n
+    hi = max_num_proc if max_num_proc is not None else max(n, lo)
+    return elastic.run(sc, fn, tuple(args), dict(kwargs or {}), min(max(n, lo), hi), lo, hi,
+                       driver.start_timeout(start_timeout), elastic_timeout, reset_limit,
+                       {str(k): str(v) for k, v in (env or {}).items()}, _knobs(nics), stdout, stderr,
+                       prefix_output_with_timestamp)

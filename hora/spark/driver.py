@@ -27,6 +27,7 @@ from hora.base import outcome
 from hora.base.outcome import CONSEQUENCE_WAIT, RankOutcome, headline, report, root_cause
 from hora.runner.api import collect_results
 from hora.spark import task
+from hora.spark.relay import Relay
 from hora.transport.store import StoreServer
 
 CANCEL_AFTER_S = 10.0  # after an abort, how long the tasks get to stop their ranks before the job is cancelled
@@ -34,8 +35,9 @@ GIVE_UP_S = 30.0  # after the cancel, how long the driver waits for Spark to end
 POLL_S = 0.05
 
 
-def spark_context():
-    """The active SparkContext (the one ``SparkSession.builder.getOrCreate()`` made), checked for a barrier stage."""
+def spark_context(barrier: bool = True):
+    """The active SparkContext (the one ``SparkSession.builder.getOrCreate()`` made), checked for a barrier stage
+    unless ``barrier`` is False (``run_elastic`` runs none)."""
     try:
         from pyspark import SparkContext
     except ImportError as e:
@@ -45,7 +47,8 @@ def spark_context():
         raise LaunchError("hora.spark.run: no active SparkContext; start one first, e.g. "
                           "SparkSession.builder.getOrCreate(), or run inside pyspark / spark-submit (a Spark "
                           "Connect session, sc://..., has no SparkContext: hora.spark.run needs a classic one)")
-    check_conf(sc)
+    if barrier:
+        check_conf(sc)
     return sc
 
 
@@ -83,12 +86,10 @@ class Job:
                  stdout: IO[str] | None, stderr: IO[str] | None, timestamps: bool, verbose: int):
         self.sc, self.n, self.start_timeout, self.verbose = sc, num_proc, start_timeout, verbose
         self.sinks = {"stdout": stdout, "stderr": stderr}
-        self.timestamps = timestamps
+        self.relay = Relay(stdout, stderr, timestamps)
         self.spec_args = spec_args
         self.group = f"hora.spark.run-{uuid.uuid4().hex[:12]}"
         self.outcome: dict[str, Any] = {}
-        self.seq: dict[tuple[int, str], int] = {}
-        self.partial: dict[tuple[int, str], bytes] = {}
         self.kinds: dict[int, RankOutcome | None] = {}  # rank -> its failure (None: a value), once its result arrived
         self.exited: dict[int, float] = {}  # rank -> when the driver saw it exit without a result
         self.consequence_at: float | None = None  # when the first failure seen was only a consequence
@@ -246,33 +247,7 @@ class Job:
         return collect_results(results, 0, job="hora.spark.run")
 
     def _relay(self, store: StoreServer, final: bool = False) -> None:
-        """Print the chunks of rank output that arrived, whole lines only (the rest at the end)."""
-        for r in range(self.n):
-            for stream in ("stdout", "stderr"):
-                key = (r, stream)
-                while True:
-                    seq = self.seq.get(key, 0)
-                    chunk = store.get(f"out/{r}/{stream}/{seq}")
-                    if chunk is None:
-                        break
-                    self.seq[key] = seq + 1
-                    store.set(f"out/{r}/{stream}/{seq}", b"")  # read once: free it
-                    text = self.partial.pop(key, b"") + chunk
-                    lines = text.split(b"\n")
-                    self.partial[key] = lines.pop()
-                    for line in lines:
-                        self._emit(r, stream, line)
-                if final and self.partial.get(key):
-                    self._emit(r, stream, self.partial.pop(key))
-
-    def _emit(self, rank: int, stream: str, line: bytes) -> None:
-        sink = self.sinks[stream] or (sys.stdout if stream == "stdout" else sys.stderr)
-        stamp = time.strftime("%a %b %d %H:%M:%S %Y") if self.timestamps else ""
-        try:
-            sink.write(f"{stamp}[{rank}]<{stream}>:{line.decode(errors='replace')}\n")
-            sink.flush()
-        except (OSError, ValueError):
-            pass
+        self.relay.pull(store.get, store.set, range(self.n), final)
 
     def _note(self, text: str) -> None:
         sink = self.sinks["stderr"] or sys.stderr

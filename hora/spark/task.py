@@ -92,25 +92,11 @@ def _run_rank(spec: Spec, slots: list, rank: int, partition: int, store: StoreCl
     base.update(spec.env or {})
     env = worker_envs(slots, spec.knobs, spec.store_addr, spec.secret, spec.scope, base=base,
                       extra={contract.RUNFUNC_ADDR: spec.store_addr, contract.RUNFUNC_SECRET: spec.secret})[rank]
-    python = spec.executable or sys.executable
-    command = [python, os.path.abspath(supervise.__file__), python, "-m", contract.RUN_TASK_MODULE]
-    # the supervisor leads the rank's process group; its stdin (this process's end held open) tells it the
-    # task is alive. Not PR_SET_PDEATHSIG on it: it must outlive this worker to clean up after it.
-    proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    pumps = [threading.Thread(target=_relay, args=(spec, rank, name, pipe), daemon=True)
-             for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    proc, pumps = start_supervised(spec, rank, env, spec.executable or sys.executable)
     stopping = None
     try:
-        for p in pumps:
-            p.start()
         store.set(f"started/{rank}", f"{slots[rank].host} {proc.pid} {partition}".encode())
-        while True:
-            try:
-                code = proc.wait(timeout=POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                pass
+        while (code := waited(proc, POLL_S)) is None:
             if stopping is None and store.check("abort"):
                 stopping = time.monotonic()
                 _signal(proc.pid, signal.SIGTERM)
@@ -123,6 +109,30 @@ def _run_rank(spec: Spec, slots: list, rank: int, partition: int, store: StoreCl
     for p in pumps:
         p.join(timeout=5)
     return code
+
+
+def waited(proc: subprocess.Popen, tick: float) -> int | None:
+    """The worker's exit code, or None when it still runs after ``tick`` s (a supervising loop's tick)."""
+    try:
+        return proc.wait(timeout=tick)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def start_supervised(spec, tag: int, env: dict[str, str], python: str
+                     ) -> tuple[subprocess.Popen, list[threading.Thread]]:
+    """``python -m hora.core.run_task`` under the supervisor, its output relayed to the store under ``tag``
+    (``spec``: a Spec's ``store_addr`` and ``secret``): (the supervisor's process, the relay threads)."""
+    command = [python, os.path.abspath(supervise.__file__), python, "-m", contract.RUN_TASK_MODULE]
+    # the supervisor leads the rank's process group; its stdin (this process's end held open) tells it the
+    # task is alive. Not PR_SET_PDEATHSIG on it: it must outlive this worker to clean up after it.
+    proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    pumps = [threading.Thread(target=_relay, args=(spec, tag, name, pipe), daemon=True)
+             for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    for p in pumps:
+        p.start()
+    return proc, pumps
 
 
 def _signal(pgid: int, sig: int) -> None:

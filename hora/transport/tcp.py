@@ -16,6 +16,7 @@ so a ring step sends and receives at once. OS errors are translated here, once, 
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import select
 import socket
@@ -96,10 +97,8 @@ class TcpCommunicator(CommunicatorBase):
             return
         self._closed = True
         for s in self._socks.values():
-            try:
+            with contextlib.suppress(OSError):
                 s.close()
-            except OSError:
-                pass
         self.ctrl.close()
         if self._closer is not None:
             self._closer()

@@ -81,7 +81,7 @@ from hora.runner.elastic.discovery import Discovery
 from hora.runner.elastic.frozen import FrozenKiller
 from hora.runner.elastic.fsm import Act, DriverState, Observation, step
 from hora.runner.elastic.policy import (DiscoveryGuard, FailurePolicy, below_min_np, host_counts, host_fault,
-                                        rank_order, wanted_slots)
+                                        host_slots, rank_order, wanted_slots)
 from hora.runner.elastic.workers import Pool, Proc
 from hora.runner.spawn import Output
 
@@ -101,7 +101,8 @@ class Driver:
         """``pool`` and ``discovery`` replace the process pool (:class:`Pool`: ``start(wid, host, index, env)``
         -> a :class:`Proc`, ``live()``, ``procs``, ``exits``, ``next_number``, ``signal(procs, sig)``,
         ``check_sessions()``, ``stop_all()``) and the script discovery (``hosts``, ``problem``, ``start()``,
-        ``close()``): another launcher (hora.ray's actors, Ray's nodes) brings its own."""
+        ``close()``; optional ``slots(hosts)``, see :meth:`_wanted`): another launcher (hora.ray's actors, Ray's
+        nodes, hora.spark's tasks) brings its own."""
         self.s = settings
         self.np = settings["np"]
         self.min_np, self.max_np = settings["min_np"], settings["max_np"]
@@ -305,9 +306,10 @@ class Driver:
         return {h: n for h, n in listed.items() if h not in self.blacklist}
 
     def _wanted(self, hosts: dict[str, int]) -> list[tuple[str, str, int]]:
-        """The slots to run (:func:`hora.runner.elastic.policy.wanted_slots`)."""
-        return wanted_slots(hosts, self.np, self.min_np, self.max_np, self.gen,
-                            {p.wid for p in self.pool.live() if not p.stopping})
+        """The slots to run (:func:`hora.runner.elastic.policy.wanted_slots`); a discovery whose slots are not
+        ``0..n-1`` on each host (hora.spark's: one per task, a lost task leaves a hole) names them (``slots``)."""
+        return wanted_slots(getattr(self.discovery, "slots", host_slots)(hosts), self.np, self.min_np, self.max_np,
+                            self.gen, {p.wid for p in self.pool.live() if not p.stopping})
 
     def _follow(self, hosts: dict[str, int], now: float) -> None:
         """Start the wanted slots that have no worker; deal with workers whose slot is no longer wanted."""

@@ -38,6 +38,11 @@ def host_fault(rc: int | None, lost: str | None) -> bool:
     return lost is not None or rc is None or rc > 0 or -rc not in _SENT
 
 
+def host_slots(hosts: dict[str, int]) -> list[tuple[str, str, int]]:
+    """The slots (``host:index``, host, index) of a host list: indices ``0..n-1`` on each host."""
+    return [(f"{h}:{i}", h, i) for h, n in hosts.items() for i in range(n)]
+
+
 @dataclass
 class FailurePolicy:
     blacklist: Blacklist
@@ -116,15 +121,16 @@ def rank_order(waiting: list[Any], members: list[int], holder: Callable[[Any], b
     return [p for h in hosts for p in first if p.host == h]
 
 
-def wanted_slots(hosts: dict[str, int], np: int | None, min_np: int, max_np: int | None, gen: int,
+def wanted_slots(listed: list[tuple[str, str, int]], np: int | None, min_np: int, max_np: int | None, gen: int,
                  running: set[str]) -> list[tuple[str, str, int]]:
-    """The slots to run, ``(wid, host, index)``: the listed ones, at most ``-np`` (raised to ``--min-np``) until
-    the first generation, then ``--max-np``; those with a ``running`` worker first, so that a cap never
-    replaces a running worker (holding the committed state) by a newcomer on a host listed before its own."""
+    """The slots to run, ``(wid, host, index)``, of the ``listed`` ones (:func:`host_slots`, or a discovery's
+    own): at most ``-np`` (raised to ``--min-np``) until the first generation, then ``--max-np``; those with a
+    ``running`` worker first, so that a cap never replaces a running worker (holding the committed state) by a
+    newcomer on a host listed before its own."""
     cap = max(np, min_np) if gen == 0 and np else max_np
     if cap and max_np:
         cap = min(cap, max_np)
-    out = [(f"{h}:{i}", h, i) for h, n in hosts.items() for i in range(n)]
+    out = list(listed)
     out.sort(key=lambda slot: slot[0] not in running)  # stable: otherwise the listed order
     return out[:cap] if cap else out
 

@@ -15,6 +15,7 @@ not saved (they belong to one cluster), so a loaded Estimator needs ``setStore``
 from __future__ import annotations
 
 import base64
+import posixpath
 import time
 from typing import Any, Callable, Iterator
 
@@ -48,7 +49,8 @@ class _Writer(MLWriter):
         self.instance = instance
 
     def saveImpl(self, path: str) -> None:  # noqa: N802 - Spark ML's name
-        values = {p.name: encode(v) for p, v in self.instance._paramMap.items() if p.name not in _NOT_SAVED}
+        values = {p.name: encode(self.instance._saved(p.name, v)) for p, v in self.instance._paramMap.items()
+                  if p.name not in _NOT_SAVED}
         DefaultParamsWriter.saveMetadata(self.instance, path, self.sc, paramMap=values)
 
 
@@ -67,6 +69,11 @@ class _Reader(MLReader):
 
 class Persistence(MLReadable, MLWritable):
     """Spark ML's ``save``/``load``/``write``/``read`` for hora's Estimators and Models."""
+
+    def _saved(self, name: str, value: Any) -> Any:
+        """What is pickled for parameter ``name``: ``value``, unless a subclass knows a portable stand-in that
+        unpickles as the value (a tf_keras optimizer, which does not pickle)."""
+        return value
 
     def write(self) -> MLWriter:
         return _Writer(self)
@@ -132,6 +139,16 @@ class HoraEstimator(Estimator, EstimatorParams, Persistence):
 
     def _payload(self, common: dict) -> dict:
         raise NotImplementedError
+
+    def _resume(self, common: dict, checkpoint: str) -> bytes | None:
+        """The trainer's file ``checkpoint`` of this run, when the store keeps runs and has it: a fit given the
+        ``run_id`` of an interrupted one resumes from there."""
+        store, run_id = common["store"], common["run_id"]
+        path = posixpath.join(store.get_checkpoint_path(run_id), checkpoint) if store.saving_runs() else None
+        resume = store.read(path) if path and store.exists(path) else None
+        if resume is not None and self.getVerbose():
+            print(f"{type(self).__name__}: resuming run {run_id!r} from {path}")
+        return resume
 
     def _trainer(self) -> Callable[[dict], Any]:
         raise NotImplementedError

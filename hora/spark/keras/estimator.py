@@ -1,5 +1,6 @@
 """``hora.spark.keras.KerasEstimator`` and ``KerasModel``: Horovod's ``horovod.spark.keras`` on hora, for
-Keras 3 models (any backend: the ranks get the driver's ``KERAS_BACKEND``).
+Keras 3 models (any backend: the ranks get the driver's ``KERAS_BACKEND``) and ``tf_keras`` (Keras 2) models,
+which the ranks train with ``TF_USE_LEGACY_KERAS=1`` (hora.keras's Keras 2 path: :mod:`hora.keras.flavour`).
 
 The parameters are Horovod's (``HoraEstimator``'s plus ``custom_objects``, ``checkpoint_callback``,
 ``backend_env``); the trainer is :mod:`hora.spark.keras.remote`. ``optimizer``: a Keras optimizer (else the
@@ -10,18 +11,28 @@ takes them. ``callbacks`` run on every rank; ``checkpoint_callback`` on rank 0 o
 
 from __future__ import annotations
 
-import posixpath
 from typing import Any, Callable
 
 import numpy as np
 from pyspark import keyword_only
-from pyspark.ml.param.shared import Param, Params
 
 from hora.base.errors import HoraValueError
 from hora.spark.common.estimator import HoraEstimator, HoraModel
+from hora.spark.common.params import add_params
 from hora.spark.keras import remote
 
 __all__ = ["KerasEstimator", "KerasModel"]
+
+
+def _keras(model):
+    """The Keras ``model`` is written for: ``tf_keras`` (Keras 2) or ``keras`` (Keras 3)."""
+    from hora.keras.flavour import is_tf_keras, tf_keras
+
+    if is_tf_keras(model):
+        return tf_keras()
+    import keras
+
+    return keras
 
 
 def _copy(obj):
@@ -31,13 +42,10 @@ def _copy(obj):
 
 
 class KerasEstimator(HoraEstimator):
-    """Spark Estimator training a Keras 3 model on a DataFrame with ``num_proc`` hora ranks (see the module
+    """Spark Estimator training a Keras 3 or tf_keras model on a DataFrame with ``num_proc`` hora ranks (see the module
     docstring and docs/spark.md)."""
 
     RUN_PREFIX = "keras"
-    custom_objects = Param(Params._dummy(), "custom_objects", "custom objects")
-    checkpoint_callback = Param(Params._dummy(), "checkpoint_callback", "model checkpointing callback")
-    backend_env = Param(Params._dummy(), "backend_env", "environment added to the ranks'")
 
     @keyword_only
     def __init__(self, num_proc=None, model=None, backend=None, store=None, custom_objects=None, optimizer=None,
@@ -53,52 +61,48 @@ class KerasEstimator(HoraEstimator):
                          backend_env={"LIBHDFS_OPTS": "-Xms2048m -Xmx2048m"})
         self.setParams(**{k: v for k, v in self._input_kwargs.items() if v is not None})
 
-    def setCustomObjects(self, value):  # noqa: N802 - Horovod's names
-        return self._set(custom_objects=value)
+    def _saved(self, name: str, value: Any) -> Any:
+        from hora.keras.flavour import is_tf_keras
 
-    def getCustomObjects(self):  # noqa: N802
-        return self.getOrDefault(self.custom_objects)
-
-    def setCheckpointCallback(self, value):  # noqa: N802
-        return self._set(checkpoint_callback=value)
-
-    def getCheckpointCallback(self):  # noqa: N802
-        return self.getOrDefault(self.checkpoint_callback)
-
-    def setBackendEnv(self, value):  # noqa: N802
-        return self._set(backend_env=value)
-
-    def getBackendEnv(self):  # noqa: N802
-        return self.getOrDefault(self.backend_env)
+        if name == "optimizer" and value is not None and is_tf_keras(value):
+            return _TfKerasOptimizer(_keras(value).optimizers.serialize(value))
+        return value
 
     def _env(self) -> dict[str, str]:
         import keras
 
+        from hora.keras.flavour import is_tf_keras
+
         extra = {k: str(v) for k, v in (self.getBackendEnv() or {}).items()}
+        if is_tf_keras(self.getModel()):  # the ranks' hora.keras, callbacks included, take the Keras 2 path
+            return {"TF_USE_LEGACY_KERAS": "1", **extra}
         return {"KERAS_BACKEND": keras.backend.backend(), **extra}
 
     def _optimizer(self):
-        import keras
-
         model, optimizer = self.getModel(), self.getOptimizer()
-        if not isinstance(model, keras.Model):
-            raise HoraValueError(f"KerasEstimator: model must be a Keras 3 keras.Model, got {type(model).__name__}")
+        k = _keras(model)
+        if not isinstance(model, k.Model):
+            raise HoraValueError("KerasEstimator: model must be a Keras 3 keras.Model or a tf_keras.Model, got "
+                                 f"{type(model).__name__}")
         optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         if optimizer is None:
             raise HoraValueError("KerasEstimator: give optimizer=, or a model compiled with one")
-        return keras.optimizers.get(optimizer) if isinstance(optimizer, (str, dict)) else _copy(optimizer)
+        if isinstance(optimizer, (str, dict)):
+            return k.optimizers.get(optimizer)
+        if k.__name__ == "tf_keras":  # its optimizers do not pickle (weak references): a copy by config
+            return k.optimizers.deserialize(k.optimizers.serialize(optimizer))
+        return _copy(optimizer)
 
     def _payload(self, common: dict) -> dict:
         import cloudpickle
 
         if not self.getLoss():
             raise HoraValueError("KerasEstimator: loss is required, e.g. loss='sparse_categorical_crossentropy'")
-        store, run_id = common["store"], common["run_id"]
-        ckpt = posixpath.join(store.get_checkpoint_path(run_id), remote.CHECKPOINT) if store.saving_runs() else None
-        resume = store.read(ckpt) if ckpt and store.exists(ckpt) else None
-        if resume is not None and self.getVerbose():
-            print(f"KerasEstimator: resuming run {run_id!r} from {ckpt}")
-        compile_args = (self._optimizer(), self.getLoss(), list(self.getMetrics() or []), self.getCallbacks())
+        resume = self._resume(common, remote.CHECKPOINT)
+        optimizer, k = self._optimizer(), _keras(self.getModel())
+        if k.__name__ == "tf_keras":
+            optimizer = k.optimizers.serialize(optimizer)  # rebuilt on the ranks (remote.train)
+        compile_args = (optimizer, self.getLoss(), list(self.getMetrics() or []), self.getCallbacks())
         callback = self.getCheckpointCallback()
         return dict(common, model=cloudpickle.dumps(self.getModel()), resume=resume,
                     compile=cloudpickle.dumps(compile_args), loss_weights=self.getLossWeights(),
@@ -106,7 +110,8 @@ class KerasEstimator(HoraEstimator):
                     compression=self.getGradientCompression(),
                     checkpoint_callback=cloudpickle.dumps(callback) if callback is not None else None,
                     transformation_fn=cloudpickle.dumps(common["transformation_fn"]),
-                    verbose=common["verbose"] if common["verbose"] is not None else 1)
+                    verbose=common["verbose"] if common["verbose"] is not None else 1,
+                    legacy=_keras(self.getModel()).__name__ == "tf_keras")
 
     def _trainer(self) -> Callable[[dict], Any]:
         return remote.train
@@ -126,11 +131,8 @@ class KerasEstimator(HoraEstimator):
 
 
 class KerasModel(HoraModel):
-    """Spark Transformer wrapping a trained Keras model; ``getModel()`` is the ``keras.Model``.
+    """Spark Transformer wrapping a trained Keras model; ``getModel()`` is the ``keras.Model`` (or ``tf_keras.Model``).
     ``transform(df)`` adds ``<label>__output`` columns (or ``outputCols``)."""
-
-    custom_objects = Param(Params._dummy(), "custom_objects", "custom objects")
-    _floatx = Param(Params._dummy(), "_floatx", "keras default float type")
 
     @keyword_only
     def __init__(self, history=None, model=None, feature_columns=None, label_columns=None, custom_objects=None,
@@ -141,14 +143,25 @@ class KerasModel(HoraModel):
         self._setDefault(custom_objects={}, _floatx=None)
         self.setParams(**{k: v for k, v in self._input_kwargs.items() if v is not None})
 
-    def setCustomObjects(self, value):  # noqa: N802 - Horovod's names
-        return self._set(custom_objects=value)
-
-    def getCustomObjects(self):  # noqa: N802
-        return self.getOrDefault(self.custom_objects)
-
     def _predictor(self) -> Callable:
         return _KerasPredict(self.getModel())
+
+
+class _TfKerasOptimizer:
+    """A tf_keras optimizer by its config: it pickles (the optimizer holds weak references) and unpickles as the
+    optimizer."""
+
+    def __init__(self, config: dict) -> None:
+        self.config = config
+
+    def __reduce__(self):
+        return _tf_keras_optimizer, (self.config,)
+
+
+def _tf_keras_optimizer(config: dict):
+    from hora.keras.flavour import tf_keras
+
+    return tf_keras().optimizers.deserialize(config)
 
 
 class _KerasPredict:
@@ -158,8 +171,12 @@ class _KerasPredict:
         self.model = model
 
     def __call__(self, features: list[np.ndarray]) -> list[np.ndarray]:
-        import keras
-
-        x = remote.arrays(dict(enumerate(features)), list(range(len(features))), keras.backend.floatx())
+        x = remote.arrays(dict(enumerate(features)), list(range(len(features))), _keras(self.model).backend.floatx())
         out = self.model.predict_on_batch(x)
         return [np.asarray(o) for o in (out if isinstance(out, (list, tuple)) else [out])]
+
+
+# Horovod's parameters beyond HoraEstimator's / HoraModel's, with their set<Name>/get<Name> (defaults: __init__)
+add_params(KerasEstimator, [("custom_objects", None, None), ("checkpoint_callback", None, None),
+                            ("backend_env", None, None)])
+add_params(KerasModel, [("custom_objects", None, None), ("_floatx", None, None)])

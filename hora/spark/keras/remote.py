@@ -1,5 +1,8 @@
 """``KerasEstimator``'s trainer: what every rank runs (a Spark task's process, through ``hora.spark.run``).
 
+A ``tf_keras`` model (``p["legacy"]``) is trained with ``tf_keras`` throughout; its ranks run with
+``TF_USE_LEGACY_KERAS=1``, so hora.keras's optimizer and callbacks take their Keras 2 path.
+
 Each rank unpickles the model, compiles it with hora's ``DistributedOptimizer`` around the optimizer (its
 learning rate multiplied by the number of ranks, as Horovod's Estimator does) and calls ``model.fit`` on a
 generator over its Parquet share, the same number of steps on every rank. hora's callbacks broadcast rank
@@ -15,7 +18,6 @@ import json
 import posixpath
 from typing import Any
 
-import keras
 import numpy as np
 
 CHECKPOINT = "checkpoint.weights.npz"
@@ -38,22 +40,35 @@ def arrays(batch: dict, cols: list[str], floatx: str):
     return out[0] if len(out) == 1 else tuple(out)
 
 
+def _keras(legacy: bool):
+    if legacy:
+        from hora.keras.flavour import tf_keras
+
+        return tf_keras()
+    import keras
+
+    return keras
+
+
 def train(p: dict[str, Any]) -> Any:
     import cloudpickle
 
     import hora.keras as hvd
     from hora.spark.common.reader import Shard, steps
 
+    keras = _keras(p.get("legacy", False))
     hvd.init()
     if p["seed"] is not None:
         keras.utils.set_random_seed(p["seed"])
     custom = cloudpickle.loads(p["custom_objects"]) or {}
-    with keras.saving.custom_object_scope(custom):
+    with keras.utils.custom_object_scope(custom):
         model = cloudpickle.loads(p["model"])
         optimizer, loss, metrics, callbacks = cloudpickle.loads(p["compile"])
+        optimizer = keras.optimizers.get(optimizer) if isinstance(optimizer, dict) else optimizer
     if p.get("resume"):
         model.set_weights(weights_from(p["resume"]))
-    optimizer.learning_rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate)) * hvd.size()
+    read = keras.backend.get_value if p.get("legacy") else keras.ops.convert_to_numpy
+    optimizer.learning_rate = float(read(optimizer.learning_rate)) * hvd.size()
     model.compile(optimizer=hvd.DistributedOptimizer(optimizer, compression=p["compression"] or hvd.Compression.none),
                   loss=loss, loss_weights=p["loss_weights"], metrics=metrics)
     meta, store, size, floatx = p["meta"], p["store"], hvd.size(), keras.backend.floatx()
@@ -72,7 +87,7 @@ def train(p: dict[str, Any]) -> Any:
     train_steps = p["train_steps"] or steps(meta["train_rows"], p["batch_size"], size)
     val = meta["val_rows"] > 0
     val_steps = p["val_steps"] or (steps(meta["val_rows"], p["val_batch_size"], size) if val else None)
-    best = _Best(store, p["run_id"], "val_loss" if val else "loss")
+    best = _best(keras)(store, p["run_id"], "val_loss" if val else "loss")
     cbs = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
     cbs += list(callbacks or []) + ([best] if hvd.rank() == 0 else [])
     if hvd.rank() == 0 and p.get("checkpoint_callback") is not None:
@@ -87,7 +102,12 @@ def train(p: dict[str, Any]) -> Any:
     return out
 
 
-class _Best(keras.callbacks.Callback):
+def _best(keras) -> type:
+    """Rank 0's callback class for ``keras`` (a ``tf_keras`` model's ``fit`` takes only its own callbacks)."""
+    return type("Best", (_Best, keras.callbacks.Callback), {})
+
+
+class _Best:
     """Rank 0's callback: keep the best epoch's weights, write them and the history to the store."""
 
     def __init__(self, store, run_id: str, monitor: str) -> None:
