@@ -15,6 +15,7 @@ from hora.keras import callback_logic as _logic
 from hora.keras import legacy_callbacks
 from hora.keras.flavour import Flavoured
 from hora.keras.functions import broadcast_variables
+from hora.kit.straggler_log import StragglerLog
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback", "BestModelCheckpoint"]
@@ -61,3 +62,5 @@ LearningRateScheduleCallback = made("LearningRateScheduleCallback", _logic.Learn
 LearningRateWarmupCallback = made("LearningRateWarmupCallback", _logic.LearningRateWarmup,
                                   LearningRateScheduleCallback)
 BestModelCheckpoint = made("BestModelCheckpoint", _logic.BestModelCheckpoint, keras.callbacks.ModelCheckpoint)
+# hora's own, not in __all__ (which lists Horovod's): the straggler account in the epoch's logs
+StragglerCallback = made("StragglerCallback", StragglerLog)

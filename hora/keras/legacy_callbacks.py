@@ -13,6 +13,7 @@ import functools
 
 from hora.keras import callback_logic as _logic
 from hora.keras.flavour import tf_keras
+from hora.kit.straggler_log import StragglerLog
 
 __all__ = ["twin"]
 
@@ -58,7 +59,8 @@ def _classes() -> dict[str, type]:
     found = [made("BroadcastGlobalVariablesCallback", _logic.BroadcastGlobalVariables, callbacks.Callback),
              made("MetricAverageCallback", _logic.MetricAverage, callbacks.Callback), schedule,
              made("LearningRateWarmupCallback", _logic.LearningRateWarmup, schedule),
-             made("BestModelCheckpoint", _logic.BestModelCheckpoint, callbacks.ModelCheckpoint)]
+             made("BestModelCheckpoint", _logic.BestModelCheckpoint, callbacks.ModelCheckpoint),
+             made("StragglerCallback", StragglerLog, callbacks.Callback)]
     found += [made(logic.__name__ + "Callback", logic, callbacks.Callback)
               for logic in (_logic.CommitState, _logic.UpdateBatchState, _logic.UpdateEpochState)]
     return {cls.__name__: cls for cls in found}
