@@ -34,16 +34,16 @@ class Statistics(Mapping):
     the counters only), plus ``straggler``, rank 0's account of whom the job waited for
     (:class:`hora.engine.straggler.Straggler`; None on the other ranks, which do not coordinate)."""
 
-    cycles: int = 0
-    coordination_messages_sent: int = 0
-    coordination_messages_received: int = 0
-    collectives: int = 0
-    tensors: int = 0
-    tensors_fused: int = 0
-    bytes_fused: int = 0
-    tensors_inline: int = 0
-    cache_hits: int = 0
-    tensors_mailbox: int = 0
+    cycles: int
+    coordination_messages_sent: int
+    coordination_messages_received: int
+    collectives: int
+    tensors: int
+    tensors_fused: int
+    bytes_fused: int
+    tensors_inline: int
+    cache_hits: int
+    tensors_mailbox: int
     straggler: Straggler | None = None
 
     def __getitem__(self, key: str) -> int:

@@ -18,16 +18,33 @@ from hora.runner.trace_merge import RANK_PID, WAIT_TID, TraceError, load
 
 @dataclasses.dataclass
 class RankFigures:
-    collectives: int = 0
-    data_s: float = 0.0
-    bytes: int = 0
-    negotiation_s: float = 0.0
-    waited_s: float = 0.0
-    last: int = 0
-    lag_s: float = 0.0
-    waits: list = dataclasses.field(default_factory=list)  # (begin, end) us, merged, for the picture
-    negotiations: list = dataclasses.field(default_factory=list)  # (begin, end) us, merged
-    data: list = dataclasses.field(default_factory=list)  # (begin, end, bytes)
+    """One rank's spans (microseconds), and what the table shows of them."""
+
+    last: int = 0  # collectives in which this rank was the straggler
+    lag_s: float = 0.0  # its lag in those, summed
+    waits: list = dataclasses.field(default_factory=list)  # (begin, end), merged, for the picture
+    negotiations: list = dataclasses.field(default_factory=list)  # (begin, end), merged
+    data: list = dataclasses.field(default_factory=list)  # (begin, end, bytes) per data phase
+
+    @property
+    def collectives(self) -> int:
+        return len(self.data)
+
+    @property
+    def data_s(self) -> float:
+        return sum(b - a for a, b, _ in self.data) / 1e6
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for _, _, n in self.data)
+
+    @property
+    def waited_s(self) -> float:
+        return sum(b - a for a, b in self.waits) / 1e6
+
+    @property
+    def negotiation_s(self) -> float:
+        return sum(b - a for a, b in self.negotiations) / 1e6
 
     @property
     def bandwidth(self) -> float:
@@ -68,11 +85,7 @@ def summarize(path: str) -> Summary:
             continue
         stamps.append(ts)
         if ph == "X" and e.get("tid") == 2:
-            f.collectives += 1
-            f.data_s += e.get("dur", 0) / 1e6
-            nbytes = int(e.get("args", {}).get("bytes", 0))
-            f.bytes += nbytes
-            f.data.append((ts, ts + e.get("dur", 0), nbytes))
+            f.data.append((ts, ts + e.get("dur", 0), int(e.get("args", {}).get("bytes", 0))))
             stamps.append(ts + e.get("dur", 0))
         elif ph == "b":
             opened[(pid, e.get("cat"), e.get("id"))] = ts
@@ -97,8 +110,6 @@ def summarize(path: str) -> Summary:
                          "hora run --timeline-filename FILE (or HORA_TIMELINE_ALL_RANKS=1, then hora trace merge)")
     for f in ranks.values():  # spans of collectives negotiated or waited for together overlap: their union
         f.waits, f.negotiations = _union(f.waits), _union(f.negotiations)
-        f.waited_s = sum(b - a for a, b in f.waits) / 1e6
-        f.negotiation_s = sum(b - a for a, b in f.negotiations) / 1e6
     return Summary(ranks, min(stamps, default=0.0), max(stamps, default=0.0), coordinator)
 
 
