@@ -61,7 +61,7 @@ $(PY):
 
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e '.[pytorch,test,mpi,nccl-cu12,secure]' $(SECURE_PIN)
+	$(PIP) install -q -e '.[pytorch,test,mpi,nccl-cu12,secure,plot]' $(SECURE_PIN)
 	touch $@
 
 setup-frameworks: setup $(FW_STAMP)

@@ -5,7 +5,8 @@ and it prints a markdown table. Each row is one way of reducing the same 200 ten
 
 * async, fused + cached: ``allreduce_async_`` all 200, then ``synchronize`` all (the DistributedOptimizer
   pattern): negotiation through the response cache, one fused collective per cycle;
-* the same with the response cache off, with fusion off, and with the timeline on;
+* the same with the response cache off, with fusion off, with the timeline on, and with the job's trace on
+  (every rank writes its part, docs/observability.md);
 * a loop of 200 synchronous ``allreduce_`` calls (each negotiates and runs alone);
 
 plus the latency of one synchronous 4 KiB allreduce, and the same with the small-allreduce fast path
@@ -123,6 +124,10 @@ def worker(out: str, steps: int, reps: int, latency_only: bool = False) -> None:
     phase("async, fusion off (fusion_threshold=0)", _step_async, fusion_threshold=0)
     with tempfile.TemporaryDirectory() as tmp:
         phase("async, fused + cached, timeline on", _step_async, timeline=os.path.join(tmp, "timeline.json"))
+    if "timeline_all_ranks" in knob_table.BY_NAME:  # (absent before the job's trace: a before/after run)
+        with tempfile.TemporaryDirectory() as tmp:  # every rank writes its part too (docs/observability.md)
+            phase("async, fused + cached, job trace on (every rank)", _step_async,
+                  timeline=os.path.join(tmp, "timeline.json"), timeline_all_ranks=True)
     phase(f"loop of {TENSORS} synchronous allreduce_", _step_sync)
     latency = _latency(hora, reps)
     ab = _latency_ab(hora, knob_table, reps)

@@ -80,18 +80,8 @@ def _describe(component: list[str], graph: dict[str, set[str]]) -> str:
 
 
 # Cycles known and owned, each with who breaks it: CI fails on any cycle not listed here, and on a listed one
-# that is gone (so the list only shrinks). Empty is the goal (issue 23's done-when).
-KNOWN: dict[frozenset[str], str] = {
-    # issue 24 (tf_keras beside Keras 3), merged with this test: the Keras flavour's runtime twin lookup
-    # (flavour -> legacy_callbacks -> elastic -> flavour) and hora.keras.functions <-> hora.tensorflow through the
-    # packages' __init__ (functions -> hora.tensorflow -> tensorflow.optimizer -> hora.keras -> functions);
-    # the sharded Keras optimizer joined it (the factory imports sharded, which subclasses optimizer's class)
-    frozenset({"hora.keras", "hora.keras.callbacks", "hora.keras.elastic", "hora.keras.flavour",
-               "hora.keras.functions", "hora.keras.legacy", "hora.keras.legacy_callbacks", "hora.keras.optimizer",
-               "hora.keras.sharded", "hora.tensorflow", "hora.tensorflow.optimizer",
-               "hora.tensorflow.sync_batch_norm"}):
-        "issue 24's tf_keras work (branch tfkeras): to be broken by its owner",
-}
+# that is gone (so the list only shrinks). Empty since issue 23 broke the last (Keras/TensorFlow) one.
+KNOWN: dict[frozenset[str], str] = {}
 
 
 def test_no_import_cycle_under_hora():

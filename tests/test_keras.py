@@ -40,7 +40,7 @@ def _battery(full: bool, tmp: str) -> None:
         torch.set_num_threads(1)
     import hora.core.ops as core
     import hora.keras as hvd
-    from hora.keras.optimizer import _DistributedOptimizer
+    from hora.keras.wrapped import _DistributedOptimizer
 
     hvd.init()
     r, n = hvd.rank(), hvd.size()

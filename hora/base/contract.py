@@ -24,6 +24,9 @@ RUNFUNC_ADDR, RUNFUNC_SECRET = "HORA_RUNFUNC_ADDR", "HORA_RUNFUNC_SECRET"
 # the module each rank of hora.run() runs
 RUN_TASK_MODULE = "hora.core.run_task"
 
+# the store key, under the job's scope, where rank 0 leaves its end-of-job straggler line for `hora run` to print
+STRAGGLER_KEY = "straggler"
+
 # `hora run --horovod-alias` sets this to 1 and puts hora/_alias/site on the workers' PYTHONPATH; the startup
 # hook of hora._alias reads it too (where it cannot import hora)
 HOROVOD_ALIAS = "HORA_HOROVOD_ALIAS"

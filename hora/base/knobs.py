@@ -188,6 +188,13 @@ KNOBS = [
     Knob("timeline_mark_cycles", bool, False, "TIMELINE_MARK_CYCLES", "--timeline-mark-cycles",
          "mark each engine cycle in the timeline", off_flag="--no-timeline-mark-cycles", config="timeline.mark_cycles",
          group="timeline"),
+    Knob("timeline_all_ranks", bool, False, "TIMELINE_ALL_RANKS", "--timeline-all-ranks",
+         "every rank also writes its part of the timeline, FILE.rank<N>, for one trace of the job with a track per "
+         "rank (hora trace merge); hora run turns it on with a timeline and merges the parts at the end",
+         off_flag="--no-timeline-all-ranks", config="timeline.all_ranks", group="timeline"),
+    Knob("straggler_report", bool, True, "STRAGGLER_REPORT", None,
+         "hora run prints at the end of the job which rank held the others up, when one clearly did "
+         "(rank 0 leaves the line at shutdown; hora.statistics().straggler has the account)", group="timeline"),
     # stall
     Knob("stall_check_disable", bool, False, "STALL_CHECK_DISABLE", "--no-stall-check",
          "turn the stall inspector off (no warning about tensors some ranks never submit)", off_flag="--stall-check",

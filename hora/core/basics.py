@@ -17,6 +17,7 @@ from hora.base import knobs
 from hora.base.errors import HoraValueError
 from hora.core import launchers, session
 from hora.core.session import State, is_initialized, state  # noqa: F401 - state(): what every caller reads
+from hora.engine.stats import Statistics
 from hora.transport.base import LocalCommunicator
 
 
@@ -196,15 +197,22 @@ def is_homogeneous() -> bool:
     return t.size == t.local_size * t.cross_size
 
 
-def statistics() -> dict[str, int]:
-    """Engine counters since init: cycles, coordination messages sent/received, collectives run,
-    tensors, tensors fused, bytes fused, cache hits. Useful to see fusion and the cache at work."""
-    return state().engine.stats.as_dict()
+def statistics() -> Statistics:
+    """Engine counters since init (cycles, coordination messages sent/received, collectives run, tensors,
+    tensors fused, bytes fused, cache hits, ...) as attributes or ``["key"]`` as before, and on rank 0 the
+    straggler account, ``.straggler`` (docs/observability.md). Useful to see fusion, the cache and waits."""
+    engine = state().engine
+    return engine.stats.snapshot(None if engine.coord is None else engine.coord.account.snapshot())
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start writing a Chrome-trace timeline to ``file_path`` (rank 0 writes; no env var needed)."""
+    """Start writing a Chrome-trace timeline to ``file_path`` (rank 0 writes; no env var needed). With
+    ``HORA_TIMELINE_ALL_RANKS=1`` every rank that calls it also writes its part, ``file_path.rank<N>``."""
     st = state()
+    if st.cfg["timeline_all_ranks"]:
+        from hora.engine import ranktrace
+
+        ranktrace.attach(st.engine, file_path)
     if st.topo.rank != 0:
         return
     from hora.engine.timeline import Timeline
@@ -216,6 +224,10 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 def stop_timeline() -> None:
     """Stop the timeline and close its file."""
     engine = state().engine
+    if engine.trace is not None:
+        from hora.engine import ranktrace
+
+        ranktrace.detach(engine)
     tl, engine.timeline = engine.timeline, None
     if tl is not None:
         tl.close()

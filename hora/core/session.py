@@ -33,6 +33,10 @@ class State:
         from hora.engine.engine import Engine
 
         self.engine = Engine(comm, topo, self.cfg, timeline)  # holds the timeline from now on
+        if self.cfg["timeline"] not in ("", "DYNAMIC") and self.cfg["timeline_all_ranks"]:
+            from hora.engine import ranktrace  # every rank's part of the job's trace (hora trace merge)
+
+            ranktrace.attach(self.engine, self.cfg["timeline"])
         self.pulse = None  # the frozen-rank watch (hora.engine.pulse), set by basics._connect
         from hora.engine.device_exec import DeviceExecutor  # GPU tensors; loads no CUDA library until one comes
 
@@ -43,6 +47,10 @@ class State:
         self.names: dict = {}  # process set id -> counter naming unnamed ops (noname.N)
 
     def close(self) -> None:
+        if self.engine.coord is not None and self.cfg["straggler_report"]:
+            from hora.engine.straggler import report
+
+            report(self.engine.coord.account, self.store, self.prefix.rpartition("/")[0])  # for hora run's last line
         if self.pulse is not None:
             self.pulse.close()  # first: a rank that stops beating while it shuts down is not frozen
         self.engine.shutdown()
@@ -51,6 +59,10 @@ class State:
             self.store.close()
         if self.engine.timeline is not None:
             self.engine.timeline.close()
+        if self.engine.trace is not None:
+            from hora.engine import ranktrace
+
+            ranktrace.detach(self.engine)
 
 
 _state: State | None = None

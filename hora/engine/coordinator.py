@@ -22,6 +22,7 @@ from hora.collectives.reduce import OP_NAMES
 from hora.engine import names as naming
 from hora.engine.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                                 REDUCESCATTER, REMOVE_PS, TUNE, Refusal, Request, Response, error)
+from hora.engine.straggler import StragglerAccount
 
 _COMPARED = {  # fields that must agree across ranks, by op kind
     ALLREDUCE: ("op", "dtype", "shape", "pre", "post", "layout", "device"),
@@ -88,6 +89,7 @@ class Entry:
     requests: dict[int, Request]
     since: float
     warned: bool = False
+    at: dict[int, float] = dataclasses.field(default_factory=dict)  # rank -> when its request came (straggler)
 
 
 class ResponseCache:
@@ -152,6 +154,8 @@ class Coordinator:
         self._forms: dict[tuple[int, str], dict[int, dict[int, int]]] = {}
         self._failed: dict[tuple[int, str], _Failed] = {}  # groups of differing sizes, failed (_fail_group)
         self.joined: list[int] = []
+        self.arrivals: dict[tuple[int, str], dict[int, float]] = {}  # agreed since the last take(): for account
+        self.account = StragglerAccount(size)  # who every fused collective waited for (hora.engine.straggler)
 
     # -- input ---------------------------------------------------------------------------------
     def submit(self, rank: int, req: Request) -> None:
@@ -164,9 +168,11 @@ class Coordinator:
         if (req.group is not None or self._forms or self._failed) and self._sized(rank, req):
             return
         entry = self.table.get(key)
+        now = time.monotonic()
         if entry is None:
-            entry = self.table[key] = Entry({}, time.monotonic())
+            entry = self.table[key] = Entry({}, now)
         entry.requests[rank] = req
+        entry.at[rank] = now
         self._check(key, entry)
 
     def submit_bit(self, rank: int, bit: int) -> None:
@@ -204,6 +210,7 @@ class Coordinator:
         if not required or not required <= set(entry.requests):
             return
         del self.table[key]
+        self.arrivals[key] = entry.at
         resp = self._respond(key, entry)
         group = next(iter(entry.requests.values())).group
         if group is None and self._forms:  # a named single op matches a group of one (_plain_form)
@@ -475,6 +482,9 @@ class Coordinator:
         fused = [group[0] if len(group) == 1 else group[0]._replace(
             names=tuple(n for r in group for n in r.names),
             shapes=tuple(sh for r in group for sh in r.shapes)) for group in out]
+        if self.arrivals:
+            self.account.observe(fused, self.arrivals)
+            self.arrivals = {}
         return fused, adds, evicts
 
     def share(self, peer: int, responses: list[Response], additions: list[tuple[int, Request]],

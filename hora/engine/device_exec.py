@@ -16,6 +16,7 @@ the communicators so no kernel is left waiting, and the handles fail with ``Horo
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -401,10 +402,8 @@ class DeviceExecutor:
         if self._thread is not None:
             self._thread.join(5)
         for c in self.comms.values():
-            try:
+            with contextlib.suppress(HoraError):
                 c.destroy()
-            except HoraError:
-                pass
         self.comms.clear()
 
 

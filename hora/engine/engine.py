@@ -36,7 +36,7 @@ import numpy as np
 
 from hora.base import fp_quiet
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
-from hora.engine import explain, fastpath
+from hora.engine import clock, explain, fastpath
 from hora.engine import messages as m
 from hora.engine.baton import CALLER, NOBODY, Baton
 from hora.engine.interrupts import GATE
@@ -101,8 +101,9 @@ class Engine:
         self._handlers = {m.REQUESTS: self.role.on_requests, m.RESPONSES: self.role.on_responses,
                           m.ABORT: self._on_abort, m.STACK_QUERY: self._on_stack_query,
                           m.STACK_REPLY: self._on_stack_reply, m.STALL_FATAL: self._on_stall_fatal,
-                          m.BYE: self._on_bye, m.DATA_STALL: self._on_data_stall}
+                          m.BYE: self._on_bye, m.DATA_STALL: self._on_data_stall, **clock.handlers(self)}
         explain.attach(self)  # hangs explained: its handlers, and ``_stamp`` on every submission (or None)
+        self.trace = None  # this rank's part of the job's trace (hora.engine.ranktrace; None when off)
         self.handles.drive = self._drive
         # The engine thread sleeps in epoll on the wake pipe and on a nested epoll holding the control
         # connections. A driving caller switches the nested one off for its session: otherwise every
@@ -144,7 +145,7 @@ class Engine:
     # -- caller side ---------------------------------------------------------------------------
     def submit(self, *pends: Pending) -> None:
         """Queue requests for the engine; several at once are negotiated together."""
-        if self._stamp is not None:
+        if self._stamp is not None:  # (hora.engine.explain's, and the job trace's: hora.engine.ranktrace)
             self._stamp(pends)
         self.subs.add(pends, self.baton.held)
 
@@ -388,8 +389,9 @@ class Engine:
                              "coordinator) to answer, which would have shut a stall down by now; is rank 0 "
                              "frozen (stopped, swapping, stuck in a system call)?")
         responses = self.role.responses(responses)
+        run = self._execute if self.trace is None else self.trace.runner(self._execute)
         for resp in responses:
-            self._execute(resp)
+            run(resp)
         if responses and self._quiet_s:  # time this rank spent running them is no silence of rank 0's
             self._heard = time.monotonic()
         if self._leaving is not None:  # rank 0 said goodbye: what it sent before has run; nothing more will
@@ -420,7 +422,7 @@ class Engine:
         if not flush and time.monotonic() < self._batch_start + self._cycle_s:
             return
         batch, self._unsent = self._unsent, []
-        self.role.send(batch)
+        (self.role.send if self.trace is None else self.trace.sender(self.role.send))(batch)
 
     # -- control messages: one handler per tag (self._handlers) --------------------------------
     def _on_unknown(self, peer: int, msg) -> None:

@@ -122,6 +122,12 @@ class Executor:
         self._activity = {k: f"{by_kind[k] if size > 1 else self.transport}_{k.upper()}"
                           for k in (m.ALLREDUCE, m.ALLGATHER, m.BROADCAST, m.ALLTOALL, m.REDUCESCATTER)}
 
+    def activity(self, resp: m.Response) -> str:
+        """The timeline's name of what runs ``resp``: ``TCP_ALLREDUCE``, ``INLINE_ALLREDUCE``, ``BARRIER``..."""
+        if resp.data is not None:
+            return "INLINE_ALLREDUCE"
+        return self._activity.get(resp.kind, resp.kind.upper())
+
     def set_changed(self, kind: str, ps: int, ranks: tuple[int, ...]) -> None:
         """A process set added or removed, on every rank in the same order: a removed set's communicator is
         closed; on the GPU a new set's NCCL communicator is split from the global one (device_exec)."""

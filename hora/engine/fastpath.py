@@ -10,7 +10,7 @@ When: a caller drives the engine (a synchronous call, :mod:`hora.engine.baton`) 
 exactly one request, an allreduce of the global set that hits the response cache (the same
 signature as an earlier agreed response: both ranks hold the same bit for it), and this rank's
 engine has nothing else in flight: no other local request, no unread message, on rank 0 an empty
-coordinator. Not with autotune, a timeline, process sets, or
+coordinator. Not with autotune, a timeline or the job's trace, process sets, or
 joined ranks waiting at rank 0. Everything else takes the normal path.
 
 How: the rank posts (the bit, its input) and looks for the peer's post of the same bit; the
@@ -63,8 +63,8 @@ class FastPath:
             return False
         c = e.coord
         if c is None:
-            return e._leaving is None
-        return (c.idle() and not e.role.payloads and e.tuner is None and e.executor.timeline is None
+            return e._leaving is None and e.trace is None  # (a traced rank 0 declines: no look for its post)
+        return (c.idle() and not e.role.payloads and e.tuner is None and e.executor.timeline is None and e.trace is None
                 and c.cache_on)
 
     def run(self, p: Pending) -> bool:

@@ -38,6 +38,8 @@ STACK_REPLY = "S"  # rank -> coordinator: (tag, rank, text)
 STALL_FATAL = "E"  # coordinator -> rank, or a rank that gave up on a peer's data -> coordinator: (tag, report)
 BYE = "B"  # either way: (tag, rank) this rank shuts down on purpose
 DATA_STALL = "W"  # rank -> coordinator: (tag, rank, peer, seconds, peer's state, collective) no data from peer
+CLOCK_PING = "Ck"  # rank -> coordinator: (tag, rank, its monotonic clock) a probe of the rank trace (engine.clock)
+CLOCK_PONG = "Cr"  # coordinator -> rank: (tag, the probe's own time, the coordinator's monotonic clock)
 # hangs explained (hora.engine.explain): coordinator -> rank (tag,) what are you doing; rank -> coordinator
 # (tag, rank, diagnose.RankState); coordinator -> rank (tag, text, figures) the explanation every rank shows
 EXPLAIN_QUERY, EXPLAIN_REPLY, EXPLAIN_TEXT = "XQ", "XR", "XT"

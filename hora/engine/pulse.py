@@ -51,7 +51,7 @@ from hora.base import frozen_notes as notes
 from hora.base.errors import HoraError, PeerLostError
 from hora.engine import beater, callsite
 from hora.transport import auth, net
-from hora.transport.acceptor import Acceptor
+from hora.transport.acceptor import Acceptor, stop_loop
 
 log = logging.getLogger("hora")
 
@@ -327,12 +327,7 @@ class Pulse:
                 return
             self._closed = True
         self._stop_beater()
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        if self._thread is not threading.current_thread():
-            self._thread.join(5)
+        stop_loop(self._wake_w, self._thread)
         if self._acceptor is not None:
             self._acceptor.close()
         with self._lock:

@@ -61,9 +61,15 @@ class Timeline:
         self._kinds: dict[str, str] = {}  # tensor -> its op, from its negotiation (labels its process)
         self._negotiating: set[str] = set()
         self._queued: set[str] = set()
-        self._meta(0, "hora", start_time_since_epoch_in_micros=int(time.time() * 1e6))
+        self._header()
         self._thread = threading.Thread(target=self._writer, name="hora-timeline", daemon=True)
         self._thread.start()
+
+    def _header(self) -> None:
+        """The first event: the trace's process, with when it started on the wall clock and on the monotonic
+        one (which ``hora trace merge`` aligns the ranks' files by)."""
+        self._meta(0, "hora", start_time_since_epoch_in_micros=int(time.time() * 1e6),
+                   monotonic_t0_us=int(self._t0 * 1e6))
 
     def _ts(self) -> int:
         return int((time.monotonic() - self._t0) * 1e6)

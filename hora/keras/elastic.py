@@ -21,16 +21,15 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-import keras
-
 import hora.core.basics as _basics
 from hora.kit import frontend as _frontend
 from hora.core import ops as _core
 from hora.kit.compressors import compressor_handler
 from hora.elastic.handlers import HandledState, keras_handlers, raising_internal
 from hora.elastic import ObjectState, reset, run_fn
-from hora.keras.callbacks import _sync
-from hora.keras.flavour import Flavoured, is_tf_keras
+from hora.keras import callback_logic as _logic
+from hora.keras.callbacks import made
+from hora.keras.flavour import is_tf_keras
 from hora.keras.functions import broadcast_variables
 
 __all__ = ["run", "KerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback"]
@@ -60,73 +59,13 @@ class KerasState(HandledState, ObjectState):
             handlers = keras_handlers(model, optimizer, lambda vs: tf_broadcast(vs, 0))
         else:
             handlers = keras_handlers(model, optimizer, lambda vs: broadcast_variables(vs, 0, name="KerasState"),
-                                      lambda: _sync(model))
+                                      lambda: _logic.sync(model))
         rest = self._take_handlers(kwargs, compressor_handler, handlers)
         super().__init__(bcast_object=_bcast_object, get_rank=_basics.rank, **rest)
 
 
-class CommitState:
-    """Commit ``state`` after every ``batches_per_commit`` batches (a commit also raises
-    ``HostsUpdatedInterrupt`` when the hosts changed, which ends ``fit`` for :func:`run` to re-form).
-
-    Put it after ``UpdateBatchStateCallback`` and ``UpdateEpochStateCallback``: Keras calls the callbacks in
-    list order, and the commit must see this batch's number."""
-
-    def __init__(self, state, batches_per_commit: int = 1):
-        super().__init__()
-        self.state, self.batches_per_commit = state, batches_per_commit
-        self.batches_remaining = batches_per_commit
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.batches_remaining -= 1
-        if self.batches_remaining == 0:
-            self.state.commit()
-            self.batches_remaining = self.batches_per_commit
-
-
-class UpdateBatchState:
-    """``state.batch`` = the index of the last batch done in this epoch (Horovod's value); 0 at the end of
-    each epoch."""
-
-    def __init__(self, state):
-        super().__init__()
-        self.state = state
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.state.batch = batch
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.state.batch = 0
-
-
-class UpdateEpochState:
-    """``state.epoch`` = the number of epochs done, counted from the ``state.epoch`` that ``fit`` started
-    at: right whether ``fit`` was given ``initial_epoch=state.epoch`` or ``epochs=EPOCHS - state.epoch``."""
-
-    def __init__(self, state):
-        super().__init__()
-        self.state = state
-        self._offset: int | None = None
-
-    def on_train_begin(self, logs=None):
-        self._offset = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if self._offset is None:  # fit's first epoch is state.epoch (initial_epoch given) or 0
-            self._offset = self.state.epoch - epoch
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.state.epoch = (self._offset or 0) + epoch + 1
-
-
-# the callbacks: the logic above on Keras 3's Callback (tf_keras's under TF_USE_LEGACY_KERAS=1, Flavoured)
-class CommitStateCallback(Flavoured, CommitState, keras.callbacks.Callback):
-    __doc__ = CommitState.__doc__
-
-
-class UpdateBatchStateCallback(Flavoured, UpdateBatchState, keras.callbacks.Callback):
-    __doc__ = UpdateBatchState.__doc__
-
-
-class UpdateEpochStateCallback(Flavoured, UpdateEpochState, keras.callbacks.Callback):
-    __doc__ = UpdateEpochState.__doc__
+# the callbacks: their logic (hora.keras.callback_logic) on Keras 3's Callback (tf_keras's under
+# TF_USE_LEGACY_KERAS=1: Keras3 makes the twin)
+CommitStateCallback = made("CommitStateCallback", _logic.CommitState, module=__name__)
+UpdateBatchStateCallback = made("UpdateBatchStateCallback", _logic.UpdateBatchState, module=__name__)
+UpdateEpochStateCallback = made("UpdateEpochStateCallback", _logic.UpdateEpochState, module=__name__)

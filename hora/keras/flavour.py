@@ -40,7 +40,7 @@ def tf_keras():
 
 class Flavoured:
     """Put first in the bases of hora's Keras 3 callbacks: under ``TF_USE_LEGACY_KERAS=1`` constructing one
-    makes its ``tf_keras`` twin instead (:mod:`hora.keras.legacy_callbacks`), whose ``fit`` would refuse a
+    makes its ``tf_keras`` twin instead (:meth:`_legacy_twin`), whose ``fit`` would refuse a
     Keras 3 callback. The arguments go over by name, so each class keeps its own positional order. A user's
     subclass keeps its Keras 3 base."""
 
@@ -56,7 +56,6 @@ class Flavoured:
 
     @classmethod
     def _legacy_twin(cls) -> type | None:
-        """The ``tf_keras`` class that stands for ``cls`` (the callbacks'; a layer names its own)."""
-        from hora.keras.legacy_callbacks import twin
-
-        return twin(cls)
+        """The ``tf_keras`` class that stands for ``cls``; None: none (each user of the mixin names its own: the
+        callbacks' :class:`hora.keras.callbacks.Keras3`, a layer's own class)."""
+        return None

@@ -83,9 +83,9 @@ def broadcast_global_variables(root_rank):
     graph's global variables through Keras's session, as Horovod; in eager mode Horovod's RuntimeError (use
     the callback or ``broadcast_variables``). Keras 3 keeps no global variable collection to broadcast."""
     if legacy_requested():
-        import hora.tensorflow as hvd_tf
+        from hora.tensorflow.v1 import broadcast_global_variables as graph_broadcast
 
-        op = hvd_tf.broadcast_global_variables(root_rank)  # RuntimeError in eager mode, as Horovod's
+        op = graph_broadcast(root_rank)  # RuntimeError in eager mode, as Horovod's
         return tf_keras().backend.get_session().run(op)
     raise NotSupportedError(
         "not supported yet: broadcast_global_variables(root_rank) broadcasts a TF1 session's global variables, "

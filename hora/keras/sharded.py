@@ -40,7 +40,7 @@ from hora.base.errors import HoraValueError, NotSupportedError
 from hora.kit import sharding
 from hora.keras import dispatch
 from hora.keras.compression import Compression
-from hora.keras.optimizer import _DistributedOptimizer, _LossScale, _Settings
+from hora.keras.wrapped import _DistributedOptimizer, _LossScale, _Settings
 
 __all__ = ["wrap", "optimizer_bytes"]
 

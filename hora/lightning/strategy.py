@@ -65,22 +65,11 @@ class HoraStrategy(ParallelStrategy):
         self._skips: contextlib.ExitStack | None = None
         _pl_zero.rank = _fabric_zero.rank = hvd.rank()  # Lightning prints and logs on rank 0 only
 
-    # --- who we are: hora's numbers ---------------------------------------------------------------
-    @property
-    def global_rank(self) -> int:
-        return hvd.rank()
-
-    @property
-    def local_rank(self) -> int:
-        return hvd.local_rank()
-
-    @property
-    def node_rank(self) -> int:
-        return hvd.cross_rank()
-
-    @property
-    def world_size(self) -> int:
-        return hvd.size()
+    # --- who we are: hora's numbers under Lightning's names ----------------------------------------
+    global_rank = property(lambda self: hvd.rank())
+    local_rank = property(lambda self: hvd.local_rank())
+    node_rank = property(lambda self: hvd.cross_rank())
+    world_size = property(lambda self: hvd.size())
 
     @property
     def root_device(self) -> torch.device:

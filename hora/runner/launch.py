@@ -21,15 +21,16 @@ import sys
 import uuid
 from typing import Any
 
+from hora.base import contract
 from hora.runner import hosts as hostlib
-from hora.runner import reaper, ssh
+from hora.runner import reaper, ssh, trace_merge
 from hora.runner.cli_args import UsageError, format_help, no_effect, parse, suggest
 from hora.runner.config_file import load as load_config
 from hora.runner.envs import worker_envs  # noqa: F401 - also imported from here by the launchers
 from hora.runner.flags import env_for
 from hora.runner.spawn import HOST_LOST_CODE, LocalJob
 
-SUBCOMMANDS = ("run", "horovod-alias")
+SUBCOMMANDS = ("run", "trace", "horovod-alias")
 
 
 def _say(msg: str) -> None:
@@ -132,6 +133,9 @@ def _launch(slots: list[hostlib.Slot], values: dict[str, Any], command: list[str
     from hora.transport.store import StoreServer
 
     knobs = env_for(values)
+    trace = trace_merge.planned(values)
+    if trace is not None:  # every rank writes its part; merged below into one trace of the job
+        knobs["HORA_TIMELINE_ALL_RANKS"] = "1"
     remote_hosts = [h for h in hostlib.used_hosts(slots) if not hostlib.is_local(h)]
     remote, bind, per_host = None, "127.0.0.1", {}  # one-host jobs: the store stays on loopback
     if remote_hosts:
@@ -158,8 +162,13 @@ def _launch(slots: list[hostlib.Slot], values: dict[str, Any], command: list[str
                 env["HORA_STORE_ADDR"] = f"{per_host[s.host]}:{port}"
         result = LocalJob(command, slots, envs, values.get("output_filename"),
                           bool(values.get("prefix_timestamp")), remote=remote).run()
+        straggler = store.get(f"{scope}/{contract.STRAGGLER_KEY}")  # rank 0's line, if one rank held the others up
     finally:
         store.close()
+    if straggler:
+        _say(straggler.decode(errors="replace"))
+    if trace is not None:
+        trace_merge.after_job(trace, len(slots), _say)
     if result.report:
         _say(result.report)
     if result.root is not None and failures is not None:
@@ -181,16 +190,23 @@ def _remote(hosts: list[str], slots: list[hostlib.Slot], values: dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``hora SUBCOMMAND ...``: ``run`` (the launcher) or ``horovod-alias`` (the opt-in step for Horovod scripts)."""
+    """``hora SUBCOMMAND ...``: ``run`` (the launcher), ``trace`` (the job's trace: merge, summary) or
+    ``horovod-alias`` (the opt-in step for Horovod scripts)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: hora run [flags] command [args...]\n       hora horovod-alias install|uninstall|status\n\n"
-              "hora run --help lists the flags; hora horovod-alias install makes `import horovod` and "
+        print("usage: hora run [flags] command [args...]\n       hora trace merge|summary ...\n"
+              "       hora horovod-alias install|uninstall|status\n\n"
+              "hora run --help lists the flags; hora trace --help the trace tools (docs/observability.md); "
+              "hora horovod-alias install makes `import horovod` and "
               "`horovodrun` run hora in this environment (docs/migrating_from_horovod.md).")
         return 0 if argv else 2
     if argv[0] in ("-v", "--version"):
         print(version())
         return 0
+    if argv[0] == "trace":
+        from hora.runner.trace_cli import main as trace_main
+
+        return trace_main(argv[1:])
     if argv[0] == "horovod-alias":
         from hora._alias.__main__ import main as alias_main
 

@@ -23,13 +23,12 @@ import os
 import pickle
 import signal
 import socket
-import subprocess
 import sys
 import time
 from typing import Iterator
 
 from hora.spark.python import mismatch
-from hora.spark.task import _closed, _signal, start_supervised
+from hora.spark.task import _closed, _signal, start_supervised, waited
 from hora.transport.store import StoreClient
 
 POLL_S = 0.1  # how often a task looks for a command, a signal or the end
@@ -104,12 +103,7 @@ def _run_worker(spec: Spec, store: StoreClient, number: int, env: dict[str, str]
     proc, pumps = start_supervised(spec, number, {**os.environ, **env}, sys.executable)
     sent = b""
     try:
-        while True:
-            try:
-                code = proc.wait(timeout=POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                pass
+        while (code := waited(proc, POLL_S)) is None:
             beat()
             sig = store.try_get(f"{spec.prefix}/sig/{number}")
             if sig and sig != sent:  # "<n> <signal>": the n-th signal the driver sent this worker

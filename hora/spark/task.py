@@ -96,12 +96,7 @@ def _run_rank(spec: Spec, slots: list, rank: int, partition: int, store: StoreCl
     stopping = None
     try:
         store.set(f"started/{rank}", f"{slots[rank].host} {proc.pid} {partition}".encode())
-        while True:
-            try:
-                code = proc.wait(timeout=POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                pass
+        while (code := waited(proc, POLL_S)) is None:
             if stopping is None and store.check("abort"):
                 stopping = time.monotonic()
                 _signal(proc.pid, signal.SIGTERM)
@@ -114,6 +109,14 @@ def _run_rank(spec: Spec, slots: list, rank: int, partition: int, store: StoreCl
     for p in pumps:
         p.join(timeout=5)
     return code
+
+
+def waited(proc: subprocess.Popen, tick: float) -> int | None:
+    """The worker's exit code, or None when it still runs after ``tick`` s (a supervising loop's tick)."""
+    try:
+        return proc.wait(timeout=tick)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def start_supervised(spec, tag: int, env: dict[str, str], python: str

@@ -171,9 +171,9 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
         return _DistributedOptimizer(optimizer, name, use_locking, reducer, backward_passes_per_step,
                                      average_aggregated_gradients)
     if _is_keras_optimizer(optimizer):
-        import hora.keras as hvd_keras  # lazily: Keras loads only for Keras optimizers
+        from hora.keras.optimizer import DistributedOptimizer as keras_distributed  # lazily: Keras loads only here
 
-        return hvd_keras.DistributedOptimizer(
+        return keras_distributed(
             optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
             sparse_as_dense=sparse_as_dense, gradient_predivide_factor=gradient_predivide_factor, op=op,
             backward_passes_per_step=backward_passes_per_step,

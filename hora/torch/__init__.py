@@ -14,7 +14,8 @@ from hora.torch import elastic, hooks
 from hora.core.build import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled,
                                mpi_threads_supported, nccl_built, rocm_built)
 from hora.torch.compression import Compression
-from hora.torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from hora.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters,
+                                  log_straggler)
 from hora.torch.mpi_ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce,
                                 allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier,
                                 broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
@@ -36,7 +37,7 @@ __all__ = [
     "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_async",
     "broadcast_", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "poll", "synchronize", "join", "barrier", "shared_empty",
-    "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
+    "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object", "log_straggler",
     "Compression", "DistributedOptimizer", "SyncBatchNorm", "hooks", "elastic",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "HorovodInternalError", "HostsUpdatedInterrupt", "HoraError", "InternalError", "MismatchError",

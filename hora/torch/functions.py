@@ -9,6 +9,7 @@ import hora.core.basics as _basics
 import hora.core.ops as _core
 from hora.base.errors import HoraValueError
 from hora.core.process_sets import global_process_set
+from hora.kit.straggler_log import straggler_scalars
 from hora.torch import mpi_ops
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
@@ -154,3 +155,16 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     """Return the list of every rank's ``obj``, in rank order."""
     return _core.allgather_object(obj, name, process_set)
+
+
+def log_straggler(writer=None, step: int | None = None, prefix: str = "hora/") -> dict[str, float]:
+    """hora's own (not Horovod's): rank 0's straggler account as scalars (``straggler_rank``,
+    ``straggler_share``, ``straggler_cost``, ``straggler_recent_rank``; docs/observability.md), the same on
+    every rank, and written on rank 0 to ``writer`` (anything with ``add_scalar(tag, value, step)``, e.g.
+    ``torch.utils.tensorboard.SummaryWriter``) under ``prefix``. Every rank must call it at the same point
+    of its loop (one broadcast of four numbers); ``hora.statistics().straggler`` has the whole account."""
+    scalars = straggler_scalars()
+    if writer is not None and _basics.rank() == 0:
+        for key, value in scalars.items():
+            writer.add_scalar(prefix + key, value, step)
+    return scalars

@@ -238,17 +238,23 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
                                                 process_set))
 
 
-class _GroupedAllreduce(torch.autograd.Function):
+class _GroupedReduction(torch.autograd.Function):
+    """A grouped allreduce or reducescatter (``kind``), differentiable by Horovod's rule for it."""
+
     @staticmethod
-    def forward(ctx, op, name, prescale_factor, postscale_factor, process_set, *tensors):
-        ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        _, arrays, _ = _grouped_arrays(tensors, "grouped_allreduce", name, process_set)
-        out = _core.grouped_allreduce(arrays, op, prescale_factor, postscale_factor, name, process_set)
+    def forward(ctx, kind, op, name, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.kind, ctx.args = kind, (op, prescale_factor, postscale_factor, process_set)
+        _, arrays, _ = _grouped_arrays(tensors, f"grouped_{kind}", name, process_set)
+        if kind == "allreduce":
+            out = _core.grouped_allreduce(arrays, op, prescale_factor, postscale_factor, name, process_set)
+        else:
+            out = _core.grouped_reducescatter(arrays, op, name, process_set, prescale_factor, postscale_factor)
         return tuple(_tensor(a, t.device) for a, t in zip(out, tensors))
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None,) * 5 + tuple(_grads(_fe.allreduce_grad, grads, *ctx.args))
+        rule = _fe.allreduce_grad if ctx.kind == "allreduce" else _fe.reducescatter_grad
+        return (None,) * 6 + tuple(_grads(rule, grads, *ctx.args))
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -257,7 +263,8 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     tensors = list(tensors)
     op = _op(op, average, "grouped_allreduce", name, process_set, len(tensors))
     pairs = _compressed(tensors, compression, "grouped_allreduce", name, process_set)
-    out = _GroupedAllreduce.apply(op, name, prescale_factor, postscale_factor, process_set, *[c for c, _ in pairs])
+    out = _GroupedReduction.apply("allreduce", op, name, prescale_factor, postscale_factor, process_set,
+                                  *[c for c, _ in pairs])
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(out, pairs)]
 
 
@@ -494,22 +501,9 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
     return _keep(h, _each([_new(t) for t in tensors]))
 
 
-class _GroupedReducescatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
-        ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        _, arrays, _ = _grouped_arrays(tensors, "grouped_reducescatter", name, process_set)
-        out = _core.grouped_reducescatter(arrays, op, name, process_set, prescale_factor, postscale_factor)
-        return tuple(_tensor(a, t.device) for a, t in zip(out, tensors))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None,) * 5 + tuple(_grads(_fe.reducescatter_grad, grads, *ctx.args))
-
-
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0) -> list:
     pairs = _compressed(tensors, compression, "grouped_reducescatter", name, process_set)
-    out = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
-                                      *[c for c, _ in pairs])
+    out = _GroupedReduction.apply("reducescatter", op, name, prescale_factor, postscale_factor, process_set,
+                                  *[c for c, _ in pairs])
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(out, pairs)]

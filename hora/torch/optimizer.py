@@ -10,7 +10,6 @@ class, so ``isinstance(opt, torch.optim.SGD)`` still holds.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
@@ -25,6 +24,7 @@ from hora.kit.sharding import check_shardable, check_stage
 from hora.torch import compression as _compression, hooks, mpi_ops
 from hora.torch.compression import Compression
 from hora.torch.hooks import ZERO_GRAD_MSG
+from hora.torch.wrapping import Passes, subclass
 
 __all__ = ["DistributedOptimizer"]
 
@@ -34,8 +34,8 @@ STEP_MSG = ("optimizer.step() called without optimizer.skip_synchronize() contex
             "`with optimizer.skip_synchronize():` after calling synchronize() yourself.")
 
 
-class _DistributedOptimizer(torch.optim.Optimizer):
-    """Methods copied into the dynamic subclass; ``_hora_base`` is the wrapped optimizer's class."""
+class _DistributedOptimizer(Passes, torch.optim.Optimizer):
+    """Methods copied into the dynamic subclass (:func:`hora.torch.wrapping.subclass`)."""
 
     _hora_base = torch.optim.Optimizer
     _hora_base_step = torch.optim.Optimizer.step
@@ -46,7 +46,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if _source is not None:  # keep what the wrapped optimizer already had (a loaded checkpoint, its defaults)
             self.state, self.defaults = _source.state, _source.defaults
         self._parameter_names = _names(named_parameters, self.param_groups)
-        self.backward_passes_per_step = backward_passes_per_step
         self.op, self.process_set, self.sparse_as_dense = op, process_set, sparse_as_dense
         self._sparse_dims: dict = {}  # parameter -> sparse_dim of its last sparse gradient
         self._densified: dict = {}  # sparse_as_dense: parameter -> sparse_dim to restore after the reduction
@@ -60,11 +59,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._requires_update = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._groups = _make_groups(groups, self._requires_update)
         self._p_to_group = {p: g for g in self._groups for p in g}
-        self._ready: dict[tuple, set] = {}
-        self._handles: dict = {}  # parameter or group -> handle (None: accumulating, not yet submitted)
-        self._delay = {p: backward_passes_per_step for p in self._requires_update}
-        self._synchronized = False
-        self._should_synchronize = True
+        # _handles: parameter or group -> handle (None: accumulating, not yet submitted); _ready: group -> set
+        self._init_passes(self._requires_update, backward_passes_per_step)
         self._hook_handles = []
         # as in Horovod: no hooks for a world of one, unless elastic training may grow it
         active = process_set.included() and (process_set.size() > 1 or knobs.value("elastic"))
@@ -75,16 +71,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # -- hooks and submission ------------------------------------------------------------------
     def _hora_hook(self, p: torch.Tensor) -> None:
-        if self._delay[p] <= 0:
-            raise AssertionError(
-                f"parameter '{self._parameter_names[p]}' got more than backward_passes_per_step="
-                f"{self.backward_passes_per_step} gradients before step(): raise backward_passes_per_step to "
-                "accumulate more passes locally, or call step() or synchronize() after each backward")
-        self._delay[p] -= 1
+        last = self._count_pass(p)
         group = self._p_to_group.get(p)
         key = p if group is None else group
         self._handles.setdefault(key, None)
-        if self._delay[p] > 0:
+        if not last:
             return
         if group is None:
             self._handles[p] = self._submit([p])
@@ -172,15 +163,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise error
         self._synchronized = True
 
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """Inside this block ``step()`` does not synchronize (you called ``synchronize()`` yourself)."""
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
     def step(self, closure=None):
         if self._should_synchronize:
             if self._synchronized:
@@ -193,10 +175,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._handles:
             raise AssertionError(ZERO_GRAD_MSG)
         return self._hora_base.zero_grad(self, set_to_none)
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        self.backward_passes_per_step = passes
-        self._reset()
 
     def state_dict(self):
         """The wrapped optimizer's, plus a stateful compressor's error buffers and factors
@@ -223,12 +201,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise HoraValueError(f"register_comm_hook: this optimizer reduces through {self._stateful!r}, which "
                                  "runs its own collectives; a hook would never be called. Pick one of the two")
         self._comm_state, self._comm_hook = state, hook
-
-    def _reset(self) -> None:
-        self._handles.clear()
-        self._ready.clear()
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
 
 
 def _densify(grad: torch.Tensor) -> torch.Tensor:
@@ -413,14 +385,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         return sharded.make(optimizer, _names(named_parameters, optimizer.param_groups), compression,
                             backward_passes_per_step, op, gradient_predivide_factor, groups, sparse_as_dense,
                             process_set, stage)
-    base = type(optimizer)
     # Adasum: Horovod's delta semantics, the change of the weights is reduced
-    source = _DistributedAdasumOptimizer if op == Adasum else _DistributedOptimizer
-    namespace = {k: v for klass in reversed(source.__mro__[:source.__mro__.index(torch.optim.Optimizer)])
-                 for k, v in vars(klass).items() if k not in ("__dict__", "__weakref__")}
-    # torch wraps each optimizer class's step() once to run step hooks; ours is wrapped in turn, so call the
-    # base's unwrapped step() or every hook would run twice
-    base_step = base.step.__wrapped__ if getattr(base.step, "hooked", False) else base.step
-    cls = type(base.__name__, (base,), {**namespace, "_hora_base": base, "_hora_base_step": base_step})
+    cls = subclass(optimizer, _DistributedAdasumOptimizer if op == Adasum else _DistributedOptimizer)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, groups, sparse_as_dense, process_set, _source=optimizer)

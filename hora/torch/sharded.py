@@ -21,7 +21,6 @@ world size), :meth:`consolidated_state_dict` (an ordinary ``torch.optim`` state 
 from __future__ import annotations
 
 import abc
-import contextlib
 import itertools
 import pickle
 import warnings
@@ -36,6 +35,7 @@ from hora.kit import shard_state, sharding
 from hora.kit.frontend import predivide
 from hora.core.process_sets import global_process_set
 from hora.torch.compression import Compression
+from hora.torch.wrapping import Passes, subclass
 
 META = "meta.pkl"
 _ids = itertools.count()
@@ -50,8 +50,8 @@ class ShardedOptimizer(abc.ABC):  # noqa: B024 - a marker, recognised by __subcl
         return True if getattr(other, "_hora_sharded", False) else NotImplemented
 
 
-class _ShardedDistributedOptimizer(torch.optim.Optimizer):
-    """Methods copied into the dynamic subclass; ``_hora_base`` is the wrapped optimizer's class."""
+class _ShardedDistributedOptimizer(Passes, torch.optim.Optimizer):
+    """Methods copied into the dynamic subclass (:func:`hora.torch.wrapping.subclass`)."""
 
     _hora_base = torch.optim.Optimizer
     _hora_base_step = torch.optim.Optimizer.step
@@ -64,7 +64,7 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
         self._parameter_names = names
         _check_params(self._params, names)
         self.zero_stage, self.op, self.process_set = zero_stage, op, process_set
-        self.backward_passes_per_step = backward_passes_per_step
+        self._init_passes(self._params, backward_passes_per_step)  # _handles and _ready: by bucket
         self._wire = _wire(compression)
         self._name = f"hora.zero.{next(_ids)}"  # ranks create their optimizers in the same order
         self._scales = predivide(op, gradient_predivide_factor)
@@ -74,10 +74,6 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
         self.defaults = _source.defaults
         if _source.state:  # a state loaded into the wrapped optimizer before wrapping: keep this rank's part
             self._load_full(_source.state_dict())
-        self._ready: dict[int, set] = {}
-        self._handles: dict[int, tuple] = {}
-        self._delay = {p: backward_passes_per_step for p in self._params}
-        self._synchronized, self._should_synchronize = False, True
         self.peak_pending_bytes = 0  # stage 2: the most bytes of packed gradients in flight at once
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._hora_hook) for p in self._params]
 
@@ -113,13 +109,7 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
 
     # -- backward: buckets start their reduce-scatter when complete --------------------------------
     def _hora_hook(self, p: torch.Tensor) -> None:
-        if self._delay[p] <= 0:
-            raise AssertionError(
-                f"parameter '{self._parameter_names[p]}' got more than backward_passes_per_step="
-                f"{self.backward_passes_per_step} gradients before step(): raise backward_passes_per_step to "
-                "accumulate more passes locally, or call step() or synchronize() after each backward")
-        self._delay[p] -= 1
-        if self._delay[p] > 0:
+        if not self._count_pass(p):
             return
         i = self._index[p]
         b = self._bucket_of[i]
@@ -200,15 +190,6 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
                 self._pieces[i].grad = self._params[i].grad.view(-1)[a:c]
         self._synchronized = True
 
-    @contextlib.contextmanager
-    def skip_synchronize(self):
-        """Inside this block ``step()`` does not synchronize (you called ``synchronize()`` yourself)."""
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
     def step(self, closure=None):
         """Reduce, update this rank's slice, all-gather the parameters. A ``closure`` runs first (its
         backward feeds this step), not inside the wrapped optimizer's step."""
@@ -272,10 +253,6 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
         for piece in self._pieces.values():
             piece.grad = None
 
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        self.backward_passes_per_step = passes
-        self._reset()
-
     def broadcast_options(self, root_rank: int = 0) -> None:
         """Make the options (lr, betas, ...) of every parameter group rank ``root_rank``'s; the state stays each
         rank's own slice (``hvd.broadcast_optimizer_state`` calls this for a sharded optimizer)."""
@@ -283,12 +260,6 @@ class _ShardedDistributedOptimizer(torch.optim.Optimizer):
         for g, saved in zip(self.param_groups, _core.broadcast_object(options, root_rank, name=f"{self._name}.options",
                                                                       process_set=self.process_set)):
             g.update(saved)
-
-    def _reset(self) -> None:
-        self._handles.clear()
-        self._ready.clear()
-        for p in self._delay:
-            self._delay[p] = self.backward_passes_per_step
 
     # -- state: this rank's shard, sharded directories, consolidated dicts ---------------------------
     def state_dict(self):
@@ -438,9 +409,6 @@ def make(optimizer, names, compression, backward_passes_per_step, op, gradient_p
                       "consecutive parameters up to the fusion threshold", stacklevel=3)
     if process_set is not global_process_set and not process_set.included():
         raise HoraValueError(f"DistributedOptimizer(zero_stage=...): this rank is not in {process_set}")
-    base = type(optimizer)
-    namespace = {k: v for k, v in vars(_ShardedDistributedOptimizer).items() if k not in ("__dict__", "__weakref__")}
-    base_step = base.step.__wrapped__ if getattr(base.step, "hooked", False) else base.step
-    cls = type(base.__name__, (base,), {**namespace, "_hora_base": base, "_hora_base_step": base_step})
+    cls = subclass(optimizer, _ShardedDistributedOptimizer)
     return cls(optimizer.param_groups, names, compression, backward_passes_per_step, op, gradient_predivide_factor,
                process_set, zero_stage, optimizer)

@@ -19,6 +19,7 @@ a flood of 4,000 forged handshakes writes two lines, not 4,000.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import logging
 import selectors
@@ -128,12 +129,7 @@ class Acceptor:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        if self._thread is not threading.current_thread():
-            self._thread.join(5)
+        stop_loop(self._wake_w, self._thread)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -241,3 +237,12 @@ class Acceptor:
 
     def _log(self, p: _Pending, why) -> None:
         self._drops.drop(p.addr, why, time.monotonic())
+
+
+def stop_loop(wake_w: socket.socket, thread: threading.Thread) -> None:
+    """Stop a selector loop's thread (the acceptor's, the engine's pulse): one byte on its wake socket, then
+    wait for it (5 s at most), unless the caller is that thread (a close from inside the loop)."""
+    with contextlib.suppress(OSError):
+        wake_w.send(b"x")
+    if thread is not threading.current_thread():
+        thread.join(5)

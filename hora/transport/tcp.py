@@ -19,6 +19,7 @@ so a ring step sends and receives at once. OS errors are translated here, once, 
 from __future__ import annotations
 
 import collections
+import contextlib
 import select
 import socket
 import time
@@ -101,10 +102,8 @@ class TcpCommunicator(CommunicatorBase):
             return
         self._closed = True
         for s in self._socks.values():
-            try:
+            with contextlib.suppress(OSError):
                 s.close()
-            except OSError:
-                pass
         self.ctrl.close()
         if self._closer is not None:
             self._closer()

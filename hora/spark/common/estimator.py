@@ -15,6 +15,7 @@ not saved (they belong to one cluster), so a loaded Estimator needs ``setStore``
 from __future__ import annotations
 
 import base64
+import posixpath
 import time
 from typing import Any, Callable, Iterator
 
@@ -138,6 +139,16 @@ class HoraEstimator(Estimator, EstimatorParams, Persistence):
 
     def _payload(self, common: dict) -> dict:
         raise NotImplementedError
+
+    def _resume(self, common: dict, checkpoint: str) -> bytes | None:
+        """The trainer's file ``checkpoint`` of this run, when the store keeps runs and has it: a fit given the
+        ``run_id`` of an interrupted one resumes from there."""
+        store, run_id = common["store"], common["run_id"]
+        path = posixpath.join(store.get_checkpoint_path(run_id), checkpoint) if store.saving_runs() else None
+        resume = store.read(path) if path and store.exists(path) else None
+        if resume is not None and self.getVerbose():
+            print(f"{type(self).__name__}: resuming run {run_id!r} from {path}")
+        return resume
 
     def _trainer(self) -> Callable[[dict], Any]:
         raise NotImplementedError

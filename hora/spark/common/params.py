@@ -47,7 +47,8 @@ def _camel(name: str) -> str:
 
 
 def add_params(cls: type, table: list[tuple]) -> type:
-    """Give ``cls`` a ``Param`` per row of ``table`` and Horovod's ``set<Name>``/``get<Name>`` methods."""
+    """Give ``cls`` a ``Param`` per row of ``table`` and Horovod's ``set<Name>``/``get<Name>`` methods (the
+    estimators' own parameters too: one table each, beside the class)."""
     for name, _, suffix in table:
         setattr(cls, name, Param(Params._dummy(), name, name.replace("_", " ")))
         camel = suffix or _camel(name)
@@ -58,7 +59,7 @@ def add_params(cls: type, table: list[tuple]) -> type:
         def getter(self, _n=name):
             return self.getOrDefault(getattr(self, _n))
 
-        if name != "_metadata":
+        if not name.startswith("_"):  # a private one (_metadata, _floatx) has none
             setattr(cls, f"set{camel}", setter)
             setattr(cls, f"get{camel}", getter)
     return cls

@@ -11,15 +11,14 @@ takes them. ``callbacks`` run on every rank; ``checkpoint_callback`` on rank 0 o
 
 from __future__ import annotations
 
-import posixpath
 from typing import Any, Callable
 
 import numpy as np
 from pyspark import keyword_only
-from pyspark.ml.param.shared import Param, Params
 
 from hora.base.errors import HoraValueError
 from hora.spark.common.estimator import HoraEstimator, HoraModel
+from hora.spark.common.params import add_params
 from hora.spark.keras import remote
 
 __all__ = ["KerasEstimator", "KerasModel"]
@@ -47,9 +46,6 @@ class KerasEstimator(HoraEstimator):
     docstring and docs/spark.md)."""
 
     RUN_PREFIX = "keras"
-    custom_objects = Param(Params._dummy(), "custom_objects", "custom objects")
-    checkpoint_callback = Param(Params._dummy(), "checkpoint_callback", "model checkpointing callback")
-    backend_env = Param(Params._dummy(), "backend_env", "environment added to the ranks'")
 
     @keyword_only
     def __init__(self, num_proc=None, model=None, backend=None, store=None, custom_objects=None, optimizer=None,
@@ -64,24 +60,6 @@ class KerasEstimator(HoraEstimator):
         self._setDefault(custom_objects={}, checkpoint_callback=None,
                          backend_env={"LIBHDFS_OPTS": "-Xms2048m -Xmx2048m"})
         self.setParams(**{k: v for k, v in self._input_kwargs.items() if v is not None})
-
-    def setCustomObjects(self, value):  # noqa: N802 - Horovod's names
-        return self._set(custom_objects=value)
-
-    def getCustomObjects(self):  # noqa: N802
-        return self.getOrDefault(self.custom_objects)
-
-    def setCheckpointCallback(self, value):  # noqa: N802
-        return self._set(checkpoint_callback=value)
-
-    def getCheckpointCallback(self):  # noqa: N802
-        return self.getOrDefault(self.checkpoint_callback)
-
-    def setBackendEnv(self, value):  # noqa: N802
-        return self._set(backend_env=value)
-
-    def getBackendEnv(self):  # noqa: N802
-        return self.getOrDefault(self.backend_env)
 
     def _saved(self, name: str, value: Any) -> Any:
         from hora.keras.flavour import is_tf_keras
@@ -120,11 +98,7 @@ class KerasEstimator(HoraEstimator):
 
         if not self.getLoss():
             raise HoraValueError("KerasEstimator: loss is required, e.g. loss='sparse_categorical_crossentropy'")
-        store, run_id = common["store"], common["run_id"]
-        ckpt = posixpath.join(store.get_checkpoint_path(run_id), remote.CHECKPOINT) if store.saving_runs() else None
-        resume = store.read(ckpt) if ckpt and store.exists(ckpt) else None
-        if resume is not None and self.getVerbose():
-            print(f"KerasEstimator: resuming run {run_id!r} from {ckpt}")
+        resume = self._resume(common, remote.CHECKPOINT)
         optimizer, k = self._optimizer(), _keras(self.getModel())
         if k.__name__ == "tf_keras":
             optimizer = k.optimizers.serialize(optimizer)  # rebuilt on the ranks (remote.train)
@@ -160,9 +134,6 @@ class KerasModel(HoraModel):
     """Spark Transformer wrapping a trained Keras model; ``getModel()`` is the ``keras.Model`` (or ``tf_keras.Model``).
     ``transform(df)`` adds ``<label>__output`` columns (or ``outputCols``)."""
 
-    custom_objects = Param(Params._dummy(), "custom_objects", "custom objects")
-    _floatx = Param(Params._dummy(), "_floatx", "keras default float type")
-
     @keyword_only
     def __init__(self, history=None, model=None, feature_columns=None, label_columns=None, custom_objects=None,
                  run_id=None, _metadata=None, _floatx=None):
@@ -171,12 +142,6 @@ class KerasModel(HoraModel):
             self.setOutputCols([c + "__output" for c in label_columns])
         self._setDefault(custom_objects={}, _floatx=None)
         self.setParams(**{k: v for k, v in self._input_kwargs.items() if v is not None})
-
-    def setCustomObjects(self, value):  # noqa: N802 - Horovod's names
-        return self._set(custom_objects=value)
-
-    def getCustomObjects(self):  # noqa: N802
-        return self.getOrDefault(self.custom_objects)
 
     def _predictor(self) -> Callable:
         return _KerasPredict(self.getModel())
@@ -209,3 +174,9 @@ class _KerasPredict:
         x = remote.arrays(dict(enumerate(features)), list(range(len(features))), _keras(self.model).backend.floatx())
         out = self.model.predict_on_batch(x)
         return [np.asarray(o) for o in (out if isinstance(out, (list, tuple)) else [out])]
+
+
+# Horovod's parameters beyond HoraEstimator's / HoraModel's, with their set<Name>/get<Name> (defaults: __init__)
+add_params(KerasEstimator, [("custom_objects", None, None), ("checkpoint_callback", None, None),
+                            ("backend_env", None, None)])
+add_params(KerasModel, [("custom_objects", None, None), ("_floatx", None, None)])

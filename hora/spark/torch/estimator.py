@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import copy
 import io
-import posixpath
 from typing import Any, Callable
 
 import numpy as np
 from pyspark import keyword_only
-from pyspark.ml.param.shared import Param, Params
 
 from hora.base.errors import HoraValueError
 from hora.spark.common.estimator import HoraEstimator, HoraModel
+from hora.spark.common.params import add_params
 from hora.spark.torch import remote
 
 __all__ = ["TorchEstimator", "TorchModel"]
@@ -31,9 +30,6 @@ class TorchEstimator(HoraEstimator):
     docstring and docs/spark.md)."""
 
     RUN_PREFIX = "pytorch"
-    input_shapes = Param(Params._dummy(), "input_shapes", "input layer shapes")
-    loss_constructors = Param(Params._dummy(), "loss_constructors", "functions that construct the loss")
-    train_minibatch_fn = Param(Params._dummy(), "train_minibatch_fn", "the minibatch train function's maker")
 
     @keyword_only
     def __init__(self, num_proc=None, model=None, backend=None, store=None, optimizer=None, loss=None,
@@ -52,24 +48,6 @@ class TorchEstimator(HoraEstimator):
             raise HoraValueError("TorchEstimator: give loss or loss_constructors, not both")
         self.setParams(**kwargs)
 
-    def setInputShapes(self, value):  # noqa: N802 - Horovod's names
-        return self._set(input_shapes=value)
-
-    def getInputShapes(self):  # noqa: N802
-        return self.getOrDefault(self.input_shapes)
-
-    def setLossConstructors(self, value):  # noqa: N802
-        return self._set(loss_constructors=value)
-
-    def getLossConstructors(self):  # noqa: N802
-        return self.getOrDefault(self.loss_constructors)
-
-    def setTrainMinibatchFn(self, value):  # noqa: N802
-        return self._set(train_minibatch_fn=value)
-
-    def getTrainMinibatchFn(self):  # noqa: N802
-        return self.getOrDefault(self.train_minibatch_fn)
-
     def _losses(self) -> list[Callable]:
         if self.getLossConstructors():
             return [make() for make in self.getLossConstructors()]
@@ -85,11 +63,7 @@ class TorchEstimator(HoraEstimator):
         optimizer = self.getOptimizer()
         if optimizer is None:
             raise HoraValueError("TorchEstimator: optimizer is required, e.g. torch.optim.Adam(model.parameters())")
-        store, run_id = common["store"], common["run_id"]
-        ckpt = posixpath.join(store.get_checkpoint_path(run_id), remote.CHECKPOINT) if store.saving_runs() else None
-        resume = store.read(ckpt) if ckpt and store.exists(ckpt) else None
-        if resume is not None and self.getVerbose():
-            print(f"TorchEstimator: resuming run {run_id!r} from {ckpt}")
+        resume = self._resume(common, remote.CHECKPOINT)
         return dict(common, model=cloudpickle.dumps(self.getModel()), resume=resume,
                     optimizer=cloudpickle.dumps((type(optimizer), dict(optimizer.defaults), optimizer.state_dict())),
                     losses=cloudpickle.dumps(self._losses()), loss_weights=self.getLossWeights(),
@@ -126,11 +100,6 @@ class TorchModel(HoraModel):
     ``transform(df)`` adds ``<label>__output`` columns (or ``outputCols``): a double per row for a scalar
     output, else (nested) arrays of doubles."""
 
-    optimizer = Param(Params._dummy(), "optimizer", "optimizer")
-    input_shapes = Param(Params._dummy(), "input_shapes", "input layer shapes")
-    loss = Param(Params._dummy(), "loss", "loss")
-    loss_constructors = Param(Params._dummy(), "loss_constructors", "functions that construct the loss")
-
     @keyword_only
     def __init__(self, history=None, model=None, feature_columns=None, input_shapes=None, label_columns=None,
                  optimizer=None, run_id=None, _metadata=None, loss=None, loss_constructors=None):
@@ -139,15 +108,6 @@ class TorchModel(HoraModel):
             self.setOutputCols([c + "__output" for c in label_columns])
         self._setDefault(optimizer=None, loss=None, loss_constructors=None, input_shapes=None)
         self.setParams(**{k: v for k, v in self._input_kwargs.items() if v is not None})
-
-    def setOptimizer(self, value):  # noqa: N802 - Horovod's names
-        return self._set(optimizer=value)
-
-    def getOptimizer(self):  # noqa: N802
-        return self.getOrDefault(self.optimizer)
-
-    def getInputShapes(self):  # noqa: N802
-        return self.getOrDefault(self.input_shapes)
 
     def _predictor(self) -> Callable:
         return _TorchPredict(self.getModel(), self.getInputShapes())
@@ -169,3 +129,10 @@ class _TorchPredict:
             out = self.model(*remote.tensors(batch, list(range(len(features))), self.input_shapes, dtype))
         out = list(out) if isinstance(out, (list, tuple)) else [out]
         return [o.detach().cpu().numpy() for o in out]
+
+
+# Horovod's parameters beyond HoraEstimator's / HoraModel's, with their set<Name>/get<Name> (defaults: __init__)
+add_params(TorchEstimator, [("input_shapes", None, None), ("loss_constructors", None, None),
+                            ("train_minibatch_fn", None, None)])
+add_params(TorchModel, [("optimizer", None, None), ("input_shapes", None, None), ("loss", None, None),
+                        ("loss_constructors", None, None)])

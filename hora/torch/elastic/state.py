@@ -25,15 +25,19 @@ __all__ = ["TorchState", "ModelStateHandler", "OptimizerStateHandler", "SamplerS
            "get_handler_registry", "set_handler_registry"]
 
 
-class ModelStateHandler(StateHandler):
-    """A ``torch.nn.Module``: its ``state_dict`` (parameters and buffers)."""
+class _StateDictHandler(StateHandler):
+    """A value with a ``state_dict``: a deep copy of it is saved at construction and at each commit."""
 
-    def __init__(self, model: torch.nn.Module):
-        super().__init__(model)
+    def __init__(self, value):
+        super().__init__(value)
         self.save()
 
     def save(self) -> None:
         self._saved = copy.deepcopy(self.value.state_dict())
+
+
+class ModelStateHandler(_StateDictHandler):
+    """A ``torch.nn.Module``: its ``state_dict`` (parameters and buffers)."""
 
     def restore(self) -> None:
         self.value.load_state_dict(self._saved)  # copies into the live tensors; the saved ones stay apart
@@ -42,15 +46,8 @@ class ModelStateHandler(StateHandler):
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class OptimizerStateHandler(StateHandler):
+class OptimizerStateHandler(_StateDictHandler):
     """A ``torch.optim.Optimizer`` (a ``DistributedOptimizer`` too): its ``state_dict`` (state and options)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        super().__init__(optimizer)
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
         # a copy: load_state_dict may keep the tensors it is given, and the next step would update them in place
