@@ -24,6 +24,8 @@ NOT_IN_JAX = {
     "SyncBatchNorm": "not built for JAX: Flax's BatchNorm takes axis_name for pmap/shard_map instead",
     "hooks": "torch's DDP communication hooks have no JAX counterpart",
     "shared_empty": "jax arrays are immutable, so never reduced in place; hora.shared_empty makes a NumPy one",
+    "log_straggler": "writes to a torch SummaryWriter; hora.kit.straggler_log.straggler_scalars gives any logger "
+                     "the same figures",
 }
 # shared names whose signature differs on purpose: name -> hora.jax's parameters
 DIFFERENT = {

@@ -356,10 +356,12 @@ def spawn_beater(sock: int, pipe: int) -> subprocess.Popen:
     """Start this process's beater (:mod:`hora.engine.beater`) on the connected socket ``sock`` and the read
     end ``pipe`` (both stay open here: the caller closes its copies). -I -S: the standard library only,
     nothing of the user's site; no stdio of ours: it holds none of the rank's output pipes open; "/": it
-    keeps no directory busy."""
+    keeps no directory busy; an environment of what starting Python needs only, so that the job's secret is
+    not in its /proc/<pid>/environ."""
+    env = {k: os.environ[k] for k in ("PATH", "LD_LIBRARY_PATH") if k in os.environ}
     return subprocess.Popen([sys.executable, "-I", "-S", beater.__file__, str(os.getpid()), str(sock), str(pipe)],
                             pass_fds=(sock, pipe), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd="/")
+                            stderr=subprocess.DEVNULL, cwd="/", env=env)
 
 
 def doing() -> str:
