@@ -109,13 +109,19 @@ def _stdlib(module: str) -> bool:
     return module.split(".")[0] in sys.stdlib_module_names
 
 
+def _numpys_own(top: str) -> bool:
+    """What NumPy 1.23 (MXNet's environment) loads at its import: its Cython runtime modules."""
+    return top == "cython_runtime" or top.startswith("_cython_")
+
+
 def _breaks(layer: str, module: str) -> str | None:
     """Why ``layer`` may not load ``module`` (a reason to print after the module's name), or None."""
     top = module.split(".")[0]
     if top in FRAMEWORKS:
         return "a framework"
     if top != "hora":
-        if layer == "hora.base" and not _stdlib(module) and top not in BASE_ALLOWED_THIRD_PARTY:
+        if layer == "hora.base" and not _stdlib(module) and top not in BASE_ALLOWED_THIRD_PARTY \
+                and not _numpys_own(top):
             return "neither the standard library nor NumPy"
         return None
     if layer == "hora.base":
