@@ -357,16 +357,9 @@ def _keras_battery(with_tf: bool) -> None:
     import keras
     import numpy as np
 
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
+    from workers import keras_one_thread
 
-        tf.config.threading.set_intra_op_parallelism_threads(1)
-        tf.config.threading.set_inter_op_parallelism_threads(1)
-    elif backend == "torch":
-        import torch
-
-        torch.set_num_threads(1)
+    backend = keras_one_thread()
     import hora.keras as hvd
     from hora.core.ops import allgather_object
 

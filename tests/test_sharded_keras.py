@@ -18,16 +18,9 @@ def _compare() -> None:
     import keras
     import numpy as np
 
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
+    from workers import keras_one_thread
 
-        tf.config.threading.set_intra_op_parallelism_threads(1)
-        tf.config.threading.set_inter_op_parallelism_threads(1)
-    elif backend == "torch":
-        import torch
-
-        torch.set_num_threads(1)
+    backend = keras_one_thread()
     import hora.keras as hvd
     from hora.base import knobs
     from hora.base.errors import HoraValueError, NotSupportedError

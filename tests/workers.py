@@ -221,3 +221,20 @@ def allreduce_until_lost(nbytes: int, transport: str | None = None, in_place: bo
         report(**rep)
         return
     report(error=None, iterations=i)
+
+
+def keras_one_thread() -> str:
+    """Keras's backend (its name returned) held to one thread per rank: ranks share this machine's 2 cores."""
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    elif backend == "torch":
+        import torch
+
+        torch.set_num_threads(1)
+    return backend
