@@ -216,3 +216,23 @@ def finish(res: dict, markdown, out: Path, stem: str) -> str:
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1))
     print(text)
     return text
+
+
+def namespace_hosts(script: str):
+    """tests/netns.py (network-namespace hosts with their own sshd), or exit saying why ``script`` cannot run."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import netns
+
+    why = netns.missing()
+    if why:
+        sys.exit(f"benchmarks/{script} needs namespace hosts: {why}")
+    return netns
+
+
+def stamped_log():
+    """A ``log(msg)`` to stderr, each line stamped with the seconds since this call; and that start."""
+    t0 = time.monotonic()
+
+    def log(msg) -> None:
+        print(f"[{time.monotonic() - t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+    return log, t0

@@ -43,7 +43,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from common import add_args, finish, header, machine, size_label, start, verdict, worker_env  # noqa: E402
+from common import (add_args, finish, header, machine, namespace_hosts, size_label, stamped_log,  # noqa: E402
+                    start, verdict, worker_env)
 
 FULL_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [1 << 20, 16 << 20, 64 << 20]
@@ -464,16 +465,8 @@ def main() -> None:
     if args.blast:
         blast(json.loads(args.blast))
         return
-    sys.path.insert(0, str(ROOT / "tests"))
-    import netns
-
-    why = netns.missing()
-    if why:
-        sys.exit(f"benchmarks/hierarchical.py needs namespace hosts: {why}")
-    t_start = time.monotonic()
-
-    def log(msg):
-        print(f"[{time.monotonic() - t_start:6.1f} s] {msg}", file=sys.stderr, flush=True)
+    netns = namespace_hosts("hierarchical.py")
+    log, t_start = stamped_log()
 
     conditions = start(args.wait_quiet, log)
     log(header({"conditions": conditions}))

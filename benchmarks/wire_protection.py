@@ -30,7 +30,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from common import add_args, finish, machine, size_label, start, time_collective, worker_env  # noqa: E402
+from common import (add_args, finish, machine, namespace_hosts, size_label, stamped_log, start,  # noqa: E402
+                    time_collective, worker_env)
 
 MODES = ("off", "integrity", "encrypt")
 FULL_SIZES = [1 << 20, 16 << 20, 64 << 20]
@@ -150,18 +151,10 @@ def main() -> None:
     if args.worker:
         worker(**json.loads(args.worker))
         return
-    sys.path.insert(0, str(ROOT / "tests"))
-    import netns
-
-    why = netns.missing()
-    if why:
-        sys.exit(f"benchmarks/wire_protection.py needs namespace hosts: {why}")
+    netns = namespace_hosts("wire_protection.py")
     import cryptography
 
-    t0 = time.monotonic()
-
-    def log(msg):
-        print(f"[{time.monotonic() - t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+    log, t0 = stamped_log()
 
     conditions = start(args.wait_quiet, log)
     sizes, rounds = (QUICK_SIZES, args.rounds or 3) if args.quick else (FULL_SIZES, args.rounds or 5)
