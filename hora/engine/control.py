@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from hora.base.errors import HoraError
 from hora.engine import messages as m
 
 
@@ -37,15 +36,9 @@ class Control:
 
     def tell(self, peers, msg: tuple) -> None:
         """Best-effort send to each of ``peers`` still here: for news (goodbye, abort, stall shutdown)
-        whose sender is about to fail or leave anyway, so a peer already gone is no error."""
-        data = m.dumps(msg)
-        for p in peers:
-            if p in self.departed:
-                continue
-            try:
-                self._send_ctrl(p, data)
-            except HoraError:
-                pass
+        whose sender is about to fail or leave anyway, so a peer already gone is no error (deepest
+        ranks of the control tree first: see :meth:`hora.transport.control.ControlPlane.send_all`)."""
+        self._ctrl.send_all([p for p in peers if p not in self.departed], m.dumps(msg))
 
     def recv(self, timeout: float | None, wake_fd: int | None = None,
              window: Callable | None = None) -> list[tuple[int, tuple]]:

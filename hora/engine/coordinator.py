@@ -203,7 +203,10 @@ class Coordinator:
             self.joined = []
 
     def _check(self, key: tuple[int, str], entry: Entry) -> None:
-        required = self._required(key[0])
+        ps = key[0]
+        if len(entry.requests) < len(self.process_sets.get(ps, ())) - (len(self.joined) if ps == 0 else 0):
+            return  # not every rank yet: a count, not a set of the set's ranks per submit (O(N) per tensor, not N^2)
+        required = self._required(ps)
         if not required or not required <= set(entry.requests):
             return
         del self.table[key]
@@ -489,10 +492,12 @@ class Coordinator:
         """What rank ``peer`` hears of one :meth:`take`: the responses on its sets (process-set changes
         and autotune's settings go to everyone, since every rank keeps the table and the settings), and
         the cache bits of its sets."""
-        ranks_of = self.ranks_of
-        mine = [r for r in responses if peer in ranks_of(r.ps) or r.kind in (ADD_PS, REMOVE_PS, TUNE)]
-        adds = [(b, q) for b, q in additions if peer in ranks_of(q.ps)]
-        evicts = [b for b, ps in evictions if peer in ranks_of(ps)]
+        def member(ps: int) -> bool:  # set 0 holds every rank: no scan of its N ranks per peer
+            return ps == 0 or peer in self.ranks_of(ps)
+
+        mine = [r for r in responses if member(r.ps) or r.kind in (ADD_PS, REMOVE_PS, TUNE)]
+        adds = [(b, q) for b, q in additions if member(q.ps)]
+        evicts = [b for b, ps in evictions if member(ps)]
         return mine, adds, evicts
 
     def stalled(self, older_than: float) -> list[tuple[int, str, list[int]]]:

@@ -122,7 +122,7 @@ class CoordinatorRole:
                 for name in resp.names:
                     tl.negotiate_end(name)
         departed = e.control.departed
-        for peer in range(1, e.size):
+        for peer in range(e.size - 1, 0, -1):  # deepest first: a control-tree router passes its subtree's on first
             if peer in departed:  # it shut down: the errors for it have nobody to go to
                 continue
             mine, adds, evicts = coord.share(peer, responses, additions, evictions)
