@@ -10,10 +10,13 @@ process (issue 27). Real objects, fake sockets:
 - connections: the connection plan (``hora.transport.plan``) at start-up, and the peers the real ring
   allreduce (``hora.collectives.ring``) touches on a recording communicator: what a ring workload adds.
 - control: one negotiation cycle in the steady state (every tensor in the response cache): each rank's
-  real ``REQUESTS`` message (``hora.engine.messages``, pickled as the engine sends it) to rank 0, rank 0's
-  real ``Coordinator`` negotiating them (timed), and its ``RESPONSES`` to every rank, each frame carried
-  along the control tree by ``plan.next_hop`` (what ``ControlPlane.send`` routes with), counting the frames
-  and bytes each rank reads or writes (forwarding included).
+  real ``REQUESTS`` message (``hora.engine.messages``, pickled as the engine sends it) toward rank 0, taken in
+  by the real :class:`hora.engine.subtree.Merger` of each router on the way (which sends its subtree's
+  merged request up once all of it is in), rank 0's real ``Coordinator`` negotiating what arrives (timed,
+  with the reading of the merged requests), and its ``RESPONSES`` sent once down the tree (``send_tree``),
+  each frame carried along the control tree by ``plan.next_hop`` (what ``ControlPlane.send`` routes with),
+  counting the frames and bytes each rank reads or writes (passing on included). ``--no-merge`` gives the
+  plane without merging (every request passed on whole, one answer per rank), as last measured.
 
 Run: ``.venv/bin/python benchmarks/scale_sim.py [--sizes 256,1024,4096,8192] [--tensors 16]``
 """
@@ -29,7 +32,9 @@ import numpy as np
 from hora.collectives import ring
 from hora.engine import messages as m
 from hora.engine.coordinator import Coordinator
+from hora.engine.coordinator import ResponseCache
 from hora.engine.execute import nbytes_of
+from hora.engine.subtree import Merger, merged
 from hora.transport import links, plan, store as st
 
 LOCAL = 8  # ranks per simulated host (the shared-memory vote runs per host, the hierarchical one across hosts)
@@ -152,7 +157,20 @@ def connections(n: int) -> dict:
     return worst
 
 
-def control_cycle(n: int, tensors: int) -> dict:
+class SimControl:
+    """What a router's Merger sees of its control plane: the tree, and a send that the simulation carries."""
+
+    closed = False
+
+    def __init__(self, rank: int, n: int, carry):
+        self.rank, self.tree, self._carry = rank, (n, plan.FANOUT), carry
+
+    def send_best(self, peer: int, msg: tuple) -> bool:
+        self._carry(self.rank, peer, m.dumps(msg))
+        return True
+
+
+def control_cycle(n: int, tensors: int, merge: bool = True) -> dict:
     """One steady-state negotiation cycle (every tensor cached): frames and bytes per rank, rank 0's time."""
     coord = Coordinator(n, 64 << 20, 1024)
     reqs = [m.Request(f"grad.{i}", m.ALLREDUCE, 0, "float32", (1024,)) for i in range(tensors)]
@@ -163,51 +181,83 @@ def control_cycle(n: int, tensors: int) -> dict:
     bits = [coord.cache.bit_of[q] for q in reqs]
     frames, nbytes = [0] * n, [0] * n
 
+    at_root: list[bytes] = []
+    mergers: dict[int, Merger] = {}
+
+    def link(a: int, b: int, size: int) -> None:
+        for x in (a, b):
+            frames[x] += 1
+            nbytes[x] += size
+
     def carry(src: int, dst: int, payload: bytes) -> None:
         here, size = src, len(payload) + 12  # the frame's header: length, source, destination
         while here != dst:
             hop = plan.next_hop(here, dst)
-            for x in (here, hop):
-                frames[x] += 1
-                nbytes[x] += size
+            link(here, hop, size)
             here = hop
+            if here != dst and dst == 0 and here in mergers and mergers[here].offer(src, payload):
+                return  # taken in by the router (its merged request goes up later)
+        if dst == 0:
+            at_root.append(payload)
 
+    if merge:
+        cache = ResponseCache(1024)
+        for q in reqs:
+            cache.add(coord.cache.bit_of[q], q)
+        for r in range(n):
+            if plan.children(r, n) and r:
+                mergers[r] = Merger(r, plan.subtree(r, n), SimControl(r, n, carry), cache, hold=None)
+    for rank in range(n - 1, 0, -1):  # deepest first: a router's own request comes after its subtree's
+        msg = (m.REQUESTS, rank, [], bits, {})
+        if rank not in mergers or not mergers[rank].up(rank, msg):
+            carry(rank, 0, m.dumps(msg))
     t0 = time.perf_counter()
-    for rank in range(1, n):
-        data = m.dumps((m.REQUESTS, rank, [], bits, {}))
-        carry(rank, 0, data)
-        for bit in m.loads(data)[3]:
-            coord.submit_bit(rank, bit)
+    now = time.monotonic()
+    for data in at_root:
+        msg = m.loads(data)
+        if len(msg) > 5:
+            for rank, bit, at in merged(msg, n, plan.FANOUT, now):
+                coord.submit_bit(rank, bit, at)
+        else:
+            for bit in msg[3]:
+                coord.submit_bit(msg[1], bit)
     for bit in bits:
         coord.submit_bit(0, bit)
     responses, adds, evicts = coord.take(nbytes_of)
-    for peer in range(1, n):
-        mine, a, e = coord.share(peer, responses, adds, evicts)
-        carry(0, peer, m.dumps((m.RESPONSES, mine, a, e)))
+    if merge:  # once down the tree: each rank reads it once and writes it to each child
+        size = len(m.dumps((m.RESPONSES, responses, adds, evicts, {}))) + 12
+        for r in range(1, n):
+            link(plan.parent(r), r, size)
+    else:
+        for peer in range(1, n):
+            mine, a, e = coord.share(peer, responses, adds, evicts)
+            carry(0, peer, m.dumps((m.RESPONSES, mine, a, e)))
     rank0_s = time.perf_counter() - t0
     others = frames[1:] or [0]
     return {"rank0_frames": frames[0], "rank0_bytes": nbytes[0], "router_frames_max": max(others),
-            "rank0_ms": 1e3 * rank0_s, "responses": len(responses)}
+            "busiest_frames": max(frames), "busiest_bytes": max(nbytes), "rank0_ms": 1e3 * rank0_s,
+            "responses": len(responses), "agreed": sum(len(r.names) for r in responses)}
 
 
-def simulate(n: int, tensors: int = 16) -> dict:
-    return {"n": n, **startup(n), **connections(n), **control_cycle(n, tensors)}
+def simulate(n: int, tensors: int = 16, merge: bool = True) -> dict:
+    return {"n": n, **startup(n), **connections(n), **control_cycle(n, tensors, merge)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="256,1024,2048,4096,8192")
     ap.add_argument("--tensors", type=int, default=16)
+    ap.add_argument("--no-merge", action="store_true", help="routers pass every request on; one answer per rank")
     args = ap.parse_args()
     print("| N | store round trips per rank (max / mean) | store µs per request | data conns at start-up "
           "| extra conns for ring allreduce | control conns | tree depth | rank 0 frames per cycle "
-          "| busiest other rank's frames | rank 0 KiB per cycle | rank 0 negotiation ms |")
+          "| busiest rank's frames | busiest rank's KiB per cycle | rank 0 negotiation ms |")
     print("|" + "---|" * 11)
     for n in (int(s) for s in args.sizes.split(",")):
-        r = simulate(n, args.tensors)
+        r = simulate(n, args.tensors, not args.no_merge)
         print(f"| {n} | {r['trips_max']} / {r['trips_mean']:.2f} | {r['store_us_per_request']:.0f} | {r['data']} "
-              f"| {r['ring_extra']} | {r['control']} | {r['depth']} | {r['rank0_frames']} | {r['router_frames_max']} "
-              f"| {r['rank0_bytes'] / 1024:.0f} | {r['rank0_ms']:.1f} |", flush=True)
+              f"| {r['ring_extra']} | {r['control']} | {r['depth']} | {r['rank0_frames']} | {r['busiest_frames']} "
+              f"| {r['busiest_bytes'] / 1024:.0f} | {r['rank0_ms']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -135,6 +135,39 @@ def test_control_tree_routes_floods_and_reroutes():
         pl.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_death_reaches_a_rank_with_no_connection_to_it_through_the_store():
+    """The first failure note in the store (written by the first rank that lost a peer) fails the engine of a
+    rank that holds no connection to the dead one, from its pulse thread, within about a second; a note this
+    rank wrote itself, or one naming this rank (the other side of a partition), does not."""
+    import queue
+
+    from hora.base.errors import PeerLostError
+    from hora.engine.pulse import Pulse
+    from hora.transport.auth import new_secret
+    from hora.transport.store import StoreClient, StoreServer
+
+    secret = new_secret()
+    with StoreServer(secret) as server:
+        failed: queue.Queue = queue.Queue()
+        client = StoreClient(server.address, secret)
+        pulses = [Pulse(r, 4, StoreClient(server.address, secret), "j/0", secret.encode(),
+                        "127.0.0.1", "127.0.0.1", 60.0, lambda e, r=r: failed.put((r, e)), start_timeout=0.2)
+                  for r in (0, 2)]
+        try:
+            client.set("j/0/abort", b"3|rank 0 lost the connection to rank 3 (ConnectionResetError: reset)")
+            r, e = failed.get(timeout=10)
+            assert r == 2, (r, e)  # rank 0 wrote the note: its own engine failed with it
+            assert isinstance(e, PeerLostError) and e.rank == 3, e
+            assert str(e).startswith("rank 2: rank 0 lost the connection to rank 3") and "store" in str(e), e
+            assert failed.empty()
+        finally:
+            for p in pulses:
+                p.close()
+                p.store.close()
+            client.close()
+
+
 # --- real jobs ---------------------------------------------------------------------------------------
 
 def _count_descriptors(rounds: int) -> None:
@@ -148,24 +181,31 @@ def _count_descriptors(rounds: int) -> None:
         assert hora.allreduce(x, op=hora.Sum, name=f"g{i % 4}")[0] == hora.size()
     fds = os.listdir("/proc/self/fd")
     hora.barrier()
-    report(fds=len(fds), transport=type(session.state().comm).__name__)
+    engine = session.state().engine
+    merger = getattr(engine.role, "merger", None)  # a router's (hora/engine/subtree.py)
+    report(fds=len(fds), transport=type(session.state().comm).__name__,
+           received=engine.stats.coordination_messages_received, taken=merger.taken if merger else 0)
     hora.shutdown()
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
 def test_descriptors_per_rank_at_np32(transport):
-    """A ring allreduce job of 32 ranks: every rank, rank 0 included, holds at most 40 descriptors of the
-    mesh (every rank held one data and one control connection per peer before, ~3N + 11 = 107). The frozen-rank
-    watch is off here: its watcher, rank 0, holds one beat connection per rank (hora/engine/pulse.py, not on
-    the connection plan yet)."""
-    env = {"HORA_TRANSPORT": transport, "HORA_FROZEN_TIMEOUT_SECONDS": "0"}
-    with spawn_job(32, _count_descriptors, 6, env=env) as job:
+    """A ring allreduce job of 32 ranks, default settings (the frozen-rank watch on): every rank, rank 0
+    included, holds at most 40 descriptors (every rank held one data and one control connection per peer
+    before, ~3N + 11 = 107, and rank 0 one beat connection per rank): a rank's watcher is its parent in the
+    control tree (hora/engine/pulse.py)."""
+    env = {"HORA_TRANSPORT": transport}
+    with spawn_job(32, _count_descriptors, 12, env=env) as job:
         assert job.wait(240) == [0] * 32
         counts = [job.report(r)["fds"] for r in range(32)]
         used = job.report(0)["transport"]
-    print(f"descriptors per rank at np=32 ({transport}: {used}): max {max(counts)}, rank 0 {counts[0]}, {counts}")
+        taken = {r: job.report(r)["taken"] for r in (1, 2, 3)}  # the routers: ranks 9..31 hang below them
+        received = job.report(0)["received"]
+    print(f"descriptors per rank at np=32 ({transport}: {used}): max {max(counts)}, rank 0 {counts[0]}, {counts}; "
+          f"rank 0 read {received} requests (31 per cycle without merging), routers took in {taken}")
     assert max(counts) <= 40, counts
+    assert all(taken.values()), taken  # the cached allreduces' requests were merged on the way up
 
 
 @pytest.mark.timeout(300)
@@ -198,6 +238,46 @@ def _all_collectives() -> None:
     hora.barrier()
     report(ok=True)
     hora.shutdown()
+
+
+def _tree_workload() -> None:
+    import hora
+    from hora.core import session
+    from workers import report
+
+    n = int(os.environ["HORA_SIZE"])
+    evens = hora.ProcessSet(list(range(0, n, 2)))
+    hora.init(process_sets=[evens])
+    r, total = hora.rank(), n * (n - 1) / 2
+    x = np.full(1 << 14, r, np.float32)  # 64 KiB: not inline, so cached requests are cache bits only
+    for i in range(6):
+        assert hora.allreduce(x, op=hora.Sum, name="big")[0] == total  # merged by the routers once cached
+        assert hora.allreduce(np.full(3, r, np.float64), op=hora.Sum, name="small")[0] == total  # inline data
+        a, b = hora.grouped_allreduce([x, x[:5]], op=hora.Sum, name="grp")  # a group's bits pass whole
+        assert a[0] == b[0] == total
+        if r % 2 == 0:  # a process set's bits pass whole; its answers reach its ranks only
+            assert hora.allreduce(np.ones(1 << 14, np.float32), op=hora.Sum, name="ev", process_set=evens)[0] \
+                == len(range(0, n, 2))
+        assert (hora.broadcast(np.full(2, r, np.int32), root_rank=i % n, name="bc") == i % n).all()
+    if r != n - 1:  # the last rank (below a router) joins early: the others' cached allreduces go on without it
+        for _ in range(3):
+            assert hora.allreduce(x, op=hora.Sum, name="big")[0] == total - (n - 1)
+    assert hora.join() in range(n)
+    hora.barrier()
+    merger = getattr(session.state().engine.role, "merger", None)
+    report(ok=True, taken=merger.taken if merger else 0)
+    hora.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_two_level_tree_runs_every_kind_of_request():
+    """np=12: ranks 9..11 hang below rank 1. Cached allreduces (merged on the way up), inline ones, a group,
+    a process set, broadcasts, and a rank that joins early while the others go on: results right on every
+    rank, and the router took requests in."""
+    with spawn_job(12, _tree_workload) as job:
+        assert job.wait(200) == [0] * 12
+        assert all(job.report(r)["ok"] for r in range(12))
+        assert job.report(1)["taken"] > 0
 
 
 @pytest.mark.skipif(not LONG, reason="np=128 real ranks: HORA_LONG_TESTS=1")

@@ -34,6 +34,29 @@ class Control:
     def send(self, peer: int, msg: tuple) -> None:
         self._send_ctrl(peer, m.dumps(msg))
 
+    @property
+    def tree(self) -> tuple[int, int] | None:
+        """``(size, fanout)`` of the routed control tree, or None (a star, or a plane built by hand)."""
+        return getattr(self._ctrl, "tree", None)
+
+    def send_tree(self, msg: tuple) -> None:
+        """``msg`` to every other rank, down the control tree (rank 0 only; see ``ControlPlane.send_tree``)."""
+        self._ctrl.send_tree(m.dumps(msg))
+
+    def send_best(self, peer: int, msg: tuple) -> bool:
+        """Best effort (see ``ControlPlane.send_best``): a router's merged requests, which must not take a
+        rank 0 that shut down meanwhile for a lost one."""
+        return self._ctrl.send_best(peer, m.dumps(msg))
+
+    def take_up(self, fn: Callable[[int, bytes], bool]) -> None:
+        """Offer ``fn(source, payload)`` every frame a child sends toward rank 0 (a router: True takes it
+        in, :mod:`hora.engine.subtree`)."""
+        self._ctrl.on_up = fn
+
+    @property
+    def closed(self) -> bool:
+        return getattr(self._ctrl, "closed", False)
+
     def tell(self, peers, msg: tuple) -> None:
         """Best-effort send to each of ``peers`` still here: for news (goodbye, abort, stall shutdown)
         whose sender is about to fail or leave anyway, so a peer already gone is no error (deepest

@@ -158,7 +158,8 @@ class Coordinator:
         self.account = StragglerAccount(size)  # who every fused collective waited for (hora.engine.straggler)
 
     # -- input ---------------------------------------------------------------------------------
-    def submit(self, rank: int, req: Request) -> None:
+    def submit(self, rank: int, req: Request, at: float | None = None) -> None:
+        """``rank``'s request; ``at``: when it reached a router that merged it (default now: this clock)."""
         if req.kind == JOIN:
             if rank not in self.joined:
                 self.joined.append(rank)
@@ -168,15 +169,15 @@ class Coordinator:
         if (req.group is not None or self._forms or self._failed) and self._sized(rank, req):
             return
         entry = self.table.get(key)
-        now = time.monotonic()
+        now = time.monotonic() if at is None else at
         if entry is None:
             entry = self.table[key] = Entry({}, now)
         entry.requests[rank] = req
         entry.at[rank] = now
         self._check(key, entry)
 
-    def submit_bit(self, rank: int, bit: int) -> None:
-        self.submit(rank, self.cache.lookup(bit))
+    def submit_bit(self, rank: int, bit: int, at: float | None = None) -> None:
+        self.submit(rank, self.cache.lookup(bit), at)
 
     def idle(self) -> bool:
         """Nothing waits here: no request, response, join, group or process-set removal in flight (the
@@ -492,16 +493,23 @@ class Coordinator:
         """What rank ``peer`` hears of one :meth:`take`: the responses on its sets (process-set changes
         and autotune's settings go to everyone, since every rank keeps the table and the settings), and
         the cache bits of its sets."""
-        def member(ps: int) -> bool:  # set 0 holds every rank: no scan of its N ranks per peer
-            return ps == 0 or peer in self.ranks_of(ps)
-
-        mine = [r for r in responses if member(r.ps) or r.kind in (ADD_PS, REMOVE_PS, TUNE)]
-        adds = [(b, q) for b, q in additions if member(q.ps)]
-        evicts = [b for b, ps in evictions if member(ps)]
-        return mine, adds, evicts
+        return share(peer, responses, additions, evictions, self.ranks_of)
 
     def stalled(self, older_than: float) -> list[tuple[int, str, list[int]]]:
         """(process set, name, missing ranks) for tensors waiting longer than ``older_than`` s."""
         now = time.monotonic()
         return [(ps, name, sorted(self._required(ps) - set(e.requests)))
                 for (ps, name), e in self.table.items() if now - e.since > older_than]
+
+
+def share(peer: int, responses: list[Response], additions: list[tuple[int, Request]],
+          evictions: list[tuple[int, int]], ranks_of) -> tuple[list, list, list]:
+    """:meth:`Coordinator.share` with the sets' ranks from ``ranks_of(ps)``: also what a rank keeps of a batch
+    sent to every rank down the control tree (:mod:`hora.engine.subtree`)."""
+    def member(ps: int) -> bool:  # set 0 holds every rank: no scan of its N ranks per peer
+        return ps == 0 or peer in ranks_of(ps)
+
+    mine = [r for r in responses if member(r.ps) or r.kind in (ADD_PS, REMOVE_PS, TUNE)]
+    adds = [(b, q) for b, q in additions if member(q.ps)]
+    evicts = [b for b, ps in evictions if member(ps)]
+    return mine, adds, evicts

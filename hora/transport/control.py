@@ -16,6 +16,11 @@ connects straight to the destination (``dial``). A rank that breaks with a lost 
 (a ``DOWN`` frame, passed down), so a death is known below a failed router, or below a dead rank 0,
 without any route through them.
 
+Two ways keep the busiest rank's messages per cycle O(FANOUT) instead of O(N): :meth:`ControlPlane.send_tree`
+sends one frame that each rank below passes on to its children before reading it itself (rank 0's answers to
+everyone), and ``on_up``, set by a router's engine, may take in a frame a child sends toward rank 0 instead of
+passing it on (the engine merges its subtree's requests into one, :mod:`hora.engine.subtree`).
+
 Data waits also give the engine a heartbeat (``on_wait``, through :meth:`ControlPlane.service`): whom
 they wait for and whether anything moved, so that a peer frozen in the middle of a collective is
 noticed whichever thread waits.
@@ -41,6 +46,7 @@ _POLL_IN = select.POLLIN | select.POLLPRI
 _HEAD = struct.Struct("!III")  # payload bytes, source rank, destination rank
 _I32 = struct.Struct("!i")
 LINK = 0xFFFFFFFF  # the destination of a frame for the neighbour that reads it (LEAVE, DOWN)
+TREE = 0xFFFFFFFE  # the destination of a frame for every rank below its sender (send_tree)
 _LEAVE, _DOWN = b"L", b"D"
 CTRL_GRACE = 3.0  # s a data wait goes on after a peer's control connection closed
 HEARTBEAT_S = 0.25  # a data wait services the plane at least this often (the stall watch's resolution)
@@ -78,8 +84,13 @@ class ControlPlane:
         self._data = list(data)
         self._subscribers: list[Callable[[BaseException], None]] = []
         self._broken: BaseException | None = None
+        self._news: BaseException | None = None  # a failure to raise at the next receive (see receive)
         self._closed = False
         self.forwarded = 0  # frames passed on for other ranks (counted for tests and the scale simulation)
+        self.dropped = 0  # frames for ranks that had left (or whose way had), dropped (see _pass)
+        # a router's engine: ``on_up(source, payload)`` is offered each frame a child sends toward rank 0, and
+        # True takes it in (not passed on); it may send frames itself (hora.engine.subtree)
+        self.on_up: Callable[[int, bytes], bool] | None = None
         # the engine's handler for a message read during a data wait; None: leave messages unread (code
         # that drives a communicator from a thread of its own sets None, so only the engine reads them)
         self.on_message: Callable[[int, bytes], None] | None = None
@@ -96,6 +107,15 @@ class ControlPlane:
         if self.rank != 0:
             return [] if 0 in self._left else [0]
         return [p for p in range(1, self._size) if p not in self._left]
+
+    @property
+    def tree(self) -> tuple[int, int] | None:
+        """``(size, fanout)`` of the control tree this plane routes on; None without routing."""
+        return None if self._size is None else (self._size, self._fanout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def links(self) -> list[int]:
@@ -134,15 +154,49 @@ class ControlPlane:
 
     def send_all(self, peers: Iterable[int], payload: bytes) -> list[int]:
         """Best effort: ``payload`` to each of ``peers``, deepest ranks first (a router forwards its
-        subtree's copies before its own arrives, which may end its engine); returns those that failed."""
+        subtree's copies before its own arrives, which may end its engine); returns those that failed.
+        News sent this way (a goodbye, an abort) goes out as its sender leaves or fails: a write that fails
+        breaks nothing here (a peer that shut down cleanly meanwhile is no loss; one that died is named by
+        its connection's end, read after the frames it sent before)."""
+        if self._closed:
+            raise CommunicatorClosedError("this communicator was closed (hora.shutdown()); call hora.init()")
         failed = []
         deep = self._size is not None and self._size > self._fanout + 1  # a star needs no order
         for p in sorted(peers, reverse=True) if deep else peers:
-            try:
-                self.send(p, payload)
-            except HoraError:
+            if not self._pass(p, _HEAD.pack(len(payload), self.rank, p) + payload):
                 failed.append(p)
         return failed
+
+    def send_best(self, peer: int, payload: bytes) -> bool:
+        """Best effort, as :meth:`send_all`, for one peer: False if ``payload`` was dropped."""
+        return self._pass(peer, _HEAD.pack(len(payload), self.rank, peer) + payload)
+
+    def send_tree(self, payload: bytes) -> None:
+        """``payload`` to every other rank of the tree, as one frame to each child that every router passes
+        on to its own children (a ``TREE`` frame) before it reads it: O(FANOUT) writes on any rank. Only from
+        rank 0 (the root). Best effort, as :meth:`send_all`: a rank that left is skipped, one that died is
+        named by its connection's end."""
+        if self._closed:
+            raise CommunicatorClosedError("this communicator was closed (hora.shutdown()); call hora.init()")
+        frame = _HEAD.pack(len(payload), self.rank, TREE) + payload
+        for c in plan.children(self.rank, self._size, self._fanout):
+            self._pass(c, frame)
+
+    def _pass(self, dst: int, frame: bytes) -> bool:
+        """Best effort: ``frame`` toward ``dst``; False (the frame dropped) when ``dst`` or the way to it has
+        left, or the write fails. Never breaks the plane: a hop that died is named when its connection's end
+        is read, after whatever it sent before (a router's own answer still unread, say)."""
+        if dst in self._left:
+            self.dropped += 1  # said goodbye: nobody reads it any more
+            return False
+        try:
+            hop = self._route(dst)
+            with self._lock:
+                self._conns[hop].sendall(frame)
+            return True
+        except (HoraError, OSError, KeyError):
+            self.dropped += 1
+            return False
 
     def _route(self, peer: int) -> int:
         if peer in self._conns or self._size is None:
@@ -175,6 +229,9 @@ class ControlPlane:
         only, never around the reads). Frames for other ranks are passed on, not returned."""
         if self._closed:
             raise CommunicatorClosedError("this communicator was closed")
+        if self._news is not None:  # a DOWN frame read last time, after messages that were returned first
+            news, self._news = self._news, None
+            raise news
         if self._gone:
             raise self.lost(next(iter(self._gone)), "control connection closed")
         poller = select.poll()
@@ -192,7 +249,9 @@ class ControlPlane:
                 if msg is not None:
                     out.append(msg)
         if healthy and self._broken is not None:  # a DOWN frame: a lost rank, news from above
-            raise self._broken
+            if not out:
+                raise self._broken
+            self._news = self._broken  # what came before the news is handled first (a router's last answer)
         return out
 
     def expect_close(self, peer: int) -> None:
@@ -270,21 +329,29 @@ class ControlPlane:
             raise self.lost(link, "connection closed" if isinstance(e, ConnectionError) else e) from e
         if dst == self.rank or self._size is None:
             return src, payload
+        if dst == TREE:  # for every rank below: the children's copies first (see send_tree)
+            frame = _HEAD.pack(n, src, dst) + payload
+            for c in plan.children(self.rank, self._size, self._fanout):
+                self.forwarded += 1
+                self._pass(c, frame)
+            return src, payload
         if dst == LINK:
             if payload[:1] == _LEAVE and 0 not in (link, self.rank):
-                # between two ranks other than 0 a link only routes: its end is no failure. A link with
-                # rank 0 keeps its meaning: its close without a goodbye (BYE) is a lost rank
+                # between two ranks other than 0 a link only routes: its end is no failure, and frames for
+                # that rank are dropped from now on. A link with rank 0 keeps its meaning: its close without
+                # a goodbye (BYE) is a lost rank
+                self._left.add(link)
                 self._unlink(link)
             elif payload[:1] == _DOWN and self._broken is None:
                 (dead,) = _I32.unpack_from(payload, 1)
                 text = payload[1 + _I32.size:].decode(errors="replace").split(": ", 1)[-1]
                 self.fail(PeerLostError(f"rank {self.rank}: {text}", rank=dead if dead >= 0 else None))
             return None
+        if dst == 0 and self.on_up is not None and link != plan.parent(self.rank, self._fanout) \
+                and self.on_up(src, payload):
+            return None  # taken in by the router's engine (merged with its subtree's)
         self.forwarded += 1
-        try:
-            self._write(self._route(dst), _HEAD.pack(n, src, dst) + payload)
-        except HoraError:
-            pass  # no route on (a lost router breaks this plane, and its news goes out from here)
+        self._pass(dst, _HEAD.pack(n, src, dst) + payload)
         return None
 
     # -- failure -----------------------------------------------------------------------------------

@@ -73,3 +73,14 @@ def control_links(rank: int, size: int, fanout: int = FANOUT) -> tuple[int, ...]
     """The control connections a rank holds: its parent and its children."""
     up = parent(rank, fanout)
     return tuple(([] if up is None else [up]) + list(children(rank, size, fanout)))
+
+
+def subtree(rank: int, size: int, fanout: int = FANOUT) -> list[int]:
+    """``rank`` and every rank below it in the control tree, in ascending order (level by level: the ranks
+    below a contiguous range of one level are a contiguous range of the next)."""
+    out: list[int] = []
+    lo = hi = rank
+    while lo < size:
+        out.extend(range(lo, min(hi + 1, size)))
+        lo, hi = lo * fanout + 1, hi * fanout + fanout
+    return out
