@@ -60,7 +60,7 @@ from hora.base import frozen_notes as notes
 from hora.base.errors import HoraError, PeerLostError
 from hora.engine import beater, callsite
 from hora.transport import auth, net
-from hora.transport.acceptor import Acceptor, stop_loop
+from hora.transport.acceptor import Acceptor, Wake, stop_loop
 
 log = logging.getLogger("hora")
 
@@ -102,7 +102,7 @@ class Pulse:
         self._beater: subprocess.Popen | None = None
         self._pipe = -1  # to the beater: what this rank is doing
         self._told = ""
-        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake = Wake()
         self._posts = 0  # posts on the notes' board read so far (frozen_notes.posted)
         self._abort_seen = False
         self._watches = {(rank + 1) % size} - {rank}  # the rank it watches (watcher_of)
@@ -162,7 +162,7 @@ class Pulse:
             self._watched[int(rank)] = _Watched(sock)
         if old is not None:
             old.sock.close()
-        self._wake_w.send(b"x")
+        self._wake.kick()
 
     def _read(self, r: int, w: _Watched, now: float) -> None:
         try:
@@ -248,7 +248,7 @@ class Pulse:
             with self._lock:
                 conns = {w.sock.fileno(): (r, w) for r, w in self._watched.items()}
             try:
-                ready, _, _ = select.select([self._wake_r, *conns], [], [], LOOK_S)
+                ready, _, _ = select.select([self._wake.fileno(), *conns], [], [], LOOK_S)
             except (OSError, ValueError):  # a connection closed under us: look again
                 continue
             now = time.monotonic()
@@ -257,8 +257,8 @@ class Pulse:
                     w.last = now
             last_look = now
             for fd in ready:
-                if fd is self._wake_r:
-                    self._wake_r.recv(64)
+                if fd == self._wake.fileno():
+                    self._wake.drain()
                 elif fd in conns:
                     self._read(*conns[fd], now)
             self._judge(now)
@@ -357,15 +357,14 @@ class Pulse:
                 return
             self._closed = True
         self._stop_beater()
-        stop_loop(self._wake_w, self._thread)
+        stop_loop(self._wake, self._thread)
         if self._acceptor is not None:
             self._acceptor.close()
         with self._lock:
             for w in self._watched.values():
                 w.sock.close()
             self._watched.clear()
-        self._wake_r.close()
-        self._wake_w.close()
+        self._wake.close()
 
     def close_in_child(self) -> None:
         """In a forked child: the beater is the parent's; drop the copies of the pipe and connections."""

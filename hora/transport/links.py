@@ -23,7 +23,7 @@ from typing import Callable
 
 from hora.base.errors import HoraError, HoraTimeoutError
 from hora.transport import auth, net, plan
-from hora.transport.acceptor import Acceptor
+from hora.transport.acceptor import Acceptor, Wake
 from hora.transport.store import StoreTimeout
 
 LATE_DIAL_S = 5.0  # a lazy dial's limit: the peer's port is open for its communicator's life, so a refusal is a loss
@@ -57,14 +57,13 @@ class MeshPort:
         self.cond = threading.Condition()
         self.closed = False
         self._on_ctrl: Callable[[int, socket.socket], None] | None = None
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
+        self._wake = Wake()
         self.acceptor = Acceptor(listener, secret, self._claim, f"hora rank {rank}: data port")
 
     @property
     def fd(self) -> int:
         """Readable when a data connection arrived after start-up (see :meth:`drain`)."""
-        return self._wake_r.fileno()
+        return self._wake.fileno()
 
     def _claim(self, sock: socket.socket, ident_b: bytes, peer) -> None:
         ident = ident_b.decode("ascii", "replace")
@@ -86,7 +85,7 @@ class MeshPort:
                 self.socks[key] = sock
                 self.cond.notify_all()
                 if chan == "d":
-                    self._wake_w.send(b"x")
+                    self._wake.kick()
                 return
         net.tune(sock)
         on_ctrl(key[0], sock)
@@ -119,19 +118,16 @@ class MeshPort:
             return self.socks.pop((peer, "d"), None)
 
     def drain(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except OSError:
-            pass
+        self._wake.drain()
 
     def close(self) -> None:
         with self.cond:
             self.closed = True
             left, self.socks = list(self.socks.values()), {}
         self.acceptor.close()
-        for s in (*left, self._wake_r, self._wake_w):
+        for s in left:
             s.close()
+        self._wake.close()
 
 
 class Links:
