@@ -241,6 +241,8 @@ def _all_collectives() -> None:
 
 
 def _tree_workload() -> None:
+    import time
+
     import hora
     from hora.core import session
     from workers import report
@@ -259,13 +261,17 @@ def _tree_workload() -> None:
             assert hora.allreduce(np.ones(1 << 14, np.float32), op=hora.Sum, name="ev", process_set=evens)[0] \
                 == len(range(0, n, 2))
         assert (hora.broadcast(np.full(2, r, np.int32), root_rank=i % n, name="bc") == i % n).all()
+    for _ in range(8):  # rank 10, below router 1, comes last: the merged request's ages still say so
+        if r == 10:
+            time.sleep(0.1)
+        assert hora.allreduce(x, op=hora.Sum, name="big")[0] == total
     if r != n - 1:  # the last rank (below a router) joins early: the others' cached allreduces go on without it
         for _ in range(3):
             assert hora.allreduce(x, op=hora.Sum, name="big")[0] == total - (n - 1)
     assert hora.join() in range(n)
     hora.barrier()
     merger = getattr(session.state().engine.role, "merger", None)
-    report(ok=True, taken=merger.taken if merger else 0)
+    report(ok=True, taken=merger.taken if merger else 0, straggler=hora.statistics().straggler.rank if r == 0 else None)
     hora.shutdown()
 
 
@@ -273,11 +279,13 @@ def _tree_workload() -> None:
 def test_a_two_level_tree_runs_every_kind_of_request():
     """np=12: ranks 9..11 hang below rank 1. Cached allreduces (merged on the way up), inline ones, a group,
     a process set, broadcasts, and a rank that joins early while the others go on: results right on every
-    rank, and the router took requests in."""
+    rank, the router took requests in, and rank 0's straggler account names the rank below the router that
+    came last."""
     with spawn_job(12, _tree_workload) as job:
         assert job.wait(200) == [0] * 12
         assert all(job.report(r)["ok"] for r in range(12))
         assert job.report(1)["taken"] > 0
+        assert job.report(0)["straggler"] == 10, job.report(0)
 
 
 @pytest.mark.skipif(not LONG, reason="np=128 real ranks: HORA_LONG_TESTS=1")
