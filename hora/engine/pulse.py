@@ -16,8 +16,8 @@ the GIL and crashed TensorFlow Keras jobs.)
 
 Watchers follow the ring: rank r is watched by rank r - 1 (rank 0 by the last rank), so every rank holds one
 beat connection it watches and its beater one to its watcher, whatever the size of the job (rank 0 watched
-every rank until issue 27: 31 connections at np=32; the control tree's parents would hold up to
-``plan.FANOUT``); :mod:`hora.base.frozen_notes` says how every rank finds the notes of any watcher. A watcher
+every other rank before issue 27: 31 connections at np=32, and a control-tree parent would hold up to 8);
+:mod:`hora.base.frozen_notes` says how every rank finds the notes of any watcher. A watcher
 names rank R frozen when R's beater has reported it stopped for ``STOPPED_AFTER`` s, or when R's beat
 connection has been silent for ``NAME_AFTER`` s (the beater was frozen with its rank: a whole process group
 or cgroup stopped); it writes its notes in the store, every rank's pulse thread reads them every ``POLL_S``
