@@ -136,6 +136,33 @@ def test_control_tree_routes_floods_and_reroutes():
 
 
 @pytest.mark.timeout(30)
+def test_a_frame_for_a_rank_0_that_shut_down_is_dropped_and_the_router_reads_its_own_answer():
+    """Issue 27's first merge: router 1 passed a child's frame on to a rank 0 that had just shut down
+    cleanly, the failed write broke its plane, and its own answer, still unread, was lost with it."""
+    planes = _tree(7, 2)  # 0 -> (1, 2), 1 -> (3, 4)
+    planes[0].send(1, b"answer")
+    planes[0].send(1, b"bye")  # the engine's goodbye (Control reads it and calls expect_close)
+    planes[0].close()
+    planes[3].send(0, b"late")  # rank 3 had not heard yet
+    got = []
+    for _ in range(10):
+        for _peer, data in planes[1].receive(0.0):
+            got.append(data)
+            if data == b"bye":
+                planes[1].expect_close(0)
+        if got == [b"answer", b"bye"] and planes[1].dropped:
+            break
+    assert got == [b"answer", b"bye"] and planes[1].broken is None and planes[1].dropped == 1
+    planes[3].send(0, b"later")  # now known to have left: dropped at once, no dial
+    for _ in range(3):
+        assert planes[1].receive(0.0) == []
+    assert planes[1].broken is None and planes[1].dropped == 2
+    for r, pl in planes.items():
+        if r:
+            pl.close()
+
+
+@pytest.mark.timeout(30)
 def test_a_death_reaches_a_rank_with_no_connection_to_it_through_the_store():
     """The first failure note in the store (written by the first rank that lost a peer) fails the engine of a
     rank that holds no connection to the dead one, from its pulse thread, within about a second; a note this
