@@ -19,8 +19,8 @@ OFF = {"HORA_SMALL_FASTPATH": "0", "HORA_CYCLE_TIME": "20"}
 ON = {"HORA_TRANSPORT": "shm", "HORA_SMALL_FASTPATH": "1", "HORA_CYCLE_TIME": "20"}
 
 
-def _loop(hvd, grouped):
-    """Unnamed calls from one line, STEPS times after a warm-up call: right results, and the statistics'
+def _loop(hvd, grouped, steps=STEPS):
+    """Unnamed calls from one line, ``steps`` times after a warm-up call: right results, and the statistics'
     change over the loop."""
     r, n = hvd.rank(), hvd.size()
     x = np.full(1024, r + 1.0, np.float32)
@@ -32,7 +32,7 @@ def _loop(hvd, grouped):
 
     call()  # the first call of the signature is negotiated in full and gets its bit
     s0 = hvd.statistics()
-    for _ in range(STEPS):
+    for _ in range(steps):
         for y in call():
             assert (y == n * (n + 1) / 2).all(), y
     s1 = hvd.statistics()
@@ -51,10 +51,11 @@ def test_an_unnamed_allreduce_in_a_loop_hits_the_response_cache(n, grouped):
 
 @pytest.mark.timeout(120)
 def test_an_unnamed_allreduce_in_a_loop_takes_the_mailbox():
-    res = run_hora(2, _loop, False, env=ON, timeout=90)
+    steps = 50  # whether a call meets its peer's in the mailbox depends on timing: some of them must
+    res = run_hora(2, _loop, False, steps, env=ON, timeout=90)
     # a call meets in the mailbox or, when the peer was late by more than the spin, goes by its cache bit
     assert res[0]["tensors_mailbox"] == res[1]["tensors_mailbox"] > 0, res
-    assert res[1]["tensors_mailbox"] + res[1]["cache_hits"] == STEPS, res
+    assert res[1]["tensors_mailbox"] + res[1]["cache_hits"] == steps, res
 
 
 def _mismatch(hvd, what):
