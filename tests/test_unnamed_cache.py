@@ -93,3 +93,37 @@ def test_another_call_in_an_unnamed_slot_fails_on_every_rank_naming_the_call_sit
         assert len(sites) == 2 and sites[0] != sites[1], (rank, got)  # each rank's own line
         assert "matched by their order" in got, got
         assert after == n, (rank, after)
+
+
+def _sets_and_join(hvd):
+    """np=3: unnamed calls in a loop on a process set of ranks 0 and 1, then on the global set while rank 2 has
+    joined (it contributes zeros), then after the join (a new epoch of automatic names) on all three: the
+    results, and each loop's cache hits (a new signature's first call is negotiated in full)."""
+    r = hvd.rank()
+    x = np.ones(8, np.float32)
+    ps = hvd.add_process_set([0, 1])
+    hits = []
+
+    def loop(expect, **kw):
+        s0 = hvd.statistics()["cache_hits"]
+        for _ in range(4):
+            y = hvd.allreduce(x, op=hvd.Sum, **kw)
+            assert (y == expect).all(), (kw, y)
+        hits.append(hvd.statistics()["cache_hits"] - s0)
+
+    if r != 2:
+        loop(2, process_set=ps)
+        loop(2)  # rank 2 has joined (or is joining) meanwhile
+    hvd.join()
+    loop(3)  # the numbering restarted on every rank at the join
+    hvd.remove_process_set(ps)
+    return hits
+
+
+@pytest.mark.timeout(120)
+def test_unnamed_loops_on_a_process_set_and_around_join_hit_the_cache():
+    res = run_hora(3, _sets_and_join, env={**OFF, "HORA_DYNAMIC_PROCESS_SETS": "1"}, timeout=90)
+    assert res[0] == [0, 0, 0], res  # rank 0 coordinates: nothing of its own travels
+    # one call site for the three loops: the set's signature is its own (its first call is negotiated in full);
+    # the global one, learnt while rank 2 had joined, holds after the join's new epoch on every rank
+    assert res[1] == [3, 3, 4] and res[2] == [4], res
