@@ -51,6 +51,7 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "al
 
 _groups = itertools.count()
 _NAMED = object()  # _prepare's site for a named op
+_PLAIN_OPS = frozenset({Average, Sum, Min, Max, Product})  # ops check_op passes for every collective
 
 
 def _auto_name(name: str | None, ps: int = 0, prefix: str = names.UNNAMED) -> str:
@@ -120,7 +121,7 @@ def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False
         fields["site"] = "" if site is None else site.text
     else:
         site = None
-    full = _auto_name(name, ps)
+    full = names.take(st.names, name, ps)  # (_auto_name, without asking for the state again)
     req = (m.SetRequest if kind in (m.ADD_PS, m.REMOVE_PS) else m.Request)(full, kind, ps=ps, **fields)
     handle = st.engine.handles.new(f"{kind}.{full}", finish)
     return Pending(req, handle, a, inplace, flush, site)
@@ -270,6 +271,8 @@ def grouped_allreduce_async(arrays, op: int = Average, prescale_factor: float = 
 
 
 def _reduce_fields(op, pre, post, what) -> dict:
+    if type(pre) is float and type(post) is float and pre == post == 1.0 and op in _PLAIN_OPS:
+        return {"op": op, "pre": 1.0, "post": 1.0}  # the usual call, with nothing to check (a hot path)
     return {"op": check_op(op, what), "pre": _factor(pre, "prescale_factor", what),
             "post": _factor(post, "postscale_factor", what)}
 
