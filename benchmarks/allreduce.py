@@ -292,7 +292,7 @@ def targets_small(res: dict) -> list[str]:
     if mib in named and mib in mpi:
         r = mpi[mib] / named[mib]
         out.append(f"- 1 MiB >= 1.0x Open MPI: {verdict(r >= 1.0, res)} ({named[mib] * 1e6:.0f} µs against "
-                   f"{mpi[mib] * 1e6:.0f}: {r:.2f}x)")
+                   f"{mpi[mib] * 1e6:.0f} µs: {r:.2f}x)")
     return out
 
 
