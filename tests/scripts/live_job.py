@@ -23,7 +23,9 @@ def train(slow: int, stop: str, steps: int) -> int:
             return step
         if r == slow:
             time.sleep(0.05)
-        handles = [hora.allreduce_async(g, name=f"grad.{i}") for i, g in enumerate(grads)]
+        handles = []
+        for i, g in enumerate(grads):
+            handles.append(hora.allreduce_async(g, name=f"grad.{i}"))
         for h in handles:
             hora.synchronize(h)
     return steps
