@@ -168,7 +168,8 @@ class Executor:
         st = self.stats
         st.collectives += 1
         st.tensors += len(resp.names)
-        st.tensor_bytes += sum(map(math.prod, resp.shapes)) * dtype_of(resp.dtype).itemsize
+        if kind != m.ALLREDUCE or resp.device:  # (a host allreduce counts its bytes in _allreduce, which has them)
+            st.tensor_bytes += sum(map(math.prod, resp.shapes)) * dtype_of(resp.dtype).itemsize
         op_name = self._activity[kind]
         if resp.device:  # GPU tensors: NCCL or the staged path (hora.engine.device_exec)
             self.gpu.run(resp, pends, comm, op_name)
@@ -196,6 +197,7 @@ class Executor:
     def _allreduce(self, resp, pends, comm, op_name) -> None:
         dtype = dtype_of(resp.dtype)
         counts = [math.prod(s) for s in resp.shapes]
+        self.stats.tensor_bytes += sum(counts) * dtype.itemsize
         names = resp.names
         if len(names) == 1:
             p = pends[0]
