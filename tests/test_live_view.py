@@ -110,8 +110,39 @@ def test_hora_top_names_the_straggler_and_shows_every_ranks_stacks(tmp_path, np_
         assert closed.returncode == 1 and "the job has finished" in closed.stderr, closed.stderr
 
 
-@pytest.mark.timeout(120)
+def _read_until(fd: int, marks: tuple[bytes, ...], proc: subprocess.Popen) -> bytes:
+    seen = b""
+    while not all(m in seen for m in marks):
+        assert proc.poll() is None, seen.decode(errors="replace")[-3000:]
+        if select.select([fd], [], [], 1.0)[0]:
+            seen += os.read(fd, 65536)
+    return seen
+
+
+def _interactive_top(env: dict[str, str]) -> str:
+    """``hora top`` on a terminal of its own: the screen, ``s`` for every rank's stacks, a key back, ``q``."""
+    master, slave = pty.openpty()
+    top_proc = subprocess.Popen([PY, "-m", "hora.runner", "top", "--interval", "0.5"], env=env, cwd=ROOT,
+                                stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    try:
+        screen = _read_until(master, (b"s: stacks of every rank",), top_proc)
+        os.write(master, b"s")
+        stacks = _read_until(master, (b"any key: back",), top_proc)
+        os.write(master, b"x")
+        _read_until(master, (b"s: stacks of every rank",), top_proc)
+        os.write(master, b"q")
+        assert top_proc.wait(timeout=30) == 0
+    finally:
+        if top_proc.poll() is None:
+            os.killpg(top_proc.pid, signal.SIGKILL)
+        os.close(master)
+    return (screen + stacks).decode(errors="replace")
+
+
+@pytest.mark.timeout(150)
 def test_hora_run_status_draws_the_line_on_a_terminal_and_names_the_straggler(tmp_path):
+    """... and ``hora top`` on a terminal: refreshed in place, ``s`` shows every rank's stacks, ``q`` quits."""
     env = clean_env(tmp_path)
     stop = tmp_path / "stop"
     master, slave = pty.openpty()
@@ -121,10 +152,8 @@ def test_hora_run_status_draws_the_line_on_a_terminal_and_names_the_straggler(tm
     os.close(slave)
     seen = b""
     try:
-        while b"slowest rank 1 (+" not in seen:  # the line of a second in which rank 1 held rank 0 up
-            assert job.poll() is None, seen.decode(errors="replace")[-3000:]
-            if select.select([master], [], [], 1.0)[0]:
-                seen += os.read(master, 65536)
+        seen = _read_until(master, (b"slowest rank 1 (+",), job)  # a second in which rank 1 held rank 0 up
+        screen = _interactive_top(env)
         stop.touch()
         while True:  # the rest, until the launcher closes the terminal
             try:
@@ -139,6 +168,8 @@ def test_hora_run_status_draws_the_line_on_a_terminal_and_names_the_straggler(tm
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
         os.close(master)
+    assert top.CLEAR_SCREEN + "hora top: 2 ranks (hora run)" in screen and "  s: stacks of every rank" in screen
+    assert "--- rank 0" in screen and "--- rank 1" in screen and screen.count("live_job.py") >= 2
     text = seen.decode(errors="replace")
     assert "\r\x1b[K" + "hora: 2 ranks, " in text  # redrawn in place
     assert "rank 0 stopped after" in text and "rank 1 stopped after" in text  # the ranks' output went above it
