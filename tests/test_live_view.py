@@ -207,6 +207,25 @@ def test_no_status_line_without_a_terminal_and_hora_top_attaches_to_a_torchrun_j
 
 
 @pytest.mark.timeout(120)
+def test_hora_top_attaches_to_an_mpirun_job_by_its_file(tmp_path):
+    """Under mpirun rank 0 makes the secret (shared over MPI): hora top finds the job by rank 0's file."""
+    import test_mpi
+
+    test_mpi.need_mpi()
+    stop = tmp_path / "stop"
+    extra = {"XDG_RUNTIME_DIR": str(tmp_path / "run"), "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen([test_mpi.MPIRUN, "-np", "2", "-x", "XDG_RUNTIME_DIR", "-x", "OMP_NUM_THREADS", PY, JOB, "1",
+                            str(stop), MAX_STEPS], env=test_mpi.env(extra), cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        snap = _until(job, clean_env(tmp_path), ("--once", "--json"), _named(1))
+        assert snap["job"]["launcher"] == "mpirun" and [r["rank"] for r in snap["ranks"]] == [0, 1]
+    finally:
+        out, err = _end(job, stop)
+    assert job.returncode == 0, out[-3000:] + err[-3000:]
+
+
+@pytest.mark.timeout(120)
 def test_an_idle_job_costs_nothing_and_the_ranks_answer_only_when_asked(tmp_path):
     script = str(ROOT / "tests" / "scripts" / "live_idle.py")
     r = subprocess.run([PY, "-m", "hora.runner", "run", "-np", "2", PY, script], env=clean_env(tmp_path), cwd=ROOT,
