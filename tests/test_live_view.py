@@ -3,7 +3,9 @@
 
 Real jobs (tests/scripts/live_job.py: rank SLOW sleeps 50 ms before each step until the test leaves a STOP file)
 at np=2 and np=4: the sleeping rank is the straggler in ``hora top``'s snapshot and on the status line, every
-rank's stacks name the script's function, a wrong secret is refused, a finished job is said to be finished. An
+rank's stacks name the script's function, a wrong secret is refused, a finished job is said to be finished; in a
+hang (tests/scripts/live_hang.py) the waiting rank, the missing one and what it computes are named; jobs started by
+torchrun's variables and by mpirun are attached to as well. An
 idle job costs nothing: tests/scripts/live_idle.py counts the calls into the live view's code made by the threads
 that run collectives, and the rank side's counters, with no reader and then after one question. The figures
 themselves are timings and are not asserted beyond what names the rank.
@@ -204,6 +206,28 @@ def test_no_status_line_without_a_terminal_and_hora_top_attaches_to_a_torchrun_j
                          timeout=60)
     assert job.returncode == 0, job.stderr
     assert job.stderr.count("--status draws its line only on a terminal") == 1 and "\x1b[K" not in job.stderr
+
+
+@pytest.mark.timeout(120)
+def test_hora_top_during_a_hang_names_the_wait_the_missing_rank_and_what_it_computes(tmp_path):
+    env = clean_env(tmp_path)
+    stop = tmp_path / "stop"
+    job = subprocess.Popen([PY, "-m", "hora.runner", "run", "-np", "2", PY,
+                            str(ROOT / "tests" / "scripts" / "live_hang.py"), str(stop)], env=env, cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        snap = _until(job, env, ("--once", "--json"), lambda s: bool(s["stalls"]))  # a wait of a second or more
+        stall = snap["stalls"][0]
+        assert (stall["kind"], stall["name"], stall["submitted"], stall["missing"]) == ("allreduce", "loss", [0], [1])
+        r0, r1 = snap["ranks"]
+        assert r0["state"] == "waiting" and r0["waiting_for"] == [1] and r0["waited"] >= 1.0, r0
+        assert r0["collective"]["name"] == "loss" and "live_hang.py" in r0["collective"]["site"], r0
+        assert r1["state"] == "computing" and r1["doing"].startswith("computing in evaluate() at "), r1
+        line = status_line.line(snap, None)
+        assert "STALL: allreduce 'loss' has waited" in line and "waiting for rank 1" in line, line
+    finally:
+        out, err = _end(job, stop)
+    assert job.returncode == 0, out[-3000:] + err[-3000:]
 
 
 @pytest.mark.timeout(120)
