@@ -35,7 +35,7 @@ def write(info: dict[str, Any]) -> Path | None:
         tmp = d / f".{os.getpid()}.json.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({**info, "pid": os.getpid()}, f)
+            json.dump({**info, "pid": os.getpid(), "pid_start": _started(os.getpid())}, f)
         os.replace(tmp, path)  # never half a file for a reader
     except OSError:
         return None
@@ -50,14 +50,25 @@ def remove(path: Path | None) -> None:
             pass
 
 
-def _alive(pid: int) -> bool:
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22); None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid: int, started: int | None) -> bool:
+    """Whether the job's rank 0 still runs: its pid is alive and (where /proc says) started when it did, so a
+    file left by a killed rank 0 whose pid went to another process is not taken for a running job."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # someone else's process under that pid now: not ours, but alive
-        return True
-    return True
+    except PermissionError:  # someone else's process under that pid now
+        return False
+    return started is None or _started(pid) in (None, started)
 
 
 def running() -> list[dict[str, Any]]:
@@ -73,7 +84,7 @@ def running() -> list[dict[str, Any]]:
             pid = int(info["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if not _alive(pid):
+        if not _alive(pid, info.get("pid_start")):
             remove(path)
             continue
         jobs.append({**info, "file": str(path)})
