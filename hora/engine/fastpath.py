@@ -118,6 +118,7 @@ class FastPath:
         st.tensors += 1
         st.tensors_inline += 1  # (an inline allreduce whose inputs met in the mailbox)
         st.tensors_mailbox += 1
+        st.tensor_bytes += out.nbytes
         p.handle.complete(out)
         return True
 

@@ -45,8 +45,11 @@ CLOCK_PONG = "Cr"  # coordinator -> rank: (tag, the probe's own time, the coordi
 # hangs explained (hora.engine.explain): coordinator -> rank (tag,) what are you doing; rank -> coordinator
 # (tag, rank, diagnose.RankState); coordinator -> rank (tag, text, figures) the explanation every rank shows
 EXPLAIN_QUERY, EXPLAIN_REPLY, EXPLAIN_TEXT = "XQ", "XR", "XT"
+# the live view (hora.engine.status): coordinator -> rank (tag, question number, stacks wanted) what are you doing;
+# rank -> coordinator (tag, rank, question number, diagnose.RankState, counters, stacks text or None)
+LIVE_QUERY, LIVE_REPLY = "LQ", "LR"
 URGENT = frozenset({ABORT, STACK_QUERY, STALL_FATAL, DATA_STALL,  # handled at once, even in a collective
-                    EXPLAIN_QUERY, EXPLAIN_REPLY, EXPLAIN_TEXT})
+                    EXPLAIN_QUERY, EXPLAIN_REPLY, EXPLAIN_TEXT, LIVE_QUERY, LIVE_REPLY})
 
 
 class Request(NamedTuple):
