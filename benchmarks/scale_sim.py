@@ -216,8 +216,8 @@ def control_cycle(n: int, tensors: int, merge: bool = True) -> dict:
     for data in at_root:
         msg = m.loads(data)
         if len(msg) > 5:
-            for rank, bit, at in merged(msg, n, plan.FANOUT, now):
-                coord.submit_bit(rank, bit, at)
+            for rank, bit, when in merged(msg, n, plan.FANOUT, now):
+                coord.submit_bit(rank, bit, when)
         else:
             for bit in msg[3]:
                 coord.submit_bit(msg[1], bit)

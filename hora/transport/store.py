@@ -279,6 +279,11 @@ class StoreClient:
         self.round_trips = 0  # requests made (start-up's cost, counted by tests and the scale simulation)
 
     def close(self) -> None:
+        """Close the connection; a call another thread is blocked in (a long ``get``) fails at once."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # (a close alone would leave that thread blocked in recv)
+        except OSError:
+            pass
         try:
             self._sock.close()
         except OSError:
