@@ -21,8 +21,9 @@ from hora.base.errors import HoraError, HoraValueError, InternalError, MismatchE
 from hora.collectives.reduce import OP_NAMES
 from hora.engine import names as naming
 from hora.engine.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
-                                REDUCESCATTER, REMOVE_PS, TUNE, Refusal, Request, Response, error)
+                                REDUCESCATTER, REMOVE_PS, Refusal, Request, Response, error)
 from hora.engine.straggler import StragglerAccount
+from hora.engine.subtree import share
 from hora.engine.unnamed import at, order, resolve, signature
 
 _COMPARED = {  # fields that must agree across ranks, by op kind
@@ -159,8 +160,7 @@ class Coordinator:
         self.account = StragglerAccount(size)  # who every fused collective waited for (hora.engine.straggler)
 
     # -- input ---------------------------------------------------------------------------------
-    def submit(self, rank: int, req: Request, when: float | None = None) -> None:
-        """``rank``'s request; ``when``: when it reached a router that merged it (default now: this clock)."""
+    def submit(self, rank: int, req: Request, when: float | None = None) -> None:  # when: its arrival at a router
         if req.kind == JOIN:
             if rank not in self.joined:
                 self.joined.append(rank)
@@ -494,9 +494,7 @@ class Coordinator:
 
     def share(self, peer: int, responses: list[Response], additions: list[tuple[int, Request]],
               evictions: list[tuple[int, int]]) -> tuple[list, list, list]:
-        """What rank ``peer`` hears of one :meth:`take`: the responses on its sets (process-set changes
-        and autotune's settings go to everyone, since every rank keeps the table and the settings), and
-        the cache bits of its sets."""
+        """What rank ``peer`` hears of one :meth:`take` (:func:`hora.engine.subtree.share`)."""
         return share(peer, responses, additions, evictions, self.ranks_of)
 
     def stalled(self, older_than: float) -> list[tuple[int, str, list[int]]]:
@@ -505,15 +503,3 @@ class Coordinator:
         return [(ps, name, sorted(self._required(ps) - set(e.requests)))
                 for (ps, name), e in self.table.items() if now - e.since > older_than]
 
-
-def share(peer: int, responses: list[Response], additions: list[tuple[int, Request]],
-          evictions: list[tuple[int, int]], ranks_of) -> tuple[list, list, list]:
-    """:meth:`Coordinator.share` with the sets' ranks from ``ranks_of(ps)``: also what a rank keeps of a batch
-    sent to every rank down the control tree (:mod:`hora.engine.subtree`)."""
-    def member(ps: int) -> bool:  # set 0 holds every rank: no scan of its N ranks per peer
-        return ps == 0 or peer in ranks_of(ps)
-
-    mine = [r for r in responses if member(r.ps) or r.kind in (ADD_PS, REMOVE_PS, TUNE)]
-    adds = [(b, q) for b, q in additions if member(q.ps)]
-    evicts = [b for b, ps in evictions if member(ps)]
-    return mine, adds, evicts

@@ -18,9 +18,10 @@ from typing import Any
 from hora.base.errors import InternalError, PeerLostError, ShutdownError
 from hora.engine import autotune, inline, subtree
 from hora.engine import messages as m
-from hora.engine.coordinator import Coordinator, ResponseCache, share
+from hora.engine.coordinator import Coordinator, ResponseCache
 from hora.engine.execute import Pending, nbytes_of
 from hora.engine.stall import StallInspector
+from hora.engine.subtree import share
 from hora.engine.unnamed import resolve, signature, wire
 
 # A role is given the Engine that owns it (hora.engine.engine), typed Any: that module imports this one.

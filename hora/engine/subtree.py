@@ -20,7 +20,7 @@ child sends up (full requests, inline data, a process set's bits, a group's, a g
 whole, after whatever was held, so that each rank's messages reach rank 0 in the order it sent them.
 
 Down the tree, rank 0 sends each batch of responses once (``Control.send_tree``), with the ranks of the
-process sets it names, and each rank keeps what concerns it (:func:`hora.engine.coordinator.share`).
+process sets it names, and each rank keeps what concerns it (:func:`share`).
 """
 
 from __future__ import annotations
@@ -204,3 +204,17 @@ class Merger:
                 except Exception:  # noqa: BLE001 - the plane broke or closed: its reader names why
                     self._pending, self._since = {}, None
 
+
+def share(peer: int, responses: list[m.Response], additions: list[tuple[int, m.Request]],
+          evictions: list[tuple[int, int]], ranks_of) -> tuple[list, list, list]:
+    """What rank ``peer`` hears of one batch of rank 0's coordinator (``Coordinator.take``), the sets' ranks
+    from ``ranks_of(ps)``: the responses on its sets (process-set changes and autotune's settings go to
+    everyone, since every rank keeps the table and the settings), and the cache bits of its sets. Rank 0 uses
+    it per rank; with the batch sent once down the tree, each rank uses it for itself."""
+    def member(ps: int) -> bool:  # set 0 holds every rank: no scan of its N ranks per peer
+        return ps == 0 or peer in ranks_of(ps)
+
+    mine = [r for r in responses if member(r.ps) or r.kind in (m.ADD_PS, m.REMOVE_PS, m.TUNE)]
+    adds = [(b, q) for b, q in additions if member(q.ps)]
+    evicts = [b for b, ps in evictions if member(ps)]
+    return mine, adds, evicts
