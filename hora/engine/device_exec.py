@@ -36,6 +36,7 @@ from hora.transport import cuda, nccl_lib
 
 log = logging.getLogger("hora.gpu")
 _WARNED: set[str] = set()
+_LEAKED: list = []  # failed collectives whose stream did not drain after the abort: never freed (it may write)
 
 
 def warn_once(text: str) -> None:
@@ -151,6 +152,7 @@ class DeviceExecutor:
         self._watch: list[_Watch] = []
         self._cv = threading.Condition()
         self._failed: BaseException | None = None
+        self._failing = 0  # fail() calls under way: they drain the watches themselves once the streams ran
         self.aborted_at, self.abort_text = 0.0, ""  # NCCL's error aborted the communicators: when, and why
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -325,7 +327,10 @@ class DeviceExecutor:
                     return
                 w = self._watch[0]
             if self._failed is not None:
-                self._drain(self._failed)
+                if self._failing:
+                    time.sleep(backoff(7))
+                else:
+                    self._drain(self._failed)
                 continue
             aborted = w.comm is not None and w.comm.aborted
             if not aborted and w.lane.rt.query(w.event):
@@ -412,11 +417,21 @@ class DeviceExecutor:
         self.wake()
 
     def fail(self, err: BaseException) -> None:
-        """Abort every communicator (their pending kernels return) and fail what waits, with ``err``."""
-        if self._failed is None:
-            self._failed = err
-        self._abort_all()
-        self._drain(err)
+        """Abort every communicator (their pending kernels return) and fail what waits, with ``err``, once the
+        streams have run what was queued (the buffers they write are freed only then; device_wait.quiesce)."""
+        with self._cv:
+            self._failing += 1
+            if self._failed is None:
+                self._failed = err
+        try:
+            self._abort_all()
+            if not device_wait.quiesce(list(self.lanes.values())):
+                with self._cv:
+                    _LEAKED.extend(self._watch)
+            self._drain(err)
+        finally:
+            with self._cv:
+                self._failing -= 1
 
     def _abort_all(self) -> None:
         for c in list(self.comms.values()):

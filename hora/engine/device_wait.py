@@ -23,7 +23,10 @@ rank is needed):
   communicators are aborted and the wait fails (a frozen peer makes NCCL neither finish nor fail).
 
 Whatever ends the wait raises in the driving thread: the engine fails (``Engine._fail``), aborts every
-communicator through the device executor, and fails every handle with that error. Once NCCL's error has
+communicator through the device executor, and fails every handle with that error, but only once the
+streams have run what was queued on them (:func:`quiesce`): after an abort the copies queued behind an NCCL
+call still run, so the buffers they write (a failed collective's outputs, in-place inputs) are not freed
+before. Once NCCL's error has
 aborted the communicators, no step goes on to launch on them, even when the event completes (an aborted
 kernel "completes"): the wait still ends in the control plane's verdict or the NCCL error.
 """
@@ -42,6 +45,9 @@ NAME_GRACE_S = 10.0
 # on a GPU); a first guess, to be measured by benchmarks/gpu_check.py's per-call figures
 POLL_S = 20e-6
 MAX_POLL_S = 0.002
+# after an abort, how long a failure waits for the streams to run what was queued on them before it lets the
+# failed collectives' buffers go; past it they are kept for good (a stream still stuck may write into them)
+QUIESCE_S = 5.0
 
 
 def backoff(idle: int) -> float:
@@ -75,3 +81,18 @@ def wait(ex, rt, event: int | None, what: str) -> None:
         if sleep < 0.001:
             time.sleep(sleep)
         idle += 1
+
+
+def quiesce(lanes: list) -> bool:
+    """After the communicators were aborted: wait, polling, up to ``QUIESCE_S``, until each lane's stream has
+    run everything queued on it (the copies behind an aborted NCCL call included); False if one has not."""
+    deadline = time.monotonic() + QUIESCE_S
+    for lane in lanes:
+        with lane.rt.on(lane.device):  # an event is recorded on a stream of the device it was made on
+            ev = lane.record()
+        while not lane.rt.query(ev):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(MAX_POLL_S)
+        lane.recycle(ev)
+    return True
