@@ -44,7 +44,8 @@ class State:
         self.pulse = None  # the frozen-rank watch (hora.engine.pulse), set by basics._connect
         from hora.engine.device_exec import DeviceExecutor  # GPU tensors; loads no CUDA library until one comes
 
-        self.engine.executor.gpu = DeviceExecutor(self.engine.executor, store, prefix, topo, self.engine.subs.kick)
+        self.engine.executor.gpu = DeviceExecutor(self.engine.executor, store, prefix, topo, self.engine.subs.kick,
+                                                  lambda: self.engine.verdict)
         self.groups: dict[int, list[int]] = {}  # grouped handles
         self.barriers: dict[int, int] = {}  # barrier count per process set (names them)
         self.ps_calls = 0  # add/remove_process_set calls (names them)
