@@ -16,8 +16,9 @@ Holding a bit costs nothing while part of the subtree has not sent it, since ran
 anyway. What is held longer than ``HOLD_S`` is sent up as it is (with its ranks named), so that what rank 0
 knows of who submitted what is never older than that: the stall inspector and the hang explanations
 (:mod:`hora.engine.explain`, whose earliest look comes after 1.5 s) name the right ranks. Anything else a
-child sends up (full requests, inline data, a process set's bits, a group's, a goodbye, news) is passed on
-whole, after whatever was held, so that each rank's messages reach rank 0 in the order it sent them.
+child sends up (full requests, inline data, a process set's bits, a group's, an unnamed op's bit with its
+slot, a goodbye, news) is passed on whole, after whatever was held, so that each rank's messages reach rank 0
+in the order it sent them.
 
 Down the tree, rank 0 sends each batch of responses once (``Control.send_tree``), with the ranks of the
 process sets it names, and each rank keeps what concerns it (:func:`share`).
