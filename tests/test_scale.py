@@ -281,6 +281,7 @@ def _tree_workload() -> None:
     x = np.full(1 << 14, r, np.float32)  # 64 KiB: not inline, so cached requests are cache bits only
     for i in range(6):
         assert hora.allreduce(x, op=hora.Sum, name="big")[0] == total  # merged by the routers once cached
+        assert hora.allreduce(x, op=hora.Sum)[0] == total  # unnamed: its bit travels with its slot, merged too
         assert hora.allreduce(np.full(3, r, np.float64), op=hora.Sum, name="small")[0] == total  # inline data
         a, b = hora.grouped_allreduce([x, x[:5]], op=hora.Sum, name="grp")  # a group's bits pass whole
         assert a[0] == b[0] == total

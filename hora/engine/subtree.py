@@ -16,9 +16,8 @@ Holding a bit costs nothing while part of the subtree has not sent it, since ran
 anyway. What is held longer than ``HOLD_S`` is sent up as it is (with its ranks named), so that what rank 0
 knows of who submitted what is never older than that: the stall inspector and the hang explanations
 (:mod:`hora.engine.explain`, whose earliest look comes after 1.5 s) name the right ranks. Anything else a
-child sends up (full requests, inline data, a process set's bits, a group's, an unnamed op's bit with its
-slot, a goodbye, news) is passed on whole, after whatever was held, so that each rank's messages reach rank 0
-in the order it sent them.
+child sends up (full requests, inline data, a process set's bits, a group's, a goodbye, news) is passed on
+whole, after whatever was held, so that each rank's messages reach rank 0 in the order it sent them.
 
 Down the tree, rank 0 sends each batch of responses once (``Control.send_tree``), with the ranks of the
 process sets it names, and each rank keeps what concerns it (:func:`share`).
@@ -118,14 +117,16 @@ class Merger:
             with self._cond:
                 self.joined.clear()
 
-    def _plain(self, msg: tuple) -> list[int] | None:
-        """The bits of a steady-state request (bits only, each the global set's and not a group's), or None."""
+    def _plain(self, msg: tuple) -> list | None:
+        """The bits of a steady-state request (bits only, each the global set's and not a group's), or None.
+        An unnamed op's bit comes with its slot (:func:`hora.engine.unnamed.wire`): what is counted is what
+        was sent, so ranks whose slots differ are never counted together (rank 0 then names the mismatch)."""
         _, _, full, bits, payloads = msg
         if full or payloads or not bits:
             return None
         for b in bits:
-            q = self._cache.req_of.get(b)
-            if q is None or q.ps != 0 or q.group is not None:
+            q = self._cache.req_of.get(b if type(b) is int else b[0])
+            if q is None or q.ps != 0 or q.group is not None or (type(b) is not int and b[2] is not None):
                 return None
         return bits
 
