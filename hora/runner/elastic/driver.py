@@ -61,6 +61,11 @@ slot whose workers fail that way ``HORA_ELASTIC_SLOT_FAILURES`` times in a row (
 one of its own workers comes through a generation) fails the job with the last one's status: the survivors on
 its host keep the host's count at 0, so without it a deterministic crash would loop for ever.
 
+Every worker failed in its own code (:mod:`hora.runner.elastic.allfailed`): when each member of the generation
+(before the first one: each slot's first worker) has exited with an exception of the training code, a restart
+would repeat it; as Horovod's driver, this one stops the job then, with the first worker's exception, status
+and last lines (a ``ZeroDivisionError`` on every rank is reported as such, not as "fewer than --min-np").
+
 Exit status: 0 on success; the failed worker's status (128+N for signal N); 1 when the driver gives up (below
 ``--min-np`` too long, ``--reset-limit``, failure resets with no progress, the committed state lost); 128+N
 when it is interrupted. (The knobs: :mod:`hora.base.knobs`, group "elastic".)
@@ -75,6 +80,7 @@ from typing import Any, Callable
 
 from hora.base import elastic_protocol as protocol
 from hora.base.outcome import RankOutcome, tail_of
+from hora.runner.elastic.allfailed import Round
 from hora.runner.elastic.discovery import Discovery
 from hora.runner.elastic.ends import WorkerEnds
 from hora.runner.elastic.frozen import FrozenKiller
@@ -132,6 +138,7 @@ class Driver(WorkerEnds):
         self.failure: tuple[int, str] | None = None  # (exit status, message): the job failed
         self.member_failure: tuple[int, str] | None = None
         self.root: RankOutcome | None = None  # the failed worker to blame when the job fails
+        self.round = Round()  # the workers whose failing all in their own code ends the job (allfailed.py)
         self._signal: int | None = None
         self.frozen = FrozenKiller(store, self.scope, _say)  # a member frozen past the limit is killed
         self.state = DriverState.DISCOVERING
@@ -257,6 +264,8 @@ class Driver(WorkerEnds):
             env.update({protocol.ID_VAR: wid, protocol.NUMBER_VAR: str(self.pool.next_number), "HORA_HOSTNAME": host,
                         "HORA_ELASTIC": "1", "HORA_STORE_ADDR": self.store_addr(host)})
             self.slots[wid] = self.pool.start(wid, host, index, env)
+            if p is None and self.gen == 0:  # the first worker of its slot: one of the first round
+                self.round.started(self.slots[wid].number)
 
     def _ready(self) -> list[Proc]:
         """Live workers waiting for an answer, with their request numbers in ``p.asked``."""
@@ -395,6 +404,7 @@ class Driver(WorkerEnds):
             p.announced, p.gen, p.base_commits = True, self.gen, p.commits
         self.members = [p.wid for p in chosen]
         self.member_numbers = [p.number for p in chosen]
+        self.round.begin(self.member_numbers)
         self.breaking, self.failed_member = None, False
         self.member_failure = None
         took = f"; {now - self.first_failure:.2f} s after the failure" if self.first_failure else ""

@@ -5,7 +5,8 @@ Every tick the driver takes the ends its pool reported (:meth:`WorkerEnds._exits
 itself finished training (the job is finishing); a member of the generation that failed breaks it up (the
 others learn through the abort note and come back for the next one) and costs its slot and its host a
 failure (:class:`hora.runner.elastic.policy.FailurePolicy`); each end becomes the :class:`RankOutcome` that
-the job's failure report blames.
+the job's failure report blames. When every worker of the round failed in its own code, the job fails at once
+with that error (:mod:`hora.runner.elastic.allfailed`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import time
 from typing import TYPE_CHECKING
 
 from hora.base import elastic_protocol as protocol
-from hora.base.outcome import RankOutcome, exit_status, from_end, headline, what
+from hora.base.outcome import CONSEQUENCES, RankOutcome, exit_status, from_end, headline, what
+from hora.runner.elastic.allfailed import own_error, verdict
 from hora.runner.elastic.policy import host_fault
 from hora.runner.output import say as _say
 
@@ -37,6 +39,9 @@ class WorkerEnds:
             member = p.number in self.member_numbers
             o = self._outcome(p)
             how = what(o)
+            failed = self.round.end(p.number, o, own_error(o) and not p.stopping and not self.finishing)
+            if failed is not None and self.failure is None:  # every worker of the round: retrying cannot help
+                self.root, self.failure = failed[0], (exit_status(failed[0]), verdict(failed, self.gen))
             if p.stopping:
                 continue
             if rc == 0 and lost is None:
@@ -81,6 +86,7 @@ class WorkerEnds:
         error = getattr(w, "error", None)  # an actor's exception
         if isinstance(error, BaseException) and o.exc_type is None:
             o.exc_type, o.exc_message = type(error).__name__, str(error)
+            o.consequence = o.consequence or isinstance(error, CONSEQUENCES)
         return o
 
     def _host_failed(self, host: str, now: float) -> None:
