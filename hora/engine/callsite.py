@@ -55,8 +55,12 @@ class Site:
         self.frame, self.count = frame, 0
 
 
-_internal: dict = {}  # code object -> bool: its frames are hora's or a framework's
-_sites: dict = {}  # (code object, bytecode offset) -> Site
+# Both caches are keyed by id(code), never by the code object: hashing a code object hashes its constants
+# and names every time (4 us for a 300-line function: a training script's main() is the call site). Each
+# entry keeps its code object alive (in ``_codes``), so an id cannot be reused while it is cached.
+_internal: dict = {}  # id(code) -> bool: its frames are hora's or a framework's
+_sites: dict = {}  # (id(code), bytecode offset) -> Site
+_codes: dict = {}  # id(code) -> code: what keeps the keys above valid
 
 
 def _top(frame) -> str:
@@ -64,11 +68,15 @@ def _top(frame) -> str:
 
 
 def _is_internal(frame) -> bool:
-    inside = _internal.get(frame.f_code)
+    code = frame.f_code
+    inside = _internal.get(id(code))
     if inside is None:
-        if len(_internal) > LIMIT:
+        if len(_codes) > LIMIT:
             _internal.clear()
-        inside = _internal[frame.f_code] = _top(frame) in INTERNAL
+            _sites.clear()
+            _codes.clear()
+        _codes[id(code)] = code
+        inside = _internal[id(code)] = _top(frame) in INTERNAL
     return inside
 
 
@@ -93,12 +101,11 @@ def here(depth: int = 2) -> Site | None:
     f = sys._getframe(depth)
     internal = _internal
     while f is not None:
-        code = f.f_code
-        inside = internal.get(code)
+        inside = internal.get(id(f.f_code))
         if inside is None:
-            inside = _is_internal(f)
+            inside = _is_internal(f)  # (which keeps the code object, so the site's key stays valid)
         if not inside:
-            key = (code, f.f_lasti)
+            key = (id(f.f_code), f.f_lasti)
             site = _sites.get(key)
             if site is None:
                 if len(_sites) > LIMIT:
