@@ -70,12 +70,12 @@ def attack(addr: tuple[str, int], kind: str, secret: str) -> str | None:
     try:
         if kind == "garbage":
             sock.sendall(os.urandom(8192))
-        elif kind == "wrong hmac":
+        elif kind == "wrong hmac":  # the handshake fails (and closes our socket) once the acceptor hangs up
             try:
                 auth.connect_handshake(sock, b"not the job secret")
                 return "the handshake with a wrong secret succeeded"
-            except AuthenticationError:
-                pass
+            except AuthenticationError as e:  # dropped: it read the end of the connection, not a timeout
+                return None if isinstance(e.__cause__, ConnectionError) else f"not dropped by the peer: {e}"
         elif kind == "half handshake":  # a nonce and a length, then nothing
             sock.sendall(os.urandom(auth.NONCE) + b"o" + struct.pack("!I", 64))
         elif kind == "impostor":  # knows the secret, is no rank of this job
