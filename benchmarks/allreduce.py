@@ -9,7 +9,8 @@
 Measured, each as its own job of fresh processes with one thread each, float32 Sum, in place:
 
 * hora over shared memory and over TCP, each through the engine (``hora.allreduce_``: negotiation,
-  fusion buffer, background thread) and direct (``allreduce_flat`` on the job's communicator);
+  fusion buffer, background thread) and direct (``allreduce_flat`` on the job's communicator); up to
+  1 MiB also through the engine unnamed (``hora.allreduce_(a)`` in a loop: a new slot every call, one call site);
 * torch.distributed with gloo; mpi4py's ``Allreduce`` under Open MPI's ``mpirun`` (if both are
   installed); Horovod if it is installed, otherwise an estimate from the table in issue 5 scaled by
   our gloo figure (Horovod's time = our gloo time x Horovod/gloo from that table), labelled as such;
@@ -84,6 +85,9 @@ def _hora_worker(sizes, budget, reps):
         a = np.zeros(nbytes // 4, np.float32)
         out["engine"][nbytes] = time_collective(lambda a=a: hora.allreduce_(a, op=hora.Sum, name="bench"),
                                                 agree_max, barrier, budget, reps)
+        if nbytes <= 1 << 20:  # an unnamed call in a loop (a metric averaged every step): one call site, new slots
+            out.setdefault("engine unnamed", {})[nbytes] = time_collective(
+                lambda a=a: hora.allreduce_(a, op=hora.Sum), agree_max, barrier, budget, reps)
         hook, comm.ctrl.on_message = comm.ctrl.on_message, None
         out["direct"][nbytes] = time_collective(lambda a=a: direct(a), direct_agree,
                                                 lambda: direct(np.zeros(1, np.float32)), budget, reps)
@@ -274,6 +278,24 @@ def targets(res: dict, col: str = "hora shm engine") -> list[str]:
     return out
 
 
+def targets_small(res: dict) -> list[str]:
+    """Issue 27's small-collective targets at np=2 over shared memory (medians over the fresh jobs)."""
+    cols = res["nps"].get(2, {})
+    named, unnamed, mpi = (cols.get(c, {}) for c in ("hora shm engine", "hora shm engine unnamed", "Open MPI"))
+    out = []
+    k, mib = 4 << 10, 1 << 20
+    if k in unnamed:
+        out.append(f"- unnamed 4 KiB in a loop <= 30 µs: {verdict(unnamed[k] <= 30e-6, res)} "
+                   f"({unnamed[k] * 1e6:.0f} µs)")
+    if k in named:
+        out.append(f"- named 4 KiB <= 20 µs: {verdict(named[k] <= 20e-6, res)} ({named[k] * 1e6:.0f} µs)")
+    if mib in named and mib in mpi:
+        r = mpi[mib] / named[mib]
+        out.append(f"- 1 MiB >= 1.0x Open MPI: {verdict(r >= 1.0, res)} ({named[mib] * 1e6:.0f} µs against "
+                   f"{mpi[mib] * 1e6:.0f} µs: {r:.2f}x)")
+    return out
+
+
 def per_job(res: dict) -> list[str]:
     """The targets' ratios job by job (round i of hora against round i of each peer, jobs that ran
     side by side), and the spread of busbw across jobs."""
@@ -346,6 +368,9 @@ def markdown(results: dict) -> str:
             if checks:
                 lines += ["", "The same on arrays from `hora.shared_empty` (np=2 reads the peer's array where "
                           "it lies: one pass over the data instead of two):", "", *checks]
+            checks = targets_small(results)
+            if checks:
+                lines += ["", "Issue 27's small-collective targets at np=2, hora shm engine (this run):", "", *checks]
             lines += per_job(results)
         peers = [c for c in ("gloo", "Open MPI", "Horovod", "Horovod gloo (estimate)", "Horovod MPI (estimate)")
                  if c in cols]

@@ -236,3 +236,65 @@ def stamped_log():
     def log(msg) -> None:
         print(f"[{time.monotonic() - t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
     return log, t0
+
+
+# the observability modes of engine_overhead.py --observe and train.py --observe (docs/observability.md):
+# "off" turns off what can be turned off (the live view's responder, hangs explained, the end-of-job line; the
+# straggler account is always kept), "default" is what a user gets who asks for nothing, "all" adds the job's trace
+# (every rank's part) and a live reader attached (LiveReader: hora top's question every second)
+OBSERVE_OFF = {"live_view": False, "stall_explain_floor": 0.0, "straggler_report": False}  # knobs (hora.base.knobs)
+OBSERVE_MODES = ("off", "default", "all")
+
+
+def observe_off_env() -> dict[str, str]:
+    """:data:`OBSERVE_OFF` as the workers' ``HORA_`` variables."""
+    from hora.base import knobs
+
+    return {"HORA_" + knobs.BY_NAME[k].env: knobs.format(k, v) for k, v in OBSERVE_OFF.items()}
+
+
+class LiveReader:
+    """``hora top`` attached to a job, in a thread of this (the driver's) process: once a second, while the
+    file ``flag`` exists (always, when None), it asks rank 0 of the job found in ``XDG_RUNTIME_DIR``'s job files
+    for every rank's state (``ranks``: every rank answers). ``asks`` counts the answers."""
+
+    def __init__(self, flag: str | None = None, interval: float = 1.0):
+        import threading
+
+        self.flag, self.interval, self.asks, self.errors = flag, interval, 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "LiveReader":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        from hora.base import jobfile
+        from hora.runner import live
+
+        reader = None
+        while not self._stop.wait(self.interval):
+            if self.flag is not None and not os.path.exists(self.flag):
+                continue
+            try:
+                if reader is None:
+                    jobs = jobfile.running()
+                    if not jobs:
+                        continue
+                    reader = live.Live(jobs[-1]["store"], jobs[-1]["secret"], jobs[-1].get("protection"))
+                reader.ask("ranks")
+                self.asks += 1
+            except live.NoJob:  # between two initialisations (engine_overhead), or before the start
+                continue
+            except live.LiveError as e:
+                self.errors.append(str(e))
+                if reader is not None:
+                    reader.close()
+                reader = None
+        if reader is not None:
+            reader.close()

@@ -13,6 +13,13 @@ plus the latency of one synchronous 4 KiB allreduce, and the same with the small
 (``HORA_SMALL_FASTPATH``, hora.engine.fastpath) on and off in turns in one job (``--latency-only``: just
 those). Times are medians over the measured steps on rank 0 (ranks line up at a barrier before each row);
 ``statistics()`` deltas show collectives and coordination messages per step.
+
+``--observe``: the cost of observability (docs/observability.md), the async row and the 4 KiB latency in three
+modes taking turns in one job (off, default, all, all, default, off, ...): *off* turns off what can be turned off
+(the live view's responder, hangs explained, the end-of-job straggler line; the straggler account is always
+kept), *default* is what a job that asks for nothing gets, *all* adds the job's trace (every rank writes its part)
+and a live reader attached (``hora top``'s question, every rank's state, once a second, from this script's own
+process). Each cell: the median over the turns of the per-turn medians, and their spread.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -28,6 +36,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import OBSERVE_MODES, OBSERVE_OFF, LiveReader  # noqa: E402
 
 TENSORS = 200
 ELEMS = 256  # float32: 1 KiB
@@ -137,6 +148,62 @@ def worker(out: str, steps: int, reps: int, latency_only: bool = False) -> None:
     hora.shutdown()
 
 
+def observe_worker(out: str, steps: int, reps: int, turns: int, flag: str) -> None:
+    """``--observe``: the three modes (see the module docstring) in turns, re-initialising hora for each."""
+    import hora
+    from hora.base import knobs as knob_table
+    from hora.core import session
+
+    res = {m: {"step_ms": [], "lat_ms": [], "asks": 0} for m in OBSERVE_MODES}
+    hora.init()
+    for t in range(turns):
+        for mode in OBSERVE_MODES if t % 2 == 0 else OBSERVE_MODES[::-1]:
+            hora.shutdown()
+            with knob_table.override(**(OBSERVE_OFF if mode == "off" else {}), timeline_all_ranks=mode == "all"):
+                hora.init()
+            tmp = tempfile.mkdtemp() if mode == "all" else None
+            live = session.current().live
+            if tmp is not None:
+                hora.start_timeline(os.path.join(tmp, "trace.json"))
+                if hora.rank() == 0:  # the reader (this script's driver) asks while the flag file exists
+                    Path(flag).touch()
+                    deadline = time.monotonic() + 60
+                    while live.served < 1 and time.monotonic() < deadline:  # measure once it is attached
+                        time.sleep(0.05)
+                hora.barrier()
+            served = live.served if live is not None else 0
+            res[mode]["step_ms"].append(_measure(hora, _step_async, steps, warmup=10)["median_ms"])
+            res[mode]["lat_ms"].append(_latency(hora, reps)["median_ms"])
+            if tmp is not None:
+                hora.stop_timeline()
+                shutil.rmtree(tmp, ignore_errors=True)
+                if hora.rank() == 0:
+                    Path(flag).unlink()
+                    res[mode]["asks"] += live.served - served
+            hora.barrier()
+    if hora.rank() == 0:
+        Path(out).write_text(json.dumps({"observe": res, "size": hora.size(), "turns": turns}))
+    hora.shutdown()
+
+
+def observe_table(res: dict) -> str:
+    obs = res["observe"]
+
+    def cell(xs: list[float], ref: list[float]) -> str:
+        med, base = statistics.median(xs), statistics.median(ref)
+        return f"{med:.3f} ({min(xs):.3f}-{max(xs):.3f}), {med / base:.2f}x"
+
+    lines = [f"| mode (np={res['size']}, {res['turns']} turns) | {TENSORS} x 1 KiB async step, ms (spread), vs off "
+             "| 4 KiB allreduce latency, ms (spread), vs off | reader's questions answered during the timing |",
+             "|---|---|---|---|"]
+    for mode in OBSERVE_MODES:
+        r = obs[mode]
+        lines.append(f"| {mode} | {cell(r['step_ms'], obs['off']['step_ms'])} "
+                     f"| {cell(r['lat_ms'], obs['off']['lat_ms'])} "
+                     f"| {r['asks'] if mode == 'all' else '-'} |")
+    return "\n".join(lines)
+
+
 def table(res: dict) -> str:
     lines = [f"| {TENSORS} x 1 KiB float32 per step, np={res['size']} | ms/step (median) | mean | "
              "µs per tensor | collectives/step | coord. msgs/step (rank 0) |",
@@ -158,10 +225,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100, help="measured steps per row (default 100)")
     p.add_argument("--reps", type=int, default=1000, help="4 KiB allreduces timed for the latency row")
     p.add_argument("--latency-only", action="store_true", help="only the latency rows (fast path on/off in turns)")
+    p.add_argument("--observe", action="store_true", help="observability off / default / all in turns (the job's "
+                   "trace and a live reader attached): see the module docstring")
+    p.add_argument("--turns", type=int, default=4, help="with --observe: turns of the three modes (default 4)")
     p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+    p.add_argument("--flag", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.reps, args.latency_only)
+        if args.observe:
+            observe_worker(args.worker, args.steps, args.reps, args.turns, args.flag)
+        else:
+            worker(args.worker, args.steps, args.reps, args.latency_only)
+        return
+    if args.observe:
+        observe_main(args)
         return
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as tmp:
@@ -175,6 +252,24 @@ def main() -> None:
         load = max(load, os.getloadavg()[0])
         print(table(json.loads(Path(out).read_text())))
         print(f"\n{os.cpu_count()} CPUs, 1-minute load average up to {load:.1f} during the run")
+
+
+def observe_main(args) -> None:
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        out, flag = os.path.join(tmp, "result.json"), os.path.join(tmp, "reader-wanted")
+        os.environ["XDG_RUNTIME_DIR"] = tmp  # the job files the reader finds the job by (hora.base.jobfile)
+        cmd = [sys.executable, "-m", "hora", "run", "-np", "2", sys.executable, str(Path(__file__).resolve()),
+               "--worker", out, "--observe", "--flag", flag, "--steps", str(args.steps), "--reps", str(args.reps),
+               "--turns", str(args.turns)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+        load = os.getloadavg()[0]
+        with LiveReader(flag) as reader:
+            subprocess.run(cmd, check=True, cwd=root, env=env)
+        load = max(load, os.getloadavg()[0])
+        print(observe_table(json.loads(Path(out).read_text())))
+        print(f"\n{os.cpu_count()} CPUs, 1-minute load average up to {load:.1f} during the run; the reader asked "
+              f"{reader.asks} time(s)" + (f", errors: {reader.errors[:3]}" if reader.errors else ""))
 
 
 if __name__ == "__main__":

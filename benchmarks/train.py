@@ -31,6 +31,12 @@ as such. Compare ratios within one run, not absolute figures across runs.
 hands to the collectives per step (``payload_bytes``; at np=2 a ring allreduce and an allgather both send
 each rank exactly that many bytes) against samples/s, beside hora uncompressed.
 
+``--observe`` runs only hora, as separate jobs in three observability modes taking turns (docs/observability.md):
+*off* (what can be turned off is: the live view's responder, hangs explained, the end-of-job straggler line),
+*default* (nothing asked for) and *all* (``--timeline-filename``: every rank writes its part of the job's trace,
+merged at the end, and a live reader attached, ``hora top``'s question once a second from this driver's process);
+it writes results/train_observe.{md,json}.
+
 ``--np N`` (N > 2) runs only hora and DDP, with N ranks (interleaved in one job, or ``--separate``), and
 reports their samples/s and the ratio; with more ranks than cores (4 on this 2-core machine) the run is
 *oversubscribed*: ranks take turns on the cores, so the figure measures how well each way shares them
@@ -50,7 +56,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_args, collect, finish, free_port, machine, start, worker_env  # noqa: E402
+from common import (OBSERVE_MODES, LiveReader, add_args, collect, finish, free_port, machine,  # noqa: E402
+                    observe_off_env, stamped_log, start, worker_env)
 
 SCRIPT = str(Path(__file__).resolve())
 # model -> (description, per-rank batch)
@@ -250,11 +257,12 @@ def _result(outs: list[str], codes: list[int], what: str) -> dict:
     return json.loads(line)
 
 
-def run(kind: str, n: int, wargs: list[str], timeout: float = 600) -> dict:
+def run(kind: str, n: int, wargs: list[str], timeout: float = 600, flags: tuple[str, ...] = (),
+        env_extra: dict | None = None) -> dict:
     argv = [SCRIPT, "--worker", kind, *wargs]
-    env = worker_env()
+    env = worker_env(env_extra)
     if kind in ("hora", "both"):
-        cmd = [sys.executable, "-m", "hora", "run", "-np", str(n), sys.executable, *argv]
+        cmd = [sys.executable, "-m", "hora", "run", "-np", str(n), *flags, sys.executable, *argv]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         return _result([done.stdout + done.stderr], [done.returncode], " ".join(cmd))
     if kind == "horovod":
@@ -363,6 +371,48 @@ def _compression_table(res: dict) -> list[str]:
     return lines
 
 
+def observe(models: list[str], np_: int, wargs: list[str], rounds: int, log) -> dict:
+    """``--observe``: hora in the three modes (module docstring), as separate jobs taking turns per round."""
+    import tempfile
+
+    out: dict = {}
+    for m in models:
+        rates: dict = {k: [] for k in OBSERVE_MODES}
+        asks = 0
+        for rnd in range(rounds):
+            for mode in OBSERVE_MODES if rnd % 2 == 0 else OBSERVE_MODES[::-1]:
+                with tempfile.TemporaryDirectory() as tmp:
+                    os.environ["XDG_RUNTIME_DIR"] = tmp  # the job file the reader finds the job by
+                    flags = ("--timeline-filename", os.path.join(tmp, "trace.json")) if mode == "all" else ()
+                    env = observe_off_env() if mode == "off" else {}
+                    if mode == "all":
+                        with LiveReader() as reader:
+                            r = run("hora", np_, ["--model", m, *wargs], flags=flags, env_extra=env)
+                        asks += reader.asks
+                    else:
+                        r = run("hora", np_, ["--model", m, *wargs], flags=flags, env_extra=env)
+                rates[mode].append(r["rate"])
+                log(f"{m} round {rnd + 1}/{rounds} {mode}: {r['rate']:.0f} samples/s")
+        out[m] = {"rates": rates, "asks": asks}
+    return out
+
+
+def markdown_observe(res: dict) -> str:
+    lines = [f"hora's DistributedOptimizer at np={res['np']}, {res['rounds']} job(s) per mode taking turns, "
+             f"{res['windows']} windows of {res['steps']} steps each; samples/s (median of the jobs; min-max):", "",
+             "| model | off | default (nothing asked) | all (trace + live reader) | default / off | all / off |",
+             "|---|---|---|---|---|---|"]
+    for m, r in res["observe"].items():
+        med = {k: statistics.median(v) for k, v in r["rates"].items()}
+        cells = [f"{med[k]:.0f} ({min(v):.0f}-{max(v):.0f})" for k, v in r["rates"].items()]
+        lines.append(f"| {m} | {' | '.join(cells)} | {med['default'] / med['off']:.3f} "
+                     f"| {med['all'] / med['off']:.3f} |")
+    lines.append("")
+    lines.append("The live reader asked every rank's state once a second during the 'all' jobs: "
+                 + ", ".join(f"{m} {r['asks']} answers" for m, r in res["observe"].items()) + ".")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short windows, one round")
@@ -378,6 +428,8 @@ def main() -> None:
                     "bf16, topk:<ratio>, powersgd:<rank> (with --separate: not supported)")
     ap.add_argument("--np", type=int, default=2, help="ranks (default 2); above 2 only hora and DDP run, "
                     "and the results go to train_np<N>.{md,json}")
+    ap.add_argument("--observe", action="store_true", help="only hora, with observability off / default / all "
+                    "(trace + live reader) as jobs taking turns; writes train_observe.{md,json}")
     add_args(ap)
     ap.add_argument("--worker", choices=["single", "hora", "ddp", "both", "horovod"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -398,6 +450,14 @@ def main() -> None:
     if args.np < 2:
         ap.error("--np must be at least 2")
     rounds = args.rounds or (1 if args.quick else 2)
+    if args.observe:
+        log, _ = stamped_log()
+        res = {"np": args.np, "rounds": rounds, "steps": steps, "windows": windows, "machine": machine(),
+               "conditions": start(args.wait_quiet, log)}
+        res["observe"] = observe(models, args.np, ["--steps", str(steps), "--windows", str(windows), "--warmup",
+                                                   str(warmup)], rounds, log)
+        finish(res, markdown_observe, args.out, "train_observe")
+        return
     have_horovod = importlib.util.find_spec("horovod") is not None
     kinds = (["single", "pair"] if args.np == 2 else []) + (["ddp", "hora"] if args.separate else ["both"]) + (
         ["horovod"] if have_horovod else [])

@@ -7,6 +7,7 @@ from hora.base.errors import HoraValueError, MismatchError
 from hora.engine import messages as m
 from hora.engine.coordinator import Coordinator
 from hora.engine.execute import nbytes_of
+from hora.engine.unnamed import resolve, signature, wire
 
 Average, Sum, Max = 0, 1, 4
 pytestmark = pytest.mark.timeout(30)
@@ -459,7 +460,60 @@ def test_a_full_cache_evicts_the_least_recently_used_entry():
     assert [r.names for r in take(c)[0]] == [("b",)]
 
 
-def test_auto_named_ops_are_not_cached():
+def test_unnamed_ops_of_one_call_site_share_one_bit_and_travel_with_their_slot():
     c = coord()
+    submit_all(c, req("noname.0", site="t.py:3 in f()"))
+    adds = take(c)[1]
+    assert [(b, q.name) for b, q in adds] == [(0, "noname")]  # the signature: no slot in it
+    first = req("noname.1", site="t.py:3 in f()")
+    c.submit(0, first)
+    c.submit_bit(1, wire(0, first))  # (bit, the slot's name, no group)
+    out, adds = take(c)
+    assert adds == [] and [r.names for r in out] == [("noname.1",)]
+    assert resolve(c.cache, wire(0, first)) == first
+
+
+def test_an_unnamed_group_is_cached_without_its_slot():
+    c = coord()
+    for n in (3, 7):
+        gid = (f"group.noname.{n}", 2)
+        for r in range(2):
+            for i in range(2):
+                q = req(f"group.noname.{n}.{i}", shape=(i + 1,), group=gid, site="t.py:5 in g()")
+                if n == 7 and r == 1:
+                    c.submit_bit(r, wire(c.cache.bit_of[signature(q)], q))
+                else:
+                    c.submit(r, q)
+        out, adds = take(c)
+        assert sorted(nm for resp in out for nm in resp.names) == [f"group.noname.{n}.0", f"group.noname.{n}.1"]
+        assert [q.name for _, q in adds] == ([] if n == 7 else ["group.noname.0", "group.noname.1"])
+        assert not any(resp.error for resp in out)
+
+
+def test_a_mismatch_in_an_unnamed_slot_names_both_call_sites_and_the_order_rule():
+    c = coord()
+    c.submit(0, req("noname.4", site="t.py:3 in f()"))
+    c.submit(1, req("noname.4", shape=(5,), site="t.py:9 in f()"))
+    (resp,), _ = take(c)
+    text = resp.error.text
+    assert "rank 1 sent shape (5,) (called at t.py:9 in f())" in text, text
+    assert "rank 0 sent (4,) (called at t.py:3 in f())" in text and "matched by their order" in text, text
+    c.submit(0, req("noname.5", site="t.py:3 in f()"))
+    c.submit(1, req("noname.5", kind=m.ALLGATHER, site=""))
+    (resp,), _ = take(c)
+    assert "rank 1 did allgather (called from no Python frame), rank 0 did allreduce (called at t.py:3" \
+        in resp.error.text, resp.error.text
+
+
+def test_unnamed_ops_from_different_call_sites_still_meet_in_their_slot():
+    c = coord()  # (if rank == 0: allreduce(a) else: allreduce(b), as MPI allows)
+    c.submit(0, req("noname.0", site="t.py:3 in f()"))
+    c.submit(1, req("noname.0", site="t.py:5 in f()"))
+    (resp,), _ = take(c)
+    assert resp.error is None and resp.names == ("noname.0",)
+
+
+def test_a_request_named_like_an_automatic_name_is_a_named_one():
+    c = coord()  # the fields say what a request is (Request.site), not its name's prefix
     submit_all(c, req("noname.0"))
-    assert take(c)[1] == []
+    assert [q for _, q in take(c)[1]] == [req("noname.0")]

@@ -13,7 +13,7 @@ import pytest
 from harness import ranks, run_hora
 
 STAT_KEYS = {"cycles", "coordination_messages_sent", "coordination_messages_received", "collectives", "tensors",
-             "tensors_fused", "bytes_fused", "tensors_inline", "cache_hits", "tensors_mailbox"}
+             "tensors_fused", "bytes_fused", "tensors_inline", "cache_hits", "tensors_mailbox", "tensor_bytes"}
 # A Python loop that submits 20 tensors can take longer than the default 1 ms cycle on a loaded 2-core
 # machine (every submission wakes the engine thread), and would then negotiate in two cycles. Tests that
 # count messages per step give the engine time to gather a whole step into one cycle.

@@ -201,24 +201,31 @@ def test_a_lost_peer_aborts_nccl_and_names_the_peer(n, victim):
 
 
 @pytest.mark.timeout(90)
-def test_a_frozen_peer_inside_nccl_fails_the_others_within_the_stall_bound():
+@pytest.mark.parametrize("mode", ["flat", "hierarchical"])
+def test_a_frozen_peer_inside_nccl_fails_the_others_within_the_stall_bound(mode):
     """SIGSTOP one rank while its peers wait inside NCCL for it: NCCL reports nothing (no error, no progress),
-    so the survivors abort their communicators at the stall shutdown time and raise HorovodInternalError."""
+    so the survivors abort their communicators at the stall shutdown time and raise HorovodInternalError.
+    Hierarchical: rank 3 of 2 "hosts" x 2; its host peer waits for the reduce-scatter in the driving thread
+    (hora.engine.device_wait), its ring peer in the host transport."""
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
-    env = {**FAKE, "HORA_STALL_SHUTDOWN_TIME_SECONDS": "4", "HORA_STALL_CHECK_TIME_SECONDS": "2"}
-    with spawn_job(3, _loop_until_lost, env=env) as job:
-        job.wait_for(*(f"looping/{r}" for r in range(3)))
-        os.kill(job.procs[1].pid, signal.SIGSTOP)
+    stall = {"HORA_STALL_SHUTDOWN_TIME_SECONDS": "4", "HORA_STALL_CHECK_TIME_SECONDS": "2"}
+    n, victim = (3, 1) if mode == "flat" else (4, 3)
+    env = {**FAKE, **stall} if mode == "flat" else [{**_two_hosts(r, "blocks"), **stall} for r in range(n)]
+    with spawn_job(n, _loop_until_lost, env=env) as job:
+        job.wait_for(*(f"looping/{r}" for r in range(n)))
+        os.kill(job.procs[victim].pid, signal.SIGSTOP)
         try:
-            for r in (0, 2):
-                job.procs[r].wait(60)
+            for r in range(n):
+                if r != victim:
+                    job.procs[r].wait(60)
         finally:
-            os.kill(job.procs[1].pid, signal.SIGKILL)
-        for r in (0, 2):
-            err = job.report(r)["error"]
-            assert "InternalError" in err["types"], err
-            assert job.procs[r].returncode == 0, job.output(r)
+            os.kill(job.procs[victim].pid, signal.SIGKILL)
+        for r in range(n):
+            if r != victim:
+                err = job.report(r)["error"]
+                assert "InternalError" in err["types"], err
+                assert job.procs[r].returncode == 0, job.output(r)
 
 
 def test_route_reasons():
@@ -502,20 +509,44 @@ def test_hierarchical_on_one_host_stays_flat_and_says_why():
     assert len(a[2]) == 1 and "all ranks are on one host" in a[2][0] and b[2] == []
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=False, reason="known hang (about 1 run in 5): hierarchical mode's intra-host step ends in a "
-                   "blocking cudaStreamSynchronize on the thread that drives the engine, so a rank whose host peer "
-                   "died reads no control-plane news and nothing aborts its host communicator; issue 26")
-def test_a_lost_peer_in_hierarchical_mode_names_the_peer():
-    """SIGKILL rank 3 (second "host") in the middle of hierarchical device allreduces: the survivors leave
-    NCCL (the host communicators aborted too) or the ring between hosts, and raise HorovodInternalError."""
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("victim", [3, 0])
+def test_a_lost_peer_in_hierarchical_mode_names_the_peer(victim):
+    """SIGKILL one rank of 2 "hosts" x 2 in the middle of hierarchical device allreduces (rank 3; or rank 0,
+    the coordinator and its host's NCCL hub): the survivors leave NCCL (their host peer waits for the
+    reduce-scatter by polling, never inside cudaStreamSynchronize: hora.engine.device_wait) or the ring
+    between hosts, and raise HorovodInternalError naming the victim."""
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     with spawn_job(4, _loop_until_lost, env=[_two_hosts(r, "blocks") for r in range(4)]) as job:
         job.wait_for(*(f"looping/{r}" for r in range(4)))
-        os.kill(job.procs[3].pid, signal.SIGKILL)
-        job.wait()
-        for r in range(3):
+        os.kill(job.procs[victim].pid, signal.SIGKILL)
+        codes = job.wait()
+        for r in range(4):
+            if r == victim:
+                continue
             err = job.report(r)["error"]
             assert "InternalError" in err["types"], err
-            assert err["rank"] == 3 or "rank 3" in err["message"], err
+            assert err["rank"] == victim or f"rank {victim}" in err["message"], err
+            assert codes[r] == 0, job.output(r)
+
+
+def test_an_aborted_communicator_launches_nothing():
+    """After ncclCommAbort the handle is freed: a launch (or a pre-multiplied sum) raises instead of reaching
+    NCCL, the error query answers 0, and a second abort is nothing (the watcher and the engine may both)."""
+    from hora.base.errors import InternalError
+    from hora.transport import cuda, nccl_lib
+    from hora.transport.nccl import NcclComm
+    nccl_lib.forget()
+    lib, rt = nccl_lib.load(FAKE["HORA_NCCL_LIBRARY"]), cuda.load(FAKE["HORA_NCCL_LIBRARY"])
+    c = NcclComm(lib, None, "solo", 0, 1, 0, rt, ranks=(4,))  # a communicator of one: no peer, no store
+    x = _dev(np.ones(4, np.float32), 0)
+    c.allreduce(x.ptr, x.ptr, 4, "float32", nccl_lib.SUM, 0)  # stream 0: runs at once
+    c.abort()
+    c.abort()
+    assert c.async_error() == 0
+    with pytest.raises(InternalError, match="ncclAllReduce on an aborted NCCL communicator of ranks 4"):
+        c.allreduce(x.ptr, x.ptr, 4, "float32", nccl_lib.SUM, 0)
+    with pytest.raises(InternalError, match="ncclRedOpCreatePreMulSum on an aborted"):
+        c.premul_sum(0.5, "float32")
+    nccl_lib.forget()

@@ -27,6 +27,12 @@ RUN_TASK_MODULE = "hora.core.run_task"
 # the store key, under the job's scope, where rank 0 leaves its end-of-job straggler line for `hora run` to print
 STRAGGLER_KEY = "straggler"
 
+# the live view (hora top, hora run --status; hora.engine.status serves it on rank 0, hora.runner.live reads it):
+# store keys outside any job scope, so that a reader needs only the store's address and the secret. Rank 0 leaves
+# the job's description (JSON) at LIVE_JOB while it runs; a reader takes a number N from the LIVE_ASKS counter,
+# leaves its question at LIVE_ASK/N and waits for the answer at LIVE_REPLY/N (both JSON)
+LIVE_JOB, LIVE_ASKS, LIVE_ASK, LIVE_REPLY = "hora-live/job", "hora-live/asks", "hora-live/ask", "hora-live/reply"
+
 # `hora run --horovod-alias` sets this to 1 and puts hora/_alias/site on the workers' PYTHONPATH; the startup
 # hook of hora._alias reads it too (where it cannot import hora)
 HOROVOD_ALIAS = "HORA_HOROVOD_ALIAS"

@@ -195,6 +195,10 @@ KNOBS = [
     Knob("straggler_report", bool, True, "STRAGGLER_REPORT", None,
          "hora run prints at the end of the job which rank held the others up, when one clearly did "
          "(rank 0 leaves the line at shutdown; hora.statistics().straggler has the account)", group="timeline"),
+    Knob("live_view", bool, True, "LIVE_VIEW", None,
+         "rank 0 answers hora top and hora run --status (a thread asleep on the store until a reader asks: "
+         "nothing per collective) and writes the job's file that hora top finds it by (docs/observability.md); "
+         "0 = neither", group="timeline"),
     # stall
     Knob("stall_check_disable", bool, False, "STALL_CHECK_DISABLE", "--no-stall-check",
          "turn the stall inspector off (no warning about tensors some ranks never submit)", off_flag="--stall-check",
@@ -265,6 +269,11 @@ KNOBS = [
          "--min-np, must persist (a later run still says so) before the driver acts on it; a flaky script's "
          "empty answer is ignored meanwhile (0: act at once)", 1, _nonneg, ">= 0", group="elastic",
          side="launcher"),
+    # read by hora run itself: the live view's status line (hora run --status sets it too)
+    Knob("status", bool, False, "STATUS", None,
+         "hora run shows a status line on its terminal, redrawn every second while the job runs: collectives/s, "
+         "bytes/s, the slowest rank and its lag, stalls (only when stderr is a terminal; docs/observability.md)",
+         group="timeline", side="launcher"),
 ]
 _GPU = ("hora's GPU path (docs/gpu.md) has no such setting: one NCCL stream per device, completion by CUDA "
         "events, fusion by device-to-device copies, no NVTX ranges")

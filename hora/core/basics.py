@@ -96,6 +96,9 @@ def _connect(job: launchers.Job, cfg: dict) -> State:
         store.close()
         raise
     st = State(job.topo, comm, store, prefix, cfg)
+    from hora.engine import status
+
+    st.live = status.start(st.engine, store, job.store_addr, job.secret, job.launcher)  # rank 0: hora top's answers
     if cfg["frozen_timeout"] > 0 and job.topo.size > 1:  # one rank: nobody to watch, nobody waits on it
         from hora.engine.pulse import Pulse
 
@@ -199,8 +202,9 @@ def is_homogeneous() -> bool:
 
 def statistics() -> Statistics:
     """Engine counters since init (cycles, coordination messages sent/received, collectives run, tensors,
-    tensors fused, bytes fused, cache hits, ...) as attributes or ``["key"]`` as before, and on rank 0 the
-    straggler account, ``.straggler`` (docs/observability.md). Useful to see fusion, the cache and waits."""
+    tensors fused, bytes fused, cache hits, the bytes of the collectives' tensors, ...) as attributes or
+    ``["key"]`` as before, and on rank 0 the straggler account, ``.straggler`` (docs/observability.md). Useful
+    to see fusion, the cache and waits."""
     engine = state().engine
     return engine.stats.snapshot(None if engine.coord is None else engine.coord.account.snapshot())
 

@@ -37,8 +37,8 @@ from hora.core.records import records as _records
 from hora.core.refusal import refused, refused_group  # noqa: F401 - the bindings call them as the core's
 from hora.core.refusal import refusing as _refusing
 from hora.core.session import state
+from hora.engine import callsite, names
 from hora.engine import messages as m
-from hora.engine import names
 from hora.engine.execute import Pending, dtype_of
 
 __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "allreduce_", "allreduce_async",
@@ -50,6 +50,8 @@ __all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "al
            "allgather_object"]
 
 _groups = itertools.count()
+_NAMED = object()  # _prepare's site for a named op
+_PLAIN_OPS = frozenset({Average, Sum, Min, Max, Product})  # ops check_op passes for every collective
 
 
 def _auto_name(name: str | None, ps: int = 0, prefix: str = names.UNNAMED) -> str:
@@ -86,11 +88,12 @@ def _submit_or_discard(st, *pends: Pending) -> None:
         raise
 
 
-def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False, finish=None,
+def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False, finish=None, site=_NAMED,
              **fields) -> Pending:
     """The pending collective for one submission. Every check of the caller's input is made here, on
     the rank that made it and before the name is taken, so bad input raises at once in the caller and
-    never reaches the engine (only a notice that it was refused does, see :func:`_refusing`)."""
+    never reaches the engine (only a notice that it was refused does, see :func:`_refusing`). ``site``: an
+    unnamed group's call site, for its members (a :class:`hora.engine.callsite.Site`, None for no frame)."""
     ps = _ps_id(process_set, st, kind)
     a = None
     if kind in _DATA_KINDS and type(array) is not np.ndarray and (dev := as_device_array(array, what=kind)):
@@ -112,10 +115,16 @@ def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False
                 finish = _copy_back(user, finish)
         fields.setdefault("dtype", dtype)
         fields.setdefault("shape", a.shape)
-    full = _auto_name(name, ps)
+    if name is None and kind in _DATA_KINDS:
+        site = callsite.here()
+    if site is not _NAMED:  # an unnamed op: matched by its order, cached by its call site (hora.engine.unnamed)
+        fields["site"] = "" if site is None else site.text
+    else:
+        site = None
+    full = names.take(st.names, name, ps)  # (_auto_name, without asking for the state again)
     req = (m.SetRequest if kind in (m.ADD_PS, m.REMOVE_PS) else m.Request)(full, kind, ps=ps, **fields)
     handle = st.engine.handles.new(f"{kind}.{full}", finish)
-    return Pending(req, handle, a, inplace, flush)
+    return Pending(req, handle, a, inplace, flush, site)
 
 
 def _device_input(st, a: DeviceArray, kind: str, fields: dict) -> DeviceArray:
@@ -233,13 +242,14 @@ def _grouped(kind: str, arrays, name, flush, process_set, inplace=False, reduce:
     arrays = list(arrays)
     pid = _ps_id(process_set, st, f"grouped_{kind}")
     gid = _group_id(name, pid, len(arrays))
+    site = callsite.here() if name is None else _NAMED
     pends: list[Pending] = []
     try:
         if reduce is not None:
             fields.update(_reduce_fields(*reduce))
         for i, a in enumerate(arrays):
             pends.append(_prepare(st, kind, a, _group_name(gid[0], i, len(arrays)), process_set, inplace, flush,
-                                  group=gid, **fields))
+                                  site=site, group=gid, **fields))
     except BaseException as e:  # the members made so far never reach the caller: their handles go
         st.engine.handles.discard(*(p.handle.id for p in pends))
         if isinstance(e, (HoraValueError, NotSupportedError)):
@@ -261,6 +271,8 @@ def grouped_allreduce_async(arrays, op: int = Average, prescale_factor: float = 
 
 
 def _reduce_fields(op, pre, post, what) -> dict:
+    if type(pre) is float and type(post) is float and pre == post == 1.0 and op in _PLAIN_OPS:
+        return {"op": op, "pre": 1.0, "post": 1.0}  # the usual call, with nothing to check (a hot path)
     return {"op": check_op(op, what), "pre": _factor(pre, "prescale_factor", what),
             "post": _factor(post, "postscale_factor", what)}
 

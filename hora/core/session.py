@@ -33,6 +33,10 @@ class State:
         from hora.engine.engine import Engine
 
         self.engine = Engine(comm, topo, self.cfg, timeline)  # holds the timeline from now on
+        from hora.engine import status
+
+        status.attach(self.engine)  # every rank answers the live view's questions (hora top)
+        self.live = None  # rank 0's responder to the live view's readers (hora.engine.status), set by basics._connect
         if self.cfg["timeline"] not in ("", "DYNAMIC") and self.cfg["timeline_all_ranks"]:
             from hora.engine import ranktrace  # every rank's part of the job's trace (hora trace merge)
 
@@ -40,13 +44,16 @@ class State:
         self.pulse = None  # the frozen-rank watch (hora.engine.pulse), set by basics._connect
         from hora.engine.device_exec import DeviceExecutor  # GPU tensors; loads no CUDA library until one comes
 
-        self.engine.executor.gpu = DeviceExecutor(self.engine.executor, store, prefix, topo, self.engine.subs.kick)
+        self.engine.executor.gpu = DeviceExecutor(self.engine.executor, store, prefix, topo, self.engine.subs.kick,
+                                                  lambda: self.engine.verdict)
         self.groups: dict[int, list[int]] = {}  # grouped handles
         self.barriers: dict[int, int] = {}  # barrier count per process set (names them)
         self.ps_calls = 0  # add/remove_process_set calls (names them)
         self.names: dict = {}  # process set id -> counter naming unnamed ops (noname.N)
 
     def close(self) -> None:
+        if self.live is not None:
+            self.live.close()  # first: a reader is told the job is over, not left waiting for an answer
         if self.engine.coord is not None and self.cfg["straggler_report"]:
             from hora.engine.straggler import report
 

@@ -47,12 +47,13 @@ class Frame(NamedTuple):
 
 
 class Site:
-    """One call site, shared by every call made from it; ``count`` calls so far on this rank."""
+    """One call site, shared by every call made from it; ``count`` calls so far on this rank; ``text`` its
+    frame as an unnamed op's request carries it (:mod:`hora.engine.unnamed`)."""
 
-    __slots__ = ("frame", "count")
+    __slots__ = ("frame", "count", "text")
 
     def __init__(self, frame: Frame):
-        self.frame, self.count = frame, 0
+        self.frame, self.count, self.text = frame, 0, str(frame)
 
 
 # Both caches are keyed by id(code), never by the code object: hashing a code object hashes its constants

@@ -23,6 +23,7 @@ from hora.engine import names as naming
 from hora.engine.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
                                 REDUCESCATTER, REMOVE_PS, TUNE, Refusal, Request, Response, error)
 from hora.engine.straggler import StragglerAccount
+from hora.engine.unnamed import at, order, resolve, signature
 
 _COMPARED = {  # fields that must agree across ranks, by op kind
     ALLREDUCE: ("op", "dtype", "shape", "pre", "post", "layout", "device"),
@@ -175,8 +176,9 @@ class Coordinator:
         entry.at[rank] = now
         self._check(key, entry)
 
-    def submit_bit(self, rank: int, bit: int) -> None:
-        self.submit(rank, self.cache.lookup(bit))
+    def submit_bit(self, rank: int, sent) -> None:
+        """``rank``'s request sent as a cache bit (an unnamed op's with its slot: :func:`hora.engine.unnamed.wire`)."""
+        self.submit(rank, resolve(self.cache, sent))
 
     def idle(self) -> bool:
         """Nothing waits here: no request, response, join, group or process-set removal in flight (the
@@ -354,8 +356,9 @@ class Coordinator:
         for r in ([] if same else ranks[1:]):
             req = reqs[r]
             if req.kind != first.kind:
-                return self._error(ps, name, f"'{name}': rank {r} did {req.kind}, rank {first_rank} did "
-                                             f"{first.kind}; every rank must run the same op on a name", first)
+                return self._error(ps, name, f"'{name}': rank {r} did {req.kind}{at(req)}, rank {first_rank} did "
+                                             f"{first.kind}{at(first)}; every rank must run the same op on a name"
+                                             f"{order(first)}", first)
             for f in _COMPARED[first.kind]:
                 a, b = _field(req, f), _field(first, f)
                 if a != b:
@@ -366,8 +369,9 @@ class Coordinator:
                         return self._error(ps, name, f"{first.kind} '{name}': rank {r} sent a tensor on {_show(f, a)}, "
                                                      f"rank {first_rank} one on {_show(f, b)}; every rank must give "
                                                      "a GPU tensor, or every rank a host one", first)
-                    return self._error(ps, name, f"{first.kind} '{name}': rank {r} sent {label} "
-                                                 f"{_show(f, a)}, rank {first_rank} sent {_show(f, b)}", first)
+                    return self._error(ps, name, f"{first.kind} '{name}': rank {r} sent {label} {_show(f, a)}"
+                                                 f"{at(req)}, rank {first_rank} sent {_show(f, b)}{at(first)}"
+                                                 f"{order(first)}", first)
         if self.joined and ps == 0 and first.kind not in (ALLREDUCE, BARRIER):
             return self._error(ps, name, f"{first.kind} '{name}' is not supported while ranks "
                                          f"{sorted(self.joined)} have joined (hora.join()); only allreduce is", first)
@@ -409,12 +413,12 @@ class Coordinator:
                         root=first.root, pre=first.pre, post=first.post, joined=joined, device=first.device)
 
     def _cache(self, req: Request) -> None:
-        """Give ``req`` a bit (evicting the least recently used entry when full). Auto-named ops
-        (``noname.N``, an unnamed group's ``group.noname.N[.i]``) are never seen twice, so they are not
-        cached at all."""
+        """Give ``req``'s signature a bit (evicting the least recently used entry when full). An unnamed op's
+        signature leaves its slot out (:func:`hora.engine.unnamed.signature`): it repeats every step."""
         cache = self.cache
-        if not req.cacheable or cache.capacity == 0 or not self.cache_on or naming.is_auto(req.name):
+        if not req.cacheable or cache.capacity == 0 or not self.cache_on:
             return
+        req = signature(req)
         if req in cache.bit_of:
             cache.touch(req)
             return

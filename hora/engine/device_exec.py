@@ -11,7 +11,10 @@ Streams (no host synchronisation on the hot path): one hora stream per device; i
 submission recorded on the framework's stream, runs the copies and NCCL calls, and records an event. A
 watcher thread completes each handle when its event completes, and polls ``ncclCommGetAsyncError``
 meanwhile: an asynchronous error, or the engine failing (a lost peer seen by the control plane), aborts
-the communicators so no kernel is left waiting, and the handles fail with ``HorovodInternalError``.
+the communicators so no kernel is left waiting, and the handles fail with ``HorovodInternalError``. The few
+steps whose host side must wait for the stream (hierarchical allreduce's ring, the staged path, a buffer's
+growth, a split) wait in the driving thread through :mod:`hora.engine.device_wait`, which polls with the
+same checks and reads the control plane: never a blocking CUDA synchronisation.
 """
 
 from __future__ import annotations
@@ -27,18 +30,13 @@ import numpy as np
 from hora.base import env, knobs
 from hora.base.device import DeviceArray
 from hora.base.errors import HoraError, InternalError, ShutdownError
-from hora.engine import device_hier, device_ops, messages as m
+from hora.engine import device_hier, device_ops, device_wait, messages as m
+from hora.engine.device_wait import NAME_GRACE_S, backoff
 from hora.transport import cuda, nccl_lib
 
 log = logging.getLogger("hora.gpu")
 _WARNED: set[str] = set()
-# after NCCL's asynchronous error, how long the handles wait (communicators already aborted) for the control
-# plane to name the lost peer: within hora's peer-loss bound on CPUs (10 s)
-NAME_GRACE_S = 10.0
-# the watcher's first sleep between polls, doubled while nothing completes, up to 2 ms: a small collective is
-# seen done within tens of us, a long one costs a poll per 2 ms (an event query and an async-error query
-# cost ~1 us each on a GPU); a first guess, to be measured by benchmarks/gpu_check.py's per-call figures
-POLL_S = 20e-6
+_LEAKED: list = []  # failed collectives whose stream did not drain after the abort: never freed (it may write)
 
 
 def warn_once(text: str) -> None:
@@ -48,10 +46,11 @@ def warn_once(text: str) -> None:
 
 
 class Lane:
-    """One device: hora's stream, its events, the device fusion buffer and the pinned staging buffer."""
+    """One device: hora's stream, its events, the device fusion buffer and the pinned staging buffer.
+    ``waiter(rt, event, what)``: how the driving thread waits for an event (:func:`device_wait.wait`)."""
 
-    def __init__(self, rt: cuda.CudaRuntime, device: int):
-        self.rt, self.device = rt, device
+    def __init__(self, rt: cuda.CudaRuntime, device: int, waiter):
+        self.rt, self.device, self._waiter = rt, device, waiter
         with rt.on(device):  # streams and events belong to the device current when they are made
             self.stream = rt.stream()
         self._events: list[int] = []
@@ -73,11 +72,22 @@ class Lane:
         self.rt.record(ev, self.stream)
         return ev
 
+    def wait_event(self, ev: int, what: str) -> None:
+        """Wait on the host until ``ev`` has completed, checking for failures meanwhile (never inside CUDA:
+        :mod:`hora.engine.device_wait`); the event goes back to the pool. ``what`` names the step."""
+        self._waiter(self.rt, ev, what)
+        self.recycle(ev)
+
+    def drain(self, what: str) -> None:
+        """Wait on the host until hora's stream has run everything queued on it so far (as
+        :meth:`wait_event`)."""
+        self.wait_event(self.record(), what)
+
     def fusion(self, nbytes: int) -> int:
         """The device fusion buffer, grown (never shrunk) to ``nbytes``; growing waits for the stream."""
         if nbytes > self._fusion_n:
             if self._fusion:
-                self.rt.call("cudaStreamSynchronize", self.stream)
+                self.drain("the device fusion buffer's growth (waiting for the collectives before it)")
                 self.rt.call("cudaFree", self._fusion)
             self._fusion, self._fusion_n = self.rt.malloc(nbytes), nbytes
         return self._fusion
@@ -86,7 +96,7 @@ class Lane:
         """Page-locked host memory for the staged path, as bytes (grown like the fusion buffer)."""
         if nbytes > self._pinned_n:
             if self._pinned:
-                self.rt.call("cudaStreamSynchronize", self.stream)
+                self.drain("the pinned staging buffer's growth (waiting for the collectives before it)")
                 self.rt.call("cudaFreeHost", self._pinned)
             self._pinned, self._pinned_n = self.rt.host_alloc(nbytes), nbytes
         return np.frombuffer((ctypes.c_char * self._pinned_n).from_address(self._pinned), np.uint8)
@@ -123,8 +133,12 @@ class _Watch:
 class DeviceExecutor:
     """The engine's device half: ``run(resp, pends, comm)`` for responses with ``resp.device``."""
 
-    def __init__(self, host, store, prefix: str, topo, wake=lambda: None):
+    def __init__(self, host, store, prefix: str, topo, wake=lambda: None, verdict=lambda: None):
+        """``host``: the engine's host executor (its ``comm.ctrl`` is read while the driving thread waits);
+        ``wake()``: wakes the engine when handles complete; ``verdict()``: the engine's failure found from
+        outside (a frozen rank, hora.engine.pulse), or None."""
         self.host, self.store, self.prefix, self.topo, self.wake = host, store, prefix, topo, wake
+        self.verdict = verdict
         self.cfg = knobs.current()
         self.where = self.cfg["nccl_library"]
         self.device = topo.local_rank  # until a device tensor says otherwise
@@ -138,7 +152,8 @@ class DeviceExecutor:
         self._watch: list[_Watch] = []
         self._cv = threading.Condition()
         self._failed: BaseException | None = None
-        self._aborted_at, self._abort_text = 0.0, ""
+        self._failing = 0  # fail() calls under way: they drain the watches themselves once the streams ran
+        self.aborted_at, self.abort_text = 0.0, ""  # NCCL's error aborted the communicators: when, and why
         self._closed = False
         self._thread: threading.Thread | None = None
         self._hostnames: list[str] = []
@@ -156,7 +171,7 @@ class DeviceExecutor:
             with self._lanes_lock:  # a caller's thread and the engine's may both come first
                 lane = self.lanes.get(device)
                 if lane is None:
-                    lane = self.lanes[device] = Lane(self.runtime(), device)
+                    lane = self.lanes[device] = Lane(self.runtime(), device, self._wait)
         return lane
 
     def submitted(self, a: DeviceArray) -> None:
@@ -192,7 +207,8 @@ class DeviceExecutor:
             n = self._added.get(ps, 0)
             from hora.transport.nccl import NcclComm
             self.comms[ps] = NcclComm(lib, self.store, f"{self.prefix}/nccl/{ps}/{n}", comm.rank, comm.size,
-                                      self.device, self.runtime(), self.cfg["start_timeout"])
+                                      self.device, self.runtime(), self.cfg["start_timeout"],
+                                      ranks=tuple(getattr(comm, "ranks", range(comm.size))))
         return reason
 
     def set_changed(self, kind: str, ps: int, ranks: tuple) -> None:
@@ -218,10 +234,11 @@ class DeviceExecutor:
         if parent is None or parent.aborted or self._failed is not None or not parent.lib.has("ncclCommSplit"):
             return
         lane = self.lane(parent.device)
-        lane.rt.call("cudaStreamSynchronize", lane.stream)  # what is queued on the parent runs first
+        lane.drain(f"process set {ps}'s ncclCommSplit (waiting for the collectives before it)")  # they run first
         member = self.topo.rank in ranks
         try:
-            child = parent.split(0 if member else None, ranks.index(self.topo.rank) if member else 0, len(ranks))
+            child = parent.split(0 if member else None, ranks.index(self.topo.rank) if member else 0, len(ranks),
+                                 tuple(ranks))
         except HoraError as e:  # the set makes its own communicator at its first device collective instead
             warn_once(f"ncclCommSplit for process set {ps} failed ({e}); it gets its own communicator")
             return
@@ -230,8 +247,9 @@ class DeviceExecutor:
             self.routes[ps] = None  # a subset of the global set's GPUs, all reached through NCCL
 
     def run(self, resp: m.Response, pends: list, comm, op_name: str) -> None:
-        if self._failed is not None:
-            raise self._failed
+        self.check()
+        if self.aborted_at:  # NCCL's error aborted the communicators: nothing more launches; the peer's name
+            self._wait(None, None, f"{resp.kind} {', '.join(resp.names[:3])}")
         lane = self.lane(next((p.array.device for p in pends if p is not None), self.device))
         # the engine runs in a waiting caller's thread too (hora.core.baton): its current device is put back
         with lane.rt.on(lane.device):
@@ -285,10 +303,10 @@ class DeviceExecutor:
                 self.comms[-1] = self._hier.local  # aborted and destroyed with the others
         return self._hier or None
 
-    def _local_comm(self, suffix: str, rank: int, size: int):
+    def _local_comm(self, suffix: str, rank: int, size: int, ranks: tuple[int, ...]):
         from hora.transport.nccl import NcclComm
         return NcclComm(nccl_lib.load(self.where), self.store, f"{self.prefix}/nccl/{suffix}", rank, size,
-                        self.device, self.runtime(), self.cfg["start_timeout"])
+                        self.device, self.runtime(), self.cfg["start_timeout"], ranks=ranks)
 
     # -- completion -----------------------------------------------------------------------------------------
     def _expect(self, w: _Watch) -> None:
@@ -300,7 +318,7 @@ class DeviceExecutor:
             self._cv.notify()
 
     def _watcher(self) -> None:
-        idle = 0  # polls in a row that found nothing: the sleep doubles from POLL_S up to 2 ms
+        idle = 0  # polls in a row that found nothing: the sleep doubles up to 2 ms (device_wait.backoff)
         while True:
             with self._cv:
                 while not self._watch and not self._closed:
@@ -309,7 +327,10 @@ class DeviceExecutor:
                     return
                 w = self._watch[0]
             if self._failed is not None:
-                self._drain(self._failed)
+                if self._failing:
+                    time.sleep(backoff(7))
+                else:
+                    self._drain(self._failed)
                 continue
             aborted = w.comm is not None and w.comm.aborted
             if not aborted and w.lane.rt.query(w.event):
@@ -323,40 +344,60 @@ class DeviceExecutor:
                 idle = 0
                 continue
             if aborted:  # the control plane's verdict names the peer; past the grace, fail without it
-                if time.monotonic() - self._aborted_at > NAME_GRACE_S:
-                    self.fail(InternalError(self._abort_text))
-            elif self._stalled(w):
+                if time.monotonic() - self.aborted_at > NAME_GRACE_S:
+                    self.fail(InternalError(self.abort_text or "hora aborted this GPU collective's NCCL communicator"))
+            elif self.stalled(w.since, "GPU collective " + ", ".join(w.names[:3])):
                 continue
             elif w.comm is not None:
-                code = w.comm.async_error()
-                if code not in (0, nccl_lib.IN_PROGRESS):
-                    self._abort_text = (
-                        f"NCCL reported {nccl_lib.RESULTS.get(code, code)} on rank {self.topo.rank}'s communicator "
-                        f"of {w.comm.size} ranks (a peer was lost or misbehaved, and hora's control plane did not "
-                        f"name one within {NAME_GRACE_S:g} s); hora aborted the communicator; elastic training "
-                        "can recover from this error")
-                    self._aborted_at = time.monotonic()
-                    self._abort_all()  # nobody stays inside NCCL while the control plane decides
-            time.sleep(min(POLL_S * (1 << min(idle, 7)), 0.002))
+                self.nccl_error([w.comm])
+            time.sleep(backoff(idle))
             idle += 1
 
-    def _stalled(self, w: _Watch) -> bool:
-        """A collective that NCCL has neither finished nor failed (a frozen peer): a warning after the stall
-        check time, and past the stall shutdown time the communicators are aborted and its handles fail,
-        the bounds the stall inspector keeps on CPUs."""
-        waited = time.monotonic() - w.since
+    # -- checks shared by the watcher and the driving thread's waits (hora.engine.device_wait) ---------------
+    def _wait(self, rt, ev: int | None, what: str) -> None:
+        device_wait.wait(self, rt, ev, what)
+
+    def check(self) -> None:
+        """Raise this executor's failure, or the engine's verdict from outside, if there is one."""
+        if self._failed is not None:
+            raise self._failed
+        verdict = self.verdict()
+        if verdict is not None:
+            raise verdict
+
+    def nccl_error(self, comms: list) -> bool:
+        """Poll ``ncclCommGetAsyncError`` of ``comms``; on an error abort every communicator of the process
+        (nobody stays inside NCCL while the control plane decides) and return True."""
+        for c in comms:
+            code = c.async_error()
+            if code in (0, nccl_lib.IN_PROGRESS):
+                continue
+            self.abort_text = (
+                f"NCCL reported {nccl_lib.RESULTS.get(code, code)} on rank {self.topo.rank}'s communicator of "
+                f"{c.describe()} (a peer was lost or misbehaved, and hora's control plane did not name one within "
+                f"{NAME_GRACE_S:g} s); hora aborted the communicator; elastic training can recover from this error")
+            self.aborted_at = time.monotonic()
+            self._abort_all()
+            return True
+        return False
+
+    def stalled(self, since: float, what: str) -> bool:
+        """A device step that NCCL has neither finished nor failed since ``since`` (a frozen peer): a warning
+        after the stall check time, and past the stall shutdown time the communicators are aborted and what
+        waits fails (True), the bounds the stall inspector keeps on CPUs. ``what`` names the step."""
+        waited = time.monotonic() - since
         limit = self.cfg["stall_shutdown_time"]
         if self.cfg["stall_check_disable"]:
             return False
         if limit > 0 and waited > limit:
             self.fail(InternalError(
-                f"GPU collective {', '.join(w.names[:3])} has not finished on rank {self.topo.rank} after "
-                f"{waited:.0f} s (HORA_STALL_SHUTDOWN_TIME_SECONDS={limit:g}): a peer is frozen or lost inside "
-                "NCCL; hora aborted its NCCL communicators; elastic training can recover from this error"))
+                f"{what} has not finished on rank {self.topo.rank} after {waited:.0f} s "
+                f"(HORA_STALL_SHUTDOWN_TIME_SECONDS={limit:g}): a peer is frozen or lost inside NCCL; hora aborted "
+                "its NCCL communicators; elastic training can recover from this error"))
             return True
         if waited > self.cfg["stall_check_time"]:
-            warn_once(f"GPU collective {', '.join(w.names[:3])} has waited {waited:.0f} s on rank {self.topo.rank} "
-                      "for NCCL to finish; a peer may be frozen")
+            warn_once(f"{what} has waited {waited:.0f} s on rank {self.topo.rank} for NCCL to finish; a peer may "
+                      "be frozen")
         return False
 
     def settle(self, timeout: float = NAME_GRACE_S) -> None:
@@ -376,11 +417,21 @@ class DeviceExecutor:
         self.wake()
 
     def fail(self, err: BaseException) -> None:
-        """Abort every communicator (their pending kernels return) and fail what waits, with ``err``."""
-        if self._failed is None:
-            self._failed = err
-        self._abort_all()
-        self._drain(err)
+        """Abort every communicator (their pending kernels return) and fail what waits, with ``err``, once the
+        streams have run what was queued (the buffers they write are freed only then; device_wait.quiesce)."""
+        with self._cv:
+            self._failing += 1
+            if self._failed is None:
+                self._failed = err
+        try:
+            self._abort_all()
+            if not device_wait.quiesce(list(self.lanes.values())):
+                with self._cv:
+                    _LEAKED.extend(self._watch)
+            self._drain(err)
+        finally:
+            with self._cv:
+                self._failing -= 1
 
     def _abort_all(self) -> None:
         for c in list(self.comms.values()):

@@ -9,7 +9,9 @@ hora's host ring between hosts, NCCL inside each host again, as Horovod does it:
    numerics (Average folded into the postscale), and goes back up;
 4. ``ncclAllGather`` on the host's communicator: every rank has every block; the tensors are unpacked.
 
-Step 3 waits on the host for step 2 (the engine thread blocks, as in the staged path). The host's
+Step 3 waits on the host for step 2, in the thread that drives the engine, by polling an event with the
+checks of :mod:`hora.engine.device_wait` (NCCL's asynchronous error, the control plane, the stall bounds):
+never inside CUDA, so a host peer lost during step 2 aborts the communicators and fails the rank. The host's
 communicator is split from the global one (``ncclCommSplit``, color = host) where NCCL has it, else made
 from a fresh unique id per host; the ring runs over the host transport among the ranks of one local rank.
 Only the global process set uses it, and only where there are several hosts, each with the same number
@@ -75,13 +77,13 @@ class Hierarchy:
 
 
 def build(lay: Layout, parent, make_local, comm) -> Hierarchy:
-    """``parent``: the global NCCL communicator (split where NCCL can); ``make_local(key suffix, rank, size)``
-    makes a communicator from a fresh unique id otherwise; ``comm``: the global host communicator."""
-    size = len(lay.hosts[0])
+    """``parent``: the global NCCL communicator (split where NCCL can); ``make_local(key suffix, rank, size,
+    ranks)`` makes a communicator from a fresh unique id otherwise; ``comm``: the global host communicator."""
+    size, ranks = len(lay.hosts[0]), tuple(lay.hosts[lay.host])
     if parent.lib.has("ncclCommSplit"):
-        local = parent.split(lay.host, lay.local, size)
+        local = parent.split(lay.host, lay.local, size, ranks)
     else:
-        local = make_local(f"local/{lay.host}", lay.local, size)
+        local = make_local(f"local/{lay.host}", lay.local, size, ranks)
     return Hierarchy(local, SubCommunicator(comm, lay.cross_ranks), lay)
 
 
@@ -103,7 +105,7 @@ def allreduce(resp: m.Response, pends: list, h: Hierarchy, lane, n: int, scratch
     nc.reducescatter(fb, mine, block, dtype, op, s)
     pinned = lane.pinned(block * item)
     rt.copy(pinned.ctypes.data, mine, block * item, cuda.D2H, s)
-    rt.call("cudaStreamSynchronize", s)
+    lane.drain(f"hierarchical allreduce {', '.join(resp.names[:3])} (its reduce-scatter inside the host)")
     host = pinned[:block * item].view(dtype_of(dtype))
     post = resp.post * (1.0 / n if resp.op == Average else 1.0)
     allreduce_flat(h.cross, host, Sum if resp.op == Average else resp.op, 1.0, post, scratch)

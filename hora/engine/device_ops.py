@@ -232,7 +232,7 @@ def run_staged(resp: m.Response, pends: list, comm, lane, host) -> tuple[list, l
         rt.copy(pinned.ctypes.data + off, p.array.ptr, p.array.nbytes, cuda.D2H, s)
         hpends.append(Pending(p.req, Handle(0, p.handle.name), _host_view(pinned, off, p.array), True))
         off += p.array.nbytes
-    rt.call("cudaStreamSynchronize", s)
+    lane.drain(f"staged {resp.kind} {', '.join(resp.names[:3])} (its copies to the host)")
     getattr(host, "_" + resp.kind)(resp, hpends, comm, "STAGED")
     done, keep = [], []
     for p, hp in zip(pends, hpends):
@@ -248,7 +248,8 @@ def run_staged(resp: m.Response, pends: list, comm, lane, host) -> tuple[list, l
         keep.append(result)
         rt.copy(out.ptr, result.ctypes.data, result.nbytes, cuda.H2D, s)
         done.append((p.handle, out if extra is None else (out, extra)))
-    rt.call("cudaStreamSynchronize", s)  # the pinned buffer is free again for the next staged collective
+    # the pinned buffer is free again for the next staged collective
+    lane.drain(f"staged {resp.kind} {', '.join(resp.names[:3])} (its copies back to the device)")
     return done, keep
 
 
@@ -265,10 +266,9 @@ def _staged_allreduce(resp, p: Pending, comm, lane, pinned: np.ndarray, host) ->
                 cuda.D2H, s)
         events.append(lane.record())
     for (lo, hi), ev in zip(chunks, events):
-        rt.call("cudaEventSynchronize", ev)
-        lane.recycle(ev)
+        lane.wait_event(ev, f"staged allreduce {resp.names[0]} (a chunk's copy to the host)")
         allreduce_flat(comm, flat[lo:hi], resp.op, resp.pre, resp.post, host.scratch)
         rt.copy(out.ptr + lo * dt.itemsize, pinned.ctypes.data + lo * dt.itemsize, (hi - lo) * dt.itemsize,
                 cuda.H2D, s)
-    rt.call("cudaStreamSynchronize", s)
+    lane.drain(f"staged allreduce {resp.names[0]} (its copies back to the device)")
     return [(p.handle, out)], []

@@ -165,8 +165,11 @@ class Executor:
             self.inline_result(resp, pends)
             return
         comm = self._comm(resp.ps, ranks)
-        self.stats.collectives += 1
-        self.stats.tensors += len(resp.names)
+        st = self.stats
+        st.collectives += 1
+        st.tensors += len(resp.names)
+        if kind != m.ALLREDUCE or resp.device:  # (a host allreduce counts its bytes in _allreduce, which has them)
+            st.tensor_bytes += sum(map(math.prod, resp.shapes)) * dtype_of(resp.dtype).itemsize
         op_name = self._activity[kind]
         if resp.device:  # GPU tensors: NCCL or the staged path (hora.engine.device_exec)
             self.gpu.run(resp, pends, comm, op_name)
@@ -179,6 +182,7 @@ class Executor:
         self.stats.collectives += 1
         self.stats.tensors += len(names)
         self.stats.tensors_inline += len(names)
+        self.stats.tensor_bytes += len(resp.data)
         tl = self.timeline is not None
         if tl:
             self._tl(names, "INLINE_ALLREDUCE", True)
@@ -193,6 +197,7 @@ class Executor:
     def _allreduce(self, resp, pends, comm, op_name) -> None:
         dtype = dtype_of(resp.dtype)
         counts = [math.prod(s) for s in resp.shapes]
+        self.stats.tensor_bytes += sum(counts) * dtype.itemsize
         names = resp.names
         if len(names) == 1:
             p = pends[0]

@@ -33,7 +33,6 @@ from typing import Any
 
 from hora.engine import callsite, diagnose
 from hora.engine import messages as m
-from hora.engine.names import is_auto
 
 log = logging.getLogger("hora")
 
@@ -69,7 +68,7 @@ class Explainer:
         last, steps = self._last, self._steps
         for p in pends:
             req = p.req
-            key = req.name if req.cacheable and not is_auto(req.name) else site
+            key = req.name if req.cacheable and req.site is None else site
             t = last.get(key)
             if t is not None and now > t:
                 steps.append(now - t)
@@ -205,7 +204,7 @@ def attach(engine: Any) -> None:
         explainer = engine.stall.explainer = Explainer(engine, floor, max(cfg["stall_check_time"], 1e-3))
 
     def stamp(pends) -> None:
-        site = callsite.here()
+        site = pends[0].site or callsite.here()  # (an unnamed op's was found for its request: hora.core.ops)
         for p in pends:
             p.site = site
         if explainer is not None:

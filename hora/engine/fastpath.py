@@ -8,7 +8,8 @@ segment's mailbox (:mod:`hora.transport.mailbox`) lets the inputs meet directly 
 
 When: a caller drives the engine (a synchronous call, :mod:`hora.engine.baton`) and its cycle takes
 exactly one request, an allreduce of the global set that hits the response cache (the same
-signature as an earlier agreed response: both ranks hold the same bit for it), and this rank's
+signature as an earlier agreed response: both ranks hold the same bit for it; an unnamed op's signature is
+its call site's, :mod:`hora.engine.unnamed`), and this rank's
 engine has nothing else in flight: no other local request, no unread message, on rank 0 an empty
 coordinator. Not with autotune, a timeline or the job's trace, process sets, or
 joined ranks waiting at rank 0. Everything else takes the normal path.
@@ -35,6 +36,7 @@ from hora.collectives.reduce import _UFUNC, Adasum, Average, scale
 from hora.engine import messages as m
 from hora.engine.execute import Pending
 from hora.engine.interrupts import GATE
+from hora.engine.unnamed import position, signature
 from hora.transport import mailbox
 
 _POLL_S = 50e-6  # how often a rank looking for the peer's post looks at its control connections
@@ -75,16 +77,20 @@ class FastPath:
                 or req.op == Adasum or a is None or req.device or not self._idle()):
             return False
         cache = e.cache if e.coord is None else e.coord.cache
-        bit = cache.bit_of.get(req)
+        key = signature(req)
+        bit = cache.bit_of.get(key)
         g = self.group
         if bit is None or g.closed or g.mailbox is None:
+            return False
+        pos = position(bit, req)  # (an unnamed op's names its slot too)
+        if pos is None:
             return False
         carry = a.nbytes <= self.limit
         out = None
         agreed = False
         g.begin()
         try:
-            peer = g.mailbox.exchange(bit, a, self._stop, e.stats.tensors, carry)
+            peer = g.mailbox.exchange(pos, a, self._stop, e.stats.tensors, carry)
             if peer is not None:
                 try:
                     if carry:
@@ -97,7 +103,7 @@ class FastPath:
             g.end()
         if agreed:  # past the inline size: both ranks run the collective now, as a negotiated response would
             if e.coord is not None:
-                cache.touch(req)
+                cache.touch(key)
             e.stats.tensors_mailbox += 1
             e._execute(m.Response(m.ALLREDUCE, 0, (req.name,), op=req.op, dtype=req.dtype, shapes=(req.shape,),
                                   root=req.root, pre=req.pre, post=req.post))
@@ -105,13 +111,14 @@ class FastPath:
         if out is None:
             return False
         if e.coord is not None:
-            cache.touch(req)  # the coordinator's LRU order, as a negotiated hit keeps it
+            cache.touch(key)  # the coordinator's LRU order, as a negotiated hit keeps it
         e.subs.local.pop((0, req.name), None)
         st = e.stats
         st.collectives += 1
         st.tensors += 1
         st.tensors_inline += 1  # (an inline allreduce whose inputs met in the mailbox)
         st.tensors_mailbox += 1
+        st.tensor_bytes += out.nbytes
         p.handle.complete(out)
         return True
 

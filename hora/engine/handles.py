@@ -88,7 +88,7 @@ class HandleTable:
         """Wait for handle ``hid`` (running the engine meanwhile, see ``drive``) and return its result.
         Raises the collective's error, HoraValueError for an unknown or spent handle, and BusyError
         when another thread already waits on it (waiting twice cannot be made to mean anything)."""
-        h = self.get(hid)
+        h = self._handles.get(hid) or self.get(hid)  # (the look-up inline: a hot path; get() says what is wrong)
         with self._lock:
             if h.waiter is not None and h.waiter != threading.get_ident():
                 raise BusyError(f"handle {hid} ('{h.name}') is already being waited on by another thread; "

@@ -30,7 +30,9 @@ UNCACHED = {ALLTOALL, BARRIER, JOIN, ADD_PS, REMOVE_PS}  # their requests vary c
 
 # control message tags (what each carries; the engine's handler table, engine.Engine._handlers,
 # has one handler per tag)
-REQUESTS = "Q"  # rank -> coordinator: (tag, rank, [Request...], [cache bits...], {(ps, name): small input})
+# rank -> coordinator: (tag, rank, [Request...], [cache bits; an unnamed op's (bit, its name, its group id)...],
+# {(ps, name): small input}); hora.engine.unnamed reads the bits back
+REQUESTS = "Q"
 RESPONSES = "P"  # coordinator -> rank: (tag, [Response...], [(bit, signature)...], [evicted bit...])
 ABORT = "A"  # either way: (tag, dead_rank or None, message)
 STACK_QUERY = "T"  # coordinator -> rank: (tag,)
@@ -43,8 +45,11 @@ CLOCK_PONG = "Cr"  # coordinator -> rank: (tag, the probe's own time, the coordi
 # hangs explained (hora.engine.explain): coordinator -> rank (tag,) what are you doing; rank -> coordinator
 # (tag, rank, diagnose.RankState); coordinator -> rank (tag, text, figures) the explanation every rank shows
 EXPLAIN_QUERY, EXPLAIN_REPLY, EXPLAIN_TEXT = "XQ", "XR", "XT"
+# the live view (hora.engine.status): coordinator -> rank (tag, question number, stacks wanted) what are you doing;
+# rank -> coordinator (tag, rank, question number, diagnose.RankState, counters, stacks text or None)
+LIVE_QUERY, LIVE_REPLY = "LQ", "LR"
 URGENT = frozenset({ABORT, STACK_QUERY, STALL_FATAL, DATA_STALL,  # handled at once, even in a collective
-                    EXPLAIN_QUERY, EXPLAIN_REPLY, EXPLAIN_TEXT})
+                    EXPLAIN_QUERY, EXPLAIN_REPLY, EXPLAIN_TEXT, LIVE_QUERY, LIVE_REPLY})
 
 
 class Request(NamedTuple):
@@ -65,6 +70,9 @@ class Request(NamedTuple):
     # the buffer's own shape no longer shows; compared across ranks like the shape (0: not packed)
     layout: int = 0
     device: bool = False  # a GPU tensor (hora.engine.device_exec runs it); every rank must agree
+    # an unnamed op's call site ("" when no Python frame called it); None for a named op. Part of its response-cache
+    # signature, not compared across ranks (hora.engine.unnamed)
+    site: str | None = None
 
     @property
     def cacheable(self) -> bool:

@@ -15,7 +15,8 @@ functions below, so the format is defined once:
   a group of one of its name), an unnamed one is form 0 under ``group.<its name>``, a form no group has: an
   unnamed op and an unnamed group in the same place never match, and the coordinator says so.
 
-Automatic names never repeat, so they are never put in the response cache (:func:`is_auto`).
+Automatic names never repeat; what an unnamed op puts in the response cache is its request without its name, with
+its call site (:mod:`hora.engine.unnamed`), which the request itself says it has (``Request.site``), not its name.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import threading
 
 UNNAMED = "noname"  # the automatic sequence of ordinary ops
 GROUP = "group."  # what an unnamed group's name starts with
-_AUTO = (UNNAMED + ".", GROUP + UNNAMED + ".")
 _lock = threading.Lock()
 
 
@@ -80,11 +80,6 @@ def member(group: str, i: int, n: int) -> str:
     group's members are named from its one automatic name too, so that ranks whose groups differ in size
     (an error every rank hears) still agree on the names of the ops that follow."""
     return f"{group}.{i}" if n > 1 else group
-
-
-def is_auto(name: str) -> bool:
-    """True for an automatic name (an unnamed op's or an unnamed group's member's)."""
-    return name.startswith(_AUTO)
 
 
 def is_unnamed_group(group: str) -> bool:

@@ -21,6 +21,7 @@ from hora.engine import messages as m
 from hora.engine.coordinator import Coordinator, ResponseCache
 from hora.engine.execute import Pending, nbytes_of
 from hora.engine.stall import StallInspector
+from hora.engine.unnamed import resolve, signature, wire
 
 # A role is given the Engine that owns it (hora.engine.engine), typed Any: that module imports this one.
 
@@ -64,9 +65,11 @@ class CoordinatorRole:
         for req in full:
             e._tl_negotiate(req, rank)
             self.coord.submit(rank, req)
-        for bit in bits:
-            e._tl_negotiate(self.coord.cache.lookup(bit), rank)
-            self.coord.submit_bit(rank, bit)
+        cache = self.coord.cache
+        for sent in bits:
+            req = resolve(cache, sent)
+            e._tl_negotiate(req, rank)
+            self.coord.submit(rank, req)
 
     def on_responses(self, peer: int, msg) -> list[m.Response]:
         raise InternalError(f"rank 0: responses from rank {peer}, which does not coordinate")
@@ -166,11 +169,12 @@ class WorkerRole:
             data = inline.payload(p, thr)
             if data is not None:
                 payloads[(p.req.ps, p.req.name)] = data
-            bit = self.cache.bit_of.get(p.req) if p.req.cacheable else None
+            req = p.req
+            bit = self.cache.bit_of.get(signature(req)) if req.cacheable else None
             if bit is None:
-                full.append(p.req)
+                full.append(req)
             else:
-                bits.append(bit)
+                bits.append(wire(bit, req))
                 e.stats.cache_hits += 1
         e.control.send(0, (m.REQUESTS, e.rank, full, bits, payloads))
         e.stats.coordination_messages_sent += 1

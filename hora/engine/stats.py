@@ -14,7 +14,7 @@ class Stats:
 
     __slots__ = ("cycles", "coordination_messages_sent", "coordination_messages_received",
                  "collectives", "tensors", "tensors_fused", "bytes_fused", "tensors_inline", "cache_hits",
-                 "tensors_mailbox")
+                 "tensors_mailbox", "tensor_bytes")
 
     def __init__(self) -> None:
         for f in self.__slots__:
@@ -44,6 +44,9 @@ class Statistics(Mapping):
     tensors_inline: int
     cache_hits: int
     tensors_mailbox: int
+    # the bytes of the collectives' tensors, as negotiated (an allgather's or alltoall's: the first rank's input):
+    # the live view's bytes/s (hora top)
+    tensor_bytes: int
     straggler: Straggler | None = None
 
     def __getitem__(self, key: str) -> int:

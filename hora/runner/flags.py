@@ -176,6 +176,9 @@ LAUNCHER_FLAGS: tuple[Flag, ...] = (
           "hora has no Gloo; the start-up wait is --start-timeout and a lost peer is noticed by the transport",
           kind=int, config=("library_options", "gloo_timeout_seconds")),
     # logging
+    _f("--status", "status", "logging",
+       "show a status line on this terminal while the job runs, redrawn every second: collectives/s, bytes/s, "
+       "the slowest rank and its lag, stalls (env HORA_STATUS; hora top shows more)", kwarg=""),
     _f("-prefix-timestamp --prefix-output-with-timestamp", "prefix_timestamp", "logging",
        "start each output line with the time it was printed"),
     # hosts

@@ -23,14 +23,14 @@ from typing import Any
 
 from hora.base import contract
 from hora.runner import hosts as hostlib
-from hora.runner import reaper, ssh, trace_merge
+from hora.runner import reaper, ssh, status_line, trace_merge
 from hora.runner.cli_args import UsageError, format_help, no_effect, parse, suggest
 from hora.runner.config_file import load as load_config
 from hora.runner.envs import worker_envs  # noqa: F401 - also imported from here by the launchers
 from hora.runner.flags import env_for
 from hora.runner.spawn import HOST_LOST_CODE, LocalJob
 
-SUBCOMMANDS = ("run", "trace", "horovod-alias")
+SUBCOMMANDS = ("run", "top", "trace", "horovod-alias")
 
 
 def _say(msg: str) -> None:
@@ -111,6 +111,9 @@ def run_job(values: dict[str, Any], command: list[str], extra_env: dict[str, str
         if values.get("mpi") and is_elastic(values):
             raise UsageError("elastic training (--min-np, --max-np, --host-discovery-script) needs hora's own "
                              "launcher: it starts and replaces the workers itself; drop --mpi")
+        if (values.get("mpi") or is_elastic(values)) and status_line.wanted(values, lambda _: None):
+            _say("--status is not supported yet with --mpi or an elastic job (the launcher does not hold their "
+                 "live store yet): no status line; hora top attaches to them from rank 0's machine")
         if values.get("mpi"):  # mpirun starts the workers: hora.runner.mpi_run
             from hora.runner.mpi_run import run_mpi
 
@@ -160,8 +163,17 @@ def _launch(slots: list[hostlib.Slot], values: dict[str, Any], command: list[str
         for s, env in zip(slots, envs):
             if s.host in per_host:
                 env["HORA_STORE_ADDR"] = f"{per_host[s.host]}:{port}"
-        result = LocalJob(command, slots, envs, values.get("output_filename"),
-                          bool(values.get("prefix_timestamp")), remote=remote).run()
+        job = LocalJob(command, slots, envs, values.get("output_filename"), bool(values.get("prefix_timestamp")),
+                       remote=remote)
+        line = None
+        if status_line.wanted(values, _say):  # hora run --status: the live view's line, under the ranks' output
+            line = job.output.overlay = status_line.StatusLine(default, secret, values.get("wire_protection"),
+                                                               job.output.lock).start()
+        try:
+            result = job.run()
+        finally:
+            if line is not None:
+                line.stop()
         straggler = store.get(f"{scope}/{contract.STRAGGLER_KEY}")  # rank 0's line, if one rank held the others up
     finally:
         store.close()
@@ -190,19 +202,24 @@ def _remote(hosts: list[str], slots: list[hostlib.Slot], values: dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``hora SUBCOMMAND ...``: ``run`` (the launcher), ``trace`` (the job's trace: merge, summary) or
-    ``horovod-alias`` (the opt-in step for Horovod scripts)."""
+    """``hora SUBCOMMAND ...``: ``run`` (the launcher), ``top`` (a running job's live view), ``trace`` (the
+    job's trace: merge, summary) or ``horovod-alias`` (the opt-in step for Horovod scripts)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: hora run [flags] command [args...]\n       hora trace merge|summary ...\n"
-              "       hora horovod-alias install|uninstall|status\n\n"
-              "hora run --help lists the flags; hora trace --help the trace tools (docs/observability.md); "
+        print("usage: hora run [flags] command [args...]\n       hora top [--store HOST:PORT] [--once] [--json] "
+              "[--stacks]\n       hora trace merge|summary ...\n       hora horovod-alias install|uninstall|status\n\n"
+              "hora run --help lists the flags; hora top --help attaches to a running job; hora trace --help the "
+              "trace tools (docs/observability.md); "
               "hora horovod-alias install makes `import horovod` and "
               "`horovodrun` run hora in this environment (docs/migrating_from_horovod.md).")
         return 0 if argv else 2
     if argv[0] in ("-v", "--version"):
         print(version())
         return 0
+    if argv[0] == "top":
+        from hora.runner.top import main as top_main
+
+        return top_main(argv[1:])
     if argv[0] == "trace":
         from hora.runner.trace_cli import main as trace_main
 

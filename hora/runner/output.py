@@ -48,7 +48,8 @@ class Output:
         self._dir = Path(directory) if directory else None
         self._width = len(str(size - 1)) if size and size > 1 else 1
         self._timestamps = timestamps
-        self._lock = threading.Lock()
+        self._lock = self.lock = threading.Lock()
+        self.overlay = None  # hora run --status's line (hora.runner.status_line): taken away around each line
         self._files: dict[tuple[int, str], IO[bytes]] = {}
 
     def file_for(self, rank: int, stream: str) -> IO[bytes] | None:
@@ -84,6 +85,8 @@ class Output:
         stamp = time.strftime("%a %b %d %H:%M:%S %Y").encode() if self._timestamps else b""
         sink = sys.stdout if stream == "stdout" else sys.stderr
         with self._lock:
+            if self.overlay is not None:
+                self.overlay.hide()
             try:
                 out = getattr(sink, "buffer", None)
                 if out is not None:
@@ -93,16 +96,22 @@ class Output:
                 sink.flush()
             except (OSError, ValueError):
                 pass  # our own stdout is gone (e.g. piped to head); keep draining the worker
+            if self.overlay is not None:
+                self.overlay.show()
         return tagged
 
     def note(self, text: str) -> None:
         """A launcher line (e.g. what ssh said about a host) on our stderr, between worker lines."""
         with self._lock:
+            if self.overlay is not None:
+                self.overlay.hide()
             try:
                 sys.stderr.write(f"hora run: {text}\n")
                 sys.stderr.flush()
             except (OSError, ValueError):
                 pass
+            if self.overlay is not None:
+                self.overlay.show()
 
     def close(self) -> None:
         for f in self._files.values():

@@ -8,16 +8,19 @@ end (NCCL's rule for send/receive pairs that must progress at once).
 
 A failure is not an exception at the call: NCCL reports it through ``ncclCommGetAsyncError`` while the
 kernels wait for a peer that will never come, so the engine polls :meth:`async_error` and the control plane
-and calls :meth:`abort`, which makes every pending kernel of the communicator return.
+and calls :meth:`abort`, which makes every pending kernel of the communicator return. The engine's thread
+launches while the watcher's may abort: launches, the error query, abort and destroy take one lock, and a
+launch on an aborted communicator raises instead of reaching NCCL with a freed handle.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
 from typing import Iterator
 
-from hora.base.errors import HoraValueError
+from hora.base.errors import HoraValueError, InternalError
 from hora.transport import nccl_lib as n
 
 
@@ -36,11 +39,14 @@ def share_unique_id(lib: n.NcclLibrary, store, key: str, rank: int, timeout: flo
 
 
 class NcclComm:
-    """A communicator of ``size`` ranks on CUDA device ``device``; ``rank`` is this process's rank in it."""
+    """A communicator of ``size`` ranks on CUDA device ``device``; ``rank`` is this process's rank in it.
+    ``ranks``: the job's ranks it joins, in its order, where the caller knows them (named in errors)."""
 
     def __init__(self, lib: n.NcclLibrary, store, key: str, rank: int, size: int, device: int, rt,
-                 timeout: float = 60.0, handle: int | None = None):
+                 timeout: float = 60.0, handle: int | None = None, ranks: tuple[int, ...] | None = None):
         self.lib, self.rank, self.size, self.device, self.rt = lib, rank, size, device, rt
+        self.ranks = ranks
+        self._lock = threading.Lock()
         if handle is None:
             uid = share_unique_id(lib, store, key, rank, timeout)
             made = ctypes.c_void_p()
@@ -51,18 +57,25 @@ class NcclComm:
         self.aborted = False
         self._premul: dict[tuple[float, str], int] = {}
 
-    def split(self, color: int | None, key: int, size: int) -> "NcclComm | None":
+    def describe(self) -> str:
+        """``"ranks 2, 3"`` (``"12 ranks"`` past 8, or where the job's ranks are not known), for errors."""
+        if self.ranks is None or len(self.ranks) > 8:
+            return f"{self.size} ranks"
+        return "ranks " + ", ".join(map(str, self.ranks))
+
+    def split(self, color: int | None, key: int, size: int,
+              ranks: tuple[int, ...] | None = None) -> "NcclComm | None":
         """``ncclCommSplit`` (NCCL >= 2.18): collective over every rank of this communicator, in the same
         order as its other calls; the ranks giving the same ``color`` get a communicator of ``size`` ranks
         ordered by ``key`` (this rank's rank in it), those giving None get None. Shares the parent's
-        bootstrap: no unique id, no store round trip."""
+        bootstrap: no unique id, no store round trip. ``ranks``: the new communicator's job ranks."""
         made = ctypes.c_void_p()
         with self.rt.on(self.device):
             self.lib.call("ncclCommSplit", self.handle, n.SPLIT_NOCOLOR if color is None else color, key,
                           ctypes.pointer(made), None)
         if color is None:
             return None
-        return NcclComm(self.lib, None, "", key, size, self.device, self.rt, handle=made.value)
+        return NcclComm(self.lib, None, "", key, size, self.device, self.rt, handle=made.value, ranks=ranks)
 
     @staticmethod
     def dtype(name: str) -> int:
@@ -71,23 +84,35 @@ class NcclComm:
         except KeyError:
             raise HoraValueError(f"NCCL has no {name} type") from None
 
+    def _live(self, name: str) -> int:
+        """The handle, for ``name`` called under the lock; raises once the communicator was aborted."""
+        if self.aborted:
+            raise InternalError(f"{name} on an aborted NCCL communicator of {self.describe()}: a failure aborted "
+                                "it; nothing more runs on it")
+        return self.handle
+
+    def _launch(self, name: str, *args) -> None:
+        """``name(*args, comm, stream)``: the last of ``args`` is the stream."""
+        with self._lock:
+            self.lib.call(name, *args[:-1], self._live(name), args[-1])
+
     def allreduce(self, send: int, recv: int, count: int, dtype: str, op: int, stream: int) -> None:
-        self.lib.call("ncclAllReduce", send, recv, count, self.dtype(dtype), op, self.handle, stream)
+        self._launch("ncclAllReduce", send, recv, count, self.dtype(dtype), op, stream)
 
     def broadcast(self, send: int, recv: int, count: int, dtype: str, root: int, stream: int) -> None:
-        self.lib.call("ncclBroadcast", send, recv, count, self.dtype(dtype), root, self.handle, stream)
+        self._launch("ncclBroadcast", send, recv, count, self.dtype(dtype), root, stream)
 
     def allgather(self, send: int, recv: int, count: int, dtype: str, stream: int) -> None:
-        self.lib.call("ncclAllGather", send, recv, count, self.dtype(dtype), self.handle, stream)
+        self._launch("ncclAllGather", send, recv, count, self.dtype(dtype), stream)
 
     def reducescatter(self, send: int, recv: int, count: int, dtype: str, op: int, stream: int) -> None:
-        self.lib.call("ncclReduceScatter", send, recv, count, self.dtype(dtype), op, self.handle, stream)
+        self._launch("ncclReduceScatter", send, recv, count, self.dtype(dtype), op, stream)
 
     def send(self, buf: int, count: int, dtype: str, peer: int, stream: int) -> None:
-        self.lib.call("ncclSend", buf, count, self.dtype(dtype), peer, self.handle, stream)
+        self._launch("ncclSend", buf, count, self.dtype(dtype), peer, stream)
 
     def recv(self, buf: int, count: int, dtype: str, peer: int, stream: int) -> None:
-        self.lib.call("ncclRecv", buf, count, self.dtype(dtype), peer, self.handle, stream)
+        self._launch("ncclRecv", buf, count, self.dtype(dtype), peer, stream)
 
     @contextlib.contextmanager
     def group(self) -> Iterator[None]:
@@ -111,26 +136,34 @@ class NcclComm:
                 host = (host.view(np.uint32) >> 16).astype(np.uint16)
             assert host.nbytes == ITEMSIZE[dtype]
             out = ctypes.c_int()
-            self.lib.call("ncclRedOpCreatePreMulSum", ctypes.pointer(out), host.ctypes.data, self.dtype(dtype),
-                          n.SCALAR_HOST_IMMEDIATE, self.handle)
+            with self._lock:
+                self.lib.call("ncclRedOpCreatePreMulSum", ctypes.pointer(out), host.ctypes.data, self.dtype(dtype),
+                              n.SCALAR_HOST_IMMEDIATE, self._live("ncclRedOpCreatePreMulSum"))
             op = self._premul[(scalar, dtype)] = out.value
         return op
 
     def async_error(self) -> int:
-        """NCCL's asynchronous error for this communicator (0: none; ncclInProgress while it forms)."""
-        if self.aborted:
-            return n.SUCCESS
+        """NCCL's asynchronous error for this communicator (0: none, and after an abort; ncclInProgress
+        while it forms)."""
         code = ctypes.c_int()
-        self.lib.call("ncclCommGetAsyncError", self.handle, ctypes.pointer(code))
+        with self._lock:
+            if self.aborted:
+                return n.SUCCESS
+            self.lib.call("ncclCommGetAsyncError", self.handle, ctypes.pointer(code))
         return code.value
 
     def abort(self) -> None:
-        """Make every pending operation of this communicator return, and free it; safe to call twice."""
-        if not self.aborted:
+        """Make every pending operation of this communicator return, and free it; safe to call twice, from
+        any thread."""
+        with self._lock:
+            if self.aborted:
+                return
             self.aborted = True
-            self.lib.call("ncclCommAbort", self.handle)
+        self.lib.call("ncclCommAbort", self.handle)  # outside the lock: an abort may take a while
 
     def destroy(self) -> None:
-        if not self.aborted:
+        with self._lock:
+            if self.aborted:
+                return
             self.aborted = True
-            self.lib.call("ncclCommDestroy", self.handle)
+        self.lib.call("ncclCommDestroy", self.handle)

@@ -199,6 +199,11 @@ class StoreClient:
         self._lock = threading.Lock()
 
     def close(self) -> None:
+        """Close the connection; a call another thread is blocked in (a long ``get``) fails at once."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # (a close alone would leave that thread blocked in recv)
+        except OSError:
+            pass
         try:
             self._sock.close()
         except OSError:
