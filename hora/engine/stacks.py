@@ -46,30 +46,30 @@ def _dump() -> str:
         os.close(fd)
 
 
-def main_frames() -> list[tuple[str, int, str]] | None:
-    """The main thread's frames, innermost first, as ``(file, line, function)``; None when it runs no Python
-    code (it has exited)."""
-    main = threading.main_thread().ident
+def threads() -> dict[int, list[tuple[str, int, str]]]:
+    """Every thread's frames (thread ident -> ``(file, line, function)`` innermost first); a thread that runs
+    no Python code has none."""
+    out: dict[int, list[tuple[str, int, str]]] = {}
     frames: list[tuple[str, int, str]] | None = None
     for line in _dump().splitlines():
         head = _HEAD.match(line)
         if head is not None:
-            if frames is not None:
-                break  # the next thread's block
-            if int(head.group(1), 16) == main:
-                frames = []
+            frames = out.setdefault(int(head.group(1), 16), [])
         elif frames is not None:
             m = _FRAME.match(line)
             if m is not None:
                 frames.append((m.group(1), int(m.group(2)), m.group(3)))
-    return frames or None
+    return out
 
 
-def main_stack() -> str:
-    """The main thread's stack as a traceback prints it (outermost first, with each line's source)."""
-    frames = main_frames()
-    if frames is None:
-        return "(main thread has exited)"
+def main_frames() -> list[tuple[str, int, str]] | None:
+    """The main thread's frames, innermost first, as ``(file, line, function)``; None when it runs no Python
+    code (it has exited)."""
+    return threads().get(threading.main_thread().ident or 0) or None
+
+
+def formatted(frames: list[tuple[str, int, str]]) -> str:
+    """Frames (innermost first) as a traceback prints them: outermost first, with each line's source."""
     out = []
     for file, line, func in reversed(frames):
         out.append(f'  File "{file}", line {line}, in {func}\n')
@@ -77,3 +77,9 @@ def main_stack() -> str:
         if src:
             out.append(f"    {src}\n")
     return "".join(out)
+
+
+def main_stack() -> str:
+    """The main thread's stack as a traceback prints it (what a stalled rank's training loop is doing)."""
+    frames = main_frames()
+    return "(main thread has exited)" if frames is None else formatted(frames)
