@@ -118,3 +118,19 @@ def test_reading_the_main_thread_in_a_tight_loop_while_it_churns():
         sys.setswitchinterval(old)
     assert not errors, errors
     assert reads
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(os.environ.get("HORA_LONG_TESTS") != "1", reason="60 s of TensorFlow: HORA_LONG_TESTS=1")
+def test_sampling_the_main_thread_under_tensorflow_does_not_crash():
+    """The reproduction of the pool worker's SIGSEGV (tests/scripts/stack_sampler_stress.py): a thread samples
+    the main thread as fast as it can for 60 s while it runs tf.function and GradientTape steps. The walk of
+    frame objects hora used before crashed there (or hung); hora's reader must end normally."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "tests" / "scripts" / "stack_sampler_stress.py"), "new", "tf", "60"],
+                       cwd=root, env={**os.environ, "PYTHONPATH": str(root), "PYTHONFAULTHANDLER": "1"},
+                       capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0 and "0 errors" in r.stdout, (r.returncode, r.stdout, r.stderr[-4000:])
