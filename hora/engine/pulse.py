@@ -12,7 +12,8 @@ stopped, ``T <s>`` once it has been stopped for ``s`` s. A C loop holding the GI
 rank's Python threads, not its beater. The rank's ``hora-pulse`` thread (which holds the GIL legitimately)
 hands the beater the main thread's innermost frames every second, for the watchers to say what a frozen
 rank was last doing. (An earlier beat from faulthandler's watchdog thread read every thread's frames without
-the GIL and crashed TensorFlow Keras jobs.)
+the GIL and crashed TensorFlow Keras jobs; a walk of the main thread's frame objects from this thread crashed
+CPython 3.11 now and then: :mod:`hora.engine.stacks` reads them in one call that holds the GIL.)
 
 Watchers: rank 0 watches every other rank, rank 1 watches rank 0 (:mod:`hora.base.frozen_notes`). A watcher
 names rank R frozen when R's beater has reported it stopped for ``STOPPED_AFTER`` s, or when R's beat
