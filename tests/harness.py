@@ -240,7 +240,21 @@ def _dump_stacks(pool: _Pool) -> str:
             os.kill(w.proc.pid, signal.SIGUSR1)
     time.sleep(STACK_DUMP_WAIT)
     return "\n".join(f"--- rank {w.rank} (pid {w.proc.pid}, exit {w.proc.poll()}) output and stacks:\n"
-                     f"{w.new_output()[-6000:]}" for w in pool.workers)
+                     f"{_excerpt(w.new_output())}" for w in pool.workers)
+
+
+def _excerpt(text: str, limit: int = 6000) -> str:
+    """The end of a worker's output for a failure message, with a crash's dump kept: faulthandler's
+    "Extension modules: ..." line (about 6000 characters with the frameworks loaded, which alone used to
+    fill the excerpt) is cut short, and the excerpt starts a little before "Fatal Python error" (the dying
+    thread's last exception, then every thread's stack)."""
+    text = "\n".join(line[:100] + " ..." if line.startswith("Extension modules:") else line
+                     for line in text.splitlines())
+    fatal = text.rfind("Fatal Python error")
+    if fatal < 0:
+        return text[-limit:]
+    start = max(0, fatal - limit // 3)
+    return text[start:start + 2 * limit]
 
 
 def _echo_output(pool: _Pool) -> None:
@@ -514,6 +528,7 @@ def _watch_parent() -> None:
 
 
 def _worker_main(cmd_fd: int, result_fd: int) -> None:
+    faulthandler.enable(all_threads=True)  # a crash prints every thread's stack (PYTHONFAULTHANDLER=1 does too)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     _watch_parent()
     base_env = dict(os.environ)
@@ -561,6 +576,7 @@ def _error_reply(rank: int, e: BaseException) -> tuple:
 
 
 def _job_main() -> None:
+    faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     fn, args = pickle.loads(bytes.fromhex(sys.stdin.read()))
     fn(*args)

@@ -10,6 +10,7 @@ import re
 
 EXPECTED = {"raise": "rank 1 raised ValueError: rank one gives up first",
             "exit": "rank 1 exited with code 3 first"}
+TRACEBACK_END = 'raise ValueError("rank one gives up")'  # the line a rank 1 traceback ends at
 
 SCRIPT = """
 import sys

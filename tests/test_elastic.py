@@ -5,6 +5,7 @@ tests/test_elastic_driver.py)."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -241,3 +242,35 @@ def test_the_public_reset_runs_the_bindings_shutdown_then_joins_again():
         assert basics.is_initialized() and hora.elastic.place() == (0, None)
     finally:
         hora.shutdown()
+
+
+def _every_rank_raises():
+    import hora.elastic as elastic
+    from hora.core import basics
+
+    basics.init()
+
+    @elastic.run
+    def train(state):
+        return 1 / 0  # a bug in the training code, on every rank
+
+    return train(elastic.ObjectState(step=0))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["in training", "before init"])
+def test_hora_run_in_elastic_mode_raises_the_error_every_worker_raises(monkeypatch, capfd, where):
+    """``hora.run(fn, min_num_proc=...)`` whose function raises on every worker, inside ``hora.elastic.run`` or
+    before any generation formed: the driver stops at once (Horovod's every-worker-failed rule) and the call
+    raises the user's ZeroDivisionError with its rank's traceback, not a below --min-np LaunchError."""
+    monkeypatch.setenv("HORA_ELASTIC_TIMEOUT", "20")
+    fn = _every_rank_raises if where == "in training" else (lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError) as info:
+        hora.run(fn, num_proc=2, min_num_proc=2, max_num_proc=2)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "raised ZeroDivisionError: division by zero first" in notes, notes
+    cause = str(info.value.__cause__)  # the rank's traceback (a lambda's travels without its source)
+    assert re.search(r"Traceback on rank [01]:", cause) and "ZeroDivisionError: division by zero" in cause, cause
+    assert where == "before init" or "return 1 / 0" in cause, cause
+    err = capfd.readouterr().err
+    assert "elastic job failed: every worker of " in err and "fewer than --min-np" not in err, err[-3000:]

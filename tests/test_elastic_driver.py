@@ -375,3 +375,30 @@ if WID != "localhost:0":
     r = inline_run(tmp_path, body, ["-np", "2", "--min-np", "2", "--elastic-timeout", "2"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "had not ended --elastic-timeout 2 s after another one finished training; killing them" in r.stderr
+
+
+EVERY_RANK_RAISES = """
+@elastic.run
+def train(state):
+    return 1 / 0  # a bug in the training code, on every rank
+train(state)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_an_error_every_worker_raises_ends_the_job_with_it(tmp_path):
+    """Every worker's training function raises ZeroDivisionError: as Horovod's driver (every worker of the
+    rendezvous failed -> stop), the job ends at once, non-zero, with the user's exception, rank-labelled and
+    with its traceback's last lines; not with retries until the host is blacklisted and "fewer than --min-np"."""
+    r = inline_run(tmp_path, EVERY_RANK_RAISES, ["-np", "2", "--min-np", "2", "--max-np", "2",
+                                                 "--elastic-timeout", "20"])
+    assert r.returncode == 1, r.stderr[-3000:]
+    verdict = r.stderr[r.stderr.index("hora run: elastic job failed: "):]
+    assert verdict.startswith("hora run: elastic job failed: every worker of generation 1 failed with an error of "
+                              "its own"), r.stderr[-3000:]
+    assert re.search(r"rank (\d) \(host localhost, pid \d+\) raised ZeroDivisionError: division by zero first; "
+                     r"then rank (?!\1)\d \(host localhost, pid \d+\) raised ZeroDivisionError", verdict), verdict
+    assert re.search(r"last lines of rank \d:\n(.*\n)*.*return 1 / 0 .*\n(.*\n)*.*ZeroDivisionError: division by "
+                     r"zero", verdict), verdict
+    assert "fewer than --min-np" not in r.stderr and "blacklisted" not in r.stderr, r.stderr[-3000:]
+    assert generations(r.stderr) == [2], r.stderr[-3000:]

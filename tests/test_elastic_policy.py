@@ -162,3 +162,48 @@ def test_a_cap_keeps_running_workers_in_their_slots():
     assert wanted_slots(hosts, None, 1, None, 1, set()) == [("b:0", "b", 0), ("b:1", "b", 1), ("a:0", "a", 0),
                                                            ("a:1", "a", 1)]
     assert len(wanted_slots(hosts, 1, 3, 4, 0, set())) == 3  # the first generation: -np raised to --min-np
+
+
+def _ended(rank, t, exc="ZeroDivisionError", code=1, **kw):
+    from hora.base.outcome import RankOutcome
+
+    return RankOutcome(rank, host="h", pid=100 + (rank or 0), exit_code=code, exc_type=exc,
+                       exc_message="division by zero", time=t, **kw)
+
+
+def test_own_errors_are_the_codes_exceptions_not_hora_s_nor_consequences():
+    from hora.runner.elastic.allfailed import own_error
+
+    assert own_error(_ended(0, 1.0))
+    assert own_error(_ended(0, 1.0, exc="NotInitializedError"))  # a misuse of hora's API is a bug in the code
+    assert not own_error(_ended(0, 1.0, exc="PeerLostError", consequence=True))  # another worker failed first
+    assert not own_error(_ended(0, 1.0, exc="HoraTimeoutError"))  # something else went wrong (a start-up timeout)
+    assert not own_error(_ended(0, 1.0, exc=None))  # an exit status, no exception: no proof it is the code's
+    assert not own_error(_ended(0, 1.0, code=-signal.SIGKILL))  # killed
+    assert not own_error(_ended(0, 1.0, code=None, lost="host h went silent"))  # a lost host
+
+
+def test_every_worker_of_a_round_failing_in_its_own_code_ends_the_job_with_the_first():
+    """Horovod's "failure count == size -> stop running": the verdict comes with the round's last end, names
+    the earliest failure first; any other end in the round (a finish, a kill, a consequence) turns it off."""
+    from hora.runner.elastic.allfailed import Round, own_error, verdict
+
+    r = Round()
+    r.begin([7, 8])
+    first, second = _ended(1, 1.0), _ended(0, 2.0)
+    assert r.end(8, first, own_error(first)) is None  # worker 8 (rank 1) first, then 7 (rank 0)
+    assert r.end(99, second, True) is None  # not of the round (a newcomer, a respawn)
+    failed = r.end(7, second, own_error(second))
+    assert failed == [first, second]
+    text = verdict(failed, 3)
+    assert text.startswith("every worker of generation 3 failed with an error of its own"), text
+    assert "rank 1 (host h, pid 101) raised ZeroDivisionError: division by zero first; then rank 0 " in text, text
+    r.begin([7, 8])
+    assert r.end(7, _ended(0, 1.0), True) is None and r.end(8, _ended(1, 2.0, exc="PeerLostError"), False) is None
+    r = Round()  # before the first generation: each slot's first worker is the round
+    r.started(1)
+    r.started(2)
+    assert r.end(1, _ended(None, 1.0, worker="1 (a:0)"), True) is None
+    failed = r.end(2, _ended(None, 2.0, worker="2 (a:1)"), True)
+    assert failed is not None and "the first generation (none had formed)" in verdict(failed, 0)
+    assert "worker 1 (a:0) (host h, pid 100) raised ZeroDivisionError" in verdict(failed, 0)

@@ -69,6 +69,9 @@ def test_hora_run(tmp_path, how):
     assert r.returncode == (1 if how == "raise" else 3), r.stderr[-3000:]
     line = next((ln for ln in r.stderr.splitlines() if ln.startswith("hora run: rank ")), r.stderr[-3000:])
     rc.check(how, line)
+    if how == "raise":  # the report goes on with rank 1's traceback, labelled with its rank
+        report = r.stderr[r.stderr.index(line):]
+        assert "last lines of rank 1:" in report and rc.TRACEBACK_END in report, report
 
 
 @pytest.mark.timeout(60)
@@ -79,6 +82,9 @@ def test_hora_run_api(how):
     with pytest.raises(ValueError if how == "raise" else LaunchError) as info:
         hora.run(rc.rank_one_fails, args=(how,), num_proc=2)
     rc.check(how, "\n".join([str(info.value), *getattr(info.value, "__notes__", [])]))
+    if how == "raise":  # rank 1's own traceback comes with it, named by its rank
+        cause = str(info.value.__cause__)
+        assert "Traceback on rank 1:" in cause and rc.TRACEBACK_END in cause, cause
 
 
 @pytest.mark.timeout(90)

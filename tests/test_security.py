@@ -70,12 +70,12 @@ def attack(addr: tuple[str, int], kind: str, secret: str) -> str | None:
     try:
         if kind == "garbage":
             sock.sendall(os.urandom(8192))
-        elif kind == "wrong hmac":
+        elif kind == "wrong hmac":  # the handshake fails (and closes our socket) once the acceptor hangs up
             try:
                 auth.connect_handshake(sock, b"not the job secret")
                 return "the handshake with a wrong secret succeeded"
-            except AuthenticationError:
-                pass
+            except AuthenticationError as e:  # dropped: it read the end of the connection, not a timeout
+                return None if isinstance(e.__cause__, ConnectionError) else f"not dropped by the peer: {e}"
         elif kind == "half handshake":  # a nonce and a length, then nothing
             sock.sendall(os.urandom(auth.NONCE) + b"o" + struct.pack("!I", 64))
         elif kind == "impostor":  # knows the secret, is no rank of this job
@@ -135,8 +135,10 @@ def test_strangers_are_dropped_and_the_job_completes():
                 threads[-1].start()
 
         during = progress(job, n)
-        time.sleep(2.0)
-        assert progress(job, n) > during, "the job stalled while strangers were connected"
+        deadline = time.monotonic() + DROP_S  # the silent strangers stay connected about that long
+        while progress(job, n) <= during:  # a step of every rank, not a guessed number of seconds
+            assert time.monotonic() < deadline, "the job stalled while strangers were connected"
+            time.sleep(0.05)
         for t in threads:
             t.join(DROP_S + 10)
         print("attacks:", sorted(findings))
@@ -337,3 +339,51 @@ def test_a_flood_of_strangers_logs_one_line_per_source_and_a_count(caplog):
     assert len(during) == 1 and "wrong HMAC" in during[0], during
     assert len(lines) == 2, lines
     assert f"dropped {n - 1} more connections from 127.0.0.1" in lines[1], lines
+
+
+# Endpoints that refuse a store client, served by another process (so that this one holds only the
+# client's descriptors): a store with another secret, a store sealed with integrity (this client asks for
+# none), and a listener that closes every connection at once.
+REFUSERS = """
+import socket, threading
+from hora.transport.store import StoreServer
+stores = [StoreServer("another secret"), StoreServer(%r, protection="integrity")]
+closer = socket.create_server(("127.0.0.1", 0))
+def close_each():
+    while True:
+        closer.accept()[0].close()
+threading.Thread(target=close_each, daemon=True).start()
+print(stores[0].address, stores[1].address, "127.0.0.1:%%d" %% closer.getsockname()[1], flush=True)
+input()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_store_client_leaves_no_descriptor_open():
+    """A StoreClient whose handshake fails (wrong secret, another wire protection, the peer closed) closes its
+    socket before raising: while the error (and its traceback, which holds the client's frame) is alive, this
+    process has as many descriptors open as before."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hora.base.errors import AuthenticationError
+    from hora.transport import auth
+    from hora.transport.store import StoreClient
+
+    secret = auth.new_secret()
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", REFUSERS % secret], cwd=root, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        addrs = proc.stdout.readline().split()
+        assert len(addrs) == 3, f"the refusing endpoints did not start (exit {proc.poll()})"
+        before = len(os.listdir("/proc/self/fd"))
+        for addr, why in zip(addrs, ("handshake failed", "wire protection", "handshake failed")):
+            with pytest.raises(AuthenticationError, match=why) as e:
+                StoreClient(addr, secret, timeout=10)
+            assert e.value.__traceback__ is not None  # the client's frame (and its socket) stay referenced
+            assert len(os.listdir("/proc/self/fd")) == before, (addr, sorted(os.listdir("/proc/self/fd")))
+    finally:
+        proc.kill()
+        proc.wait()

@@ -12,20 +12,24 @@ frame: its site is None.
 
 **What the main thread is doing** (:func:`main_thread`): its innermost user frames (the standard library,
 hora and the frameworks skipped), and the hora function it is inside, if any (``synchronize``,
-``allreduce``): a rank in no hora call is computing.
+``allreduce``): a rank in no hora call is computing. It is read from another thread through
+:mod:`hora.engine.stacks` (never through that thread's frame objects, which crash CPython 3.11 now and
+then), which gives file, line and function name only: a frame's package is told by its file's path, and
+its :class:`Frame` has the plain function name and no first line.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
+import sysconfig
 from typing import NamedTuple
+
+from hora.engine import stacks
 
 # top-level packages whose frames are never a call site: hora, its Horovod alias, NumPy, the frameworks it binds
 INTERNAL = frozenset({"hora", "horovod", "numpy", "torch", "tensorflow", "keras", "tf_keras", "jax", "jaxlib", "mxnet",
                       "optax", "flax", "lightning", "pytorch_lightning", "lightning_fabric"})
-_STDLIB = frozenset(sys.stdlib_module_names)  # skipped in a main thread's frames: time.sleep's callers matter
 FRAMES = 6  # user frames of the main thread a rank reports, innermost first
 LIMIT = 1 << 16  # cached code objects and sites before the caches start afresh (code made at run time, exec)
 
@@ -129,17 +133,51 @@ class MainThread(NamedTuple):
 
 
 def main_thread() -> MainThread:
-    """The main thread's state, read from another thread (the engine's)."""
-    f = sys._current_frames().get(threading.main_thread().ident)
+    """The main thread's state, read from another thread (the engine's, the pulse's)."""
     frames: list[Frame] = []
     inside = ""
     user_seen = False
-    while f is not None and len(frames) < FRAMES:
-        top = _top(f)
-        if top == "hora" and not user_seen:
-            inside = f.f_code.co_name  # the outermost hora frame inside the innermost user frame
-        elif top not in INTERNAL and top not in _STDLIB:
+    for file, line, func in stacks.main_frames() or ():
+        kind = _kind_of(file)
+        if kind == "hora" and not user_seen:
+            inside = func  # the outermost hora frame inside the innermost user frame
+        elif kind == "user":
             user_seen = True
-            frames.append(_frame(f))
-        f = f.f_back
+            frames.append(Frame(short(file), line, func))
+            if len(frames) == FRAMES:
+                break
     return MainThread(tuple(frames), inside)
+
+
+_kinds: dict[str, str] = {}  # file -> "hora", "internal" (a framework's), "stdlib" or "user"
+
+
+def _kind_of(file: str) -> str:
+    kind = _kinds.get(file)
+    if kind is None:
+        if len(_kinds) > LIMIT:
+            _kinds.clear()
+        kind = _kinds[file] = _classify(file)
+    return kind
+
+
+def _classify(file: str) -> str:
+    if file.startswith("<"):  # <frozen importlib._bootstrap>, <string>, <stdin>
+        return "stdlib" if file.startswith("<frozen ") else "user"
+    path = os.path.abspath(file)
+    best, kind = "", ""  # the innermost package holding the file (hora's Horovod alias lies inside hora)
+    for name in INTERNAL:
+        mod = sys.modules.get(name)
+        if mod is None:
+            continue
+        for root in list(getattr(mod, "__path__", None) or ()) or [getattr(mod, "__file__", None) or ""]:
+            if root and len(root) > len(best) and (path == root or path.startswith(os.path.join(root, ""))):
+                best, kind = root, "hora" if name == "hora" else "internal"
+    if kind:
+        return kind
+    paths = sysconfig.get_paths()
+    if any(part in path.split(os.sep) for part in ("site-packages", "dist-packages")):
+        return "user"  # a package hora does not bind: the user's, as far as a call site goes
+    if any(path.startswith(os.path.join(paths[k], "")) for k in ("stdlib", "platstdlib")):
+        return "stdlib"  # skipped in a main thread's frames: time.sleep's callers matter
+    return "user"

@@ -12,7 +12,8 @@ stopped, ``T <s>`` once it has been stopped for ``s`` s. A C loop holding the GI
 rank's Python threads, not its beater. The rank's ``hora-pulse`` thread (which holds the GIL legitimately)
 hands the beater the main thread's innermost frames every second, for the watchers to say what a frozen
 rank was last doing. (An earlier beat from faulthandler's watchdog thread read every thread's frames without
-the GIL and crashed TensorFlow Keras jobs.)
+the GIL and crashed TensorFlow Keras jobs; a walk of the main thread's frame objects from this thread crashed
+CPython 3.11 now and then: :mod:`hora.engine.stacks` reads them in one call that holds the GIL.)
 
 Watchers follow the ring: rank r is watched by rank r - 1 (rank 0 by the last rank), so every rank holds one
 beat connection it watches and its beater one to its watcher, whatever the size of the job (rank 0 watched

@@ -22,15 +22,13 @@ unanswered (rank 0 itself is the frozen one) gives up ``LONE_GRACE`` s later on 
 from __future__ import annotations
 
 import logging
-import sys
-import threading
 import time
-import traceback
 
 from typing import TYPE_CHECKING, Callable
 
 from hora.base.errors import StallError
 from hora.engine import messages as m
+from hora.engine.stacks import main_stack
 
 if TYPE_CHECKING:
     from hora.engine.control import Control
@@ -197,14 +195,6 @@ class DataWatch:
             raise StallError(f"stall shutdown after {waited:.0f} s: rank {peer} made no progress inside "
                              f"{self.what()} (rank {peer}: {describe()}), and rank 0 gave no verdict; "
                              "is it frozen (stopped, swapping, stuck in a system call)?")
-
-
-def main_stack() -> str:
-    """The stack of this process's main thread (what a stalled rank's training loop is doing)."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    if frame is None:
-        return "(main thread has exited)"
-    return "".join(traceback.format_stack(frame))
 
 
 def _text(rep: dict, after: float) -> str:

@@ -34,12 +34,11 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from typing import Any
 
 from hora.base import contract, jobfile
 from hora.base.errors import HoraError
-from hora.engine import diagnose, explain
+from hora.engine import diagnose, explain, stacks
 from hora.engine import messages as m
 
 log = logging.getLogger("hora")
@@ -85,11 +84,13 @@ def counters(engine: Any) -> dict[str, Any]:
 
 
 def all_stacks() -> str:
-    """Every thread's Python stack, innermost last, each under its thread's name."""
+    """Every thread's Python stack, innermost last, each under its thread's name (read by
+    :mod:`hora.engine.stacks`, never through another thread's frame objects)."""
     names = {t.ident: t.name for t in threading.enumerate()}
     parts = []
-    for ident, frame in sorted(sys._current_frames().items(), key=lambda kv: kv[0] != threading.main_thread().ident):
-        parts.append(f"thread {names.get(ident, '?')} ({ident}):\n" + "".join(traceback.format_stack(frame)))
+    for ident, frames in sorted(stacks.threads().items(), key=lambda kv: kv[0] != threading.main_thread().ident):
+        if frames:
+            parts.append(f"thread {names.get(ident, '?')} ({ident}):\n" + stacks.formatted(frames))
     return "\n".join(parts)
 
 

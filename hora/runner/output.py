@@ -116,3 +116,8 @@ class Output:
     def close(self) -> None:
         for f in self._files.values():
             f.close()
+
+
+def say(msg: str) -> None:
+    """One line of the launcher's own on its stderr: ``hora run: <msg>``."""
+    print(f"hora run: {msg}", file=sys.stderr, flush=True)

@@ -126,7 +126,17 @@ def connect_handshake(sock: socket.socket, secret: bytes, ident: bytes = b"",
     """Client side: prove we know the secret, check that the acceptor does too and that both ask for
     the same wire protection (``protection``, else the knob), and return the connection to use: ``sock``
     itself, or ``sock`` sealed (:mod:`hora.transport.seal`) unless ``sealed`` is False (a connection
-    written to by C code, the pulse's)."""
+    written to by C code, the pulse's). It owns ``sock``: whatever fails (refused, wrong secret, the peer
+    closed, no ``cryptography`` to seal with), ``sock`` is closed before the error propagates."""
+    try:
+        return _connect_handshake(sock, secret, ident, timeout, sealed, protection)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _connect_handshake(sock: socket.socket, secret: bytes, ident: bytes, timeout: float, sealed: bool,
+                       protection: str | None) -> socket.socket:
     mode = seal.mode(protection)
     try:
         sock.settimeout(timeout)

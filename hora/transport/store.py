@@ -273,8 +273,12 @@ class StoreClient:
                     raise HoraTimeoutError(f"cannot reach the hora store at {addr} within {timeout:g} s: {e}; "
                                            "is the launcher running and HORA_STORE_ADDR right?") from e
                 time.sleep(0.05)
-        net.tune(self._sock)
-        self._sock = auth.connect_handshake(self._sock, secret_b, protection=protection)
+        try:  # a refused handshake (wrong secret, another protection, the peer closed) leaves no socket open
+            net.tune(self._sock)
+            self._sock = auth.connect_handshake(self._sock, secret_b, protection=protection)
+        except BaseException:
+            self._sock.close()
+            raise
         self._lock = threading.Lock()
         self.round_trips = 0  # requests made (start-up's cost, counted by tests and the scale simulation)
 

@@ -61,6 +61,11 @@ slot whose workers fail that way ``HORA_ELASTIC_SLOT_FAILURES`` times in a row (
 one of its own workers comes through a generation) fails the job with the last one's status: the survivors on
 its host keep the host's count at 0, so without it a deterministic crash would loop for ever.
 
+Every worker failed in its own code (:mod:`hora.runner.elastic.allfailed`): when each member of the generation
+(before the first one: each slot's first worker) has exited with an exception of the training code, a restart
+would repeat it; as Horovod's driver, this one stops the job then, with the first worker's exception, status
+and last lines (a ``ZeroDivisionError`` on every rank is reported as such, not as "fewer than --min-np").
+
 Exit status: 0 on success; the failed worker's status (128+N for signal N); 1 when the driver gives up (below
 ``--min-np`` too long, ``--reset-limit``, failure resets with no progress, the committed state lost); 128+N
 when it is interrupted. (The knobs: :mod:`hora.base.knobs`, group "elastic".)
@@ -68,21 +73,22 @@ when it is interrupted. (The knobs: :mod:`hora.base.knobs`, group "elastic".)
 
 from __future__ import annotations
 
-import queue
 import signal
-import sys
 import threading
 import time
 from typing import Any, Callable
 
 from hora.base import elastic_protocol as protocol
-from hora.base.outcome import RankOutcome, exit_status, from_end, headline, tail_of, what
+from hora.base.outcome import RankOutcome, tail_of
+from hora.runner.elastic.allfailed import Round
 from hora.runner.elastic.discovery import Discovery
+from hora.runner.elastic.ends import WorkerEnds
 from hora.runner.elastic.frozen import FrozenKiller
 from hora.runner.elastic.fsm import Act, DriverState, Observation, step
-from hora.runner.elastic.policy import (DiscoveryGuard, FailurePolicy, below_min_np, host_counts, host_fault,
-                                        host_slots, rank_order, wanted_slots)
+from hora.runner.elastic.policy import (DiscoveryGuard, FailurePolicy, below_min_np, host_counts, host_slots,
+                                        rank_order, wanted_slots)
 from hora.runner.elastic.workers import Pool, Proc
+from hora.runner.output import say as _say
 from hora.runner.spawn import Output
 
 TICK = 0.05
@@ -90,11 +96,7 @@ EXIT_GRACE = 10.0  # s a worker told to exit gets before it is killed
 MESH_TIMEOUT = 10  # s: the workers' --start-timeout unless given (see Driver.__init__)
 
 
-def _say(msg: str) -> None:
-    print(f"hora run: {msg}", file=sys.stderr, flush=True)
-
-
-class Driver:
+class Driver(WorkerEnds):
     def __init__(self, command: list[str], settings: dict[str, Any], envs: dict[str, str], store: Any,
                  store_addr: Callable[[str], str], output: Output | None, remote: Any = None, pool: Any = None,
                  discovery: Any = None):
@@ -136,6 +138,7 @@ class Driver:
         self.failure: tuple[int, str] | None = None  # (exit status, message): the job failed
         self.member_failure: tuple[int, str] | None = None
         self.root: RankOutcome | None = None  # the failed worker to blame when the job fails
+        self.round = Round()  # the workers whose failing all in their own code ends the job (allfailed.py)
         self._signal: int | None = None
         self.frozen = FrozenKiller(store, self.scope, _say)  # a member frozen past the limit is killed
         self.state = DriverState.DISCOVERING
@@ -216,82 +219,6 @@ class Driver:
             self._escalate(now)
         return None
 
-    # --- events
-    def _exits(self, now: float) -> None:
-        while True:
-            try:
-                p = self.pool.exits.get_nowait()
-            except queue.Empty:
-                return
-            rc, lost = p.returncode, p.worker.lost
-            p.seen = True
-            member = p.number in self.member_numbers
-            o = self._outcome(p)
-            how = what(o)
-            if p.stopping:
-                continue
-            if rc == 0 and lost is None:
-                if not self.finishing:
-                    _say(f"worker {p.number} ({p.wid}) finished; the job ends when the others do (at most "
-                         f"--elastic-timeout {self.timeout:g} s)")
-                    self.finished_at = now
-                self.finishing = True
-                continue
-            rank = f", rank {self.member_numbers.index(p.number)}" if member else ""
-            _say(f"worker {p.number} ({p.wid}{rank}) {how}")
-            if member and self.finishing:
-                _say(f"warning: worker {p.wid} failed after another worker had finished training; "
-                     "the training is complete, so the job still succeeds")
-                continue
-            f = self.policy.worker_failed(p.wid, host_fault(rc, lost), now)
-            if self.policy.slot_exhausted(f) and self.failure is None:
-                self.root = o
-                self.failure = (exit_status(o), f"{headline(o)} first; the workers of slot {p.wid} failed {f} "
-                                                f"times in a row; HORA_ELASTIC_SLOT_FAILURES={self.policy.slot_limit} "
-                                                "(kills by a signal do not count)")
-            if member:
-                # ranks still connecting the generation's mesh learn of it (the transport's abort note)
-                self.store.set(f"{self.scope}/{protocol.GENERATION_PREFIX}{self.gen}/1/abort",
-                               f"{self.member_numbers.index(p.number)}|worker {p.wid} {how}".encode())
-                self.failed_member = True
-                self.breaking = self.breaking or now
-                self.first_failure = self.first_failure or p.ended
-                if self.member_failure is None:
-                    self.member_failure = (exit_status(o), f"{headline(o)} (worker {p.number}, slot {p.wid})")
-                    self.root = self.root or o
-            if host_fault(rc, lost):
-                self._host_failed(p.host, now)
-
-    def _outcome(self, p: Proc) -> RankOutcome:
-        """A worker's end as the record every launcher reports through: its rank in the current generation
-        (None for a worker that holds none), its slot and number, its last output lines."""
-        w = p.worker  # a process's (hora.runner.spawn.Worker) or, under hora.ray, an actor's
-        rank = self.member_numbers.index(p.number) if p.number in self.member_numbers else None
-        o = from_end(rank, p.returncode, w.lost, list(getattr(w, "tail", ())), host=p.host, pid=getattr(w, "pid", None),
-                     time=time.time(), worker=f"{p.number} ({p.wid})")
-        error = getattr(w, "error", None)  # an actor's exception
-        if isinstance(error, BaseException) and o.exc_type is None:
-            o.exc_type, o.exc_message = type(error).__name__, str(error)
-        return o
-
-    def _host_failed(self, host: str, now: float) -> None:
-        """Count a failure against ``host``; when that blacklists it, stop its other workers (no survivor may
-        wait on them) and say so."""
-        line = self.policy.host_failed(host, now)
-        if line is not None:
-            _say(line)
-            self._stop([q for q in self.pool.live() if q.host == host], now, kill=True)
-
-    def _finish_timeout(self, now: float) -> None:
-        """A worker finished training: the others got --elastic-timeout s to end too (``step`` says when),
-        now they are killed."""
-        late = [p for p in self.pool.live() if not p.stopping]
-        if late:
-            _say(f"warning: workers {' '.join(f'{p.number} ({p.wid})' for p in late)} had not ended "
-                 f"--elastic-timeout {self.timeout:g} s after another one finished training; killing them "
-                 "(the training is complete: the job still succeeds)")
-            self._stop(late, now, kill=True)
-
     def _hosts(self, now: float) -> dict[str, int] | None:
         for h in self.blacklist.released(now):
             _say(f"host {h} is back from the blacklist")
@@ -337,6 +264,8 @@ class Driver:
             env.update({protocol.ID_VAR: wid, protocol.NUMBER_VAR: str(self.pool.next_number), "HORA_HOSTNAME": host,
                         "HORA_ELASTIC": "1", "HORA_STORE_ADDR": self.store_addr(host)})
             self.slots[wid] = self.pool.start(wid, host, index, env)
+            if p is None and self.gen == 0:  # the first worker of its slot: one of the first round
+                self.round.started(self.slots[wid].number)
 
     def _ready(self) -> list[Proc]:
         """Live workers waiting for an answer, with their request numbers in ``p.asked``."""
@@ -475,6 +404,7 @@ class Driver:
             p.announced, p.gen, p.base_commits = True, self.gen, p.commits
         self.members = [p.wid for p in chosen]
         self.member_numbers = [p.number for p in chosen]
+        self.round.begin(self.member_numbers)
         self.breaking, self.failed_member = None, False
         self.member_failure = None
         took = f"; {now - self.first_failure:.2f} s after the failure" if self.first_failure else ""
