@@ -4,7 +4,7 @@ Run as a script by :mod:`hora.engine.pulse` (``python -I -S beater.py PPID SOCK 
 only, no ``site``, no hora import; about 10 MiB and a few tens of ms to start). It reads no Python state of
 its rank, so nothing the rank does (a C loop holding the GIL for hours, TensorFlow starting and ending
 threads) can stop it or be disturbed by it. Once a second it writes one line on ``SOCK``, the rank's beat
-connection to its watcher (rank 0 or 1):
+connection to its watcher (the rank before it on the ring):
 
 - ``R`` while the rank's process runs (its state in ``/proc/PPID/stat`` is not ``T``/``t``), busy or not;
 - ``T <s>`` once it has been stopped (SIGSTOP, Ctrl-Z, a debugger's stop) for ``s`` s without a break,

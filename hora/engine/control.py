@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from hora.base.errors import HoraError
 from hora.engine import messages as m
 
 
@@ -35,17 +34,34 @@ class Control:
     def send(self, peer: int, msg: tuple) -> None:
         self._send_ctrl(peer, m.dumps(msg))
 
+    @property
+    def tree(self) -> tuple[int, int] | None:
+        """``(size, fanout)`` of the routed control tree, or None (a star, or a plane built by hand)."""
+        return getattr(self._ctrl, "tree", None)
+
+    def send_tree(self, msg: tuple) -> None:
+        """``msg`` to every other rank, down the control tree (rank 0 only; see ``ControlPlane.send_tree``)."""
+        self._ctrl.send_tree(m.dumps(msg))
+
+    def send_best(self, peer: int, msg: tuple) -> bool:
+        """Best effort (see ``ControlPlane.send_best``): a router's merged requests, which must not take a
+        rank 0 that shut down meanwhile for a lost one."""
+        return self._ctrl.send_best(peer, m.dumps(msg))
+
+    def take_up(self, fn: Callable[[int, bytes], bool]) -> None:
+        """Offer ``fn(source, payload)`` every frame a child sends toward rank 0 (a router: True takes it
+        in, :mod:`hora.engine.subtree`)."""
+        self._ctrl.on_up = fn
+
+    @property
+    def closed(self) -> bool:
+        return getattr(self._ctrl, "closed", False)
+
     def tell(self, peers, msg: tuple) -> None:
         """Best-effort send to each of ``peers`` still here: for news (goodbye, abort, stall shutdown)
-        whose sender is about to fail or leave anyway, so a peer already gone is no error."""
-        data = m.dumps(msg)
-        for p in peers:
-            if p in self.departed:
-                continue
-            try:
-                self._send_ctrl(p, data)
-            except HoraError:
-                pass
+        whose sender is about to fail or leave anyway, so a peer already gone is no error (deepest
+        ranks of the control tree first: see :meth:`hora.transport.control.ControlPlane.send_all`)."""
+        self._ctrl.send_all([p for p in peers if p not in self.departed], m.dumps(msg))
 
     def recv(self, timeout: float | None, wake_fd: int | None = None,
              window: Callable | None = None) -> list[tuple[int, tuple]]:

@@ -21,8 +21,9 @@ from hora.base.errors import HoraError, HoraValueError, InternalError, MismatchE
 from hora.collectives.reduce import OP_NAMES
 from hora.engine import names as naming
 from hora.engine.messages import (ADD_PS, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, JOIN,
-                                REDUCESCATTER, REMOVE_PS, TUNE, Refusal, Request, Response, error)
+                                REDUCESCATTER, REMOVE_PS, Refusal, Request, Response, error)
 from hora.engine.straggler import StragglerAccount
+from hora.engine.subtree import share
 from hora.engine.unnamed import at, order, resolve, signature
 
 _COMPARED = {  # fields that must agree across ranks, by op kind
@@ -159,7 +160,7 @@ class Coordinator:
         self.account = StragglerAccount(size)  # who every fused collective waited for (hora.engine.straggler)
 
     # -- input ---------------------------------------------------------------------------------
-    def submit(self, rank: int, req: Request) -> None:
+    def submit(self, rank: int, req: Request, when: float | None = None) -> None:  # when: its arrival at a router
         if req.kind == JOIN:
             if rank not in self.joined:
                 self.joined.append(rank)
@@ -169,16 +170,16 @@ class Coordinator:
         if (req.group is not None or self._forms or self._failed) and self._sized(rank, req):
             return
         entry = self.table.get(key)
-        now = time.monotonic()
+        now = time.monotonic() if when is None else when
         if entry is None:
             entry = self.table[key] = Entry({}, now)
         entry.requests[rank] = req
         entry.at[rank] = now
         self._check(key, entry)
 
-    def submit_bit(self, rank: int, sent) -> None:
+    def submit_bit(self, rank: int, sent, when: float | None = None) -> None:
         """``rank``'s request sent as a cache bit (an unnamed op's with its slot: :func:`hora.engine.unnamed.wire`)."""
-        self.submit(rank, resolve(self.cache, sent))
+        self.submit(rank, resolve(self.cache, sent), when)
 
     def idle(self) -> bool:
         """Nothing waits here: no request, response, join, group or process-set removal in flight (the
@@ -205,7 +206,10 @@ class Coordinator:
             self.joined = []
 
     def _check(self, key: tuple[int, str], entry: Entry) -> None:
-        required = self._required(key[0])
+        ps = key[0]
+        if len(entry.requests) < len(self.process_sets.get(ps, ())) - (len(self.joined) if ps == 0 else 0):
+            return  # not every rank yet: a count, not a set of the set's ranks per submit (O(N) per tensor, not N^2)
+        required = self._required(ps)
         if not required or not required <= set(entry.requests):
             return
         del self.table[key]
@@ -490,17 +494,12 @@ class Coordinator:
 
     def share(self, peer: int, responses: list[Response], additions: list[tuple[int, Request]],
               evictions: list[tuple[int, int]]) -> tuple[list, list, list]:
-        """What rank ``peer`` hears of one :meth:`take`: the responses on its sets (process-set changes
-        and autotune's settings go to everyone, since every rank keeps the table and the settings), and
-        the cache bits of its sets."""
-        ranks_of = self.ranks_of
-        mine = [r for r in responses if peer in ranks_of(r.ps) or r.kind in (ADD_PS, REMOVE_PS, TUNE)]
-        adds = [(b, q) for b, q in additions if peer in ranks_of(q.ps)]
-        evicts = [b for b, ps in evictions if peer in ranks_of(ps)]
-        return mine, adds, evicts
+        """What rank ``peer`` hears of one :meth:`take` (:func:`hora.engine.subtree.share`)."""
+        return share(peer, responses, additions, evictions, self.ranks_of)
 
     def stalled(self, older_than: float) -> list[tuple[int, str, list[int]]]:
         """(process set, name, missing ranks) for tensors waiting longer than ``older_than`` s."""
         now = time.monotonic()
         return [(ps, name, sorted(self._required(ps) - set(e.requests)))
                 for (ps, name), e in self.table.items() if now - e.since > older_than]
+

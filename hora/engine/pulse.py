@@ -15,7 +15,10 @@ rank was last doing. (An earlier beat from faulthandler's watchdog thread read e
 the GIL and crashed TensorFlow Keras jobs; a walk of the main thread's frame objects from this thread crashed
 CPython 3.11 now and then: :mod:`hora.engine.stacks` reads them in one call that holds the GIL.)
 
-Watchers: rank 0 watches every other rank, rank 1 watches rank 0 (:mod:`hora.base.frozen_notes`). A watcher
+Watchers follow the ring: rank r is watched by rank r - 1 (rank 0 by the last rank), so every rank holds one
+beat connection it watches and its beater one to its watcher, whatever the size of the job (rank 0 watched
+every other rank before issue 27: 31 connections at np=32, and a control-tree parent would hold up to 8);
+:mod:`hora.base.frozen_notes` says how every rank finds the notes of any watcher. A watcher
 names rank R frozen when R's beater has reported it stopped for ``STOPPED_AFTER`` s, or when R's beat
 connection has been silent for ``NAME_AFTER`` s (the beater was frozen with its rank: a whole process group
 or cgroup stopped); it writes its notes in the store, every rank's pulse thread reads them every ``POLL_S``
@@ -29,6 +32,12 @@ as a network failure (the data mesh names the lost peer), and a partition is nev
 watcher judges silence only over time it was awake itself: when its own loop was held up (its process was
 stopped, or its Python threads starved), it restarts the silence counts. A closed beat connection is a rank
 that left or died (which the data mesh reports), or a beater that ended (the rank logs it): not frozen.
+
+The same thread spreads a lost rank's news: the first rank that loses a peer leaves a note in the store
+(``<prefix>/abort``, :func:`hora.transport.tcp.blame`), and every rank's pulse thread reads it within ``POLL_S``
+and fails its engine naming that rank. On the sparse connection plan most ranks hold no connection to the
+one that died; this reaches them even when the ranks that would relay the control plane's news (rank 0, the
+routers) are held up in a wait of their own.
 
 What this does not see: a rank that runs but makes no progress (two of its threads deadlocked, a loader
 waiting forever on a file system) looks exactly like a busy one from outside; the stall inspector names
@@ -52,7 +61,7 @@ from hora.base import frozen_notes as notes
 from hora.base.errors import HoraError, PeerLostError
 from hora.engine import beater, callsite
 from hora.transport import auth, net
-from hora.transport.acceptor import Acceptor, stop_loop
+from hora.transport.acceptor import Acceptor, Wake, stop_loop
 
 log = logging.getLogger("hora")
 
@@ -77,7 +86,7 @@ class _Watched:
 
 
 class Pulse:
-    """One rank's beater, its watch over others (ranks 0 and 1) and its reading of the verdicts.
+    """One rank's beater, its watch over the next rank on the ring and its reading of the verdicts.
     ``fail(err)`` ends this rank's engine (from the pulse thread); :meth:`close` at shutdown."""
 
     def __init__(self, rank: int, size: int, store, prefix: str, secret: bytes, bind: str, advertise: str,
@@ -94,8 +103,11 @@ class Pulse:
         self._beater: subprocess.Popen | None = None
         self._pipe = -1  # to the beater: what this rank is doing
         self._told = ""
-        self._wake_r, self._wake_w = socket.socketpair()
-        if rank in notes.WATCHERS:
+        self._wake = Wake()
+        self._posts = 0  # posts on the notes' board read so far (frozen_notes.posted)
+        self._abort_seen = False
+        self._watches = {(rank + 1) % size} - {rank}  # the rank it watches (watcher_of)
+        if self._watches:
             listener = socket.create_server((bind, 0), backlog=socket.SOMAXCONN)
             self._acceptor = Acceptor(listener, secret, self._claim, f"hora rank {rank}: pulse port", sealed=False)
             store.set(f"{prefix}/pulse/{rank}", f"{advertise}:{listener.getsockname()[1]}".encode())
@@ -107,7 +119,7 @@ class Pulse:
     def _start_beater(self) -> None:
         """Connect to this rank's watcher and hand the connection to a new beater. Best effort: a watcher
         that shut down at once, or no ``/proc`` to read, fails nothing; this rank is then not watched."""
-        watcher = notes.watcher_of(self.rank)
+        watcher = watcher_of(self.rank, self.size)
         if not sys.executable or not os.path.exists(f"/proc/{os.getpid()}/stat"):
             log.debug("hora rank %d: no beater (no /proc or no interpreter to run): not watched", self.rank)
             return
@@ -142,7 +154,7 @@ class Pulse:
     # -- the watcher's side ------------------------------------------------------------------------
     def _claim(self, sock: socket.socket, ident: bytes, addr) -> None:
         rank, prefix = ident.decode("ascii", "replace").split("|", 1)
-        if prefix != self.prefix or notes.watcher_of(int(rank)) != self.rank:
+        if prefix != self.prefix or not rank.isdigit() or int(rank) not in self._watches:
             raise HoraError(f"a pulse connection for {prefix} rank {rank}, not one this rank watches")
         _tune(sock)
         sock.setblocking(False)
@@ -151,7 +163,7 @@ class Pulse:
             self._watched[int(rank)] = _Watched(sock)
         if old is not None:
             old.sock.close()
-        self._wake_w.send(b"x")
+        self._wake.kick()
 
     def _read(self, r: int, w: _Watched, now: float) -> None:
         try:
@@ -225,7 +237,7 @@ class Pulse:
                 "last": w.doing}
         self._notes[r] = note
         try:
-            self.store.set(notes.key(self.prefix, self.rank), notes.encode(self._notes))
+            notes.post(self.store, self.prefix, self.rank, self._notes)
         except HoraError:
             pass
         self._act(note)
@@ -237,7 +249,7 @@ class Pulse:
             with self._lock:
                 conns = {w.sock.fileno(): (r, w) for r, w in self._watched.items()}
             try:
-                ready, _, _ = select.select([self._wake_r, *conns], [], [], LOOK_S)
+                ready, _, _ = select.select([self._wake.fileno(), *conns], [], [], LOOK_S)
             except (OSError, ValueError):  # a connection closed under us: look again
                 continue
             now = time.monotonic()
@@ -246,8 +258,8 @@ class Pulse:
                     w.last = now
             last_look = now
             for fd in ready:
-                if fd is self._wake_r:
-                    self._wake_r.recv(64)
+                if fd == self._wake.fileno():
+                    self._wake.drain()
                 elif fd in conns:
                     self._read(*conns[fd], now)
             self._judge(now)
@@ -277,15 +289,33 @@ class Pulse:
                         "status %d: the rank is no longer watched", self.rank, rc)
 
     def _poll_notes(self) -> None:
-        for w in notes.WATCHERS:
-            if w == self.rank:
-                continue
-            try:
-                raw = self.store.try_get(notes.key(self.prefix, w))
-            except HoraError:
-                continue
-            for note in notes.decode(raw).values():
-                self._act(note)
+        """The notes posted since the last look (two requests when nothing is new), and a lost rank's news."""
+        try:
+            self._posts, fresh = notes.posted(self.store.try_get, self.prefix, self._posts)
+            for w in dict.fromkeys(fresh):
+                if w != self.rank:
+                    for note in notes.decode(self.store.try_get(notes.key(self.prefix, w))).values():
+                        self._act(note)
+            if not self._abort_seen:
+                self._lost(self.store.try_get(f"{self.prefix}/abort"))
+        except HoraError:
+            pass
+
+    def _lost(self, note: bytes | None) -> None:
+        """The job's first failure note (``dead|what the rank that saw it saw``): fail this rank's engine
+        naming the dead rank, unless that is this rank (the other side of a partition: its own connection's
+        end names it here)."""
+        if not note:
+            return
+        self._abort_seen = True
+        head, _, first = note.decode(errors="replace").partition("|")
+        if not head.lstrip("-").isdigit() or int(head) == self.rank or self._closed \
+                or first.startswith(f"rank {self.rank} "):  # this rank's own: its engine failed with it
+            return
+        dead = int(head)
+        self._fail(PeerLostError(f"rank {self.rank}: {first}; rank {dead} died or aborted, or was cut off (news "
+                                 "from the job's store: this rank may hold no connection to it)",
+                                 rank=dead if dead >= 0 else None))
 
     def _act(self, note: dict) -> None:
         r, state = note["rank"], note["state"]
@@ -328,15 +358,14 @@ class Pulse:
                 return
             self._closed = True
         self._stop_beater()
-        stop_loop(self._wake_w, self._thread)
+        stop_loop(self._wake, self._thread)
         if self._acceptor is not None:
             self._acceptor.close()
         with self._lock:
             for w in self._watched.values():
                 w.sock.close()
             self._watched.clear()
-        self._wake_r.close()
-        self._wake_w.close()
+        self._wake.close()
 
     def close_in_child(self) -> None:
         """In a forked child: the beater is the parent's; drop the copies of the pipe and connections."""
@@ -351,6 +380,11 @@ class Pulse:
                 os.close(w.sock.detach())
             except OSError:
                 pass
+
+
+def watcher_of(rank: int, size: int) -> int:
+    """The rank that watches ``rank``: the one before it on the ring."""
+    return (rank - 1) % size
 
 
 def spawn_beater(sock: int, pipe: int) -> subprocess.Popen:

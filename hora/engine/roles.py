@@ -16,11 +16,12 @@ import time
 from typing import Any
 
 from hora.base.errors import InternalError, PeerLostError, ShutdownError
-from hora.engine import autotune, inline
+from hora.engine import autotune, inline, subtree
 from hora.engine import messages as m
 from hora.engine.coordinator import Coordinator, ResponseCache
 from hora.engine.execute import Pending, nbytes_of
 from hora.engine.stall import StallInspector
+from hora.engine.subtree import share
 from hora.engine.unnamed import resolve, signature, wire
 
 # A role is given the Engine that owns it (hora.engine.engine), typed Any: that module imports this one.
@@ -45,6 +46,7 @@ class CoordinatorRole:
         self.stall = None if cfg["stall_check_disable"] else StallInspector(
             self.coord, engine.control, engine.rank, engine.size, cfg["stall_check_time"], cfg["stall_shutdown_time"])
         self.payloads: dict[tuple[int, str], dict[int, bytes]] = {}  # inline inputs of other ranks
+        self.fans = subtree.fans(engine.control)  # answers go down the tree once; routers merge requests
 
     def tuner(self, cfg: dict):
         """Autotune's search (None when off): rank 0 searches, every rank applies what it finds."""
@@ -59,6 +61,13 @@ class CoordinatorRole:
     def on_requests(self, peer: int, msg) -> None:
         e = self.engine
         e.stats.coordination_messages_received += 1
+        if len(msg) > 5:  # a router's merged requests (hora.engine.subtree)
+            coord, (size, fanout) = self.coord, e.control.tree
+            for rank, bit, when in subtree.merged(msg, size, fanout, time.monotonic()):
+                req = resolve(coord.cache, bit)
+                e._tl_negotiate(req, rank)
+                coord.submit(rank, req, when)
+            return
         _, rank, full, bits, payloads = msg
         for key, data in payloads.items():
             self.payloads.setdefault(key, {})[rank] = data
@@ -125,8 +134,13 @@ class CoordinatorRole:
                 for name in resp.names:
                     tl.negotiate_end(name)
         departed = e.control.departed
-        for peer in range(1, e.size):
-            if peer in departed:  # it shut down: the errors for it have nobody to go to
+        if self.fans and not departed:  # one batch down the tree, with the ranks of the sets it names
+            named = {r.ps for r in responses} | {q.ps for _, q in additions} | {ps for _, ps in evictions}
+            sets = {ps: coord.ranks_of(ps) for ps in named if ps}
+            e.control.send_tree((m.RESPONSES, responses, additions, evictions, sets))
+            e.stats.coordination_messages_sent += 1
+        for peer in () if self.fans and not departed else range(e.size - 1, 0, -1):  # deepest first: a control-
+            if peer in departed:  # tree router passes its subtree's on first; one that shut down: nobody to go to
                 continue
             mine, adds, evicts = coord.share(peer, responses, additions, evictions)
             if mine or adds or evicts:
@@ -157,6 +171,7 @@ class WorkerRole:
         self.engine = engine
         self.cache = ResponseCache(cfg["cache_capacity"])
         self.process_sets: dict[int, tuple[int, ...]] = {0: tuple(range(engine.size))}
+        self.merger = subtree.create(engine, self.cache)  # a router of a tree of two levels or more, else None
 
     def tuner(self, cfg: dict):
         return None
@@ -176,15 +191,23 @@ class WorkerRole:
             else:
                 bits.append(wire(bit, req))
                 e.stats.cache_hits += 1
-        e.control.send(0, (m.REQUESTS, e.rank, full, bits, payloads))
-        e.stats.coordination_messages_sent += 1
+        msg = (m.REQUESTS, e.rank, full, bits, payloads)
+        if self.merger is None or not self.merger.up(e.rank, msg):
+            e.control.send(0, msg)
+            e.stats.coordination_messages_sent += 1
 
     def on_requests(self, peer: int, msg) -> None:
         raise InternalError(f"rank {self.engine.rank}: requests from rank {peer}; only rank 0 coordinates")
 
     def on_responses(self, peer: int, msg) -> list[m.Response]:
         self.engine.stats.coordination_messages_received += 1
-        _, responses, additions, evictions = msg
+        _, responses, additions, evictions = msg[:4]
+        if len(msg) > 4:  # the batch for every rank, down the tree: this rank's part of it
+            sets = msg[4]
+            responses, additions, evictions = share(self.engine.rank, responses, additions, evictions,
+                                                    lambda ps: sets.get(ps, ()))
+        if self.merger is not None:
+            self.merger.responses(responses)
         for bit, req in additions:  # additions first: a bit may be added and evicted in one batch
             self.cache.add(bit, req)
         for bit in evictions:

@@ -22,6 +22,7 @@ import collections
 import contextlib
 import errno
 import logging
+import os
 import selectors
 import socket
 import threading
@@ -110,11 +111,10 @@ class Acceptor:
         self._pending: collections.OrderedDict[int, _Pending] = collections.OrderedDict()  # oldest first
         self._sel = selectors.DefaultSelector()
         self._drops = _DropLog(label)
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
+        self._wake = Wake()
         listener.setblocking(False)
         self._sel.register(listener, selectors.EVENT_READ)
-        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        self._sel.register(self._wake.fileno(), selectors.EVENT_READ)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="hora-accept", daemon=True)
         self._thread.start()
@@ -129,7 +129,7 @@ class Acceptor:
         if self._closed:
             return
         self._closed = True
-        stop_loop(self._wake_w, self._thread)
+        stop_loop(self._wake, self._thread)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -143,7 +143,7 @@ class Acceptor:
                 for key, mask in self._sel.select(timeout):
                     if key.fileobj is self.listener:
                         self._accept()
-                    elif key.fileobj is not self._wake_r:
+                    elif key.fileobj != self._wake.fileno():
                         self._step(key.data, mask)
                 self._expire()
                 self._drops.flush(time.monotonic())
@@ -152,8 +152,8 @@ class Acceptor:
                 self._drop(p, None)
             self._drops.flush(time.monotonic(), every=True)
             self._sel.close()
-            for s in (self.listener, self._wake_r, self._wake_w):
-                s.close()
+            self.listener.close()
+            self._wake.close()
 
     def _accept(self) -> None:
         """Take every connection waiting in the backlog (it never fills while strangers talk slowly)."""
@@ -239,10 +239,57 @@ class Acceptor:
         self._drops.drop(p.addr, why, time.monotonic())
 
 
-def stop_loop(wake_w: socket.socket, thread: threading.Thread) -> None:
-    """Stop a selector loop's thread (the acceptor's, the engine's pulse): one byte on its wake socket, then
-    wait for it (5 s at most), unless the caller is that thread (a close from inside the loop)."""
-    with contextlib.suppress(OSError):
-        wake_w.send(b"x")
+class Wake:
+    """A selector loop's wake-up: one eventfd (one descriptor where a socket pair took two: a rank holds a few
+    of these, and its descriptors are counted, issue 27); a socket pair where there is no eventfd. Kicking
+    one that is closed does nothing (its number may belong to another file by then)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pair: tuple[socket.socket, socket.socket] | None = None
+        if hasattr(os, "eventfd"):
+            self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        else:
+            self._pair = socket.socketpair()
+            self._pair[0].setblocking(False)
+            self._fd = self._pair[0].fileno()
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def kick(self) -> None:
+        with self._lock, contextlib.suppress(OSError):
+            if self._fd < 0:
+                return
+            if self._pair is None:
+                os.eventfd_write(self._fd, 1)
+            else:
+                self._pair[1].send(b"x")
+
+    def drain(self) -> None:
+        with self._lock, contextlib.suppress(OSError):
+            if self._fd < 0:
+                return
+            if self._pair is None:
+                os.eventfd_read(self._fd)
+            else:
+                self._pair[0].recv(4096)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd < 0:
+                return
+            if self._pair is None:
+                os.close(self._fd)
+            else:
+                for s in self._pair:
+                    s.close()
+            self._fd = -1
+
+
+def stop_loop(wake: Wake, thread: threading.Thread) -> None:
+    """Stop a selector loop's thread (the acceptor's, the engine's pulse): a kick of its wake-up, then wait
+    for it (5 s at most), unless the caller is that thread (a close from inside the loop)."""
+    wake.kick()
     if thread is not threading.current_thread():
         thread.join(5)

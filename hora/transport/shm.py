@@ -59,6 +59,7 @@ SLOTS = 3  # a rank fills the next slot while slower ones still read the last (s
 # cores: then a spinner takes the core from the rank it waits for.
 SPIN_S = 500e-6
 CHECK_S = 0.05  # a sleeping waiter looks for dead or departed peers this often
+WATCH_ALL, WATCH_NEAR = 16, 2  # pidfds: every peer in groups up to WATCH_ALL others, else the ring's nearest
 
 _MAGIC = b"HORASHM1"
 _LINE = 128  # bytes per rank in the header (two cache lines: no false sharing, even with prefetch)
@@ -335,8 +336,15 @@ class ShmGroup:
             self.mailbox.spin = self.spin
 
     def watch_peers(self) -> None:
-        """Open a pidfd per peer (from the pids in the header): readable once that process exits."""
-        for p in self.others:
+        """Open a pidfd per watched peer (from the pids in the header): readable once that process exits.
+        A group of up to ``WATCH_ALL`` peers watches every one; a larger group its ``WATCH_NEAR`` nearest on
+        each side of its ring, so a rank holds O(1) descriptors: a death elsewhere reaches it through the
+        control plane (the watching neighbours break it, and rank 0 or the control tree tells everyone),
+        and a peer that shut down shows in its state word."""
+        n, near = self.size, set(self.others)
+        if len(near) > WATCH_ALL:
+            near = {(self.rank + d) % n for d in range(-WATCH_NEAR, WATCH_NEAR + 1)} - {self.rank}
+        for p in sorted(near):
             pid = int(self._hdr[self._word[p] + _PID])
             try:
                 fd = os.pidfd_open(pid)

@@ -1,12 +1,15 @@
-"""The TCP mesh: one authenticated, non-blocking socket between every pair of ranks.
+"""The TCP mesh: authenticated, non-blocking sockets between the pairs of ranks that talk.
 
-Setup: each rank listens on an ephemeral port, publishes ``host:port`` in the rendezvous store,
-connects to every lower rank and accepts every higher one. Each connection proves knowledge of the
-job secret both ways (:mod:`hora.transport.auth`) and names the connecting rank and the job
-generation, so a stale or foreign connection is dropped with a log line while setup goes on. The
-listener stays open for the life of the communicator, refusing latecomers the same way; its
-handshakes all run at once in one thread (:mod:`hora.transport.acceptor`), so a silent stranger
-delays no rank.
+Setup: each rank listens on an ephemeral port, publishes ``host:port`` in the rendezvous store (one
+request) and reads every rank's in one more (a gather), then opens what the connection plan
+(:mod:`hora.transport.plan`) asks for at start-up: data connections to its ring neighbours, control
+connections to its parent and children in the control tree. Any other pair connects on its first
+collective together (the higher rank dials), so a rank holds O(1) connections for a ring workload
+whatever the job's size. Each connection proves knowledge of the job secret both ways
+(:mod:`hora.transport.auth`) and names the connecting rank and the job generation, so a stale or
+foreign connection is dropped with a log line. The listener stays open for the life of the
+communicator; its handshakes all run at once in one thread (:mod:`hora.transport.acceptor`), so a
+silent stranger delays no rank.
 
 Data: requests queue per peer and progress inside ``wait`` (poll on the sockets that have work),
 so a ring step sends and receives at once. OS errors are translated here, once, into
@@ -17,20 +20,19 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import select
 import socket
-import threading
 import time
 from typing import Callable
 
 import numpy as np
 
-from hora.base.errors import CommunicatorClosedError, HoraError, HoraTimeoutError, HoraValueError
-from hora.transport import auth, net, seal
-from hora.transport.acceptor import Acceptor
+from hora.base.errors import CommunicatorClosedError, HoraError, HoraValueError
+from hora.transport import net, plan, seal
 from hora.transport.base import CommunicatorBase, PendingRequest, byte_view, timed_out
 from hora.transport.control import HEARTBEAT_S, ControlPlane
+from hora.transport.links import Links, MeshPort, find, publish
+from hora.transport.links import connect as _connect  # the dial, looked up at each call (tests relay it)
 from hora.transport.store import StoreClient
 
 _POLL_IN = select.POLLIN | select.POLLPRI
@@ -48,21 +50,24 @@ class TcpRequest(PendingRequest):
 
 
 class TcpCommunicator(CommunicatorBase):
-    """Point-to-point between ranks over established, authenticated sockets; ``ctrl`` is the control
-    plane over the mesh's control connections, whose failure state this communicator shares."""
+    """Point-to-point between ranks over authenticated sockets; ``ctrl`` is the control plane over the
+    mesh's control connections, whose failure state this communicator shares. ``links`` opens the
+    connection to a peer not in ``socks`` on first use (None: ``socks`` are all there is)."""
 
     name = "TCP"
 
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket], ctrl: ControlPlane,
-                 closer: Callable[[], None] | None = None):
+                 closer: Callable[[], None] | None = None, links: Links | None = None):
         self.rank, self.size = rank, size
-        self._socks = socks
+        self._socks = dict(socks)
         for s in socks.values():
             s.setblocking(False)
         self._fd_peer = {s.fileno(): p for p, s in socks.items()}
         self.ctrl = ctrl
-        self._sendq: dict[int, collections.deque[TcpRequest]] = {p: collections.deque() for p in socks}
-        self._recvq: dict[int, collections.deque[TcpRequest]] = {p: collections.deque() for p in socks}
+        self._sendq: dict[int, collections.deque[TcpRequest]] = collections.defaultdict(collections.deque)
+        self._recvq: dict[int, collections.deque[TcpRequest]] = collections.defaultdict(collections.deque)
+        self._links = links
+        self._awaiting: set[int] = set()  # peers with requests queued, whose connection has not come yet
         self._closer = closer
         self._closed = False
         self._moved = 0  # bytes moved in either direction (the stall watch's token of progress)
@@ -110,8 +115,46 @@ class TcpCommunicator(CommunicatorBase):
         if self.ctrl.broken is not None:
             raise self.ctrl.broken
         if peer not in self._socks:
-            raise HoraValueError(f"rank {self.rank} has no connection to rank {peer} (size {self.size})")
+            if self._links is None or not 0 <= peer < self.size or peer == self.rank:
+                raise HoraValueError(f"rank {self.rank} has no connection to rank {peer} (size {self.size})")
+            self._link(peer)
         return TcpRequest(self, peer, byte_view(buf))
+
+    def _link(self, peer: int) -> None:
+        """First use of ``peer``: dial it (a lower rank), or take its connection if it has dialed this
+        rank already, else let the request wait in its queue until it does (see :meth:`_progress`)."""
+        if not plan.dials(self.rank, peer):
+            sock = self._links.port.take(peer)
+            if sock is None:
+                self._awaiting.add(peer)
+            else:
+                self._adopt(peer, sock)
+            return
+        try:
+            sock = self._links.dial(peer)
+        except HoraError as e:  # its port is open as long as its communicator: it is gone
+            raise self.ctrl.lost(peer, f"its first connection failed: {e}") from e
+        self._adopt(peer, sock)
+
+    def _adopt(self, peer: int, sock: socket.socket) -> None:
+        net.tune(sock, buffers=True)
+        sock.setblocking(False)
+        self._socks[peer] = sock
+        self._fd_peer[sock.fileno()] = peer
+        self._awaiting.discard(peer)
+        self.ctrl.track(sock)
+        if self._sendq[peer]:
+            self._pump_send(peer)
+        if self._recvq[peer]:
+            self._pump_recv(peer)
+
+    def _arrivals(self) -> None:
+        """Adopt the connections that peers this rank waits for have opened."""
+        self._links.port.drain()
+        for peer in list(self._awaiting):
+            sock = self._links.port.take(peer)
+            if sock is not None:
+                self._adopt(peer, sock)
 
     def _fail_all(self, err: BaseException) -> None:
         for q in (*self._sendq.values(), *self._recvq.values()):
@@ -120,10 +163,12 @@ class TcpCommunicator(CommunicatorBase):
                 r.error, r.done = err, True
 
     def _pump_send(self, peer: int) -> None:
-        self._pump(peer, self._sendq[peer], self._socks[peer].send)
+        if peer in self._socks:  # else it waits for the peer to connect
+            self._pump(peer, self._sendq[peer], self._socks[peer].send)
 
     def _pump_recv(self, peer: int) -> None:
-        self._pump(peer, self._recvq[peer], self._socks[peer].recv_into)
+        if peer in self._socks:
+            self._pump(peer, self._recvq[peer], self._socks[peer].recv_into)
 
     def _pump(self, peer: int, q: collections.deque[TcpRequest], move: Callable[[memoryview], int]) -> None:
         """Move bytes of the requests queued in ``q`` until the socket would block (``move``: the
@@ -138,6 +183,8 @@ class TcpCommunicator(CommunicatorBase):
                 self.ctrl.lost(peer, e)
                 return
             if n == 0:
+                # news that came with the close (a stall shutdown, an abort) says why: it goes first
+                self.ctrl.service(0.0)
                 self.ctrl.lost(peer, "connection closed")
                 return
             req.off += n
@@ -149,6 +196,13 @@ class TcpCommunicator(CommunicatorBase):
     def _progress(self, timeout_ms: int, waiting: TcpRequest | None = None) -> None:
         poller = select.poll()
         any_fd = False
+        link_fd = -1
+        if self._awaiting:
+            self._arrivals()
+            if self._awaiting:
+                link_fd = self._links.port.fd
+                poller.register(link_fd, _POLL_IN)
+                any_fd = True
         for p, s in self._socks.items():
             mask = (select.POLLOUT if self._sendq[p] else 0) | (_POLL_IN if self._recvq[p] else 0)
             if mask:
@@ -160,6 +214,9 @@ class TcpCommunicator(CommunicatorBase):
         events = poller.poll(timeout_ms)
         for fd, ev in events:  # data first: a peer's last bytes count before its goodbye
             if fd in ctrl_fds:
+                continue
+            if fd == link_fd:
+                self._arrivals()
                 continue
             p = self._fd_peer[fd]
             if ev & (select.POLLOUT | select.POLLERR | select.POLLHUP) and self._sendq[p]:
@@ -174,6 +231,9 @@ class TcpCommunicator(CommunicatorBase):
         self.ctrl.service(ready=[fd for fd, _ev in events if fd in ctrl_fds], waiting=w)
 
     def _describe(self, req: TcpRequest) -> str:
+        if req.peer not in self._socks:
+            return (f"no connection yet: this is its first collective with rank {req.peer}, which connects "
+                    "when it reaches it")
         kind = "receive from" if req in self._recvq.get(req.peer, ()) else "send to"
         return f"{req.off} of {len(req.view)} bytes of a {kind} it moved so far over TCP"
 
@@ -192,108 +252,38 @@ class TcpCommunicator(CommunicatorBase):
             self._progress(ms, req)
 
 
-class _MeshPort:
-    """What the data port accepts, for the communicator's whole life (:class:`Acceptor` runs the
-    handshakes): during setup, the authenticated connections of the expected ranks, collected for
-    :meth:`wait_all`; anything else (a stale generation, a duplicate, a latecomer, an identity that is
-    no rank of this job) is dropped with a log line.
-    """
-
-    def __init__(self, listener: socket.socket, secret: bytes, rank: int, size: int, gen: str):
-        self.rank, self.gen = rank, gen
-        self.expected = {(p, "d") for p in range(rank + 1, size)}
-        if rank == 0:
-            self.expected |= {(p, "c") for p in range(1, size)}
-        self.socks: dict[tuple[int, str], socket.socket] = {}
-        self.cond = threading.Condition()
-        self.closed = False
-        self.acceptor = Acceptor(listener, secret, self._claim, f"hora rank {rank}: data port")
-
-    def _claim(self, sock: socket.socket, ident_b: bytes, peer) -> None:
-        ident = ident_b.decode("ascii", "replace")
-        parts = ident.split("|")
-        if len(parts) != 4 or not parts[0].isdigit() or not parts[2].isdigit() or parts[3] not in ("d", "c"):
-            raise HoraError(f"malformed identity {ident[:80]!r} (expected rank|generation|rank|channel)")
-        src, gen, dst, chan = parts
-        key = (int(src), chan)
-        if gen != self.gen or int(dst) != self.rank:
-            raise HoraError(f"connection for generation {gen} rank {dst}, expected {self.gen} rank {self.rank}")
-        with self.cond:
-            if self.closed or key not in self.expected or key in self.socks:
-                raise HoraError(f"unexpected connection claiming rank {src} ({chan})")
-            self.socks[key] = sock
-            self.cond.notify_all()
-
-    def wait_all(self, timeout: float) -> dict[tuple[int, str], socket.socket]:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while set(self.socks) != self.expected:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted({p for p, _ in self.expected - set(self.socks)})
-                    raise HoraTimeoutError(f"rank {self.rank}: ranks {missing} did not connect within {timeout:g} s; "
-                                           "did they start? (raise --start-timeout if they are slow)")
-                self.cond.wait(left)
-            return dict(self.socks)
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-        self.acceptor.close()
-
-
 def connect_mesh(rank: int, size: int, store: StoreClient, prefix: str, secret: bytes,
                  bind_host: str = "127.0.0.1", advertise_host: str | None = None,
-                 timeout: float = 30.0) -> TcpCommunicator:
-    """Build the full mesh for ``rank`` of ``size`` and return its communicator.
+                 timeout: float = 30.0, fanout: int = plan.FANOUT) -> TcpCommunicator:
+    """Build ``rank``'s part of the mesh of ``size`` (the start-up connections of the plan, the others
+    on first use) and return its communicator: two store requests, whatever ``size``.
 
     ``prefix`` names this job generation in the store (e.g. ``"job1/3"``); every rank must use the same.
     """
     listener = socket.create_server((bind_host, 0), backlog=socket.SOMAXCONN)
-    port = listener.getsockname()[1]
-    acceptor = _MeshPort(listener, secret, rank, size, prefix)
+    port = MeshPort(listener, secret, rank, size, prefix, fanout)
     try:
-        store.set(f"{prefix}/addr/{rank}", f"{advertise_host or bind_host}:{port}".encode())
-        socks: dict[int, socket.socket] = {}
-        ctrl: dict[int, socket.socket] = {}
-        for peer in range(rank):
-            addr = store.get(f"{prefix}/addr/{peer}", timeout=timeout).decode()
-            socks[peer] = _connect(addr, peer, rank, prefix, secret, timeout, "d")
-            if peer == 0:
-                ctrl[0] = _connect(addr, peer, rank, prefix, secret, timeout, "c")
-        for (peer, chan), sock in acceptor.wait_all(timeout).items():
+        publish(store, prefix, rank, f"{advertise_host or bind_host}:{listener.getsockname()[1]}")
+        addrs = find(store, prefix, rank, size, timeout)
+        links = Links(rank, prefix, secret, addrs, port, lambda *a: _connect(*a))
+        socks = {p: links.dial(p, timeout=timeout) for p in plan.ring_neighbours(rank, size) if plan.dials(rank, p)}
+        up = plan.parent(rank, fanout)
+        ctrl = {} if up is None else {up: links.dial(up, "c", timeout)}
+        for (peer, chan), sock in port.wait_all(timeout).items():
+            net.tune(sock, buffers=chan == "d")
             (socks if chan == "d" else ctrl)[peer] = sock
     except BaseException:
-        acceptor.close()
+        port.close()
         raise
-    for s in socks.values():
-        net.tune(s, buffers=True)
-    for s in ctrl.values():
-        net.tune(s)
 
     key = f"{prefix}/abort"
 
     def explain(peer: int, what: str) -> tuple[int, str]:
         return blame(store.try_get, store.set, key, rank, peer, what)
 
-    return TcpCommunicator(rank, size, socks, ControlPlane(rank, ctrl, explain, data=socks.values()),
-                           closer=acceptor.close)
-
-
-def _connect(addr: str, peer: int, rank: int, prefix: str, secret: bytes, timeout: float,
-             chan: str) -> socket.socket:
-    host, port = net.parse_addr(addr)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            sock = socket.create_connection((host, port), timeout=5)
-            return auth.connect_handshake(sock, secret, f"{rank}|{prefix}|{peer}|{chan}".encode())
-        except (OSError, HoraError) as e:
-            retry = isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ETIMEDOUT)
-            if not retry or time.monotonic() >= deadline:
-                kind = HoraTimeoutError if retry else HoraError  # still refused at the deadline: not up in time
-                raise kind(f"rank {rank}: cannot connect to rank {peer} at {addr}: {e}") from e
-            time.sleep(0.05)
+    plane = ControlPlane(rank, ctrl, explain, data=socks.values(), size=size, dial=links.dial_ctrl, fanout=fanout)
+    port.attach(plane.add_link)
+    return TcpCommunicator(rank, size, socks, plane, closer=port.close, links=links)
 
 
 def blame(read, write, key: str, rank: int, peer: int, what: str) -> tuple[int, str]:
