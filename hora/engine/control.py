@@ -95,3 +95,13 @@ class Control:
             self.departed.add(msg[1])
             self._ctrl.expect_close(msg[1])
         return msg
+
+
+def serve_during_wait(comm, timeout: float) -> None:
+    """Read ``comm``'s control plane for up to ``timeout`` s while a thread waits outside the engine's loop (the
+    device path's polled waits): what is read goes to the data-wait handler, which raises on an abort or a
+    stall shutdown; a broken plane raises its error here."""
+    ctrl = comm.ctrl
+    ctrl.service(timeout)
+    if ctrl.broken is not None:
+        raise ctrl.broken

@@ -134,7 +134,7 @@ class DeviceExecutor:
     """The engine's device half: ``run(resp, pends, comm)`` for responses with ``resp.device``."""
 
     def __init__(self, host, store, prefix: str, topo, wake=lambda: None, verdict=lambda: None):
-        """``host``: the engine's host executor (its ``comm.ctrl`` is read while the driving thread waits);
+        """``host``: the engine's host executor (its control plane is read while the driving thread waits);
         ``wake()``: wakes the engine when handles complete; ``verdict()``: the engine's failure found from
         outside (a frozen rank, hora.engine.pulse), or None."""
         self.host, self.store, self.prefix, self.topo, self.wake = host, store, prefix, topo, wake

@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 
 from hora.base.errors import InternalError
+from hora.engine import control
 
 # after NCCL's asynchronous error, how long the handles wait (communicators already aborted) for the control
 # plane to name the lost peer: within hora's peer-loss bound on CPUs (10 s)
@@ -62,7 +63,7 @@ def wait(ex, rt, event: int | None, what: str) -> None:
     :class:`hora.engine.device_exec.DeviceExecutor`; ``what`` names the step in the stall warning and error."""
     if not ex.aborted_at and (event is None or rt.query(event)):
         return  # the common case: no poll, no control-plane look
-    ctrl = ex.host.comm.ctrl
+    comm = ex.host.comm
     since, idle = time.monotonic(), 0
     while True:
         ex.check()  # the executor's failure, or the engine's verdict from outside
@@ -75,9 +76,7 @@ def wait(ex, rt, event: int | None, what: str) -> None:
             continue  # aborted (or failed) just now: looked at again at once
         sleep = backoff(idle)
         # messages read here go to the engine's handler, which raises on an abort or a stall shutdown
-        ctrl.service(sleep if sleep >= 0.001 else 0.0)
-        if ctrl.broken is not None:
-            raise ctrl.broken
+        control.serve_during_wait(comm, sleep if sleep >= 0.001 else 0.0)
         if sleep < 0.001:
             time.sleep(sleep)
         idle += 1
