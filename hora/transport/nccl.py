@@ -85,16 +85,19 @@ class NcclComm:
             raise HoraValueError(f"NCCL has no {name} type") from None
 
     def _live(self, name: str) -> int:
-        """The handle, for ``name`` called under the lock; raises once the communicator was aborted."""
-        if self.aborted:
-            raise InternalError(f"{name} on an aborted NCCL communicator of {self.describe()}: a failure aborted "
-                                "it; nothing more runs on it")
-        return self.handle
+        """The handle for a call of ``name``; raises once the communicator was aborted. The lock covers the
+        check only, never the NCCL call: a blocking call that hangs on a dead peer (a connection set up on first
+        use) must not keep the watcher from reading the async error and aborting, which is what makes it
+        return (the abort may run while such a call is inside NCCL, as NCCL allows)."""
+        with self._lock:
+            if self.aborted:
+                raise InternalError(f"{name} on an aborted NCCL communicator of {self.describe()}: a failure "
+                                    "aborted it; nothing more runs on it")
+            return self.handle
 
     def _launch(self, name: str, *args) -> None:
         """``name(*args, comm, stream)``: the last of ``args`` is the stream."""
-        with self._lock:
-            self.lib.call(name, *args[:-1], self._live(name), args[-1])
+        self.lib.call(name, *args[:-1], self._live(name), args[-1])
 
     def allreduce(self, send: int, recv: int, count: int, dtype: str, op: int, stream: int) -> None:
         self._launch("ncclAllReduce", send, recv, count, self.dtype(dtype), op, stream)
@@ -136,9 +139,8 @@ class NcclComm:
                 host = (host.view(np.uint32) >> 16).astype(np.uint16)
             assert host.nbytes == ITEMSIZE[dtype]
             out = ctypes.c_int()
-            with self._lock:
-                self.lib.call("ncclRedOpCreatePreMulSum", ctypes.pointer(out), host.ctypes.data, self.dtype(dtype),
-                              n.SCALAR_HOST_IMMEDIATE, self._live("ncclRedOpCreatePreMulSum"))
+            self.lib.call("ncclRedOpCreatePreMulSum", ctypes.pointer(out), host.ctypes.data, self.dtype(dtype),
+                          n.SCALAR_HOST_IMMEDIATE, self._live("ncclRedOpCreatePreMulSum"))
             op = self._premul[(scalar, dtype)] = out.value
         return op
 
@@ -146,10 +148,11 @@ class NcclComm:
         """NCCL's asynchronous error for this communicator (0: none, and after an abort; ncclInProgress
         while it forms)."""
         code = ctypes.c_int()
-        with self._lock:
+        with self._lock:  # (the check only, as in _live)
             if self.aborted:
                 return n.SUCCESS
-            self.lib.call("ncclCommGetAsyncError", self.handle, ctypes.pointer(code))
+            handle = self.handle
+        self.lib.call("ncclCommGetAsyncError", handle, ctypes.pointer(code))
         return code.value
 
     def abort(self) -> None:
