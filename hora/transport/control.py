@@ -157,9 +157,10 @@ class ControlPlane:
         subtree's copies before its own arrives, which may end its engine); returns those that failed.
         News sent this way (a goodbye, an abort) goes out as its sender leaves or fails: a write that fails
         breaks nothing here (a peer that shut down cleanly meanwhile is no loss; one that died is named by
-        its connection's end, read after the frames it sent before)."""
+        its connection's end, read after the frames it sent before). A closed plane sends nothing: every
+        peer failed (a failure path that tells the others must go on to fail its own work)."""
         if self._closed:
-            raise CommunicatorClosedError("this communicator was closed (hora.shutdown()); call hora.init()")
+            return list(peers)
         failed = []
         deep = self._size is not None and self._size > self._fanout + 1  # a star needs no order
         for p in sorted(peers, reverse=True) if deep else peers:
@@ -177,7 +178,7 @@ class ControlPlane:
         rank 0 (the root). Best effort, as :meth:`send_all`: a rank that left is skipped, one that died is
         named by its connection's end."""
         if self._closed:
-            raise CommunicatorClosedError("this communicator was closed (hora.shutdown()); call hora.init()")
+            return
         frame = _HEAD.pack(len(payload), self.rank, TREE) + payload
         for c in plan.children(self.rank, self._size, self._fanout):
             self._pass(c, frame)
