@@ -31,7 +31,7 @@ from hora.base import env, knobs
 from hora.base.device import DeviceArray
 from hora.base.errors import HoraError, InternalError, ShutdownError
 from hora.engine import device_hier, device_ops, device_wait, messages as m
-from hora.engine.device_wait import NAME_GRACE_S, backoff
+from hora.engine.device_wait import ABORTED, NAME_GRACE_S, backoff
 from hora.transport import cuda, nccl_lib
 
 log = logging.getLogger("hora.gpu")
@@ -39,9 +39,11 @@ _WARNED: set[str] = set()
 _LEAKED: list = []  # failed collectives whose stream did not drain after the abort: never freed (it may write)
 
 
-def warn_once(text: str) -> None:
-    if text not in _WARNED:
-        _WARNED.add(text)
+def warn_once(text: str, key: str | None = None) -> None:
+    """Log ``text`` once per ``key`` (default: the text itself)."""
+    key = text if key is None else key
+    if key not in _WARNED:
+        _WARNED.add(key)
         log.warning(text)
 
 
@@ -75,8 +77,10 @@ class Lane:
     def wait_event(self, ev: int, what: str) -> None:
         """Wait on the host until ``ev`` has completed, checking for failures meanwhile (never inside CUDA:
         :mod:`hora.engine.device_wait`); the event goes back to the pool. ``what`` names the step."""
-        self._waiter(self.rt, ev, what)
-        self.recycle(ev)
+        try:
+            self._waiter(self.rt, ev, what)
+        finally:
+            self.recycle(ev)
 
     def drain(self, what: str) -> None:
         """Wait on the host until hora's stream has run everything queued on it so far (as
@@ -345,7 +349,7 @@ class DeviceExecutor:
                 continue
             if aborted:  # the control plane's verdict names the peer; past the grace, fail without it
                 if time.monotonic() - self.aborted_at > NAME_GRACE_S:
-                    self.fail(InternalError(self.abort_text or "hora aborted this GPU collective's NCCL communicator"))
+                    self.fail(InternalError(self.abort_text or ABORTED))
             elif self.stalled(w.since, "GPU collective " + ", ".join(w.names[:3])):
                 continue
             elif w.comm is not None:
@@ -397,7 +401,7 @@ class DeviceExecutor:
             return True
         if waited > self.cfg["stall_check_time"]:
             warn_once(f"{what} has waited {waited:.0f} s on rank {self.topo.rank} for NCCL to finish; a peer may "
-                      "be frozen")
+                      "be frozen", key=f"stalled: {what}")  # once per step, not once per second
         return False
 
     def settle(self, timeout: float = NAME_GRACE_S) -> None:

@@ -49,6 +49,7 @@ MAX_POLL_S = 0.002
 # after an abort, how long a failure waits for the streams to run what was queued on them before it lets the
 # failed collectives' buffers go; past it they are kept for good (a stream still stuck may write into them)
 QUIESCE_S = 5.0
+ABORTED = "hora aborted this GPU collective's NCCL communicator"  # when NCCL's error gave no text
 
 
 def backoff(idle: int) -> float:
@@ -69,7 +70,7 @@ def wait(ex, rt, event: int | None, what: str) -> None:
         ex.check()  # the executor's failure, or the engine's verdict from outside
         if ex.aborted_at:  # NCCL's error aborted the communicators: the control plane names the peer
             if time.monotonic() - ex.aborted_at > NAME_GRACE_S:
-                raise InternalError(ex.abort_text)
+                raise InternalError(ex.abort_text or ABORTED)
         elif event is None or rt.query(event):
             return
         elif ex.nccl_error(list(ex.comms.values())) or ex.stalled(since, what):
