@@ -74,11 +74,17 @@ def _alive(pid: int, started: int | None) -> bool:
 def running() -> list[dict[str, Any]]:
     """The job files of jobs whose rank 0 still runs, oldest first (each with its ``file``)."""
     jobs = []
+    dated = []
     try:
-        paths = sorted(directory().glob("*.json"), key=lambda p: p.stat().st_mtime)
+        found = list(directory().glob("*.json"))
     except OSError:
         return []
-    for path in paths:
+    for path in found:
+        try:
+            dated.append((path.stat().st_mtime, path))
+        except OSError:  # removed since the glob: a job that just ended (the others still count)
+            continue
+    for _, path in sorted(dated):
         try:
             info = json.loads(path.read_text())
             pid = int(info["pid"])

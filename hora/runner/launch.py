@@ -29,12 +29,9 @@ from hora.runner.config_file import load as load_config
 from hora.runner.envs import worker_envs  # noqa: F401 - also imported from here by the launchers
 from hora.runner.flags import env_for
 from hora.runner.spawn import HOST_LOST_CODE, LocalJob
+from hora.runner.output import say as _say
 
 SUBCOMMANDS = ("run", "top", "trace", "horovod-alias")
-
-
-def _say(msg: str) -> None:
-    print(f"hora run: {msg}", file=sys.stderr, flush=True)
 
 
 def version() -> str:

@@ -31,7 +31,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 from typing import IO, Any, Callable
 
@@ -41,14 +40,11 @@ from hora.runner import reaper
 from hora.runner.cli_args import UsageError
 from hora.runner.flags import env_for, launcher_only_env
 from hora.runner.spawn import REAP_EVERY, Output, _die_with_parent, pump_lines
+from hora.runner.output import say as _say
 
 FORWARD_PREFIXES = ("HORA_", "HOROVOD_", "NCCL_", "OMP_", "MKL_")
 FORWARD_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "PYTHONUNBUFFERED")
 _TAG = re.compile(rb"\[\d+,(\d+)\]<(stdout|stderr)>:")
-
-
-def _say(msg: str) -> None:
-    print(f"hora run: {msg}", file=sys.stderr, flush=True)
 
 
 def flavour(mpirun: str) -> str:

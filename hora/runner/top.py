@@ -53,6 +53,9 @@ def target(args: argparse.Namespace) -> tuple[str, str, str | None]:
     """(store address, secret, wire protection) of the job to attach to; :class:`live.LiveError` if none."""
     env_secret = os.environ.get("HORA_SECRET")
     if args.store:
+        if args.job is not None:
+            raise live.LiveError("give either --store HOST:PORT or --job PID, not both (--job picks a job by its "
+                                 "file on this machine; --store names the job's store)")
         match = [j for j in jobfile.running() if j.get("store") == args.store]
         secret = args.secret if args.secret is not None else env_secret
         if secret is None:

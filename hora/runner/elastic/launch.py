@@ -7,7 +7,6 @@ list: workers that fail are started again and the job keeps going while ``--min-
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable
 
 from hora.base import elastic_protocol as protocol
@@ -17,10 +16,7 @@ from hora.runner.elastic.driver import Driver
 from hora.runner.elastic.settings import new_scope, settings_from
 from hora.runner.flags import env_for
 from hora.runner.spawn import Output
-
-
-def _say(msg: str) -> None:
-    print(f"hora run: {msg}", file=sys.stderr, flush=True)
+from hora.runner.output import say as _say
 
 
 def is_elastic(values: dict[str, Any]) -> bool:
