@@ -188,7 +188,8 @@ def test_no_status_line_without_a_terminal_and_hora_top_attaches_to_a_torchrun_j
     base = clean_env(tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
                      LOCAL_WORLD_SIZE="2", HORA_STORE_PORT=str(port), HORA_SECRET="torchrun-job-secret")
     procs = [subprocess.Popen([PY, JOB, "1", str(stop), MAX_STEPS], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
              for r in (1, 0)]
     try:
         reader_env = clean_env(tmp_path, HORA_SECRET="torchrun-job-secret")
@@ -197,8 +198,7 @@ def test_no_status_line_without_a_terminal_and_hora_top_attaches_to_a_torchrun_j
         bad = hora_top(clean_env(tmp_path, HORA_SECRET="wrong"), "--store", f"127.0.0.1:{port}", "--once")
         assert bad.returncode == 1 and "refused" in bad.stderr
     finally:
-        stop.touch()
-        outs = [p.communicate(timeout=60) for p in procs]
+        outs = [_end(p, stop) for p in procs]  # (SIGKILLs a rank's group that does not end)
     assert [p.returncode for p in procs] == [0, 0], outs
     # hora run --status with stderr a pipe: said once, no line (HORA_STATUS=1 asks for it as --status does)
     job = subprocess.run([PY, "-m", "hora.runner", "run", "-np", "2", PY, "-c", "import hora; hora.init()"],

@@ -71,8 +71,6 @@ def position(bit: int, req: Request) -> int | None:
     return bit | (zlib.crc32(req.name.encode()) << 32)
 
 
-
-
 def at(req) -> str:
     """Where an unnamed op was called, for an error's text (``""`` for a named op)."""
     site = getattr(req, "site", None)
