@@ -47,6 +47,7 @@ _HEAD = struct.Struct("!III")  # payload bytes, source rank, destination rank
 _I32 = struct.Struct("!i")
 LINK = 0xFFFFFFFF  # the destination of a frame for the neighbour that reads it (LEAVE, DOWN)
 TREE = 0xFFFFFFFE  # the destination of a frame for every rank below its sender (send_tree)
+XPORT = 0x40000000  # or'ed into a destination rank: a frame for that rank's transport (on_link), not its engine
 _LEAVE, _DOWN = b"L", b"D"
 CTRL_GRACE = 3.0  # s a data wait goes on after a peer's control connection closed
 HEARTBEAT_S = 0.25  # a data wait services the plane at least this often (the stall watch's resolution)
@@ -96,6 +97,9 @@ class ControlPlane:
         self.on_message: Callable[[int, bytes], None] | None = None
         # the engine's heartbeat in data waits, ``on_wait(peer, progress, describe)``: see :meth:`service`
         self.on_wait: Callable[[int, object, Callable[[], str]], None] | None = None
+        # the mesh's handler of its own frames (``send_link``: closes of idle data links, hora.transport.idle),
+        # called wherever a frame is read, like ``on_message``
+        self.on_link: Callable[[int, bytes], None] | None = None
 
     # -- messages --------------------------------------------------------------------------------
     @property
@@ -146,6 +150,10 @@ class ControlPlane:
         """A data connection the mesh opened after start-up (closed by :meth:`close_in_child` too)."""
         self._data.append(sock)
 
+    def untrack(self, sock: socket.socket) -> None:
+        """A data connection the mesh closed (an idle one, by agreement with its peer)."""
+        self._data = [s for s in self._data if s is not sock]
+
     def send(self, peer: int, payload: bytes) -> None:
         """Send one framed message (blocking; they are small) to ``peer``, through the tree if need be."""
         if self._closed:
@@ -171,6 +179,11 @@ class ControlPlane:
     def send_best(self, peer: int, payload: bytes) -> bool:
         """Best effort, as :meth:`send_all`, for one peer: False if ``payload`` was dropped."""
         return self._pass(peer, _HEAD.pack(len(payload), self.rank, peer) + payload)
+
+    def send_link(self, peer: int, payload: bytes) -> bool:
+        """Best effort, as :meth:`send_best`: ``payload`` for ``peer``'s transport (its ``on_link``), not its
+        engine; routed like any frame."""
+        return self._pass(peer, _HEAD.pack(len(payload), self.rank, peer | XPORT) + payload)
 
     def send_tree(self, payload: bytes) -> None:
         """``payload`` to every other rank of the tree, as one frame to each child that every router passes
@@ -328,6 +341,13 @@ class ControlPlane:
                 self._gone.setdefault(link, time.monotonic() + CTRL_GRACE)
                 return None
             raise self.lost(link, "connection closed" if isinstance(e, ConnectionError) else e) from e
+        if dst & XPORT and dst < TREE:  # for a transport: here, or passed on toward its rank
+            if dst ^ XPORT != self.rank:
+                self.forwarded += 1
+                self._pass(dst ^ XPORT, _HEAD.pack(n, src, dst) + payload)
+            elif self.on_link is not None:
+                self.on_link(src, payload)
+            return None
         if dst == self.rank or self._size is None:
             return src, payload
         if dst == TREE:  # for every rank below: the children's copies first (see send_tree)

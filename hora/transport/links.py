@@ -120,6 +120,15 @@ class MeshPort:
     def drain(self) -> None:
         self._wake.drain()
 
+    def kick(self) -> None:
+        """Make :attr:`fd` readable (news for the communicator's own thread: a close frame, hora.transport.idle)."""
+        self._wake.kick()
+
+    def forget(self, peer: int) -> None:
+        """``peer``'s data connection is closed by agreement: a new one from it is welcome again."""
+        with self.cond:
+            self._seen.discard((peer, "d"))
+
     def close(self) -> None:
         with self.cond:
             self.closed = True

@@ -5,7 +5,8 @@ request) and reads every rank's in one more (a gather), then opens what the conn
 (:mod:`hora.transport.plan`) asks for at start-up: data connections to its ring neighbours, control
 connections to its parent and children in the control tree. Any other pair connects on its first
 collective together (the higher rank dials), so a rank holds O(1) connections for a ring workload
-whatever the job's size. Each connection proves knowledge of the job secret both ways
+whatever the job's size; those opened on first use are closed again, by agreement with the peer, past a
+bound (``HORA_LAZY_LINKS``, :mod:`hora.transport.idle`). Each connection proves knowledge of the job secret both ways
 (:mod:`hora.transport.auth`) and names the connecting rank and the job generation, so a stale or
 foreign connection is dropped with a log line. The listener stays open for the life of the
 communicator; its handshakes all run at once in one thread (:mod:`hora.transport.acceptor`), so a
@@ -27,8 +28,9 @@ from typing import Callable
 
 import numpy as np
 
+from hora.base import knobs
 from hora.base.errors import CommunicatorClosedError, HoraError, HoraValueError
-from hora.transport import net, plan, seal
+from hora.transport import idle, net, plan, seal
 from hora.transport.base import CommunicatorBase, PendingRequest, byte_view, timed_out
 from hora.transport.control import HEARTBEAT_S, ControlPlane
 from hora.transport.links import Links, MeshPort, find, publish
@@ -52,12 +54,14 @@ class TcpRequest(PendingRequest):
 class TcpCommunicator(CommunicatorBase):
     """Point-to-point between ranks over authenticated sockets; ``ctrl`` is the control plane over the
     mesh's control connections, whose failure state this communicator shares. ``links`` opens the
-    connection to a peer not in ``socks`` on first use (None: ``socks`` are all there is)."""
+    connection to a peer not in ``socks`` on first use (None: ``socks`` are all there is); past ``lazy_links``
+    of those (0: no bound) the least recently used idle one is closed (:mod:`hora.transport.idle`)."""
 
     name = "TCP"
 
     def __init__(self, rank: int, size: int, socks: dict[int, socket.socket], ctrl: ControlPlane,
-                 closer: Callable[[], None] | None = None, links: Links | None = None):
+                 closer: Callable[[], None] | None = None, links: Links | None = None,
+                 lazy_links: int = idle.DEFAULT_BOUND):
         self.rank, self.size = rank, size
         self._socks = dict(socks)
         for s in socks.values():
@@ -71,6 +75,8 @@ class TcpCommunicator(CommunicatorBase):
         self._closer = closer
         self._closed = False
         self._moved = 0  # bytes moved in either direction (the stall watch's token of progress)
+        self._cache = idle.LinkCache(self, lazy_links)
+        self._planned = self._cache.planned if links is not None else frozenset(range(size))
         ctrl.subscribe(self._fail_all)
 
     # -- public point-to-point -------------------------------------------------------------
@@ -85,6 +91,8 @@ class TcpCommunicator(CommunicatorBase):
         req = self._make(peer, buf)
         if req.done:  # zero bytes: nothing to move (and recv_into would read as EOF)
             return req
+        if peer not in self._planned:  # a lazy link: its place in the cache, its byte counts
+            self._cache.use(peer, len(req.view), queues is self._sendq)
         q = queues[peer]
         q.append(req)
         if len(q) == 1:
@@ -101,6 +109,7 @@ class TcpCommunicator(CommunicatorBase):
         if self._closed:
             return
         self._closed = True
+        self._cache.close()
         for s in self._socks.values():
             with contextlib.suppress(OSError):
                 s.close()
@@ -114,6 +123,8 @@ class TcpCommunicator(CommunicatorBase):
             raise CommunicatorClosedError("this communicator was closed (hora.shutdown()); call hora.init()")
         if self.ctrl.broken is not None:
             raise self.ctrl.broken
+        if self._cache.inbox:
+            self._cache.serve()
         if peer not in self._socks:
             if self._links is None or not 0 <= peer < self.size or peer == self.rank:
                 raise HoraValueError(f"rank {self.rank} has no connection to rank {peer} (size {self.size})")
@@ -122,7 +133,10 @@ class TcpCommunicator(CommunicatorBase):
 
     def _link(self, peer: int) -> None:
         """First use of ``peer``: dial it (a lower rank), or take its connection if it has dialed this
-        rank already, else let the request wait in its queue until it does (see :meth:`_progress`)."""
+        rank already, else let the request wait in its queue until it does (see :meth:`_progress`); a link
+        being closed (:mod:`hora.transport.idle`) keeps its requests queued until the peer answered."""
+        if peer in self._cache.closing:
+            return
         if not plan.dials(self.rank, peer):
             sock = self._links.port.take(peer)
             if sock is None:
@@ -143,6 +157,7 @@ class TcpCommunicator(CommunicatorBase):
         self._fd_peer[sock.fileno()] = peer
         self._awaiting.discard(peer)
         self.ctrl.track(sock)
+        self._cache.opened(peer)
         if self._sendq[peer]:
             self._pump_send(peer)
         if self._recvq[peer]:
@@ -151,6 +166,8 @@ class TcpCommunicator(CommunicatorBase):
     def _arrivals(self) -> None:
         """Adopt the connections that peers this rank waits for have opened."""
         self._links.port.drain()
+        if self._cache.inbox:
+            self._cache.serve()
         for peer in list(self._awaiting):
             sock = self._links.port.take(peer)
             if sock is not None:
@@ -192,17 +209,23 @@ class TcpCommunicator(CommunicatorBase):
             if req.off == len(req.view):
                 req.done = True
                 q.popleft()
+                if not q and self._cache.over:  # a link may have gone idle: close the least recent past the bound
+                    self._cache.trim()
 
     def _progress(self, timeout_ms: int, waiting: TcpRequest | None = None) -> None:
         poller = select.poll()
         any_fd = False
         link_fd = -1
-        if self._awaiting:
+        cache = self._cache
+        if self._awaiting or cache.inbox:
             self._arrivals()
-            if self._awaiting:
-                link_fd = self._links.port.fd
-                poller.register(link_fd, _POLL_IN)
-                any_fd = True
+        if self._awaiting or cache.lru:  # the port's wake-up: a connection came, or a close frame (idle.py)
+            link_fd = self._links.port.fd
+            poller.register(link_fd, _POLL_IN)
+            any_fd = bool(self._awaiting)
+        if cache.closing:  # requests may wait for a close's answer; a socket being closed may end
+            cache.watch(poller)
+            any_fd = True
         for p, s in self._socks.items():
             mask = (select.POLLOUT if self._sendq[p] else 0) | (_POLL_IN if self._recvq[p] else 0)
             if mask:
@@ -218,7 +241,12 @@ class TcpCommunicator(CommunicatorBase):
             if fd == link_fd:
                 self._arrivals()
                 continue
-            p = self._fd_peer[fd]
+            if fd in cache.closing_fd:
+                cache.seen(fd)
+                continue
+            p = self._fd_peer.get(fd)
+            if p is None:  # closed by a close frame handled meanwhile (idle.py)
+                continue
             if ev & (select.POLLOUT | select.POLLERR | select.POLLHUP) and self._sendq[p]:
                 self._pump_send(p)
             if ev & (_POLL_IN | select.POLLERR | select.POLLHUP) and self._recvq[p]:
@@ -229,8 +257,13 @@ class TcpCommunicator(CommunicatorBase):
         if waiting is not None and not events:  # a quiet poll: tell the engine's stall watch whom we wait for
             w = (waiting.peer, (id(waiting), waiting.off, self._moved), lambda: self._describe(waiting))
         self.ctrl.service(ready=[fd for fd, _ev in events if fd in ctrl_fds], waiting=w)
+        if cache.closing:
+            cache.check()
 
     def _describe(self, req: TcpRequest) -> str:
+        if req.peer in self._cache.closing:
+            return (f"its idle connection to rank {req.peer} is being closed: this rank proposed it and waits for "
+                    f"the answer, which rank {req.peer} sends when it next reads its control frames")
         if req.peer not in self._socks:
             return (f"no connection yet: this is its first collective with rank {req.peer}, which connects "
                     "when it reaches it")
@@ -283,7 +316,8 @@ def connect_mesh(rank: int, size: int, store: StoreClient, prefix: str, secret: 
 
     plane = ControlPlane(rank, ctrl, explain, data=socks.values(), size=size, dial=links.dial_ctrl, fanout=fanout)
     port.attach(plane.add_link)
-    return TcpCommunicator(rank, size, socks, plane, closer=port.close, links=links)
+    return TcpCommunicator(rank, size, socks, plane, closer=port.close, links=links,
+                           lazy_links=knobs.value("lazy_links"))
 
 
 def blame(read, write, key: str, rank: int, peer: int, what: str) -> tuple[int, str]:

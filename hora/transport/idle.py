@@ -1,0 +1,248 @@
+"""A bounded cache of the data connections a rank opened on first use, and how two ranks agree to close one.
+
+The TCP mesh (:mod:`hora.transport.tcp`) opens its *planned* data connections at start-up (the ring
+neighbours, :mod:`hora.transport.plan`) and any other peer's on the first collective that needs it (an
+alltoall, a process set's ring). Planned links are never counted and never closed. Lazy ones are kept in
+least-recently-used order, and when a rank holds more than ``HORA_LAZY_LINKS`` of them, it proposes to close
+the least recently used that is idle; a later use of that peer connects again through the same first-use
+path. So after any number of alltoalls a rank holds O(bound) data connections, not N - 1.
+
+Why an agreement: a data connection carries raw bytes whose sizes both ends know from the collective, with
+no framing; a close that one side decides alone would race with a collective the other has just started
+(bytes lost, or a request that reads the close as the peer's death). So a close takes two messages on the
+control plane (:meth:`hora.transport.control.ControlPlane.send_link`, frames for the transport, not the
+engine), never a byte on the data connection itself:
+
+1. ``PROPOSE(token, sent, received)``: the proposer has nothing queued on the link. It takes the socket out
+   of use (requests queued for that peer from now on wait, as for a connection not yet open) and sends the
+   number of bytes it has ever queued to and from that peer.
+2. The other side agrees only if it has nothing queued on the link either and its own counts mirror the
+   proposer's (it received every byte the proposer sent, and the proposer every byte it sent): then no
+   byte is in flight either way, and nobody is in a collective with the other on this link. It closes its
+   socket and answers ``AGREE(token)``; otherwise it answers ``REFUSE(token)`` and keeps it.
+3. On ``AGREE`` the proposer closes its socket too, and connects again at once if requests were queued
+   meanwhile; on ``REFUSE`` it puts the socket back and moves them. An answer whose token is not the
+   pending proposal's is stale and ignored.
+
+Who dials after a close: the higher rank, as always (:func:`hora.transport.plan.dials`); the lower rank's
+port forgets the old connection (:meth:`hora.transport.links.MeshPort.forget`) before the agreement leaves
+it, so the new dial is welcome. Either side may propose (else the lowest ranks, which never dial, would
+keep every connection); when both propose at once, each answers the other's proposal by the rules above
+and the tokens sort out which answers still count, so the link ends closed on both sides or on neither.
+
+Liveness: a side closes its socket only after it has agreed, and a socket being closed is out of the
+communicator's polls, so an orderly close is never read as a death. A death while a close is pending is
+named as ever by the control plane (the dead rank's tree and ring neighbours, the store's first-failure
+note); as a backstop, the proposer watches its socket: an end with no ``AGREE`` within ``CLOSE_GRACE`` s
+makes the peer lost. Shared memory keeps no pairwise links (its segments are per job and per process set,
+:mod:`hora.transport.shm`): its point-to-point goes through this mesh, so the bound covers it too.
+
+Threads: the frames are handled by whoever reads the control plane. With an engine (``on_message`` set),
+that reader is the thread driving the communicator (the baton's holder), so they are handled at once;
+otherwise (a test's thread driving the communicator while the engine thread reads) they wait in an inbox,
+with a wake-up on the port's descriptor, for the driving thread (:meth:`LinkCache.serve`).
+"""
+
+from __future__ import annotations
+
+import collections
+import select
+import socket
+import struct
+import time
+
+from hora.transport import plan
+
+PROPOSE, AGREE, REFUSE = b"P", b"A", b"R"
+_PROP = struct.Struct("!IQQ")  # token, bytes the proposer queued to the peer, bytes it queued from it
+_ANS = struct.Struct("!I")  # the token answered
+CLOSE_GRACE = 10.0  # s a proposer waits for AGREE after its socket ended, before the peer is lost
+DEFAULT_BOUND = 32
+
+
+class _Closing:
+    __slots__ = ("sock", "token", "ended")
+
+    def __init__(self, sock: socket.socket, token: int):
+        self.sock, self.token = sock, token
+        self.ended: float | None = None  # when its end was seen (None: not seen; 0.0: data seen, not watched)
+
+
+class LinkCache:
+    """The lazily opened data links of ``comm`` (a :class:`hora.transport.tcp.TcpCommunicator`), at most
+    ``bound`` of them idle-open (0: no bound). See the module's docstring for the protocol."""
+
+    def __init__(self, comm, bound: int):
+        self.comm, self.bound = comm, bound
+        self.planned = frozenset(comm._socks)
+        self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # least recently used first
+        self.sent: collections.Counter[int] = collections.Counter()
+        self.received: collections.Counter[int] = collections.Counter()
+        self.closing: dict[int, _Closing] = {}
+        self.closing_fd: dict[int, int] = {}  # fd -> peer, for the sockets being closed
+        self.inbox: collections.deque[tuple[int, bytes]] = collections.deque()
+        self.over = False  # more lazy links open than the bound
+        self._token = 0
+        self.proposed = self.agreed = self.refused = self.closed = 0  # counted for tests
+        comm.ctrl.on_link = self._arrive
+
+    # -- what the communicator tells it ------------------------------------------------------------
+    def use(self, peer: int, nbytes: int, send: bool) -> None:
+        """A request of ``nbytes`` for lazy ``peer`` was queued."""
+        (self.sent if send else self.received)[peer] += nbytes
+        if peer in self.lru:
+            self.lru.move_to_end(peer)
+
+    def opened(self, peer: int) -> None:
+        """A lazy link to ``peer`` is in use now."""
+        self.lru[peer] = None
+        self.lru.move_to_end(peer)
+        self.over = 0 < self.bound < len(self.lru)
+        if self.over:
+            self.trim(keep=peer)
+
+    def trim(self, keep: int | None = None) -> None:
+        """Propose closes of the least recently used idle links, as many as the bound is exceeded by (minus
+        the closes already proposed); ``keep``: a link just opened for a request about to be queued."""
+        comm = self.comm
+        need = len(self.lru) - self.bound - len(self.closing)
+        for p in list(self.lru):
+            if need <= 0:
+                return
+            if p != keep and p in comm._socks and not comm._sendq[p] and not comm._recvq[p]:
+                self._propose(p)
+                need -= 1
+
+    # -- proposing -------------------------------------------------------------------------------------
+    def _propose(self, peer: int) -> None:
+        comm = self.comm
+        sock = comm._socks.pop(peer)
+        comm._fd_peer.pop(sock.fileno(), None)
+        self._token += 1
+        self.closing[peer] = _Closing(sock, self._token)
+        self.closing_fd[sock.fileno()] = peer
+        if not plan.dials(comm.rank, peer):
+            comm._links.port.forget(peer)  # it dials again only after it agreed (and closed)
+        self.proposed += 1
+        if not comm.ctrl.send_link(peer, PROPOSE + _PROP.pack(self._token, self.sent[peer], self.received[peer])):
+            self._drop(peer)  # it left (shut down): its end is gone anyway
+
+    def _drop(self, peer: int) -> None:
+        """Close this rank's end of the link to ``peer`` (agreed, or the peer left)."""
+        comm = self.comm
+        socks = []
+        sock = comm._socks.pop(peer, None)
+        if sock is not None:
+            comm._fd_peer.pop(sock.fileno(), None)
+            socks.append(sock)
+        c = self.closing.pop(peer, None)
+        if c is not None:
+            self.closing_fd.pop(c.sock.fileno(), None)
+            socks.append(c.sock)
+        self.lru.pop(peer, None)
+        self.over = 0 < self.bound < len(self.lru)
+        if not plan.dials(comm.rank, peer):
+            comm._links.port.forget(peer)
+        for s in socks:
+            comm.ctrl.untrack(s)
+            try:
+                s.close()
+            except OSError:
+                pass
+        self.closed += 1
+
+    # -- frames from the peers ------------------------------------------------------------------------
+    def _arrive(self, src: int, payload: bytes) -> None:
+        """The control plane's ``on_link``: handled now by the driving thread, else queued for it."""
+        self.inbox.append((src, payload))
+        if self.comm.ctrl.on_message is not None:
+            self.serve()
+        else:
+            self.comm._links.port.kick()
+
+    def serve(self) -> None:
+        """Handle the frames that came (on the communicator's driving thread)."""
+        comm = self.comm
+        while self.inbox:
+            src, payload = self.inbox.popleft()
+            if comm._closed or comm.ctrl.broken is not None:
+                continue
+            kind = payload[:1]
+            if kind == PROPOSE:
+                self._answer(src, *_PROP.unpack_from(payload, 1))
+            elif kind in (AGREE, REFUSE):
+                self._answered(src, _ANS.unpack_from(payload, 1)[0], kind == AGREE)
+
+    def _answer(self, peer: int, token: int, sent: int, received: int) -> None:
+        comm = self.comm
+        have = peer in comm._socks or peer in self.closing
+        if not have and not plan.dials(comm.rank, peer):  # the proposer's connection, not taken yet?
+            sock = comm._links.port.take(peer)
+            if sock is not None:
+                comm._adopt(peer, sock)
+                have = True
+        idle = not comm._sendq[peer] and not comm._recvq[peer]
+        if have and idle and self.received[peer] == sent and self.sent[peer] == received:
+            self._drop(peer)
+            self.agreed += 1
+            comm.ctrl.send_link(peer, AGREE + _ANS.pack(token))
+        else:  # busy with it, bytes in flight, or its connection still on the way here: it stays
+            comm.ctrl.send_link(peer, REFUSE + _ANS.pack(token))
+
+    def _answered(self, peer: int, token: int, agreed: bool) -> None:
+        c = self.closing.get(peer)
+        if c is None or c.token != token:
+            return  # stale: the link closed meanwhile (both proposed, and this rank agreed to the other's)
+        comm = self.comm
+        if agreed:
+            self._drop(peer)
+            if comm._sendq[peer] or comm._recvq[peer]:
+                comm._link(peer)  # requests came meanwhile: connect again
+            return
+        self.refused += 1
+        del self.closing[peer]
+        self.closing_fd.pop(c.sock.fileno(), None)
+        comm._socks[peer] = c.sock
+        comm._fd_peer[c.sock.fileno()] = peer
+        if comm._sendq[peer]:
+            comm._pump_send(peer)
+        if comm._recvq[peer]:
+            comm._pump_recv(peer)
+        if self.over:  # it was busy with this rank; another idle one may close instead
+            self.trim(keep=peer)
+
+    # -- the backstop: a proposer's socket that ends without an answer -------------------------------------
+    def watch(self, poller: select.poll) -> None:
+        """Register the sockets being closed whose end has not been seen yet."""
+        for fd, peer in self.closing_fd.items():
+            if self.closing[peer].ended is None:
+                poller.register(fd, select.POLLIN)
+
+    def seen(self, fd: int) -> None:
+        """A socket being closed is readable: its end (the peer agreed, or died), or the peer's next
+        collective's data (it will refuse); either way it is not watched again."""
+        c = self.closing[self.closing_fd[fd]]
+        try:
+            data = c.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        c.ended = 0.0 if data else time.monotonic()
+
+    def check(self) -> None:
+        """Call a peer lost whose socket ended ``CLOSE_GRACE`` s ago with no answer to the proposal."""
+        now = time.monotonic()
+        for peer, c in list(self.closing.items()):
+            if c.ended and now - c.ended > CLOSE_GRACE:
+                raise self.comm.ctrl.lost(peer, f"its idle connection ended and no answer to this rank's proposal "
+                                                f"to close it came within {CLOSE_GRACE:g} s")
+
+    def close(self) -> None:
+        for c in self.closing.values():
+            try:
+                c.sock.close()
+            except OSError:
+                pass
+        self.closing.clear()
+        self.closing_fd.clear()
