@@ -120,3 +120,34 @@ def test_sigkill_while_links_close_names_the_dead_rank():
             assert "InternalError" in err["types"], (r, err)
             assert err["rank"] == victim or f"rank {victim}" in err["message"], (r, err)
             assert codes[r] == 0, (r, codes[r], job.output(r))
+
+
+def _direct_exchanges(rounds: int) -> None:
+    import hora
+    from hora.collectives.exchange import exchange
+    from workers import direct_comm, report
+
+    hora.init()
+    c = direct_comm()  # this thread drives the communicator; the engine thread alone reads the control plane
+    r, n = c.rank, c.size
+    for i in range(rounds):
+        sends = {p: np.full(1000 + p + i, r * 100 + p + i, np.int32) for p in range(n) if p != r}
+        recvs = {p: np.empty(1000 + r + i, np.int32) for p in range(n) if p != r}
+        exchange(c, sends, recvs)
+        assert all((b == p * 100 + r + i).all() for p, b in recvs.items()), i
+    cache = c._cache
+    report(open=len(cache.lru) - len(cache.closing), closed=cache.closed, agreed=cache.agreed)
+    hora.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_closes_when_a_thread_drives_the_communicator_itself():
+    """np=6, bound 1, the communicator driven from the main thread while the engine thread reads the control
+    plane (close frames then wait in an inbox for the driving thread, woken through the port's descriptor):
+    every exchange right, links closed and reopened, at most the bound left open."""
+    with spawn_job(6, _direct_exchanges, 6, env={"HORA_TRANSPORT": "tcp", "HORA_LAZY_LINKS": "1"}) as job:
+        assert job.wait(150) == [0] * 6
+        reps = [job.report(r) for r in range(6)]
+    print("direct:", reps)
+    assert all(rep["open"] <= 1 for rep in reps), reps
+    assert sum(rep["closed"] for rep in reps) >= 6 and sum(rep["agreed"] for rep in reps), reps

@@ -100,6 +100,7 @@ class ControlPlane:
         # the mesh's handler of its own frames (``send_link``: closes of idle data links, hora.transport.idle),
         # called wherever a frame is read, like ``on_message``
         self.on_link: Callable[[int, bytes], None] | None = None
+        self.polled = False  # receive() was called: someone (the engine) reads this plane
 
     # -- messages --------------------------------------------------------------------------------
     @property
@@ -243,6 +244,7 @@ class ControlPlane:
         only, never around the reads). Frames for other ranks are passed on, not returned."""
         if self._closed:
             raise CommunicatorClosedError("this communicator was closed")
+        self.polled = True
         if self._news is not None:  # a DOWN frame read last time, after messages that were returned first
             news, self._news = self._news, None
             raise news

@@ -40,7 +40,9 @@ makes the peer lost. Shared memory keeps no pairwise links (its segments are per
 Threads: the frames are handled by whoever reads the control plane. With an engine (``on_message`` set),
 that reader is the thread driving the communicator (the baton's holder), so they are handled at once;
 otherwise (a test's thread driving the communicator while the engine thread reads) they wait in an inbox,
-with a wake-up on the port's descriptor, for the driving thread (:meth:`LinkCache.serve`).
+with a wake-up on the port's descriptor, for the driving thread (:meth:`LinkCache.serve`). A communicator
+used without an engine, whose plane nobody reads, never proposes (no answer would come): there the bound
+does not apply.
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ class LinkCache:
         """Propose closes of the least recently used idle links, as many as the bound is exceeded by (minus
         the closes already proposed); ``keep``: a link just opened for a request about to be queued."""
         comm = self.comm
+        if comm.ctrl.on_message is None and not comm.ctrl.polled:
+            return  # nobody reads the control plane (a communicator used without an engine): no answer would come
         need = len(self.lru) - self.bound - len(self.closing)
         for p in list(self.lru):
             if need <= 0:

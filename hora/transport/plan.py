@@ -4,8 +4,9 @@ message finds its way to a rank it has no connection to.
 Data: at ``init`` a rank connects only to its ring neighbours (rank - 1 and rank + 1, modulo the size),
 which is all the ring allreduce, the ring allgather and broadcast need; any other peer (alltoall, a process
 set whose ring is different, point-to-point in a hierarchical transport's ring of host leaders) is connected
-on first use, and closed again by agreement past a bound (:mod:`hora.transport.idle`). Of a pair, the higher rank always dials and the lower one accepts, so two ranks that need
-each other at the same moment open one connection, never two; dialing needs nothing from the peer's own
+on first use, and closed again by agreement past a bound (:mod:`hora.transport.idle`). Of a pair, the higher
+rank always dials and the lower one accepts, so two ranks that need each other at the same moment open one
+connection, never two; dialing needs nothing from the peer's own
 threads (its accept loop, :mod:`hora.transport.acceptor`, answers), so a lower rank waiting to be dialed
 waits only for higher ranks, and the highest rank waits for nobody: no cycle of waits.
 
