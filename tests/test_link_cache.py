@@ -137,6 +137,7 @@ def _direct_exchanges(rounds: int) -> None:
         assert all((b == p * 100 + r + i).all() for p, b in recvs.items()), i
     cache = c._cache
     report(open=len(cache.lru) - len(cache.closing), closed=cache.closed, agreed=cache.agreed)
+    hora.barrier()  # no rank leaves while others exchange: rank 0, the control star's hub, passes their frames on
     hora.shutdown()
 
 

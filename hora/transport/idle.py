@@ -13,10 +13,13 @@ no framing; a close that one side decides alone would race with a collective the
 control plane (:meth:`hora.transport.control.ControlPlane.send_link`, frames for the transport, not the
 engine), never a byte on the data connection itself:
 
-1. ``PROPOSE(token, sent, received)``: the proposer has nothing queued on the link. It takes the socket out
-   of use (requests queued for that peer from now on wait, as for a connection not yet open) and sends the
-   number of bytes it has ever queued to and from that peer.
-2. The other side agrees only if it has nothing queued on the link either and its own counts mirror the
+1. ``PROPOSE(token, epoch, sent, received)``: the proposer has nothing queued on the link. It takes the
+   socket out of use (requests queued for that peer from now on wait, as for a connection not yet open)
+   and sends the link's epoch (how many times this pair's link was closed before: both ends count the
+   same, since each end closes each connection once) and the bytes it has ever queued to and from that peer.
+2. The other side agrees only if it has nothing queued on the link either, its epoch is the same (the
+   proposal is about this connection, not one closed since: proposals cross, and a frame through the
+   control tree may arrive after the connection it named was replaced) and its own counts mirror the
    proposer's (it received every byte the proposer sent, and the proposer every byte it sent): then no
    byte is in flight either way, and nobody is in a collective with the other on this link. It closes its
    socket and answers ``AGREE(token)``; otherwise it answers ``REFUSE(token)`` and keeps it.
@@ -30,12 +33,22 @@ it, so the new dial is welcome. Either side may propose (else the lowest ranks, 
 keep every connection); when both propose at once, each answers the other's proposal by the rules above
 and the tokens sort out which answers still count, so the link ends closed on both sides or on neither.
 
+Lost frames: a frame routed through a rank that shut down meanwhile (rank 0, the star's hub, leaves as soon
+as its own part is done) is dropped. A proposer whose requests wait on an answer sends its proposal again
+every ``RESEND_S`` (by then the route is direct); a rank answers a proposal it has answered before (same
+token) with the same answer, so a resent proposal never changes the outcome.
+
 Liveness: a side closes its socket only after it has agreed, and a socket being closed is out of the
-communicator's polls, so an orderly close is never read as a death. A death while a close is pending is
-named as ever by the control plane (the dead rank's tree and ring neighbours, the store's first-failure
-note); as a backstop, the proposer watches its socket: an end with no ``AGREE`` within ``CLOSE_GRACE`` s
-makes the peer lost. Shared memory keeps no pairwise links (its segments are per job and per process set,
-:mod:`hora.transport.shm`): its point-to-point goes through this mesh, so the bound covers it too.
+communicator's polls, so an orderly close is never read as a death. While its proposal waits, a proposer
+that is waiting for data anyway watches the socket: its end means the peer is done with the link (it
+agreed, or shut down, or died; never a refusal, which keeps the link open), so the proposer closes its end
+at once, connects again if requests wait for the peer, and ignores the ``AGREE`` that may follow. A dead
+peer is then named by the failed connection or, as ever, by the control plane (the dead rank's tree and
+ring neighbours, the store's first-failure note); a peer that shut down is never called lost for it.
+
+Shared memory keeps no pairwise links (its segments are per job and per process set, :mod:`hora.transport.shm`,
+mapped once and closed with the communicator): its point-to-point goes through this mesh, so the bound covers
+it too.
 
 Threads: the frames are handled by whoever reads the control plane. With an engine (``on_message`` set),
 that reader is the thread driving the communicator (the baton's holder), so they are handled at once;
@@ -56,18 +69,18 @@ import time
 from hora.transport import plan
 
 PROPOSE, AGREE, REFUSE = b"P", b"A", b"R"
-_PROP = struct.Struct("!IQQ")  # token, bytes the proposer queued to the peer, bytes it queued from it
+_PROP = struct.Struct("!IIQQ")  # token, the link's epoch, bytes the proposer queued to the peer and from it
 _ANS = struct.Struct("!I")  # the token answered
-CLOSE_GRACE = 10.0  # s a proposer waits for AGREE after its socket ended, before the peer is lost
 DEFAULT_BOUND = 32
+RESEND_S = 1.0  # s a proposal that requests wait on goes unanswered before it is sent again
 
 
 class _Closing:
-    __slots__ = ("sock", "token", "ended")
+    __slots__ = ("sock", "token", "busy", "frame", "at")
 
-    def __init__(self, sock: socket.socket, token: int):
-        self.sock, self.token = sock, token
-        self.ended: float | None = None  # when its end was seen (None: not seen; 0.0: data seen, not watched)
+    def __init__(self, sock: socket.socket, token: int, frame: bytes):
+        self.sock, self.token, self.frame, self.at = sock, token, frame, time.monotonic()
+        self.busy = False  # the peer's next collective's bytes came: it will refuse (not watched any more)
 
 
 class LinkCache:
@@ -80,8 +93,10 @@ class LinkCache:
         self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # least recently used first
         self.sent: collections.Counter[int] = collections.Counter()
         self.received: collections.Counter[int] = collections.Counter()
+        self.epoch: collections.Counter[int] = collections.Counter()  # closes of each peer's link (as the peer counts)
         self.closing: dict[int, _Closing] = {}
         self.closing_fd: dict[int, int] = {}  # fd -> peer, for the sockets being closed
+        self.answers: dict[int, tuple[int, bytes]] = {}  # peer -> (token, answer) last given, for a resent proposal
         self.inbox: collections.deque[tuple[int, bytes]] = collections.deque()
         self.over = False  # more lazy links open than the bound
         self._token = 0
@@ -107,9 +122,9 @@ class LinkCache:
         """Propose closes of the least recently used idle links, as many as the bound is exceeded by (minus
         the closes already proposed); ``keep``: a link just opened for a request about to be queued."""
         comm = self.comm
-        if comm.ctrl.on_message is None and not comm.ctrl.polled:
-            return  # nobody reads the control plane (a communicator used without an engine): no answer would come
         need = len(self.lru) - self.bound - len(self.closing)
+        if need <= 0 or (comm.ctrl.on_message is None and not comm.ctrl.polled):
+            return  # within the bound; or nobody reads the control plane (no engine): no answer would come
         for p in list(self.lru):
             if need <= 0:
                 return
@@ -123,12 +138,13 @@ class LinkCache:
         sock = comm._socks.pop(peer)
         comm._fd_peer.pop(sock.fileno(), None)
         self._token += 1
-        self.closing[peer] = _Closing(sock, self._token)
+        frame = PROPOSE + _PROP.pack(self._token, self.epoch[peer], self.sent[peer], self.received[peer])
+        self.closing[peer] = _Closing(sock, self._token, frame)
         self.closing_fd[sock.fileno()] = peer
         if not plan.dials(comm.rank, peer):
             comm._links.port.forget(peer)  # it dials again only after it agreed (and closed)
         self.proposed += 1
-        if not comm.ctrl.send_link(peer, PROPOSE + _PROP.pack(self._token, self.sent[peer], self.received[peer])):
+        if not comm.ctrl.send_link(peer, frame):
             self._drop(peer)  # it left (shut down): its end is gone anyway
 
     def _drop(self, peer: int) -> None:
@@ -145,6 +161,7 @@ class LinkCache:
             socks.append(c.sock)
         self.lru.pop(peer, None)
         self.over = 0 < self.bound < len(self.lru)
+        self.epoch[peer] += 1
         if not plan.dials(comm.rank, peer):
             comm._links.port.forget(peer)
         for s in socks:
@@ -177,8 +194,12 @@ class LinkCache:
             elif kind in (AGREE, REFUSE):
                 self._answered(src, _ANS.unpack_from(payload, 1)[0], kind == AGREE)
 
-    def _answer(self, peer: int, token: int, sent: int, received: int) -> None:
+    def _answer(self, peer: int, token: int, epoch: int, sent: int, received: int) -> None:
         comm = self.comm
+        last = self.answers.get(peer)
+        if last is not None and last[0] == token:  # sent again (an answer lost on the way): the same answer
+            comm.ctrl.send_link(peer, last[1])
+            return
         have = peer in comm._socks or peer in self.closing
         if not have and not plan.dials(comm.rank, peer):  # the proposer's connection, not taken yet?
             sock = comm._links.port.take(peer)
@@ -186,12 +207,14 @@ class LinkCache:
                 comm._adopt(peer, sock)
                 have = True
         idle = not comm._sendq[peer] and not comm._recvq[peer]
-        if have and idle and self.received[peer] == sent and self.sent[peer] == received:
+        if have and idle and epoch == self.epoch[peer] and self.received[peer] == sent and self.sent[peer] == received:
             self._drop(peer)
             self.agreed += 1
-            comm.ctrl.send_link(peer, AGREE + _ANS.pack(token))
+            answer = AGREE + _ANS.pack(token)
         else:  # busy with it, bytes in flight, or its connection still on the way here: it stays
-            comm.ctrl.send_link(peer, REFUSE + _ANS.pack(token))
+            answer = REFUSE + _ANS.pack(token)
+        self.answers[peer] = (token, answer)
+        comm.ctrl.send_link(peer, answer)
 
     def _answered(self, peer: int, token: int, agreed: bool) -> None:
         c = self.closing.get(peer)
@@ -215,32 +238,40 @@ class LinkCache:
         if self.over:  # it was busy with this rank; another idle one may close instead
             self.trim(keep=peer)
 
-    # -- the backstop: a proposer's socket that ends without an answer -------------------------------------
+    # -- a proposer's socket that ends, or an answer that does not come ----------------------------------
+    def resend(self) -> None:
+        """Send again the proposals that requests wait on and that went unanswered for ``RESEND_S``: a frame
+        routed through a rank that shut down meanwhile is lost (the route is direct by now). The peer
+        answers a proposal it answered before with the same answer, so a resent one changes nothing."""
+        comm, now = self.comm, time.monotonic()
+        for peer, c in self.closing.items():
+            if now - c.at > RESEND_S and (comm._sendq[peer] or comm._recvq[peer]):
+                c.at = now
+                comm.ctrl.send_link(peer, c.frame)
+
     def watch(self, poller: select.poll) -> None:
-        """Register the sockets being closed whose end has not been seen yet."""
+        """Register the sockets being closed (during a data wait), but those whose peer is busy with them."""
         for fd, peer in self.closing_fd.items():
-            if self.closing[peer].ended is None:
+            if not self.closing[peer].busy:
                 poller.register(fd, select.POLLIN)
 
     def seen(self, fd: int) -> None:
-        """A socket being closed is readable: its end (the peer agreed, or died), or the peer's next
-        collective's data (it will refuse); either way it is not watched again."""
-        c = self.closing[self.closing_fd[fd]]
+        """A socket being closed is readable: the peer's next collective's bytes (it will refuse: not watched
+        again), or its end: the peer is done with the link (agreed, shut down or died), so close this end
+        now and connect again if requests wait (a dead peer is named by that connection's failure)."""
+        peer = self.closing_fd[fd]
         try:
-            data = c.sock.recv(1, socket.MSG_PEEK)
+            data = self.closing[peer].sock.recv(1, socket.MSG_PEEK)
         except BlockingIOError:
             return
         except OSError:
             data = b""
-        c.ended = 0.0 if data else time.monotonic()
-
-    def check(self) -> None:
-        """Call a peer lost whose socket ended ``CLOSE_GRACE`` s ago with no answer to the proposal."""
-        now = time.monotonic()
-        for peer, c in list(self.closing.items()):
-            if c.ended and now - c.ended > CLOSE_GRACE:
-                raise self.comm.ctrl.lost(peer, f"its idle connection ended and no answer to this rank's proposal "
-                                                f"to close it came within {CLOSE_GRACE:g} s")
+        if data:
+            self.closing[peer].busy = True
+            return
+        self._drop(peer)
+        if self.comm._sendq[peer] or self.comm._recvq[peer]:
+            self.comm._link(peer)
 
     def close(self) -> None:
         for c in self.closing.values():

@@ -258,7 +258,7 @@ class TcpCommunicator(CommunicatorBase):
             w = (waiting.peer, (id(waiting), waiting.off, self._moved), lambda: self._describe(waiting))
         self.ctrl.service(ready=[fd for fd, _ev in events if fd in ctrl_fds], waiting=w)
         if cache.closing:
-            cache.check()
+            cache.resend()
 
     def _describe(self, req: TcpRequest) -> str:
         if req.peer in self._cache.closing:
