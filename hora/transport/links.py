@@ -26,7 +26,10 @@ from hora.transport import auth, net, plan
 from hora.transport.acceptor import Acceptor, Wake
 from hora.transport.store import StoreTimeout
 
-LATE_DIAL_S = 5.0  # a lazy dial's limit: the peer's port is open for its communicator's life, so a refusal is a loss
+# A dial after start-up makes one attempt: the peer's port is open for its communicator's life, so a refusal
+# means it is gone (shut down or dead). Retrying for 5 s, as before, made rank 0's shutdown at np=128 take
+# ~150 s: its goodbye to each rank whose own goodbye a departed router had dropped dialed a closed port.
+LATE_DIAL_S = 0.0
 
 
 def publish(store, prefix: str, rank: int, address: str) -> None:
@@ -160,7 +163,7 @@ class Links:
 def connect(addr: str, peer: int, rank: int, prefix: str, secret: bytes, timeout: float,
             chan: str) -> socket.socket:
     """Dial ``peer`` at ``addr`` and prove this rank (``chan``: "d" data, "c" control); a refused
-    connection is retried until ``timeout`` (the peer may still be opening its port)."""
+    connection is retried until ``timeout`` (at start-up the peer may still be opening its port; 0: once)."""
     host, port = net.parse_addr(addr)
     deadline = time.monotonic() + timeout
     while True:
