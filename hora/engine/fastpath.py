@@ -135,7 +135,7 @@ class FastPath:
             return False
         self._next_poll = now + _POLL_S
         try:
-            return bool(e._ep_ctrl.poll(0))
+            return e._wake.ctrl_waiting()
         except (OSError, ValueError):  # closed by a shutdown meanwhile
             return True
 
