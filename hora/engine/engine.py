@@ -247,7 +247,6 @@ class Engine:
         """A caller holding the baton runs cycles until ``handle`` is done (False: the engine ended).
         ``window``: the interrupt gate's safe point (the main thread), used between cycles and in the
         wait for negotiation."""
-        self._wake.hush()
         self._window = window
         fp = fp_quiet.quiet()  # as on the engine thread; the caller's own state after
         try:
@@ -323,6 +322,8 @@ class Engine:
         subs = self.subs
         if not self._inbox and not subs.due(driving):
             timeout = self._timeout() if block else 0.0  # (only when it waits: it costs a few us on rank 0)
+            if driving:
+                self._wake.hush()  # the messages it waits for are its own (hora.engine.wakeups)
             if self.size > 1:
                 got = self._spin() if block and driving and (timeout is None or timeout > _SPIN_S) else []
                 if not got and not subs.pending and not subs.stopping:
@@ -352,6 +353,8 @@ class Engine:
             if not self._unsent and new:
                 self._batch_start = since  # the batch's cycle time started with its first submission
             self._unsent += new
+        if driving:
+            self._wake.hush()  # negotiating or running: the messages are its own (not on the fast path)
         responses: list[m.Response] = []
         while self._inbox:
             got = self._inbox
