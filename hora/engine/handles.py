@@ -98,11 +98,12 @@ class HandleTable:
         Raises the collective's error, HoraValueError for an unknown or spent handle, and BusyError
         when another thread already waits on it (waiting twice cannot be made to mean anything)."""
         h = self._handles.get(hid) or self.get(hid)  # (the look-up inline: a hot path; get() says what is wrong)
+        me = threading.get_ident()
         with self._lock:
-            if h.waiter is not None and h.waiter != threading.get_ident():
+            if h.waiter is not None and h.waiter != me:
                 raise BusyError(f"handle {hid} ('{h.name}') is already being waited on by another thread; "
                                 "synchronize each handle from one thread")
-            h.waiter = threading.get_ident()
+            h.waiter = me
         try:
             if self.drive is not None:
                 self.drive(h)

@@ -134,7 +134,7 @@ class Mailbox:
         a = self.attempt + 1
         s = a % SLOTS
         mine, theirs = self._w[self.me], self._w[self.peer]
-        if (carry and n > SLOT_BYTES) or not self.usable() or a - SLOTS > int(theirs[_SEEN]):
+        if (carry and n > SLOT_BYTES) or not (self._ok or self.usable()) or a - SLOTS > int(theirs[_SEEN]):
             return None  # the slot's last attempt is not yet done with on the peer's side
         trylock, free, taken = _CALLS
         own = self._peek[self.me]
