@@ -87,7 +87,7 @@ def worker(model_name: str, steps: int, warmup: int, single: bool = False) -> No
 
         def poll(self, timeout=-1):
             got = self._e.poll(timeout)
-            fds = {engine.subs.fd: "pipe", engine._ep_ctrl.fileno(): "ctrl"}
+            fds = engine._wake.fds()
             key = "+".join(sorted(fds.get(fd, "?") for fd, _ in got)) or "timeout"
             wakes[key] = wakes.get(key, 0) + 1
             return got
@@ -95,7 +95,7 @@ def worker(model_name: str, steps: int, warmup: int, single: bool = False) -> No
         def __getattr__(self, name):
             return getattr(self._e, name)
 
-    engine._ep = _Ep(engine._ep)
+    engine._wake._ep = _Ep(engine._wake._ep)
     rec: dict = {"ops": []}
     clock = time.perf_counter
 

@@ -34,7 +34,8 @@ def uneven(batches):
     explained()
     x = np.ones(4, np.float32)
     for _ in range(batches[hvd.rank()]):  # site: batches
-        hvd.allreduce(x, name="loss")  # site: loss-a
+        # a handle's site is where the rank waits for it
+        hvd.synchronize(hvd.allreduce_async(x, name="loss"))  # site: loss-a
     hvd.allreduce(x, name="val_loss")  # site: metric
 
 
@@ -42,6 +43,8 @@ def conditional(steps):
     hvd.init()
     explained()
     x = np.ones(4, np.float32)
+    for i in range(20):  # one-offs first, as broadcast_parameters' (they never time the step: explain.py)
+        hvd.broadcast(x, 0, name=f"param.{i}")
     for step in range(steps):
         hvd.allreduce(x, name="loss")  # site: loss-b
         if hvd.rank() == 0 and step == 4:  # site: if

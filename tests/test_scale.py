@@ -195,6 +195,26 @@ def test_a_death_reaches_a_rank_with_no_connection_to_it_through_the_store():
             client.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_later_dial_takes_a_refusal_as_final_and_a_start_up_dial_retries_it():
+    """A peer's port is open for its communicator's life, so a refused later dial means the peer has left:
+    it fails at once (rank 0's goodbye to 127 ranks that left first took 250 s, 5 s of retries each), where
+    a start-up dial retries until its limit (the peer may still be opening its port)."""
+    from hora.base.errors import HoraError, HoraTimeoutError
+    from hora.transport.links import Links
+
+    gone = socket.socket()
+    gone.bind(("127.0.0.1", 0))
+    addr = "127.0.0.1:%d" % gone.getsockname()[1]
+    gone.close()  # nobody listens there: every connection is refused
+    links = Links(1, "job", b"secret", [addr, addr], port=None)
+    with pytest.raises(HoraError, match="refused") as e:
+        links.dial(0)
+    assert not isinstance(e.value, HoraTimeoutError), e.value
+    with pytest.raises(HoraTimeoutError, match="refused"):
+        links.dial(0, timeout=0.2)
+
+
 # --- real jobs ---------------------------------------------------------------------------------------
 
 def _count_descriptors(rounds: int) -> None:

@@ -200,3 +200,38 @@ def test_sigkill_of_the_peer_is_named(nbytes):
     reports = kill_mid_allreduce(2, 1, nbytes, env=ON, transport="ShmCommunicator", in_place=True)
     assert reports[0]["maps_after_shutdown"] == 0, f"rank 0 still maps the segment: {reports}"
     assert "PeerLostError" in reports[0]["error"]["types"], reports[0]["error"]
+
+
+def _hushes(hvd, calls):
+    """Named 4 KiB calls; how many of them took the mailbox, and how often the calling thread switched the
+    engine thread's control wake-ups off (hora.engine.wakeups: only before it waits or negotiates)."""
+    import threading
+
+    from hora.core.session import state
+
+    wake = state().engine._wake
+    hush, switched = wake.hush, []
+
+    def counted() -> None:
+        was = wake.hushed
+        hush()
+        if threading.current_thread() is threading.main_thread() and wake.hushed and not was:
+            switched.append(1)
+
+    wake.hush = counted  # (the parking engine thread's hush goes through it too: not counted)
+    a = np.ones(1024, np.float32)
+    hvd.allreduce_(a, op=hvd.Sum, name="h")  # the first call fills the cache
+    before = hvd.statistics()["tensors_mailbox"]
+    switched.clear()
+    for _ in range(calls):
+        hvd.allreduce_(a, op=hvd.Sum, name="h")
+    assert not wake.hushed, "a release left the engine thread's control wake-ups off"
+    return hvd.statistics()["tensors_mailbox"] - before, len(switched)
+
+
+@pytest.mark.timeout(120)
+def test_a_call_the_mailbox_completes_switches_no_wakeups_off():
+    calls = 200
+    for met, switched in run_hora(2, _hushes, calls, env=ON, timeout=90):
+        assert met > 0, "no call took the mailbox"
+        assert switched <= calls - met, f"{switched} switch-offs for {calls - met} negotiated calls"

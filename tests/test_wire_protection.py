@@ -160,11 +160,11 @@ def _allreduce_through_relay():
 
     store, real = store_client(), tcp._connect
 
-    def via_relay(addr, peer, rank, prefix, secret, timeout, chan):
+    def via_relay(addr, peer, rank, prefix, secret, timeout, chan, **kw):
         if chan == "d" and peer == 0:
             store.set("test/real0", addr.encode())
             addr = store.get("test/relay0", timeout=30).decode()
-        return real(addr, peer, rank, prefix, secret, timeout, chan)
+        return real(addr, peer, rank, prefix, secret, timeout, chan, **kw)
 
     tcp._connect = via_relay
     hora.init()

@@ -122,6 +122,12 @@ def _prepare(st, kind: str, array, name, process_set, inplace=False, flush=False
     else:
         site = None
     full = names.take(st.names, name, ps)  # (_auto_name, without asking for the state again)
+    if site is None and name is not None:  # named: no call site looked for now (hangs explained find it
+        calls = callsite.named             # when they need it), its calls counted by name instead
+        n = calls.get(full)
+        if n is None and len(calls) > callsite.LIMIT:
+            calls.clear()  # (names made per step)
+        calls[full] = 1 if n is None else n + 1
     req = (m.SetRequest if kind in (m.ADD_PS, m.REMOVE_PS) else m.Request)(full, kind, ps=ps, **fields)
     handle = st.engine.handles.new(f"{kind}.{full}", finish)
     return Pending(req, handle, a, inplace, flush, site)

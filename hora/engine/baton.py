@@ -101,14 +101,18 @@ class Baton:
             if self.waiters > (self.holder is CALLER):  # a driving caller is a waiter itself
                 self._notify_locked()
 
-    def release(self) -> None:
+    def release(self, leaving: bool = False) -> None:
+        """Free the baton. ``leaving``: the releasing caller also leaves ``wait()`` (its handle is done), in
+        the same lock section (one fewer per synchronous call)."""
         with self._lock:
+            if leaving:
+                self.waiters -= 1  # (first: nothing below may leave it counted)
             was, self.holder = self.holder, NOBODY
             self.epoch += 1
             try:
                 if was is CALLER and self.on_caller_release is not None:
                     self.on_caller_release(self._parked)  # under the lock: no engine_take in between
-            finally:  # whatever the hook did, the waiters hear of the release
+            finally:  # whatever the hook did, the waiters (the one left may now drive) hear of the release
                 self._parked = False
                 if self.waiters or self._engine_waiting:
                     self._notify_locked()
@@ -168,10 +172,17 @@ class Baton:
                         idle, seen = self.holder is NOBODY, self.epoch
                 if mine:
                     try:
-                        if not drive():
-                            return done()
-                    finally:
+                        driven = drive()
+                    except BaseException:
                         self.release()
+                        raise
+                    if driven and done():  # the usual end: release and leave in one lock section
+                        counted = False
+                        self.release(leaving=True)
+                        return True
+                    self.release()
+                    if not driven:
+                        return done()
                     continue
                 if idle and not kicked:  # invariant 4
                     kick()

@@ -3,12 +3,17 @@ that hang explanations (:mod:`hora.engine.explain`) name.
 
 **A call site** is the first frame outside hora, NumPy and the frameworks hora binds (torch, TensorFlow,
 Keras, JAX, MXNet, optax, Lightning): the line of the training script that called ``allreduce``, ``step()`` or
-``backward()``. :func:`here` finds it for every submission, so it must be cheap: a walk of
-``sys._getframe`` whose per-code verdict (inside or not) is cached, and a :class:`Site` cached per
-(code object, bytecode offset), so a loop's call costs a few dictionary look-ups and one increment
-(its ``count``: how many times this rank called from there, which tells a per-step collective from a
-one-off). A submission made from a framework's own thread (a ``tf.function``'s callback) has no such
-frame: its site is None.
+``backward()``. :func:`here` finds it for every unnamed op (whose call site is part of what it is matched
+and cached by, :mod:`hora.engine.unnamed`), so it must be cheap: a walk of ``sys._getframe`` whose per-code
+verdict (inside or not) is cached, and a :class:`Site` cached per (code object, bytecode offset), so a
+loop's call costs a few dictionary look-ups and one increment (its ``count``: how many times this rank
+called from there, which tells a per-step collective from a one-off). A submission made from a framework's
+own thread (a ``tf.function``'s callback) has no such frame: its site is None.
+
+A named collective's site is not looked for when it is submitted (the walk cost 1.5-2.5 us per call):
+its name already tells a loop's calls apart, and :data:`named` counts them. Only when a hang is
+explained does the rank take it, lazily, from its main thread's innermost user frame while that thread
+waits inside hora (:func:`hora.engine.explain.local_state`).
 
 **What the main thread is doing** (:func:`main_thread`): its innermost user frames (the standard library,
 hora and the frameworks skipped), and the hora function it is inside, if any (``synchronize``,
@@ -59,6 +64,7 @@ class Site:
 # Both caches are keyed by id(code), never by the code object: hashing a code object hashes its constants
 # and names every time (4 us for a 300-line function: a training script's main() is the call site). Each
 # entry keeps its code object alive (in ``_codes``), so an id cannot be reused while it is cached.
+named: dict = {}  # a named collective's name -> how often this rank submitted it (counted by hora.core.ops)
 _internal: dict = {}  # id(code) -> bool: its frames are hora's or a framework's
 _sites: dict = {}  # (id(code), bytecode offset) -> Site
 _codes: dict = {}  # id(code) -> code: what keeps the keys above valid
@@ -118,10 +124,12 @@ def here(depth: int = 2) -> Site | None:
     return None
 
 
-def counts(limit: int = 64) -> tuple[tuple[Frame, int], ...]:
-    """This rank's call sites and how often each was called, the most called first (``limit`` of them)."""
+def counts(limit: int = 64) -> tuple[tuple[Frame | str, int], ...]:
+    """How often this rank called each of its unnamed ops' call sites (a :class:`Frame`) and submitted each
+    named collective (its name), the most called first (``limit`` of each)."""
     sites = sorted(list(_sites.values()), key=lambda s: -s.count)[:limit]
-    return tuple((s.frame, s.count) for s in sites)
+    names = sorted(list(named.items()), key=lambda kv: -kv[1])[:limit]
+    return tuple((s.frame, s.count) for s in sites) + tuple(names)
 
 
 class MainThread(NamedTuple):

@@ -28,7 +28,8 @@ MAX_TENSORS = 4  # waiting collectives listed in one explanation
 
 
 class Waiting(NamedTuple):
-    """A collective in flight on a rank: its call site, and how often the rank has called from there."""
+    """A collective in flight on a rank: its call site, and how often the rank has called it (a named one:
+    by its name; an unnamed one: from its call site)."""
 
     ps: int
     kind: str
@@ -38,12 +39,13 @@ class Waiting(NamedTuple):
 
 
 class RankState(NamedTuple):
-    """A rank's answer: its collectives in flight (oldest first), its main thread, its call sites' counts."""
+    """A rank's answer: its collectives in flight (oldest first), its main thread, and how often it called
+    each of its collectives (by name, or an unnamed one's by its call site: :func:`hora.engine.callsite.counts`)."""
 
     rank: int
     pending: tuple[Waiting, ...]
     main: MainThread
-    counts: tuple[tuple[Frame, int], ...]
+    counts: tuple[tuple[Frame | str, int], ...]
 
 
 class Stalled(NamedTuple):
@@ -185,8 +187,7 @@ def _two_places(s: Stalled, a: Waiting, a_ranks: list[int], b: Waiting, b_ranks:
         if shape is not None:
             kind, header, cond = shape
             if kind == "uneven":
-                n = dict(((f.file, f.line), c) for f, c in states[odd_ranks[0]].counts).get(
-                    (loop.site.file, loop.site.line))
+                n = _calls(states[odd_ranks[0]], loop)
                 after = f" after {n} call(s) of {loop.kind} '{loop.name}'" if n else ""
                 text = (f"{_ranks(odd_ranks)} ran out of data: {_verb(odd_ranks, 'it', 'they')} left the loop at "
                         f"{header}{after} and {_verb(odd_ranks, 'waits', 'wait')} in {where(odd)}, while "
@@ -206,6 +207,17 @@ def _two_places(s: Stalled, a: Waiting, a_ranks: list[int], b: Waiting, b_ranks:
             "same order. If a rank ran out of data, call hvd.join() after its loop; if a call sits under a "
             "condition that holds on some ranks only, check that condition")
     return Verdict("crossed", tuple(sorted(b_ranks)), text, key)
+
+
+def _calls(st: RankState, w: Waiting) -> int | None:
+    """How often the rank of ``st`` called ``w`` (a collective another rank waits in): by its name, else
+    by its call site (an unnamed op's name is new every call)."""
+    counted = dict(st.counts)
+    n = counted.get(w.name)
+    if n is None and w.site is not None:
+        at = (w.site.file, w.site.line)
+        n = next((c for k, c in counted.items() if isinstance(k, Frame) and (k.file, k.line) == at), None)
+    return n
 
 
 def _shape(loop_frames: tuple[Frame, ...], odd_frames: tuple[Frame, ...]) -> tuple[str, str, str] | None:

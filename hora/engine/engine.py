@@ -47,6 +47,7 @@ from hora.engine.stats import Stats
 from hora.engine.handles import Handle, HandleTable
 from hora.engine.stall import LONE_GRACE, DataWatch, main_stack
 from hora.engine.submissions import Submissions
+from hora.engine.wakeups import Wakeups
 
 _SPIN_S = 500e-6  # a driving caller's busy look for its response before sleeping (see Engine._spin)
 _MAIN = threading.main_thread()  # the only thread whose engine work a signal handler can interrupt
@@ -105,16 +106,7 @@ class Engine:
         explain.attach(self)  # hangs explained: its handlers, and ``_stamp`` on every submission (or None)
         self.trace = None  # this rank's part of the job's trace (hora.engine.ranktrace; None when off)
         self.handles.drive = self._drive
-        # The engine thread sleeps in epoll on the wake pipe and on a nested epoll holding the control
-        # connections. A driving caller switches the nested one off for its session: otherwise every
-        # message it waits for would also wake the engine thread, which then contends for the GIL
-        # (measured: a 4 KiB allreduce at np=2 took ~1.6x longer).
-        self._ep_ctrl = select.epoll()
-        for fd in self.control.fds():
-            self._ep_ctrl.register(fd, select.EPOLLIN)  # a closed socket leaves the set by itself
-        self._ep = select.epoll()
-        self._ep.register(self.subs.fd, select.EPOLLIN)
-        self._ep.register(self._ep_ctrl.fileno(), select.EPOLLIN)
+        self._wake = Wakeups(self.subs.fd, self.control.fds())  # what wakes the engine thread
         self.control.during_data_waits(self._on_ctrl_during_data)
         self._running: m.Response | None = None  # the response being executed (named in stall reports)
         # Elsewhere than on rank 0: work sent for negotiation and no word from rank 0 for this long means
@@ -170,8 +162,7 @@ class Engine:
                 self.executor.gpu.close()
             self.baton.poke()
             self.subs.close()
-            self._ep.close()
-            self._ep_ctrl.close()
+            self._wake.close()
 
     # -- who runs cycles -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -188,10 +179,10 @@ class Engine:
     def _loop(self) -> None:
         woken = True
         while True:
-            if not self.baton.engine_take(self._park):
+            if not self.baton.engine_take(self._wake.park):  # (under the baton's lock)
                 # a caller drives: it serves messages, submissions and timers until its release, whose
                 # hook (_caller_released) re-arms this thread's wake-ups and kicks it if work is left
-                self._ep.poll(-1)
+                self._wake.sleep()
                 woken = True
                 continue
             try:
@@ -205,7 +196,7 @@ class Engine:
                 self.baton.release()  # the end of a cycle, for waiters, too
             if not alive:
                 return
-            woken = not idle or bool(self._ep.poll(-1 if timeout is None else timeout))
+            woken = not idle or self._wake.sleep(timeout)
 
     def _step(self, block: bool) -> bool:
         """One cycle, with the baton held; False once the engine has ended."""
@@ -256,7 +247,6 @@ class Engine:
         """A caller holding the baton runs cycles until ``handle`` is done (False: the engine ended).
         ``window``: the interrupt gate's safe point (the main thread), used between cycles and in the
         wait for negotiation."""
-        self._ep.modify(self._ep_ctrl.fileno(), 0)
         self._window = window
         fp = fp_quiet.quiet()  # as on the engine thread; the caller's own state after
         try:
@@ -272,25 +262,10 @@ class Engine:
             fp_quiet.restore(fp)
             self._window = None  # (the baton's release, next, runs _caller_released)
 
-    def _park(self) -> None:
-        """The engine thread found a caller driving (under the baton's lock): it sleeps with the wake
-        pipe disarmed too, so that a submission made for the driver (``Submissions.add``) wakes only
-        the driver."""
-        try:
-            self._ep.modify(self.subs.fd, 0)
-        except (OSError, ValueError):  # shut down meanwhile (closed): the loop ends on its next look
-            pass
-
     def _caller_released(self, parked: bool) -> None:
         """A driving caller released the baton (under its lock): give the engine thread its wake-ups
         back, and wake it for what this session left."""
-        if self._ep.closed:  # shutdown closed it while this caller still drove
-            return
-        try:
-            self._ep.modify(self._ep_ctrl.fileno(), select.EPOLLIN)  # wakes it if a message waits
-            if parked:
-                self._ep.modify(self.subs.fd, select.EPOLLIN)  # wakes it if a byte waits
-        except (OSError, ValueError):  # closed by a shutdown from another thread meanwhile: nothing to wake
+        if not self._wake.rearm(parked):  # (closed by a shutdown meanwhile: nothing to wake)
             return
         if self._inbox or self.subs.pending or self._unsent or (parked and self._timeout() is not None):
             # work this session took in but did not finish (messages read during a data wait, other
@@ -347,6 +322,8 @@ class Engine:
         subs = self.subs
         if not self._inbox and not subs.due(driving):
             timeout = self._timeout() if block else 0.0  # (only when it waits: it costs a few us on rank 0)
+            if driving:
+                self._wake.hush()  # the messages it waits for are its own (hora.engine.wakeups)
             if self.size > 1:
                 got = self._spin() if block and driving and (timeout is None or timeout > _SPIN_S) else []
                 if not got and not subs.pending and not subs.stopping:
@@ -376,6 +353,8 @@ class Engine:
             if not self._unsent and new:
                 self._batch_start = since  # the batch's cycle time started with its first submission
             self._unsent += new
+        if driving:
+            self._wake.hush()  # negotiating or running: the messages are its own (not on the fast path)
         responses: list[m.Response] = []
         while self._inbox:
             got = self._inbox

@@ -3,25 +3,29 @@ rank prints, together, which ranks submitted it and which have not, where each r
 why that cannot end, in words, with the fix (:mod:`hora.engine.diagnose` says which case it is).
 
 **When.** Rank 0 measures the job's step as autotune counts steps (:mod:`hora.engine.autotune`): the time
-between two submissions of the same collective on rank 0 (by name; an unnamed op by its call site). The
-threshold is ``K`` x the median of the last ``WINDOW`` such intervals, no less than the ``stall_explain_floor``
-knob (1.5 s) and no more than ``stall_check_time`` (Horovod's 60 s warning), so that the explanation is out
-within 2x the step time (2 s for short steps). Until ``MIN_STEPS`` intervals are known there is no
-step time to compare with and nothing is explained (the stall inspector still warns at
-``stall_check_time``). While the wait lasts it is explained again at 2x, 4x ... the threshold; an
+between two submissions of the same collective on rank 0 (by name; an unnamed op by its call site), timed
+for a few *probes* only (``PROBES`` collectives at a time, so that the rest cost two dictionary look-ups):
+a collective becomes a probe when it comes back (a one-off never does), and gives its place up when its
+loop has ended. The threshold is ``K`` x the median of the last ``WINDOW`` such intervals, no less than
+the ``stall_explain_floor`` knob (1.5 s) and no more than ``stall_check_time`` (Horovod's 60 s warning), so
+that the explanation is out within 2x the step time (2 s for short steps). Until ``MIN_STEPS`` intervals
+are known there is no step time to compare with and nothing is explained (the stall inspector still warns
+at ``stall_check_time``). While the wait lasts it is explained again at 2x, 4x ... the threshold; an
 explanation the same as one already shown (the same case, ranks and call sites: a checkpoint that rank 0
 writes every epoch) is shown again only once it has lasted twice as long. The job is not stopped: the
 stall shutdown (``stall_shutdown_time``) still decides that.
 
 **How.** Rank 0 asks every rank (``EXPLAIN_QUERY``, answered by whichever thread runs its engine, even in
-the middle of a collective) for its state: its collectives in flight with their call sites
-(:mod:`hora.engine.callsite` stamps every submission) and its main thread's frames; it waits up to
+the middle of a collective) for its state: its collectives in flight with their call sites and call
+counts (:mod:`hora.engine.callsite`; a named one's site is its main thread's line, taken now) and its main
+thread's frames; it waits up to
 ``REPLY_WAIT`` s for the answers, composes the text and sends it to every rank (``EXPLAIN_TEXT``). Each rank
 logs it on the ``hora`` logger as a warning whose record carries ``hora_hang``, a dict of the figures
 (``waited``, ``step``, ``threshold``, ``case``, ``ranks``, ``round``) for programs and tests.
 
-Cost when nothing hangs: one :func:`hora.engine.callsite.here` per submission on every rank, and on rank 0
-a dictionary update per submitted tensor and one clock read per cycle.
+Cost when nothing hangs: a named collective's count on every rank (one dictionary update, in
+:mod:`hora.core.ops`), on rank 0 a probe look-up per submission, and one clock read per cycle. (Finding
+every submission's call site when it was made cost 1.5-2.5 us per call: benchmarks/README.md, Issue 28.)
 """
 
 from __future__ import annotations
@@ -41,7 +45,11 @@ MIN_STEPS = 3  # step intervals needed before anything is explained
 WINDOW = 64  # the step intervals the median is taken over
 REPLY_WAIT = 0.5  # s rank 0 waits for the ranks' answers before explaining without them
 NO_STEP_LOOK = 1.0  # s between two looks while no step time is known yet
-MAX_KEYS = 4096  # collectives whose last submission rank 0 remembers (names made per step would grow it)
+PROBES = 8  # collectives whose repeats rank 0 times at once
+MAX_SEEN = 4096  # collectives submitted once, remembered until they come back (names made per step would grow it)
+SWEEP = 64  # repeats with no probe's place free between two looks for probes whose loop has ended
+STALE = 1.0  # s a probe keeps its place at least
+_now = time.monotonic
 
 
 class Explainer:
@@ -52,7 +60,9 @@ class Explainer:
         self.engine, self.coord = engine, engine.coord
         self.floor, self.ceiling = floor, ceiling
         self._steps: collections.deque[float] = collections.deque(maxlen=WINDOW)
-        self._last: dict[object, float] = {}  # name (or call site) -> when rank 0 last submitted it
+        self._probes: dict[object, list] = {}  # name (or call site) -> [when rank 0 last submitted it]
+        self._seen: dict[object, float] = {}  # submitted once so far -> when
+        self._misses = 0  # repeats that found every probe's place taken, since the last sweep
         self._next_look = 0.0
         self._episode: tuple | None = None  # the oldest waiting collective being explained, and since when
         self._level = 0.0  # s that collective waits before its next explanation
@@ -62,19 +72,40 @@ class Explainer:
         self.rounds = 0  # explanations shown
 
     # -- the step time -------------------------------------------------------------------------------
-    def observe(self, pends, site) -> None:
-        """Rank 0 submitted ``pends`` (from call site ``site``) now."""
-        now = time.monotonic()
-        last, steps = self._last, self._steps
-        for p in pends:
-            req = p.req
-            key = req.name if req.cacheable and req.site is None else site
-            t = last.get(key)
-            if t is not None and now > t:
-                steps.append(now - t)
-            last[key] = now
-        if len(last) > MAX_KEYS:
-            last.clear()
+    def observe(self, pends) -> None:
+        """Rank 0 submits ``pends`` now (the engine's submission hook: keep it short)."""
+        p = pends[0]
+        key = p.req.name if p.site is None else p.site  # (an unnamed op's Site: one per call site)
+        probe = self._probes.get(key)
+        if probe is not None:
+            now = _now()
+            if now > probe[0]:
+                self._steps.append(now - probe[0])
+            probe[0] = now
+            return
+        seen = self._seen.get(key)
+        if seen is None:  # a first submission (a one-off, broadcast_parameters', never takes a probe's place)
+            if len(self._seen) >= MAX_SEEN:
+                self._seen.clear()
+            self._seen[key] = _now()
+        elif len(self._probes) < PROBES:  # it came back: a probe from now on
+            now = _now()
+            del self._seen[key]
+            self._probes[key] = [now]
+            if now > seen:
+                self._steps.append(now - seen)
+        else:
+            self._misses += 1
+            if self._misses >= SWEEP:
+                self._sweep()
+
+    def _sweep(self) -> None:
+        """Free the places of probes that have not come back for 4 steps (and ``STALE`` s): the loop they
+        timed has ended (training gave way to evaluation)."""
+        self._misses = 0
+        now, step = _now(), self.step_time() or 0.0
+        for key in [k for k, (t,) in self._probes.items() if now - t > max(STALE, 4 * step)]:
+            del self._probes[key]
 
     def step_time(self) -> float | None:
         """The median of the recent step intervals; None before ``MIN_STEPS`` are known."""
@@ -170,19 +201,27 @@ def show(rank: int, text: str, info: dict) -> None:
 
 
 def local_state(engine: Any) -> diagnose.RankState:
-    """This rank's answer: its collectives in flight (taken first, then queued), its main thread, its sites."""
+    """This rank's answer: its collectives in flight (taken first, then queued) with their call sites and
+    counts, its main thread, its call counts. An unnamed op carries its site; a named one's is taken now:
+    the main thread's innermost user frame while that thread is inside hora (waiting in ``synchronize``, or
+    in a synchronous call), else none (it was submitted from code that has since returned, or from a
+    framework's thread)."""
     subs = engine.subs
     pends = list(subs.local.values()) + list(subs.pending.values())
-    pending = tuple(diagnose.Waiting(p.req.ps, p.req.kind, p.req.name, p.site.frame if p.site else None,
-                                     p.site.count if p.site else 0) for p in pends)
-    return diagnose.RankState(engine.rank, pending, callsite.main_thread(), callsite.counts())
+    main = callsite.main_thread()
+    here = main.frames[0] if main.inside and main.frames else None
+    named = callsite.named
+    pending = tuple(diagnose.Waiting(p.req.ps, p.req.kind, p.req.name, p.site.frame, p.site.count) if p.site else
+                    diagnose.Waiting(p.req.ps, p.req.kind, p.req.name, here, named.get(p.req.name, 0))
+                    for p in pends)
+    return diagnose.RankState(engine.rank, pending, main, callsite.counts())
 
 
 def attach(engine: Any) -> None:
     """Give ``engine`` its part: the three message handlers (always: a rank whose knobs differ from rank
     0's still answers it), and unless the stall inspector is off, the floor knob is 0 or the job has one
-    rank, the stamp on every submission (``engine._stamp``) and on rank 0 the explainer inside the stall
-    inspector."""
+    rank, on rank 0 the explainer inside the stall inspector, with its probe on every submission
+    (``engine._stamp``)."""
     cfg = engine.cfg
     explainer = engine._stamp = None
 
@@ -202,12 +241,4 @@ def attach(engine: Any) -> None:
         return
     if engine.stall is not None:
         explainer = engine.stall.explainer = Explainer(engine, floor, max(cfg["stall_check_time"], 1e-3))
-
-    def stamp(pends) -> None:
-        site = pends[0].site or callsite.here()  # (an unnamed op's was found for its request: hora.core.ops)
-        for p in pends:
-            p.site = site
-        if explainer is not None:
-            explainer.observe(pends, site)
-
-    engine._stamp = stamp
+        engine._stamp = explainer.observe

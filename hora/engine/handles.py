@@ -17,16 +17,16 @@ _COMPLETING = threading.Lock()  # uncontended but for that race: cheaper than a 
 
 
 class Handle:
-    """One collective's outcome. ``done`` is a plain flag and ``_gate`` a lock held until then: a
-    handle is made for every collective, and a lock costs a fraction of a ``threading.Event``."""
+    """One collective's outcome. ``done`` is a plain flag and ``_gate`` a lock held until then, made only
+    when a thread has to sleep on it: a handle is made for every collective, and most are waited for by
+    a caller that runs the engine itself until ``done`` (:mod:`hora.engine.baton`), so never sleeps here."""
 
     __slots__ = ("id", "name", "done", "_gate", "result", "error", "finish", "waiter")
 
     def __init__(self, hid: int, name: str, finish: Callable[[Any], Any] | None = None):
         self.id, self.name, self.finish = hid, name, finish
         self.done = False
-        self._gate = threading.Lock()
-        self._gate.acquire()
+        self._gate: threading.Lock | None = None
         self.result: Any = None
         self.error: BaseException | None = None
         self.waiter: int | None = None
@@ -39,14 +39,23 @@ class Handle:
                 return
             self.result, self.error = result, error
             self.done = True
-        self._gate.release()
+            gate = self._gate
+        if gate is not None:
+            gate.release()
 
     def wait(self, timeout: float = -1) -> bool:
         """True once done; waits up to ``timeout`` s (-1: for ever)."""
         if self.done:
             return True
-        if self._gate.acquire(timeout=timeout):
-            self._gate.release()
+        with _COMPLETING:  # the gate made and taken in the section in which ``done`` is seen false
+            if self.done:
+                return True
+            gate = self._gate
+            if gate is None:
+                gate = self._gate = threading.Lock()
+                gate.acquire()
+        if gate.acquire(timeout=timeout):
+            gate.release()
         return self.done
 
 
@@ -89,11 +98,12 @@ class HandleTable:
         Raises the collective's error, HoraValueError for an unknown or spent handle, and BusyError
         when another thread already waits on it (waiting twice cannot be made to mean anything)."""
         h = self._handles.get(hid) or self.get(hid)  # (the look-up inline: a hot path; get() says what is wrong)
+        me = threading.get_ident()
         with self._lock:
-            if h.waiter is not None and h.waiter != threading.get_ident():
+            if h.waiter is not None and h.waiter != me:
                 raise BusyError(f"handle {hid} ('{h.name}') is already being waited on by another thread; "
                                 "synchronize each handle from one thread")
-            h.waiter = threading.get_ident()
+            h.waiter = me
         try:
             if self.drive is not None:
                 self.drive(h)

@@ -23,6 +23,11 @@ from hora.engine.execute import Pending
 from hora.engine.messages import Refusal
 
 
+def _in_flight(pend: Pending) -> HoraValueError:
+    return HoraValueError(f"{pend.req.kind} '{pend.req.name}': a collective with this name is already in flight "
+                          "on this rank; synchronize it first or use another name")
+
+
 class Submissions:
     def __init__(self, cycle_s: float):
         self._cycle_s = cycle_s
@@ -52,33 +57,40 @@ class Submissions:
                 raise self.broken
             if self.stopping:
                 raise ShutdownError("hora is shutting down; call hora.init() again")
-            keys = [(p.req.ps, p.req.name) for p in pends]
-            seen: set[tuple[int, str]] = set()
-            for key, pend in zip(keys, pends):
+            if len(pends) == 1:  # (the usual submission: no loop, no set)
+                pend = pends[0]
+                key = (pend.req.ps, pend.req.name)
                 flying = self.local.get(key) or self.pending.get(key)
-                if len(pends) == 1 and flying is not None and type(flying.req) is Refusal:
+                if flying is not None:
+                    if type(flying.req) is not Refusal:
+                        raise _in_flight(pend)
                     # this rank's own refusal of the name is still in flight (its peers have not all reached
                     # the name): what comes next under the name, refused or not, waits for that refusal's
                     # error response, or it would be matched with the peers' refusals (issue 24's hang)
                     self.deferred.setdefault(key, []).append(pend)  # released by that refusal's error response
                     return
-                if key in self.local or key in self.pending or key in seen:
-                    raise HoraValueError(f"{pend.req.kind} '{pend.req.name}': a collective with this name is "
-                                         "already in flight on this rank; synchronize it first or use another name")
-                seen.add(key)
+                new = ((key, pend),)
+                some = every = pend.flush
+            else:
+                new = tuple(((p.req.ps, p.req.name), p) for p in pends)
+                seen: set[tuple[int, str]] = set()
+                for key, pend in new:
+                    if key in self.local or key in self.pending or key in seen:
+                        raise _in_flight(pend)
+                    seen.add(key)
+                some, every = any(p.flush for p in pends), all(p.flush for p in pends)
             was_empty = not self.pending
             if was_empty:
                 self._since = time.monotonic()
-            flush = [p.flush for p in pends]
-            if any(flush):
+            if some:
                 self._flush = True
-            self.pending.update(zip(keys, pends))
+            self.pending.update(new)
             # One byte per batch: a cycle takes the whole queue. A synchronous caller runs the engine
             # itself or kicks its thread (baton invariant 4), so it skips the byte while nobody holds
             # the baton; when somebody does (the holder may be asleep waiting for a message that needs
             # this very submission), it must wake them. The queue is filled before ``held()`` is
             # asked: a holder that took the baton since will see the queue when its cycle starts.
-            if was_empty and (not all(flush) or held()):
+            if was_empty and (not every or held()):
                 self._wake_locked()
 
     def release(self, key: tuple[int, str]) -> None:

@@ -26,10 +26,7 @@ from hora.transport import auth, net, plan
 from hora.transport.acceptor import Acceptor, Wake
 from hora.transport.store import StoreTimeout
 
-# A dial after start-up makes one attempt: the peer's port is open for its communicator's life, so a refusal
-# means it is gone (shut down or dead). Retrying for 5 s, as before, made rank 0's shutdown at np=128 take
-# ~150 s: its goodbye to each rank whose own goodbye a departed router had dropped dialed a closed port.
-LATE_DIAL_S = 0.0
+LATE_DIAL_S = 5.0  # a lazy dial's limit: the peer's port is open for its communicator's life, so a refusal is final
 
 
 def publish(store, prefix: str, rank: int, address: str) -> None:
@@ -150,9 +147,16 @@ class Links:
         self.rank, self.prefix, self.secret, self.addrs, self.port = rank, prefix, secret, addrs, port
         self._connect = dialer or connect  # ``connect``'s signature (a test may reach a peer through a relay)
 
-    def dial(self, peer: int, chan: str = "d", timeout: float = LATE_DIAL_S) -> socket.socket:
-        """A new connection to ``peer`` (a lower rank for data; any rank for control)."""
-        sock = self._connect(self.addrs[peer], peer, self.rank, self.prefix, self.secret, timeout, chan)
+    def dial(self, peer: int, chan: str = "d", timeout: float | None = None) -> socket.socket:
+        """A new connection to ``peer`` (a lower rank for data; any rank for control). ``timeout``: a
+        start-up dial's limit; None: a later dial's (``LATE_DIAL_S``), which takes a refusal as final (the
+        peer's port is open for its communicator's life: a refused rank has left, and a goodbye sent to
+        every rank at shutdown must not wait seconds for each one that left first)."""
+        if timeout is None:
+            sock = self._connect(self.addrs[peer], peer, self.rank, self.prefix, self.secret, LATE_DIAL_S, chan,
+                                 patient=False)
+        else:
+            sock = self._connect(self.addrs[peer], peer, self.rank, self.prefix, self.secret, timeout, chan)
         net.tune(sock, buffers=chan == "d")
         return sock
 
@@ -161,9 +165,9 @@ class Links:
 
 
 def connect(addr: str, peer: int, rank: int, prefix: str, secret: bytes, timeout: float,
-            chan: str) -> socket.socket:
+            chan: str, patient: bool = True) -> socket.socket:
     """Dial ``peer`` at ``addr`` and prove this rank (``chan``: "d" data, "c" control); a refused
-    connection is retried until ``timeout`` (at start-up the peer may still be opening its port; 0: once)."""
+    connection is retried until ``timeout`` (the peer may still be opening its port) when ``patient``."""
     host, port = net.parse_addr(addr)
     deadline = time.monotonic() + timeout
     while True:
@@ -171,7 +175,7 @@ def connect(addr: str, peer: int, rank: int, prefix: str, secret: bytes, timeout
             sock = socket.create_connection((host, port), timeout=5)
             return auth.connect_handshake(sock, secret, f"{rank}|{prefix}|{peer}|{chan}".encode())
         except (OSError, HoraError) as e:
-            retry = isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ETIMEDOUT)
+            retry = patient and isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ETIMEDOUT)
             if not retry or time.monotonic() >= deadline:
                 kind = HoraTimeoutError if retry else HoraError  # still refused at the deadline: not up in time
                 raise kind(f"rank {rank}: cannot connect to rank {peer} at {addr}: {e}") from e

@@ -61,9 +61,10 @@ _LOOK_EVERY = 8  # spins between two calls of the caller's ``stop`` (it may poll
 
 
 def _spin_calls():
-    """``(init, trylock, unlocked, locked)``: process-shared pthread spinlocks and the values their word
-    holds free and taken, or None where they do not behave as this module needs (checked on a private
-    word: init, take, taken)."""
+    """``(trylock, unlocked, locked)``: process-shared pthread spinlocks and the values their word holds
+    free and taken, or None where they do not behave as this module needs (checked on a private word: init,
+    take, taken, and a plain store of the free value frees it, as init does: a post frees its slot's word
+    so, a foreign call fewer per post)."""
     try:
         libc = ctypes.CDLL(None)
         init, trylock = libc.pthread_spin_init, libc.pthread_spin_trylock
@@ -77,7 +78,11 @@ def _spin_calls():
     free = word.value
     if trylock(p) != 0 or trylock(p) == 0 or word.value == free:
         return None
-    return init, trylock, free, word.value
+    taken = word.value
+    word.value = free
+    if trylock(p) != 0 or word.value != taken:
+        return None
+    return trylock, free, taken
 
 
 _CALLS = _spin_calls()
@@ -100,7 +105,7 @@ class Mailbox:
         base = self._w[0].ctypes.data  # (a ctypes object over ``mm`` would keep it from being unmapped)
         self._lock = [[base + r * REGION + _LOCKS + 64 * s for s in range(SLOTS)] for r in (0, 1)]
         self._peek = [np.frombuffer(mm, np.int32, count=16 * SLOTS, offset=offset + r * REGION + _LOCKS)[::16]
-                      for r in (0, 1)]  # the lock words, read without taking them
+                      for r in (0, 1)]  # the lock words, read without taking them (and ours freed when posting)
         self.attempt = 0  # this rank's latest attempt
         self.seen = 0  # the latest peer attempt this rank is done with
         self._got = 0  # the peer attempt of a match being read
@@ -129,17 +134,18 @@ class Mailbox:
         a = self.attempt + 1
         s = a % SLOTS
         mine, theirs = self._w[self.me], self._w[self.peer]
-        if (carry and n > SLOT_BYTES) or not self.usable() or a - SLOTS > int(theirs[_SEEN]):
+        if (carry and n > SLOT_BYTES) or not (self._ok or self.usable()) or a - SLOTS > int(theirs[_SEEN]):
             return None  # the slot's last attempt is not yet done with on the peer's side
-        init, trylock, _free, taken = _CALLS
-        init(self._lock[self.me][s], 1)
+        trylock, free, taken = _CALLS
+        own = self._peek[self.me]
+        own[s] = free  # the slot's lock word free again (a plain store: what pthread_spin_init does, _spin_calls)
         if carry:
             self._data[self.me][s][:n] = data.reshape(-1).view(np.uint8)
         else:
             n |= _AGREED
         mine[_POS + s], mine[_NBYTES + s], mine[_EPOCH + s] = pos + 1, n, epoch
         mine[_CUR] = self.attempt = a  # the post: its stores above are visible before this one
-        clock, look, peek, own = time.perf_counter, 0, self._peek[self.peer], self._peek[self.me]
+        clock, look, peek = time.perf_counter, 0, self._peek[self.peer]
         end = clock() + self.spin
         while True:
             c = int(theirs[_CUR])

@@ -298,7 +298,7 @@ def connect_mesh(rank: int, size: int, store: StoreClient, prefix: str, secret: 
     try:
         publish(store, prefix, rank, f"{advertise_host or bind_host}:{listener.getsockname()[1]}")
         addrs = find(store, prefix, rank, size, timeout)
-        links = Links(rank, prefix, secret, addrs, port, lambda *a: _connect(*a))
+        links = Links(rank, prefix, secret, addrs, port, lambda *a, **k: _connect(*a, **k))
         socks = {p: links.dial(p, timeout=timeout) for p in plan.ring_neighbours(rank, size) if plan.dials(rank, p)}
         up = plan.parent(rank, fanout)
         ctrl = {} if up is None else {up: links.dial(up, "c", timeout)}
