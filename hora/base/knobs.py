@@ -122,11 +122,12 @@ KNOBS = [
          "in benchmarks/mpi_allreduce.py) or native (MPI's own Iallreduce)", **_one_of("ring", "native")),
     Knob("dynamic_process_sets", bool, False, "DYNAMIC_PROCESS_SETS", None,
          "allow add_process_set/remove_process_set after init"),
-    Knob("lazy_links", int, 32, "LAZY_LINKS", None,
+    Knob("lazy_links", int, -1, "LAZY_LINKS", None,
          "data connections a rank keeps open to peers it connected to on first use (alltoall, a process set's "
          "ring; the ring neighbours' are never counted nor closed): past it the least recently used idle one is "
          "closed, by agreement with its peer, and opened again when next needed (hora.transport.idle); 0: no "
-         "bound", 1, _nonneg, ">= 0"),
+         "bound; -1: a quarter of the process's open-file limit (RLIMIT_NOFILE), at least 64, so that an "
+         "alltoall every step does not reconnect every step below that", 1, lambda v: v >= -1, ">= -1"),
     # autotune (hora.engine.autotune): rank 0 tunes fusion_threshold, cycle_time and the response cache while
     # training, leaving alone those the user set
     Knob("autotune", bool, False, "AUTOTUNE", "--autotune",
