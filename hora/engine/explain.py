@@ -90,7 +90,7 @@ class Explainer:
             self._seen[key] = _now()
         elif len(self._probes) < PROBES:  # it came back: a probe from now on
             now = _now()
-            del self._seen[key]
+            self._seen.pop(key, None)  # (pop: threads may submit at once, TensorFlow's do)
             self._probes[key] = [now]
             if now > seen:
                 self._steps.append(now - seen)
@@ -104,8 +104,9 @@ class Explainer:
         timed has ended (training gave way to evaluation)."""
         self._misses = 0
         now, step = _now(), self.step_time() or 0.0
-        for key in [k for k, (t,) in self._probes.items() if now - t > max(STALE, 4 * step)]:
-            del self._probes[key]
+        for key, (t,) in list(self._probes.items()):  # (a copy: another thread may add a probe meanwhile)
+            if now - t > max(STALE, 4 * step):
+                self._probes.pop(key, None)
 
     def step_time(self) -> float | None:
         """The median of the recent step intervals; None before ``MIN_STEPS`` are known."""
