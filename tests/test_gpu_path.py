@@ -159,23 +159,17 @@ def test_no_nccl_library_takes_the_staged_path_with_one_warning():
 
 
 def _loop_until_lost():
-    import time
-
     import hora
-    from workers import describe, mark, report
+    from workers import describe, loop_until_lost, report
     hora.init()
-    r = hora.rank()
-    x = _dev(np.ones(1 << 16, np.float32), r)
-    i = 0
-    deadline = time.monotonic() + 60
-    try:
-        while time.monotonic() < deadline:
-            out = hora.allreduce(x, op=hora.Sum, name="x")
-            assert _host(out)[0] == hora.size()
-            i += 1
-            if i == 3:
-                mark(f"looping/{r}")
-    except Exception as e:  # noqa: BLE001 - the report says what it was
+    x = _dev(np.ones(1 << 16, np.float32), hora.rank())
+
+    def step(_i: int) -> None:
+        out = hora.allreduce(x, op=hora.Sum, name="x")
+        assert _host(out)[0] == hora.size()
+
+    e, i = loop_until_lost(step)
+    if e is not None:
         report(error=describe(e), iterations=i)
         hora.shutdown()
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -81,23 +80,14 @@ def test_lazy_links_stay_bounded_and_results_right(bound):
 
 def _links_until_lost() -> None:
     import hora
-    from workers import describe, mark, report
+    from workers import describe, loop_until_lost, report
 
     sets = [hora.ProcessSet(list(s)) for s in SETS]
     hora.init(process_sets=sets)
-    i = 0
-    deadline = time.monotonic() + 90  # a guard, should the kill never come
-    try:
-        while time.monotonic() < deadline:
-            _round(sets, i)
-            i += 1
-            if i == 3:
-                mark(f"looping/{hora.rank()}")
-    except Exception as e:  # noqa: BLE001 - the report says what it was
-        report(error=describe(e), iterations=i)
+    e, i = loop_until_lost(lambda i: _round(sets, i), guard=90)
+    report(error=None if e is None else describe(e), iterations=i)
+    if e is not None:
         hora.shutdown()
-        return
-    report(error=None, iterations=i)
 
 
 @pytest.mark.timeout(240)

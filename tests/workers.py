@@ -178,6 +178,25 @@ def shm_mappings() -> dict:
 
 # --- a rank killed in the middle of an allreduce ----------------------------------------------------------
 
+def loop_until_lost(step, guard: float = 60) -> tuple[BaseException | None, int]:
+    """Call ``step(i)`` for i = 0, 1, ... until it raises (a peer was killed) or ``guard`` s have passed (the
+    kill never came; the test's timeout is shorter), marking ``looping/<rank>`` after three calls so that the
+    test kills a rank that is inside the loop. Returns the error (None after the guard) and the calls made."""
+    import hora
+
+    i = 0
+    deadline = time.monotonic() + guard
+    try:
+        while time.monotonic() < deadline:
+            step(i)
+            i += 1
+            if i == 3:
+                mark(f"looping/{hora.rank()}")
+    except Exception as e:  # noqa: BLE001 - the caller reports what it was
+        return e, i
+    return None, i
+
+
 def allreduce_until_lost(nbytes: int, transport: str | None = None, in_place: bool = False,
                          retry: bool = False, shutdown: bool = True) -> None:
     """One rank of harness.kill_mid_allreduce: allreduce ``nbytes`` in a loop until a peer is lost, then
@@ -195,19 +214,16 @@ def allreduce_until_lost(nbytes: int, transport: str | None = None, in_place: bo
     if transport is not None:
         assert transport_class() == transport, f"the job uses {transport_class()}, not {transport}"
     x = np.ones(nbytes // 4, np.float32)
-    i = 0
-    deadline = time.monotonic() + 60  # a guard, should the kill never come; the test's timeout is shorter
-    try:
-        while time.monotonic() < deadline:
-            if in_place:
-                hora.allreduce_(x, op=hora.Sum, name="x")
-            else:
-                out = hora.allreduce(x, op=hora.Sum)
-                assert out[0] == hora.size()
-            i += 1
-            if i == 3:
-                mark(f"looping/{hora.rank()}")
-    except Exception as e:  # noqa: BLE001 - the report says what it was
+
+    def step(_i: int) -> None:
+        if in_place:
+            hora.allreduce_(x, op=hora.Sum, name="x")
+        else:
+            out = hora.allreduce(x, op=hora.Sum)
+            assert out[0] == hora.size()
+
+    e, i = loop_until_lost(step)
+    if e is not None:
         rep = {"error": describe(e), "iterations": i}
         if retry:
             try:
