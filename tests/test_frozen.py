@@ -31,17 +31,21 @@ LOOP = """
 import os, sys, time
 import numpy as np
 import hora
+from hora.core import session
 hora.init()
 r = hora.rank()
 print(f"PID {r} {os.getpid()}", flush=True)
-i, t0 = 0, time.monotonic()
+pulse = session.state().pulse
+i, told = 0, False
 try:
     while True:
         hora.allreduce(np.ones(4096 if i % 2 else 2, np.float32), op=hora.Sum, name=f"loop.{i}")
         i += 1
-        if t0 and time.monotonic() - t0 > 2:  # running for 2 s: its pulse thread told its beater what it does
+        if not told and i > 4 and all(w.doing for w in list(pulse._watched.values())) and pulse._watched:
+            # the rank this one watches has told it what its main thread does (its pulse thread, through
+            # its beater): once every rank has said so, a stopped rank's watcher knows where it was
             print(f"RUNNING {r}", flush=True)
-            t0 = 0
+            told = True
 except hora.HorovodInternalError as e:
     msg = str(e).replace(chr(10), " | ")
     print(f"RAISED {r} {time.time():.3f} {type(e).__name__} {getattr(e, 'rank', None)} {msg}", flush=True)
