@@ -10,7 +10,7 @@ loop's call costs a few dictionary look-ups and one increment (its ``count``: ho
 called from there, which tells a per-step collective from a one-off). A submission made from a framework's
 own thread (a ``tf.function``'s callback) has no such frame: its site is None.
 
-A named collective's site is not looked for when it is submitted (the walk cost 1.5-2.5 us per call):
+A named collective's site is not looked for when it is submitted (the walk cost about 2 us per call):
 its name already tells a loop's calls apart, and :data:`named` counts them. Only when a hang is
 explained does the rank take it, lazily, from its main thread's innermost user frame while that thread
 waits inside hora (:func:`hora.engine.explain.local_state`).

@@ -15,17 +15,17 @@ explanation the same as one already shown (the same case, ranks and call sites: 
 writes every epoch) is shown again only once it has lasted twice as long. The job is not stopped: the
 stall shutdown (``stall_shutdown_time``) still decides that.
 
-**How.** Rank 0 asks every rank (``EXPLAIN_QUERY``, answered by whichever thread runs its engine, even in
-the middle of a collective) for its state: its collectives in flight with their call sites and call
-counts (:mod:`hora.engine.callsite`; a named one's site is its main thread's line, taken now) and its main
-thread's frames; it waits up to
-``REPLY_WAIT`` s for the answers, composes the text and sends it to every rank (``EXPLAIN_TEXT``). Each rank
-logs it on the ``hora`` logger as a warning whose record carries ``hora_hang``, a dict of the figures
-(``waited``, ``step``, ``threshold``, ``case``, ``ranks``, ``round``) for programs and tests.
+**How.** Rank 0 asks every rank (``EXPLAIN_QUERY``, answered by whichever thread runs its engine, even in the
+middle of a collective) for its state: its collectives in flight with their call sites and call counts
+(:mod:`hora.engine.callsite`; a named one's site is its main thread's line, taken now) and its main thread's
+frames; it waits up to ``REPLY_WAIT`` s for the answers, composes the text and sends it to every rank
+(``EXPLAIN_TEXT``). Each rank logs it on the ``hora`` logger as a warning whose record carries ``hora_hang``,
+a dict of the figures (``waited``, ``step``, ``threshold``, ``case``, ``ranks``, ``round``) for programs and
+tests.
 
 Cost when nothing hangs: a named collective's count on every rank (one dictionary update, in
 :mod:`hora.core.ops`), on rank 0 a probe look-up per submission, and one clock read per cycle. (Finding
-every submission's call site when it was made cost 1.5-2.5 us per call: benchmarks/README.md, Issue 28.)
+every submission's call site when it was made cost about 2 us per call: benchmarks/README.md, Issue 28.)
 """
 
 from __future__ import annotations

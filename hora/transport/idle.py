@@ -78,8 +78,8 @@ RESEND_S = 1.0  # s a proposal that requests wait on goes unanswered before it i
 def resolve(bound: int) -> int:
     """The bound kept: ``bound``, or for -1 a quarter of this process's soft open-file limit, at least 64
     (none where that limit is infinite). Below an alltoall's N - 1 peers every alltoall reconnects what the
-    last one closed (np=16, bound 3: 0.57 s for 10 rounds against 0.24 s unbounded), so the default bound
-    is what the descriptor limit can afford, not a small number: with the usual 1,024 that is 256."""
+    last one closed (3x slower at np=16 with a bound of 3: benchmarks/README.md), so the default bound is
+    what the descriptor limit can afford, not a small number: with the usual 1,024 that is 256."""
     if bound >= 0:
         return bound
     try:
