@@ -33,9 +33,6 @@ class State:
         from hora.engine.engine import Engine
 
         self.engine = Engine(comm, topo, self.cfg, timeline)  # holds the timeline from now on
-        from hora.engine import status
-
-        status.attach(self.engine)  # every rank answers the live view's questions (hora top)
         self.live = None  # rank 0's responder to the live view's readers (hora.engine.status), set by basics._connect
         if self.cfg["timeline"] not in ("", "DYNAMIC") and self.cfg["timeline_all_ranks"]:
             from hora.engine import ranktrace  # every rank's part of the job's trace (hora trace merge)

@@ -36,7 +36,7 @@ import numpy as np
 
 from hora.base import fp_quiet
 from hora.base.errors import HoraError, InternalError, PeerLostError, ShutdownError, StallError
-from hora.engine import clock, explain, fastpath
+from hora.engine import clock, explain, fastpath, status
 from hora.engine import messages as m
 from hora.engine.baton import CALLER, NOBODY, Baton
 from hora.engine.interrupts import GATE
@@ -104,6 +104,7 @@ class Engine:
                           m.STACK_REPLY: self._on_stack_reply, m.STALL_FATAL: self._on_stall_fatal,
                           m.BYE: self._on_bye, m.DATA_STALL: self._on_data_stall, **clock.handlers(self)}
         explain.attach(self)  # hangs explained: its handlers, and ``_stamp`` on every submission (or None)
+        status.attach(self)  # the live view's handlers (hora top): here, before the thread reads a message
         self.trace = None  # this rank's part of the job's trace (hora.engine.ranktrace; None when off)
         self.handles.drive = self._drive
         self._wake = Wakeups(self.subs.fd, self.control.fds())  # what wakes the engine thread
