@@ -2,6 +2,7 @@
 processes that tests/harness.py starts (at session end, even after a pytest-timeout)."""
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -10,6 +11,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# A suite started in the background by a shell without job control (``make test &`` in a script) inherits
+# SIGINT ignored, and so would every rank it starts: Python then installs no KeyboardInterrupt handler and
+# ``_thread.interrupt_main`` does nothing. The Ctrl-C tests (test_interrupts, test_chaos, test_ray) need it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 try:
     from hypothesis import HealthCheck, settings

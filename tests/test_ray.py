@@ -4,6 +4,10 @@ default), one 2-worker executor shared by most tests, and fresh ones for the tes
 
 Without Ray these skip, except under CI (CI=true), where Ray is part of the test stack and a skip would hide a
 broken setup.
+
+Timeouts use pytest-timeout's thread method (it ends the whole run, with every thread's stack): a driver blocked
+in ``ray.wait`` runs Python's signal handlers inside Ray's own signal check, which drops any exception but
+KeyboardInterrupt and SystemExit, so the signal method's failure is lost and the test would wait forever.
 """
 
 from __future__ import annotations
@@ -173,7 +177,7 @@ class _Counter:
 
 
 # --- tests -------------------------------------------------------------------------------------------------
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_run_returns_per_rank_results_in_rank_order(executor):
     results = executor.run(_place, args=[100])
     assert [r[:6] for r in results] == [(100, 0, 2, 0, 2, 0), (101, 1, 2, 1, 2, 0)]
@@ -182,7 +186,7 @@ def test_run_returns_per_rank_results_in_rank_order(executor):
     assert executor.run(_place, kwargs={"base": 7})[1][0] == 8  # a second call: hora.init() again, a new scope
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_collectives_across_the_workers(executor):
     results = executor.run(_collectives)
     n = 2
@@ -197,7 +201,7 @@ def test_collectives_across_the_workers(executor):
         assert out["big"] == n
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_execute_execute_single_run_remote(executor):
     pids = executor.execute(lambda w: os.getpid())
     assert pids == [p.pid for p in executor.places]
@@ -211,7 +215,7 @@ def test_execute_execute_single_run_remote(executor):
     assert executor.run(lambda: float(big.sum())) == [float(big.sum())] * 2
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(180, method="thread")
 def test_executable_cls_and_extra_env_vars(cluster):
     from hora.ray import RayExecutor
 
@@ -227,7 +231,7 @@ def test_executable_cls_and_extra_env_vars(cluster):
         ex.shutdown()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_workers_join_the_current_placement_group(cluster):
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -261,7 +265,7 @@ def test_workers_join_the_current_placement_group(cluster):
         remove_placement_group(pg)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_the_root_cause_reads_as_under_hora_run(executor):
     """tests/root_cause_check.py's failure (rank 1 raises while rank 0 waits for it): the same root-cause line
     as hora run's, hora.run()'s, the elastic driver's and hora.spark's (an actor that exits dies under Ray: its
@@ -273,7 +277,7 @@ def test_the_root_cause_reads_as_under_hora_run(executor):
     rc.check("raise", "\n".join(info.value.__notes__))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_exception_on_a_worker_is_raised_with_its_traceback(executor):
     with pytest.raises(KeyError, match="no such thing on rank one") as info:
         executor.run(_raise_on_one)
@@ -285,7 +289,7 @@ def test_exception_on_a_worker_is_raised_with_its_traceback(executor):
     assert [r[1] for r in executor.run(_place, args=[0])] == [0, 1]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_a_rank_that_fails_after_its_peers_returned_leaves_the_executor_usable(executor, tmp_path):
     """Rank 0 returns with hora still initialised; then rank 1 fails. The next call must not find rank 0 in the
     old job and rank 1 in a new rendezvous (which timed out): every rank starts it afresh."""
@@ -305,7 +309,7 @@ def test_a_rank_that_fails_after_its_peers_returned_leaves_the_executor_usable(e
     assert [r[1:3] for r in executor.run(_place, args=[0])] == [(0, 2), (1, 2)]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_a_failure_under_run_remote_stops_its_peers(executor):
     """No driver waits on run_remote's refs: the failing worker itself tells rank 0, blocked in a collective
     with it, to stop."""
@@ -338,7 +342,7 @@ def _running_job(ex) -> tuple[list[int], threading.Thread, list]:
     return [p.pid for p in ex.places], t, outcome
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_ctrl_c_in_the_driver_stops_the_job(fresh):
     ex = fresh
     pids = [p.pid for p in ex.places]
@@ -350,7 +354,7 @@ def test_ctrl_c_in_the_driver_stops_the_job(fresh):
         ex.run(_place, args=[0])
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_shutdown_from_another_thread_during_run_says_so(fresh):
     ex = fresh
     pids, t, outcome = _running_job(ex)
@@ -362,7 +366,7 @@ def test_shutdown_from_another_thread_during_run_says_so(fresh):
     assert _gone(pids, 15)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_gpu_workers_see_every_gpu_of_their_node_in_local_rank_order(cluster):
     from hora.ray import RayExecutor
 
@@ -386,7 +390,7 @@ def test_visible_devices_per_node_in_rank_order():
     assert visible_devices(places) == ["3,1", "3,1", "0", "0", None]  # a shared GPU once; no GPU: Ray's own
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_callbacks_get_what_rank_0_logs(executor):
     seen = []
     assert executor.run(_log_then_return, args=[5], callbacks=[seen.append]) == [0, 1]
@@ -400,7 +404,7 @@ def test_callbacks_get_what_rank_0_logs(executor):
         ray_logger.log({"driver": 1})
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_secret_is_in_no_command_line_environment_or_log(executor, cluster):
     secret = executor._secret
     assert len(secret) >= 32
@@ -423,7 +427,7 @@ def test_secret_is_in_no_command_line_environment_or_log(executor, cluster):
     assert not in_logs, f"the job secret is written in Ray's files: {in_logs}"
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(180, method="thread")
 def test_pytorch_digits_example_trains(executor, cluster):
     env = dict(os.environ, RAY_ADDRESS=cluster, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(ROOT / "examples/ray/train_digits.py"), "--num-workers", "2"],
@@ -434,7 +438,7 @@ def test_pytorch_digits_example_trains(executor, cluster):
     assert proc.stdout.count("epoch ") == 10  # the callbacks printed rank 0's epochs on the driver
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_a_killed_worker_fails_the_run_naming_it(fresh):
     ex = fresh
     pids, t, outcome = _running_job(ex)
@@ -481,7 +485,7 @@ finally:
 """
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(150, method="thread")
 def test_two_ray_nodes_give_two_hosts():
     import json
 
@@ -497,7 +501,7 @@ def test_two_ray_nodes_give_two_hosts():
     assert out["ranks"][0][6] == f"{ip}:{out['bind'].rpartition(':')[2]}" and out["bind"].startswith("0.0.0.0:")
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, method="thread")
 def test_resources_that_never_come_fail_start(cluster):
     from hora.base.errors import HoraTimeoutError
     from hora.ray import RayExecutor
@@ -617,7 +621,7 @@ def _elastic_train(log_dir: str, steps: int = 30) -> list:
     return train(state)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120, method="thread")
 def test_elastic_executor_survives_a_killed_actor(cluster, tmp_path):
     from hora.ray import ElasticRayExecutor
 
@@ -658,7 +662,7 @@ def _elastic_raises() -> None:
     raise ValueError("bad batch")
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(90, method="thread")
 def test_elastic_executor_reraises_what_worker_fn_raised(cluster):
     """A worker_fn that always raises: the driver starts its slot again until the node is blacklisted, gives
     up once below min_np for elastic_timeout, and run() raises the worker's own exception."""
@@ -680,7 +684,7 @@ def _elastic_gpus() -> list:
     return [os.environ.get("CUDA_VISIBLE_DEVICES"), basics.local_rank(), [str(g) for g in ray.get_gpu_ids()]]
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(90, method="thread")
 def test_elastic_gpu_workers_see_every_gpu_of_their_node_in_local_rank_order(cluster):
     """use_gpu: each actor sees every GPU Ray gave the node's actors, its own at position local_rank()."""
     from hora.ray import ElasticRayExecutor
