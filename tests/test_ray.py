@@ -354,6 +354,32 @@ def test_ctrl_c_in_the_driver_stops_the_job(fresh):
         ex.run(_place, args=[0])
 
 
+class _Alarm(Exception):
+    pass
+
+
+def _raise_alarm(signum, frame):
+    raise _Alarm("the handler's own exception")
+
+
+@pytest.mark.timeout(120, method="thread")
+def test_a_signal_handlers_own_exception_in_the_driver_stops_the_job(fresh):
+    """A driver's signal.alarm-style timeout fires while run() waits: its own exception comes out of run() as it
+    is, and the job is stopped as for Ctrl-C (waiting in ray.wait, Ray's signal check dropped it and the driver
+    waited forever)."""
+    ex = fresh
+    pids = [p.pid for p in ex.places]
+    old = signal.signal(signal.SIGALRM, _raise_alarm)
+    try:
+        with pytest.raises(_Alarm):  # armed once rank 0 reports the collectives running
+            ex.run(_train_forever, callbacks=[lambda _v: signal.setitimer(signal.ITIMER_REAL, 0.05)])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert ex.workers == [] and ex._store is None
+    assert _gone(pids, 15), "worker processes outlived the interrupted job"
+
+
 @pytest.mark.timeout(120, method="thread")
 def test_shutdown_from_another_thread_during_run_says_so(fresh):
     ex = fresh

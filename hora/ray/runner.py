@@ -13,7 +13,10 @@ worker itself tells the others, through the store, to shut hora down (:mod:`hora
 for it in a collective under ``run_remote`` either, and the next call starts afresh on every rank. A worker
 actor that dies (killed, out of memory, its node lost) fails the call at once with a :class:`LaunchError`
 naming its rank, and the executor's other actors are stopped, since a job cannot go on without a rank; so
-does an interruption of the driver (Ctrl-C) while it waits for a call.
+does an interruption of the driver (Ctrl-C, or any exception a signal handler raises, such as a SIGALRM
+timeout's) while it waits for a call. The driver waits in Python, not in ``ray.wait``: there Python's signal
+handlers run inside Ray's own signal check, which keeps KeyboardInterrupt and SystemExit and drops any other
+exception, so the driver would go on waiting (:func:`_wait_one`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -367,7 +371,7 @@ class RayExecutor:
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            ready, pending = _wait_one(pending, left)
             if not ready:
                 break
             rank = rank_of[ready[0]]
@@ -401,6 +405,33 @@ class RayExecutor:
         self.shutdown()
         raise LaunchError(f"RayExecutor: {outcome.headline(o)}. A job cannot go on without one of its "
                           "ranks, so its other workers were stopped; call start() for a new job") from error
+
+
+def _wait_one(pending: list, timeout: float | None) -> tuple[list, list]:
+    """``ray.wait(pending, num_returns=1, timeout=timeout)``; from the main thread, on a thread of its own while
+    the main thread waits for it in Python (an interruptible lock), so that a signal handler's exception reaches
+    the caller as it is (see the module docstring). Ray's check of signals does nothing outside the main thread."""
+    import ray
+
+    if threading.current_thread() is not threading.main_thread():
+        return ray.wait(pending, num_returns=1, timeout=timeout)
+    box: list = []
+    done = threading.Event()
+
+    def wait() -> None:
+        try:
+            box.append(ray.wait(pending, num_returns=1, timeout=timeout))
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            box.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="hora-ray-wait", daemon=True).start()
+    while not done.wait(0.2):  # a signal's handler runs here (an exception from it leaves; the thread ends
+        pass  # with the actors); the timeout: _thread.interrupt_main() only marks it, with no signal to wake us
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
 
 
 def _clean(tb: str) -> str:
