@@ -274,3 +274,28 @@ def test_hora_run_in_elastic_mode_raises_the_error_every_worker_raises(monkeypat
     assert where == "before init" or "return 1 / 0" in cause, cause
     err = capfd.readouterr().err
     assert "elastic job failed: every worker of " in err and "fewer than --min-np" not in err, err[-3000:]
+
+
+def test_the_error_is_re_raised_when_the_first_workers_own_record_was_overwritten():
+    """Elastic workers that fail before init all store their record as rank 0's, the last one kept. When the
+    launcher saw the first failure (a worker whose own record is gone, and the launcher has no exception object
+    for it), hora.run still raises the user's exception, from the record that is there (seen once under load:
+    a LaunchError instead of the ZeroDivisionError)."""
+    import pickle
+    import time
+    import traceback
+
+    import cloudpickle
+
+    from hora.base.outcome import RankOutcome, from_exception
+    from hora.runner.api import collect_results
+
+    try:
+        math.floor(1 / 0)
+    except ZeroDivisionError as e:
+        body = from_exception(0, e, traceback.format_exc(), exception=cloudpickle.dumps(e), pid=2)
+    first = RankOutcome(None, host="localhost", pid=1, exit_code=1, exc_type="ZeroDivisionError",
+                        exc_message="division by zero", time=time.time() - 1, worker="1 (localhost:0)")
+    with pytest.raises(ZeroDivisionError) as info:
+        collect_results({0: pickle.dumps(("err", body))}, 1, [first])
+    assert "worker 1 (localhost:0)" in "".join(info.value.__notes__)  # the first failure is still the one named

@@ -212,6 +212,10 @@ def collect_results(results: dict[int, bytes | None], code: int, launcher: list[
         else:
             values.append(_loads(body, rank))
     root = root_cause(outcomes)
+    if root is not None and root.exception is None and root.raised is not None:
+        # the launcher's view of a process whose own record is gone (elastic workers that fail before init all
+        # store theirs as rank 0's; the last one is kept): the same error stored by another gives its exception
+        root = next((o for o in outcomes if o.exception is not None and o.raised == root.raised), root)
     if root is not None and root.raised is not None:  # a rank raised: re-raise its exception here
         exc = None
         if root.exception is not None:
