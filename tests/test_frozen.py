@@ -41,7 +41,8 @@ try:
     while True:
         hora.allreduce(np.ones(4096 if i % 2 else 2, np.float32), op=hora.Sum, name=f"loop.{i}")
         i += 1
-        if not told and i > 4 and all(w.doing for w in list(pulse._watched.values())) and pulse._watched:
+        watched = list(pulse._watched.values())  # (a copy: the pulse thread adds to it)
+        if not told and i > 4 and watched and all(w.doing for w in watched):
             # the rank this one watches has told it what its main thread does (its pulse thread, through
             # its beater): once every rank has said so, a stopped rank's watcher knows where it was
             print(f"RUNNING {r}", flush=True)

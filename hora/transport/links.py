@@ -152,9 +152,8 @@ class Links:
         start-up dial's limit; None: a later dial's (``LATE_DIAL_S``), which takes a refusal as final (the
         peer's port is open for its communicator's life: a refused rank has left, and a goodbye sent to
         every rank at shutdown must not wait seconds for each one that left first)."""
-        late = {"patient": False} if timeout is None else {}
         sock = self._connect(self.addrs[peer], peer, self.rank, self.prefix, self.secret,
-                             LATE_DIAL_S if timeout is None else timeout, chan, **late)
+                             LATE_DIAL_S if timeout is None else timeout, chan, patient=timeout is not None)
         net.tune(sock, buffers=chan == "d")
         return sock
 
